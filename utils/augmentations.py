@@ -1,0 +1,249 @@
+"""Image and box augmentations for detection training.
+
+All functions are pure with respect to global state: every random draw comes from the
+``numpy.random.Generator`` passed in, so the same seed always gives the same output.
+Images are BGR uint8 HWC arrays. Pixel boxes use edge coordinates: pixel column ``i`` spans
+``[i, i + 1)``, so a box covering columns 3..5 is ``x1=3, x2=6``.
+"""
+from __future__ import annotations
+
+import cv2
+import numpy as np
+
+from utils.boxes import xywhn2xyxy
+
+FILL_VALUE = 114  # grey used for letterbox padding, mosaic canvas and warp borders
+_FILL_BGR = (FILL_VALUE, FILL_VALUE, FILL_VALUE)
+
+
+def resize_to_long_side(
+    img: np.ndarray, imgsz: int, augment: bool = False
+) -> tuple[np.ndarray, tuple[int, int], tuple[int, int]]:
+    """Resize so the longer side is ``imgsz``; returns (img, (h0, w0), (h, w)).
+
+    INTER_AREA is used when shrinking for evaluation (best quality); INTER_LINEAR otherwise
+    because it is much faster and training augmentation hides the difference.
+    """
+    h0, w0 = img.shape[:2]
+    ratio = imgsz / max(h0, w0)
+    if ratio == 1:
+        return img, (h0, w0), (h0, w0)
+    w, h = max(1, round(w0 * ratio)), max(1, round(h0 * ratio))
+    interp = cv2.INTER_AREA if (ratio < 1 and not augment) else cv2.INTER_LINEAR
+    return cv2.resize(img, (w, h), interpolation=interp), (h0, w0), (h, w)
+
+
+def letterbox(
+    img: np.ndarray,
+    new_shape: tuple[int, int] | int = (640, 640),
+    color: tuple[int, int, int] = _FILL_BGR,
+    auto: bool = False,
+    scaleup: bool = True,
+    stride: int = 32,
+) -> tuple[np.ndarray, tuple[float, float], tuple[float, float]]:
+    """Resize keeping the aspect ratio, then pad (centred) to ``new_shape`` = (h, w).
+
+    Returns ``(img, (ratio_w, ratio_h), (pad_w, pad_h))`` such that an original pixel box maps to
+    ``x * ratio_w + pad_w``, ``y * ratio_h + pad_h``. The ratios are the exact per-axis ones of the
+    rounded resize, and the pads are the exact left and top padding (when the total padding is odd
+    the extra pixel goes right/bottom). ``auto`` pads only up to a multiple of ``stride``;
+    ``scaleup=False`` never enlarges the image.
+    """
+    if isinstance(new_shape, int):
+        new_shape = (new_shape, new_shape)
+    h0, w0 = img.shape[:2]
+    gain = min(new_shape[0] / h0, new_shape[1] / w0)
+    if not scaleup:
+        gain = min(gain, 1.0)
+    w, h = max(1, round(w0 * gain)), max(1, round(h0 * gain))
+    pad_w_total, pad_h_total = new_shape[1] - w, new_shape[0] - h
+    if auto:
+        pad_w_total, pad_h_total = pad_w_total % stride, pad_h_total % stride
+
+    if (w, h) != (w0, h0):
+        img = cv2.resize(img, (w, h), interpolation=cv2.INTER_LINEAR)
+    left, top = pad_w_total // 2, pad_h_total // 2
+    right, bottom = pad_w_total - left, pad_h_total - top
+    if pad_w_total or pad_h_total:
+        img = cv2.copyMakeBorder(img, top, bottom, left, right, cv2.BORDER_CONSTANT, value=color)
+    return img, (w / w0, h / h0), (float(left), float(top))
+
+
+def augment_hsv(
+    img: np.ndarray, rng: np.random.Generator, hgain: float = 0.5, sgain: float = 0.5, vgain: float = 0.5
+) -> np.ndarray:
+    """Multiply hue, saturation and value by random gains in ``[1 - gain, 1 + gain]``.
+
+    Modifies ``img`` (BGR uint8, 3 channels) IN PLACE and also returns it. A no-op, drawing nothing
+    from ``rng``, when all gains are 0.
+    """
+    if not (hgain or sgain or vgain):
+        return img
+    gains = rng.uniform(-1.0, 1.0, 3) * (hgain, sgain, vgain) + 1.0
+    levels = np.arange(256, dtype=np.float32)
+    # One 3-channel table lets a single cv2.LUT call do all channels (no split/merge copies).
+    table = np.empty((1, 256, 3), dtype=np.uint8)
+    table[0, :, 0] = (levels * gains[0]) % 180  # OpenCV 8-bit hue lives in [0, 180)
+    table[0, :, 1] = np.clip(levels * gains[1], 0, 255)
+    table[0, :, 2] = np.clip(levels * gains[2], 0, 255)
+    hsv = cv2.cvtColor(img, cv2.COLOR_BGR2HSV)
+    cv2.LUT(hsv, table, dst=hsv)
+    cv2.cvtColor(hsv, cv2.COLOR_HSV2BGR, dst=img)
+    return img
+
+
+def box_candidates(
+    box1: np.ndarray,
+    box2: np.ndarray,
+    wh_thr: float = 2,
+    ar_thr: float = 100,
+    area_thr: float = 0.1,
+    eps: float = 1e-16,
+) -> np.ndarray:
+    """Mask of boxes worth keeping after augmentation.
+
+    ``box1`` (before, already scaled by the augmentation's zoom) and ``box2`` (after) are xyxy
+    arrays of shape (n, 4). A box is kept when it is wider and taller than ``wh_thr`` pixels, keeps
+    more than ``area_thr`` of its area and its aspect ratio is below ``ar_thr``.
+    """
+    w1, h1 = box1[:, 2] - box1[:, 0], box1[:, 3] - box1[:, 1]
+    w2, h2 = box2[:, 2] - box2[:, 0], box2[:, 3] - box2[:, 1]
+    aspect = np.maximum(w2 / (h2 + eps), h2 / (w2 + eps))
+    return (w2 > wh_thr) & (h2 > wh_thr) & (w2 * h2 / (w1 * h1 + eps) > area_thr) & (aspect < ar_thr)
+
+
+def _translation(dx: float, dy: float) -> np.ndarray:
+    m = np.eye(3)
+    m[0, 2], m[1, 2] = dx, dy
+    return m
+
+
+def random_perspective(
+    img: np.ndarray,
+    labels: np.ndarray,
+    rng: np.random.Generator,
+    degrees: float = 10,
+    translate: float = 0.1,
+    scale: float = 0.1,
+    shear: float = 10,
+    perspective: float = 0.0,
+    border: tuple[int, int] = (0, 0),
+) -> tuple[np.ndarray, np.ndarray]:
+    """Random rotation, scale, shear, translation and perspective applied to an image and its boxes.
+
+    ``labels`` is (n, 5) = [cls, x1, y1, x2, y2] in pixels. The output image has size
+    ``(h + 2 * border[0], w + 2 * border[1])``; a negative border crops (e.g. a 2s mosaic to s).
+    Boxes become the enclosing box of their 4 warped corners, clipped to the output, and
+    degenerate ones are dropped with ``box_candidates``. Returns new arrays.
+    """
+    out_h, out_w = img.shape[0] + 2 * border[0], img.shape[1] + 2 * border[1]
+
+    # Always draw the same number of values in the same order so streams stay aligned across settings.
+    px, py = rng.uniform(-perspective, perspective, 2)
+    angle = rng.uniform(-degrees, degrees)
+    zoom = rng.uniform(1 - scale, 1 + scale)
+    shear_x, shear_y = np.tan(np.radians(rng.uniform(-shear, shear, 2)))
+    tx, ty = rng.uniform(0.5 - translate, 0.5 + translate, 2) * (out_w, out_h)
+
+    centre = _translation(-img.shape[1] / 2, -img.shape[0] / 2)
+    persp = np.eye(3)
+    persp[2, 0], persp[2, 1] = px, py
+    rot_scale = np.eye(3)
+    rot_scale[:2] = cv2.getRotationMatrix2D((0, 0), angle, zoom)
+    shear_m = np.eye(3)
+    shear_m[0, 1], shear_m[1, 0] = shear_x, shear_y
+    matrix = _translation(tx, ty) @ shear_m @ rot_scale @ persp @ centre  # acts on edge coordinates
+
+    identity = border[0] == 0 and border[1] == 0 and np.allclose(matrix, np.eye(3))
+    if not identity:
+        # cv2 samples at pixel centres (pixel i sits at i, not i + 0.5): shift so that boxes in edge
+        # coordinates and the warped pixels stay exactly aligned, even under zoom.
+        pixel_matrix = _translation(-0.5, -0.5) @ matrix @ _translation(0.5, 0.5)
+        if perspective:
+            img = cv2.warpPerspective(img, pixel_matrix, (out_w, out_h), borderValue=_FILL_BGR)
+        else:
+            img = cv2.warpAffine(img, pixel_matrix[:2], (out_w, out_h), borderValue=_FILL_BGR)
+
+    n = len(labels)
+    if n == 0:
+        return img, labels.copy()
+    corners = np.ones((n * 4, 3))
+    corners[:, :2] = labels[:, [1, 2, 3, 4, 1, 4, 3, 2]].reshape(n * 4, 2)  # the 4 corners of each box
+    corners = corners @ matrix.T
+    xy = corners[:, :2] / corners[:, 2:3] if perspective else corners[:, :2]
+    xy = xy.reshape(n, 4, 2)
+    boxes = np.concatenate((xy.min(1), xy.max(1)), axis=1)
+    boxes[:, [0, 2]] = boxes[:, [0, 2]].clip(0, out_w)
+    boxes[:, [1, 3]] = boxes[:, [1, 3]].clip(0, out_h)
+
+    keep = box_candidates(labels[:, 1:5] * zoom, boxes)
+    out = labels[keep].copy()
+    out[:, 1:5] = boxes[keep]
+    return img, out
+
+
+def mosaic4(
+    images: list[np.ndarray], labels: list[np.ndarray], imgsz: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """Tile 4 images around a random centre of a ``2 * imgsz`` square canvas filled with grey.
+
+    ``images`` are BGR uint8 with long side ``imgsz``; ``labels`` are (n, 5) [cls, x, y, w, h]
+    normalised to their own image. Image k touches the centre with its bottom-right, bottom-left,
+    top-right and top-left corner respectively. Returns the canvas and (n, 5) [cls, x1, y1, x2, y2]
+    labels in canvas pixels, clipped to the canvas.
+    """
+    if len(images) != 4 or len(labels) != 4:
+        raise ValueError(f"mosaic4 needs 4 images and 4 label arrays, got {len(images)} and {len(labels)}")
+    size = 2 * imgsz
+    canvas = np.full((size, size, images[0].shape[2]), FILL_VALUE, dtype=np.uint8)
+    xc, yc = (int(v) for v in rng.uniform(0.5 * imgsz, 1.5 * imgsz, 2))
+
+    placed = []
+    for k, (img, lab) in enumerate(zip(images, labels)):
+        h, w = img.shape[:2]
+        # Top-left corner of the whole image on the canvas; it may lie outside the canvas.
+        left = xc - w if k in (0, 2) else xc
+        top = yc - h if k in (0, 1) else yc
+        x1, y1 = max(left, 0), max(top, 0)
+        x2, y2 = min(left + w, size), min(top + h, size)
+        canvas[y1:y2, x1:x2] = img[y1 - top : y2 - top, x1 - left : x2 - left]
+        if len(lab):
+            boxes = np.asarray(lab, dtype=np.float32).copy()
+            boxes[:, 1:] = xywhn2xyxy(boxes[:, 1:], w, h, left, top)
+            placed.append(boxes)
+
+    out = np.concatenate(placed, 0) if placed else np.zeros((0, 5), dtype=np.float32)
+    out[:, 1:] = out[:, 1:].clip(0, size)
+    return canvas, out
+
+
+def mixup(
+    img1: np.ndarray, labels1: np.ndarray, img2: np.ndarray, labels2: np.ndarray, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """Blend two same-sized images with a Beta(32, 32) ratio and keep the labels of both."""
+    if img1.shape != img2.shape:
+        raise ValueError(f"mixup needs images of the same shape, got {img1.shape} and {img2.shape}")
+    ratio = float(rng.beta(32.0, 32.0))
+    img = cv2.addWeighted(img1, ratio, img2, 1.0 - ratio, 0.0)
+    return img, np.concatenate((labels1, labels2), 0)
+
+
+def random_flips(
+    img: np.ndarray, labels: np.ndarray, rng: np.random.Generator, flipud: float = 0.0, fliplr: float = 0.5
+) -> tuple[np.ndarray, np.ndarray]:
+    """Flip up-down with probability ``flipud`` and left-right with probability ``fliplr``.
+
+    ``labels`` are (n, 5) normalised [cls, x, y, w, h]. Returns a contiguous image (the input when
+    nothing flips) and a new label array.
+    """
+    draw_ud, draw_lr = rng.random(2)  # always two draws so the stream does not depend on the settings
+    up_down, left_right = draw_ud < flipud, draw_lr < fliplr
+    labels = labels.copy()
+    if up_down:
+        labels[:, 2] = 1 - labels[:, 2]
+    if left_right:
+        labels[:, 1] = 1 - labels[:, 1]
+    if up_down or left_right:
+        # cv2 flip codes: 0 = around the x axis, 1 = around the y axis, -1 = both in one pass
+        img = cv2.flip(img, -1 if (up_down and left_right) else int(left_right))
+    return img, labels
