@@ -1,0 +1,87 @@
+"""Building blocks of the YOLOv5 family: Conv (Conv2d + BN + SiLU), Bottleneck, C3, SPPF, Concat."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+def same_padding(kernel: int | list[int], padding: int | None = None, dilation: int = 1) -> int | list[int]:
+    """Padding that keeps the spatial size for stride 1 ('same'), unless given explicitly."""
+    if padding is not None:
+        return padding
+    if dilation > 1:
+        kernel = dilation * (kernel - 1) + 1 if isinstance(kernel, int) else [dilation * (k - 1) + 1 for k in kernel]
+    return kernel // 2 if isinstance(kernel, int) else [k // 2 for k in kernel]
+
+
+class Conv(nn.Module):
+    """Conv2d without bias, BatchNorm, SiLU. After ``Model.fuse()`` the BN is folded into the conv."""
+
+    def __init__(self, c1: int, c2: int, k: int = 1, s: int = 1, p: int | None = None, g: int = 1, d: int = 1,
+                 act: bool = True):
+        super().__init__()
+        self.conv = nn.Conv2d(c1, c2, k, s, same_padding(k, p, d), groups=g, dilation=d, bias=False)
+        # BN settings of the published YOLOv5 models (eps 1e-3, momentum 0.03).
+        self.bn = nn.BatchNorm2d(c2, eps=1e-3, momentum=0.03)
+        self.act = nn.SiLU(inplace=True) if act else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.bn(self.conv(x)))
+
+
+class Bottleneck(nn.Module):
+    """1x1 then 3x3 conv, with a residual connection when the shapes allow it."""
+
+    def __init__(self, c1: int, c2: int, shortcut: bool = True, g: int = 1, e: float = 0.5):
+        super().__init__()
+        hidden = int(c2 * e)
+        self.cv1 = Conv(c1, hidden, 1, 1)
+        self.cv2 = Conv(hidden, c2, 3, 1, g=g)
+        self.add = shortcut and c1 == c2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.cv2(self.cv1(x))
+        return x + y if self.add else y
+
+
+class C3(nn.Module):
+    """CSP block: a stack of Bottlenecks on one half of the channels, concatenated with a 1x1 shortcut."""
+
+    def __init__(self, c1: int, c2: int, n: int = 1, shortcut: bool = True, g: int = 1, e: float = 0.5):
+        super().__init__()
+        hidden = int(c2 * e)
+        self.cv1 = Conv(c1, hidden, 1, 1)
+        self.cv2 = Conv(c1, hidden, 1, 1)
+        self.cv3 = Conv(2 * hidden, c2, 1)
+        self.m = nn.Sequential(*(Bottleneck(hidden, hidden, shortcut, g, e=1.0) for _ in range(n)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.cv3(torch.cat((self.m(self.cv1(x)), self.cv2(x)), 1))
+
+
+class SPPF(nn.Module):
+    """Spatial pyramid pooling, fast: three chained max-pools concatenated with their input."""
+
+    def __init__(self, c1: int, c2: int, k: int = 5):
+        super().__init__()
+        hidden = c1 // 2
+        self.cv1 = Conv(c1, hidden, 1, 1)
+        self.cv2 = Conv(hidden * 4, c2, 1, 1)
+        self.m = nn.MaxPool2d(kernel_size=k, stride=1, padding=k // 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.cv1(x)
+        y1 = self.m(x)
+        y2 = self.m(y1)
+        return self.cv2(torch.cat((x, y1, y2, self.m(y2)), 1))
+
+
+class Concat(nn.Module):
+    """Concatenate a list of tensors along ``dimension``."""
+
+    def __init__(self, dimension: int = 1):
+        super().__init__()
+        self.d = dimension
+
+    def forward(self, x: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(x, self.d)

@@ -1,0 +1,254 @@
+"""YOLOv5-family detectors built from a YAML description, through an explicit registry of blocks."""
+from __future__ import annotations
+
+import argparse
+import math
+from copy import deepcopy
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import yaml
+
+from models.common import C3, SPPF, Bottleneck, Concat, Conv
+from utils.errors import UserError
+from utils.log import LOGGER
+from utils.torch_utils import fuse_conv_and_bn, model_info
+
+
+class Detect(nn.Module):
+    """Detection head: a 1x1 conv per level predicting (x, y, w, h, obj, classes) for each anchor."""
+
+    def __init__(self, nc: int = 80, anchors: list | tuple = (), ch: list[int] | tuple[int, ...] = ()):
+        super().__init__()
+        self.nc = nc
+        self.no = nc + 5
+        self.nl = len(anchors)
+        self.na = len(anchors[0]) // 2
+        # Anchors in pixels until Model divides them by the strides; registered so they move with .to() and
+        # are saved and broadcast with the weights.
+        self.register_buffer("anchors", torch.tensor(anchors, dtype=torch.float32).view(self.nl, -1, 2))
+        self.register_buffer("stride", torch.zeros(self.nl))
+        self.m = nn.ModuleList(nn.Conv2d(c, self.no * self.na, 1) for c in ch)
+        self._grid_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def forward(self, x: list[torch.Tensor]) -> list[torch.Tensor] | tuple[torch.Tensor, list[torch.Tensor]]:
+        outputs = []
+        for i in range(self.nl):
+            bs, _, ny, nx = x[i].shape
+            outputs.append(self.m[i](x[i]).view(bs, self.na, self.no, ny, nx).permute(0, 1, 3, 4, 2).contiguous())
+        if self.training:
+            return outputs
+        decoded = [self._decode(i, p) for i, p in enumerate(outputs)]
+        return torch.cat(decoded, 1), outputs
+
+    def _decode(self, level: int, p: torch.Tensor) -> torch.Tensor:
+        bs, _, ny, nx, _ = p.shape
+        grid, anchor_grid = self._grids(level, nx, ny, p.device, p.dtype)
+        y = p.sigmoid()
+        xy = (y[..., :2] * 2 + grid) * self.stride[level]
+        wh = (y[..., 2:4] * 2) ** 2 * anchor_grid
+        return torch.cat((xy, wh, y[..., 4:]), -1).view(bs, -1, self.no)
+
+    def _grids(self, level: int, nx: int, ny: int, device: torch.device, dtype: torch.dtype):
+        key = (level, nx, ny, device, dtype, self.anchors.data_ptr(), float(self.anchors[level].sum()))
+        if key not in self._grid_cache:
+            ys, xs = torch.meshgrid(torch.arange(ny, device=device, dtype=dtype),
+                                    torch.arange(nx, device=device, dtype=dtype), indexing="ij")
+            grid = torch.stack((xs, ys), 2).view(1, 1, ny, nx, 2) - 0.5
+            anchor_grid = (self.anchors[level] * self.stride[level]).view(1, self.na, 1, 1, 2).to(dtype)
+            self._grid_cache = {k: v for k, v in self._grid_cache.items() if k[0] != level}
+            self._grid_cache[key] = (grid, anchor_grid)
+        return self._grid_cache[key]
+
+
+# Names a model YAML may use for its blocks. YAMLs are data: they are never passed to eval/exec.
+MODULES: dict[str, type[nn.Module]] = {
+    "Conv": Conv,
+    "Bottleneck": Bottleneck,
+    "C3": C3,
+    "SPPF": SPPF,
+    "Concat": Concat,
+    "Detect": Detect,
+    "Upsample": nn.Upsample,
+    "nn.Upsample": nn.Upsample,
+    "BatchNorm2d": nn.BatchNorm2d,
+    "nn.BatchNorm2d": nn.BatchNorm2d,
+}
+_CHANNEL_BLOCKS = (Conv, Bottleneck, C3, SPPF)
+_REPEATED_INSIDE = (C3,)  # blocks that take the repeat count as an argument
+
+
+def make_divisible(x: float, divisor: int = 8) -> int:
+    return int(math.ceil(x / divisor) * divisor)
+
+
+def _resolve_arg(arg: Any, nc: int, anchors: Any) -> Any:
+    """Resolve the symbolic names a YAML argument may use, without evaluating anything."""
+    if isinstance(arg, str):
+        symbols = {"nc": nc, "anchors": anchors, "None": None, "True": True, "False": False}
+        return symbols.get(arg, arg)
+    return arg
+
+
+def parse_model(cfg: dict, ch: int) -> tuple[nn.Sequential, list[int]]:
+    """Build the layers described by ``cfg`` and the sorted indices of the outputs later layers reuse."""
+    nc, anchors = cfg["nc"], cfg["anchors"]
+    depth, width = cfg.get("depth_multiple", 1.0), cfg.get("width_multiple", 1.0)
+    na = (len(anchors[0]) // 2) if isinstance(anchors, list) else anchors
+    no = na * (nc + 5)
+
+    channels = [ch]
+    layers, save = [], []
+    LOGGER.debug(f"{'':>3}{'from':>18}{'n':>3}{'params':>10}  {'module':<24}{'arguments':<30}")
+    for i, (source, repeats, name, args) in enumerate(cfg["backbone"] + cfg["head"]):
+        if name not in MODULES:
+            raise UserError(f"model YAML layer {i}: unknown module '{name}'; known modules: {', '.join(MODULES)}")
+        block = MODULES[name]
+        args = [_resolve_arg(a, nc, anchors) for a in args]
+        repeats = max(round(repeats * depth), 1) if repeats > 1 else repeats
+
+        if block in _CHANNEL_BLOCKS:
+            c_in, c_out = channels[source], args[0]
+            if c_out != no:
+                c_out = make_divisible(c_out * width, 8)
+            args = [c_in, c_out, *args[1:]]
+            if block in _REPEATED_INSIDE:
+                args.insert(2, repeats)
+                repeats = 1
+        elif block is nn.BatchNorm2d:
+            args = [channels[source]]
+            c_out = channels[source]
+        elif block is Concat:
+            c_out = sum(channels[s] for s in source)
+        elif block is Detect:
+            args.append([channels[s] for s in source])
+            if isinstance(args[1], int):  # a number of anchors per level instead of their sizes
+                args[1] = [list(range(args[1] * 2))] * len(source)
+            c_out = channels[source[-1]]
+        else:
+            c_out = channels[source]
+
+        module = nn.Sequential(*(block(*args) for _ in range(repeats))) if repeats > 1 else block(*args)
+        module.layer_index, module.source = i, source  # used by Model.forward to route inputs
+        n_params = sum(p.numel() for p in module.parameters())
+        LOGGER.debug(f"{i:>3}{str(source):>18}{repeats:>3}{n_params:10.0f}  {name:<24}{str(args):<30}")
+        save.extend(s % i for s in ([source] if isinstance(source, int) else source) if s != -1)
+        layers.append(module)
+        if i == 0:
+            channels = []
+        channels.append(c_out)
+    return nn.Sequential(*layers), sorted(set(save))
+
+
+def load_model_config(cfg: str | Path | dict) -> dict:
+    """A model config as a dict, from a dict or a YAML path (safe loader)."""
+    if isinstance(cfg, dict):
+        return deepcopy(cfg)
+    path = Path(cfg)
+    if not path.exists() and (Path(__file__).parent / path.name).exists():
+        path = Path(__file__).parent / path.name  # e.g. 'yolov5n.yaml' without the folder
+    if not path.exists():
+        raise UserError(f"{cfg}: model config not found")
+    try:
+        config = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise UserError(f"{path}: not valid YAML ({e.__class__.__name__})") from e
+    missing = [k for k in ("nc", "anchors", "backbone", "head") if not isinstance(config, dict) or k not in config]
+    if missing:
+        raise UserError(f"{path}: model config lacks {', '.join(missing)}")
+    config["yaml_file"] = path.name
+    return config
+
+
+class Model(nn.Module):
+    """A detector whose layers come from a YAML config; the last layer is the Detect head."""
+
+    def __init__(self, cfg: str | Path | dict = "yolov5s.yaml", ch: int = 3, nc: int | None = None, anchors=None):
+        super().__init__()
+        self.yaml = load_model_config(cfg)
+        ch = self.yaml["ch"] = self.yaml.get("ch", ch)
+        if nc is not None and nc != self.yaml["nc"]:
+            LOGGER.info(f"Overriding model YAML nc={self.yaml['nc']} with nc={nc}")
+            self.yaml["nc"] = nc
+        if anchors is not None:
+            LOGGER.info(f"Overriding model YAML anchors with anchors={anchors}")
+            self.yaml["anchors"] = round(anchors) if isinstance(anchors, float) else anchors
+        self.model, self.save = parse_model(self.yaml, ch)
+        self.nc = self.yaml["nc"]
+        self.names = [str(i) for i in range(self.nc)]
+
+        detect = self.model[-1]
+        if not isinstance(detect, Detect):
+            raise UserError(f"{self.yaml.get('yaml_file', 'model config')}: the last layer must be Detect")
+        probe_size = 256
+        with torch.no_grad():
+            outputs = self.forward(torch.zeros(1, ch, probe_size, probe_size))
+        detect.stride.copy_(torch.tensor([probe_size / o.shape[-2] for o in outputs]))
+        detect.anchors /= detect.stride.view(-1, 1, 1)
+        _check_anchor_order(detect)
+        self._initialize_weights()
+        self._initialize_detect_biases()
+
+    def forward(self, x: torch.Tensor):
+        cache: list[torch.Tensor | None] = []
+        for module in self.model:
+            if module.source != -1:
+                src = module.source
+                x = cache[src] if isinstance(src, int) else [x if j == -1 else cache[j] for j in src]
+            x = module(x)
+            cache.append(x if module.layer_index in self.save else None)
+        return x
+
+    def _initialize_weights(self) -> None:
+        for m in self.modules():
+            if isinstance(m, (nn.Hardswish, nn.LeakyReLU, nn.ReLU, nn.ReLU6, nn.SiLU)):
+                m.inplace = True
+
+    def _initialize_detect_biases(self) -> None:
+        """Start objectness near 8 objects per 640 image and classes near 0.6 / nc, so early losses are sane."""
+        detect = self.model[-1]
+        for conv, s in zip(detect.m, detect.stride):
+            b = conv.bias.view(detect.na, -1)
+            with torch.no_grad():
+                b[:, 4] += math.log(8 / (640 / float(s)) ** 2)
+                b[:, 5:5 + detect.nc] += math.log(0.6 / (detect.nc - 0.99999))
+
+    def fuse(self) -> "Model":
+        """Fold every BatchNorm into its convolution (for inference)."""
+        for m in self.modules():
+            if isinstance(m, Conv) and isinstance(m.bn, nn.BatchNorm2d):
+                m.conv = fuse_conv_and_bn(m.conv, m.bn)
+                m.bn = nn.Identity()
+        return self
+
+    def info(self, imgsz: int = 640) -> str:
+        return model_info(self, imgsz)
+
+    @property
+    def stride(self) -> torch.Tensor:
+        return self.model[-1].stride
+
+
+def _check_anchor_order(detect: Detect) -> None:
+    """Anchors must grow with the stride; flip them if a config lists them the other way round."""
+    area = detect.anchors.prod(-1).mean(-1).view(-1)
+    if (area[-1] - area[0]).sign() != (detect.stride[-1] - detect.stride[0]).sign():
+        LOGGER.info("Reversing anchor order to match the strides")
+        detect.anchors[:] = detect.anchors.flip(0)
+
+
+def main() -> None:
+    from utils.log import setup_logging
+
+    parser = argparse.ArgumentParser(description="Build a model from its YAML and print a summary")
+    parser.add_argument("--cfg", default="yolov5s.yaml")
+    parser.add_argument("--imgsz", type=int, default=640)
+    opt = parser.parse_args()
+    setup_logging()
+    Model(opt.cfg).info(opt.imgsz)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+from models.yolo import Model
+from utils.distributed import dist_info
+from utils.errors import UserError
+from utils.torch_utils import (
+    ModelEMA,
+    build_optimizer,
+    init_torch_seeds,
+    select_device,
+    time_synchronized,
+    torch_distributed_zero_first,
+)
+
+
+def test_select_device_cpu_and_default(monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+    assert select_device("cpu").type == "cpu"
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert select_device("").type == expected
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_select_device_missing_cuda_names_what_is_available(monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(UserError, match=r"0,1.*0 CUDA device\(s\) are available"):
+        select_device("0,1")
+    with pytest.raises(UserError, match="not valid"):
+        select_device("gpu")
+
+
+def test_select_device_batch_must_divide_by_device_count(monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    with pytest.raises(UserError, match="multiple of the number of devices"):
+        select_device("0,1,2,3", batch_size=6)
+
+
+def test_init_torch_seeds_repeats_random_streams() -> None:
+    init_torch_seeds(7, deterministic=True)
+    a = torch.rand(3)
+    init_torch_seeds(7, deterministic=True)
+    assert torch.equal(a, torch.rand(3))
+    torch.use_deterministic_algorithms(False)
+
+
+def test_time_synchronized_moves_forward() -> None:
+    t0 = time_synchronized()
+    assert time_synchronized() >= t0
+
+
+def test_optimizer_groups_keep_decay_off_norms_and_biases() -> None:
+    model = Model("models/yolov5n.yaml", nc=2)
+    opt = build_optimizer(model, "SGD", lr=0.01, momentum=0.9, decay=5e-4)
+    biases, weights, norms = opt.param_groups
+    assert biases["weight_decay"] == 0 and norms["weight_decay"] == 0 and weights["weight_decay"] == 5e-4
+    n_bn = sum(1 for m in model.modules() if isinstance(m, nn.BatchNorm2d))
+    assert len(norms["params"]) == n_bn
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
+    assert isinstance(build_optimizer(model, "AdamW"), torch.optim.AdamW)
+    with pytest.raises(UserError):
+        build_optimizer(model, "Lion")
+
+
+def test_model_ema_ramps_decay_and_tracks_weights() -> None:
+    model = nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(0.0)
+    ema = ModelEMA(model, decay=0.9, tau=1.0)
+    assert ema.decay() == 0.0
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    ema.update(model)  # the first update uses decay 0.9 * (1 - e^-1)
+    d = 0.9 * (1 - torch.exp(torch.tensor(-1.0)))
+    assert ema.updates == 1
+    assert torch.allclose(ema.ema.weight, torch.full((1, 2), float(1 - d)), atol=1e-6)
+    for _ in range(200):
+        ema.update(model)
+    assert torch.allclose(ema.ema.weight, torch.ones(1, 2), atol=1e-4)
+    assert ema.decay() == pytest.approx(0.9, abs=1e-6)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _zero_first_worker(rank: int, port: int, log_file: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2")
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    info = dist_info()
+    events = []
+    with torch_distributed_zero_first(info.local_rank):
+        events.append(("enter", time.time()))
+        if rank == 0:
+            time.sleep(1.5)  # rank 1 must not enter while rank 0 is in here
+        events.append(("leave", time.time()))
+    with open(f"{log_file}.{rank}", "w") as f:
+        json.dump(events, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_zero_first_makes_rank_1_wait_for_rank_0(tmp_path) -> None:
+    log_file = str(tmp_path / "events")
+    mp.spawn(_zero_first_worker, args=(_free_port(), log_file), nprocs=2, join=True)
+    rank0 = dict(json.load(open(f"{log_file}.0")))
+    rank1 = dict(json.load(open(f"{log_file}.1")))
+    assert rank1["enter"] >= rank0["leave"]
+    assert rank1["enter"] - rank0["enter"] >= 1.4
+
+
+def test_zero_first_is_a_no_op_without_distribution() -> None:
+    ran = []
+    with torch_distributed_zero_first(-1):
+        ran.append(True)
+    assert ran == [True]
