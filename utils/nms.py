@@ -1,0 +1,70 @@
+"""Non-maximum suppression of the model's decoded predictions."""
+from __future__ import annotations
+
+import torch
+import torchvision
+
+from utils.boxes import xywh2xyxy
+
+# Cap on the boxes one image sends to NMS: an untrained model can put tens of thousands of boxes over the
+# threshold, and NMS cost grows quadratically within a class.
+MAX_NMS_CANDIDATES = 30000
+
+
+def non_max_suppression(
+    prediction: torch.Tensor,
+    conf_thres: float = 0.25,
+    iou_thres: float = 0.45,
+    classes: list[int] | None = None,
+    agnostic: bool = False,
+    multi_label: bool = False,
+    max_det: int = 300,
+    max_nms: int = MAX_NMS_CANDIDATES,
+) -> list[torch.Tensor]:
+    """Filter raw predictions (bs, N, 5 + nc) = [x, y, w, h, obj, cls...] into detections per image.
+
+    Returns one float tensor (n, 6) = [x1, y1, x2, y2, conf, cls] per image, highest confidence first, with
+    conf = objectness * class score. ``multi_label`` keeps every class whose score passes the threshold
+    (one row each); otherwise only the best class of a box. ``agnostic`` suppresses across classes;
+    ``classes`` keeps only those class indices.
+    """
+    if not 0 <= conf_thres <= 1:
+        raise ValueError(f"conf_thres must be in [0, 1], got {conf_thres}")
+    if not 0 <= iou_thres <= 1:
+        raise ValueError(f"iou_thres must be in [0, 1], got {iou_thres}")
+    if isinstance(prediction, (list, tuple)):  # an eval forward's (pred, raw)
+        prediction = prediction[0]
+
+    device = prediction.device
+    class_filter = torch.tensor(classes, device=device) if classes is not None else None
+    # conf = obj * cls <= obj, so a box whose objectness fails the threshold can never pass it
+    has_candidates = prediction[..., 4] > conf_thres
+    output: list[torch.Tensor] = []
+    for image_pred, keep_mask in zip(prediction, has_candidates):
+        x = image_pred[keep_mask]
+        if x.shape[0] == 0:
+            output.append(torch.zeros((0, 6), device=device, dtype=prediction.dtype))
+            continue
+        scores = x[:, 5:] * x[:, 4:5]
+        boxes = xywh2xyxy(x[:, :4])
+        if multi_label:
+            box_index, cls_index = (scores > conf_thres).nonzero(as_tuple=True)
+            det = torch.cat(
+                (boxes[box_index], scores[box_index, cls_index, None], cls_index[:, None].to(x.dtype)), 1
+            )
+        else:
+            conf, cls_index = scores.max(1, keepdim=True)
+            det = torch.cat((boxes, conf, cls_index.to(x.dtype)), 1)[conf.view(-1) > conf_thres]
+        if class_filter is not None:
+            det = det[(det[:, 5:6] == class_filter).any(1)]
+        if det.shape[0] == 0:
+            output.append(torch.zeros((0, 6), device=device, dtype=prediction.dtype))
+            continue
+        if det.shape[0] > max_nms:
+            det = det[det[:, 4].topk(max_nms).indices]
+
+        group = torch.zeros_like(det[:, 5]) if agnostic else det[:, 5]
+        # NMS in float32: half-precision IoU is too coarse near the threshold
+        keep = torchvision.ops.batched_nms(det[:, :4].float(), det[:, 4].float(), group, iou_thres)
+        output.append(det[keep[:max_det]])
+    return output
