@@ -1,0 +1,267 @@
+"""The detection dataset: verified images and labels, optional image cache, reproducible augmentation.
+
+Every random draw for a sample comes from ``np.random.default_rng([seed, epoch, index])``, so a sample
+depends only on (seed, epoch, index): not on the worker, the rank, or what was loaded before.
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from utils.augmentations import (augment_hsv, letterbox, mixup, mosaic4, random_flips, random_perspective,
+                                 resize_to_long_side)
+from utils.boxes import xywhn2xyxy, xyxy2xywhn
+from utils.data_config import list_image_files
+from utils.errors import UserError
+from utils.image_io import read_image
+from utils.label_cache import load_label_set
+from utils.log import LOGGER
+
+CACHE_MODES = (None, "ram", "disk")
+MEMORY_HEADROOM = 1.5  # the RAM cache must fit this many times over in the available memory
+DEFAULT_HYP = {"hsv_h": 0.015, "hsv_s": 0.7, "hsv_v": 0.4, "degrees": 0.0, "translate": 0.1, "scale": 0.5,
+               "shear": 0.0, "perspective": 0.0, "flipud": 0.0, "fliplr": 0.5, "mosaic": 1.0, "mixup": 0.0}
+
+
+def available_memory_bytes() -> int:
+    """Memory available to new allocations (MemAvailable of /proc/meminfo, else free physical pages)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def rect_batch_shapes(shapes_wh: np.ndarray, batch_size: int, imgsz: int, stride: int, pad: float) -> np.ndarray:
+    """(h, w) letterbox shape per batch of aspect-sorted images: multiples of ``stride`` fitting each batch."""
+    n = len(shapes_wh)
+    n_batches = math.ceil(n / batch_size)
+    aspect = shapes_wh[:, 1] / shapes_wh[:, 0]  # h / w
+    out = np.ones((n_batches, 2))
+    for b in range(n_batches):
+        ar = aspect[b * batch_size : (b + 1) * batch_size]
+        lo, hi = ar.min(), ar.max()
+        if hi < 1:  # all wide: height shrinks
+            out[b] = (hi, 1)
+        elif lo > 1:  # all tall: width shrinks
+            out[b] = (1, 1 / lo)
+    return (np.ceil(out * imgsz / stride + pad) * stride).astype(int)
+
+
+def _atomic_save_npy(path: Path, array: np.ndarray) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, array, allow_pickle=False)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class YoloDataset(Dataset):
+    """Images and labels of one split, returning ``(img uint8 3xHxW RGB, targets (n, 6), path, shapes)``.
+
+    ``__getitem__`` takes an ``(epoch, index)`` pair (what ShardedSampler yields) or a plain index
+    (epoch 0). Training (``augment``) uses mosaic with probability ``hyp['mosaic']`` then
+    random_perspective, mixup, HSV and flips; other training samples are letterboxed then warped.
+    Without ``augment`` images are only letterboxed, to per-batch rectangles when ``rect``.
+    From ``close_mosaic_epoch`` on, no mosaic and no mixup.
+
+    ``cache='ram'`` keeps the decoded, resized images in memory; ``cache='disk'`` saves decoded images
+    as ``.npy`` beside the originals. When the estimate does not fit (memory or disk), a warning is
+    logged and the dataset runs without that cache: a speed option never stops a run.
+    """
+
+    def __init__(self, path: str | list[str], imgsz: int = 640, batch_size: int = 16, augment: bool = False,
+                 hyp: dict[str, Any] | None = None, rect: bool = False, cache: str | None = None,
+                 single_cls: bool = False, stride: int = 32, pad: float = 0.0, nc: int | None = None,
+                 seed: int = 0, close_mosaic_epoch: int | None = None, local_rank: int = -1,
+                 workers: int = 8, prefix: str = ""):
+        if cache not in CACHE_MODES:
+            raise UserError(f"--cache {cache!r}: expected 'ram', 'disk' or nothing")
+        self.imgsz, self.augment, self.rect, self.stride, self.pad = imgsz, augment, rect, stride, pad
+        self.hyp = {**DEFAULT_HYP, **(hyp or {})}
+        self.seed, self.close_mosaic_epoch, self.prefix = seed, close_mosaic_epoch, prefix
+
+        im_files = list_image_files(path)
+        source = path if isinstance(path, (str, list)) else str(path)
+        label_set = load_label_set(im_files, nc=nc, local_rank=local_rank, workers=workers, prefix=prefix,
+                                   source=source)
+        self.label_counts = label_set.counts
+        self.cache_file = label_set.cache_file
+        self.im_files: list[str] = label_set.im_files
+        self.label_files: list[str] = label_set.label_files
+        self.labels: list[np.ndarray] = label_set.labels
+        if single_cls:
+            for lb in self.labels:
+                lb[:, 0] = 0
+        self.shapes: np.ndarray = label_set.shapes  # (N, 2) original (w, h)
+        self.n = len(self.im_files)
+        self.batch_shapes: np.ndarray | None = None
+        self.batch_index = np.arange(self.n) // max(1, batch_size)
+        if rect:
+            order = np.argsort(self.shapes[:, 1] / self.shapes[:, 0], kind="stable")
+            self.im_files = [self.im_files[i] for i in order]
+            self.label_files = [self.label_files[i] for i in order]
+            self.labels = [self.labels[i] for i in order]
+            self.shapes = self.shapes[order]
+            self.batch_shapes = rect_batch_shapes(self.shapes, batch_size, imgsz, stride, pad)
+
+        self.cache = cache
+        self.ram_images: list[np.ndarray | None] = [None] * self.n
+        self.npy_files = [Path(f).with_suffix(".npy") for f in self.im_files]
+        if cache:
+            self._fill_cache(cache, workers)
+
+    # ----- images ---------------------------------------------------------------------------------
+    def _resized_bytes(self) -> int:
+        ratio = self.imgsz / self.shapes.max(1)
+        return int((np.round(self.shapes[:, 0] * ratio) * np.round(self.shapes[:, 1] * ratio) * 3).sum())
+
+    def _fill_cache(self, mode: str, workers: int) -> None:
+        gib = 1 << 30
+        if mode == "ram":
+            need, have = self._resized_bytes(), available_memory_bytes()
+            if need * MEMORY_HEADROOM > have:
+                LOGGER.warning(f"{self.prefix}WARNING --cache ram needs {need / gib:.1f} GiB (x{MEMORY_HEADROOM} "
+                               f"headroom) but {have / gib:.1f} GiB is available: not caching images")
+                self.cache = None
+                return
+        else:
+            need = int((self.shapes.prod(1) * 3 + 128).sum())
+            have = shutil.disk_usage(Path(self.im_files[0]).parent).free
+            if need > have:
+                LOGGER.warning(f"{self.prefix}WARNING --cache disk needs {need / gib:.1f} GiB but "
+                               f"{have / gib:.1f} GiB is free: not caching images")
+                self.cache = None
+                return
+        fill = self._cache_one_ram if mode == "ram" else self._cache_one_disk
+        threads = max(1, min(8, workers, os.cpu_count() or 1))
+        with ThreadPoolExecutor(threads) as pool:  # cv2 decoding releases the GIL
+            list(pool.map(fill, range(self.n)))
+        LOGGER.info(f"{self.prefix}Cached {self.n} images ({need / gib:.2f} GiB, {mode})")
+
+    def _cache_one_ram(self, i: int) -> None:
+        img = self._decode(i)
+        self.ram_images[i] = resize_to_long_side(img, self.imgsz, self.augment)[0]
+
+    def _cache_one_disk(self, i: int) -> None:
+        npy, src = self.npy_files[i], self.im_files[i]
+        if npy.is_file() and npy.stat().st_mtime_ns >= os.stat(src).st_mtime_ns:
+            return
+        try:
+            _atomic_save_npy(npy, self._read_original(i))
+        except OSError as e:
+            LOGGER.warning(f"{self.prefix}WARNING {npy}: cannot write disk cache ({e})")
+
+    def _read_original(self, i: int) -> np.ndarray:
+        img = read_image(self.im_files[i])
+        if img is None:  # verified earlier, so the file changed or broke since: keep training going
+            LOGGER.warning(f"{self.prefix}WARNING {self.im_files[i]}: cannot decode image, using a grey image")
+            w, h = (int(v) for v in self.shapes[i])
+            img = np.full((h, w, 3), 114, np.uint8)
+        return img
+
+    def _decode(self, i: int) -> np.ndarray:
+        if self.cache == "disk" and self.npy_files[i].is_file():
+            try:
+                return np.load(self.npy_files[i], allow_pickle=False)
+            except (OSError, ValueError):
+                pass  # a damaged .npy: fall back to the image itself
+        return self._read_original(i)
+
+    def load_image(self, i: int) -> tuple[np.ndarray, tuple[int, int], tuple[int, int]]:
+        """Image ``i`` resized to long side imgsz (shared with the RAM cache: do not modify in place)."""
+        cached = self.ram_images[i]
+        if cached is not None:
+            h0, w0 = int(self.shapes[i][1]), int(self.shapes[i][0])
+            return cached, (h0, w0), cached.shape[:2]
+        return resize_to_long_side(self._decode(i), self.imgsz, self.augment)
+
+    # ----- samples --------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.n
+
+    def mosaic_enabled(self, epoch: int) -> bool:
+        return self.close_mosaic_epoch is None or epoch < self.close_mosaic_epoch
+
+    def _mosaic(self, index: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """A 4-image mosaic warped to imgsz x imgsz; labels [cls, x1, y1, x2, y2] in pixels."""
+        indices = [index, *rng.integers(0, self.n, 3).tolist()]
+        images = [self.load_image(i)[0] for i in indices]
+        img, labels = mosaic4(images, [self.labels[i] for i in indices], self.imgsz, rng)
+        h = self.hyp
+        border = (-self.imgsz // 2, -self.imgsz // 2)
+        return random_perspective(img, labels, rng, h["degrees"], h["translate"], h["scale"], h["shear"],
+                                  h["perspective"], border=border)
+
+    def _letterboxed(self, index: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, tuple]:
+        img, (h0, w0), (h, w) = self.load_image(index)
+        shape = tuple(self.batch_shapes[self.batch_index[index]]) if self.rect else (self.imgsz, self.imgsz)
+        img, (rw, rh), (pw, ph) = letterbox(img, shape, auto=False, scaleup=self.augment)
+        labels = self.labels[index].copy()
+        if len(labels):
+            labels[:, 1:] = xywhn2xyxy(labels[:, 1:], rw * w, rh * h, pw, ph)
+        if self.augment:
+            hy = self.hyp
+            img, labels = random_perspective(img, labels, rng, hy["degrees"], hy["translate"], hy["scale"],
+                                             hy["shear"], hy["perspective"])
+        shapes = ((h0, w0), ((rh * h / h0, rw * w / w0), (pw, ph)))
+        return img, labels, shapes
+
+    def __getitem__(self, item: int | tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, str, tuple | None]:
+        epoch, index = item if isinstance(item, tuple) else (0, item)
+        index = int(index)
+        rng = np.random.default_rng([self.seed, int(epoch), index])
+        hy = self.hyp
+        mosaic_on = self.augment and self.mosaic_enabled(epoch)
+        shapes: tuple | None = None
+        if mosaic_on and rng.random() < hy["mosaic"]:
+            img, labels = self._mosaic(index, rng)
+            if rng.random() < hy["mixup"]:
+                img2, labels2 = self._mosaic(int(rng.integers(0, self.n)), rng)
+                img, labels = mixup(img, labels, img2, labels2, rng)
+        else:
+            img, labels, shapes = self._letterboxed(index, rng)
+
+        h, w = img.shape[:2]
+        labels = labels.astype(np.float32).reshape(-1, 5)
+        if len(labels):
+            labels[:, 1:] = xyxy2xywhn(labels[:, 1:], w, h, clip=True, eps=1e-3)
+            min_size = 1.0 if self.augment else 0.0  # a box under a pixel is not a learnable target
+            labels = labels[(labels[:, 3] * w > min_size) & (labels[:, 4] * h > min_size)]
+        if self.augment:
+            if self.ram_images[index] is not None and np.shares_memory(img, self.ram_images[index]):
+                img = img.copy()  # augment_hsv works in place: never touch the cached image
+            img = augment_hsv(img, rng, hy["hsv_h"], hy["hsv_s"], hy["hsv_v"])
+            img, labels = random_flips(img, labels, rng, hy["flipud"], hy["fliplr"])
+
+        targets = torch.zeros((len(labels), 6), dtype=torch.float32)
+        if len(labels):
+            targets[:, 1:] = torch.from_numpy(np.ascontiguousarray(labels, dtype=np.float32))
+        chw = np.ascontiguousarray(img[:, :, ::-1].transpose(2, 0, 1))  # BGR HWC -> RGB CHW
+        return torch.from_numpy(chw), targets, self.im_files[index], shapes
+
+    @staticmethod
+    def collate_fn(batch: list[tuple]) -> tuple[torch.Tensor, torch.Tensor, tuple[str, ...], tuple]:
+        """Stack images; targets gain the image's index in the batch as column 0."""
+        imgs, targets, paths, shapes = zip(*batch)
+        for i, t in enumerate(targets):
+            t[:, 0] = i
+        return torch.stack(imgs, 0), torch.cat(targets, 0), paths, shapes

@@ -1,0 +1,69 @@
+"""One sampler for one process or many: shuffles by (seed, epoch), shards by rank, yields (epoch, index).
+
+The epoch travels with every index, so persistent DataLoader workers draw each sample's augmentation
+from ``(seed, epoch, index)`` without being told about epochs.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import Sampler
+
+
+class ShardedSampler(Sampler[tuple[int, int]]):
+    """Indices of this rank's shard for the current epoch, as ``(epoch, index)`` pairs.
+
+    Indices are grouped in blocks of ``block`` consecutive indices (1 for shuffled training; the batch
+    size for rectangular batches, so that a batch never mixes two batch shapes). Blocks are shuffled by
+    a torch.Generator seeded from (seed, epoch) when ``shuffle``, then dealt to ranks:
+
+    * ``pad=True`` (training): the block list is padded by repeating from its start until every rank
+      gets the same number of blocks; blocks are dealt round-robin.
+    * ``pad=False`` (validation): each rank gets a contiguous run of blocks; the shards are disjoint and
+      together hold every index exactly once (some ranks may get fewer, even none).
+    """
+
+    def __init__(self, n: int, world_size: int = 1, rank: int = 0, shuffle: bool = False, seed: int = 0,
+                 pad: bool = True, block: int = 1):
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not valid for world size {world_size}")
+        self.n, self.world_size, self.rank = n, world_size, rank
+        self.shuffle, self.seed, self.pad, self.block = shuffle, seed, pad, max(1, block)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose order (and augmentation draws) the next iteration yields."""
+        self.epoch = int(epoch)
+
+    def _blocks(self) -> list[list[int]]:
+        blocks = [list(range(i, min(i + self.block, self.n))) for i in range(0, self.n, self.block)]
+        if self.shuffle and blocks:
+            g = torch.Generator()
+            # SeedSequence mixes (seed, epoch) so that e.g. (0, 1) and (1, 0) give unrelated orders.
+            g.manual_seed(int(np.random.SeedSequence([self.seed, self.epoch]).generate_state(1, np.uint64)[0] >> 1))
+            blocks = [blocks[i] for i in torch.randperm(len(blocks), generator=g).tolist()]
+        return blocks
+
+    def shard(self) -> list[int]:
+        """This rank's indices for the current epoch."""
+        blocks = self._blocks()
+        if not blocks:
+            return []
+        per_rank = math.ceil(len(blocks) / self.world_size)
+        if self.pad:
+            total = per_rank * self.world_size
+            padded = (blocks * math.ceil(total / len(blocks)))[:total]
+            mine = padded[self.rank :: self.world_size]
+        else:
+            mine = blocks[self.rank * per_rank : (self.rank + 1) * per_rank]
+        return [i for b in mine for i in b]
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        epoch = self.epoch
+        return iter([(epoch, i) for i in self.shard()])
+
+    def __len__(self) -> int:
+        return len(self.shard()) if self.block > 1 or not self.pad else math.ceil(self.n / self.world_size)
