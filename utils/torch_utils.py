@@ -84,7 +84,8 @@ def time_synchronized() -> float:
     return time.time()
 
 
-def _slow_barrier() -> None:
+def slow_barrier() -> None:
+    """A barrier over all ranks that waits up to SLOW_BARRIER_TIMEOUT, yet fails at once if a peer dies."""
     global _SLOW_BARRIER_GROUP
     if _SLOW_BARRIER_GROUP is None:
         # new_group is collective: every rank reaches this line at the same point of the program.
@@ -97,10 +98,10 @@ def torch_distributed_zero_first(local_rank: int) -> Iterator[None]:
     """Run the block on local rank 0 first; the other ranks enter it once local rank 0 has left it."""
     active = local_rank != -1 and dist.is_available() and dist.is_initialized()
     if active and local_rank != 0:
-        _slow_barrier()
+        slow_barrier()
     yield
     if active and local_rank == 0:
-        _slow_barrier()
+        slow_barrier()
 
 
 def de_parallel(model: nn.Module) -> nn.Module:

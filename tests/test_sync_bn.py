@@ -1,0 +1,74 @@
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+from utils.sync_bn import CpuSyncBatchNorm, convert_sync_batchnorm
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor):
+    bn = nn.BatchNorm2d(x.shape[1], eps=1e-3, momentum=0.03)
+    with torch.no_grad():
+        bn.weight.copy_(weight)
+        bn.bias.copy_(bias)
+    x = x.clone().requires_grad_(True)
+    y = bn(x)
+    (y * torch.arange(y.numel(), dtype=y.dtype).view_as(y).sin()).sum().backward()
+    return y.detach(), x.grad, bn.weight.grad, bn.running_mean, bn.running_var
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    x = torch.randn(8, 4, 5, 5) * 3 + 1
+    weight, bias = torch.rand(4) + 0.5, torch.rand(4)
+    bn = CpuSyncBatchNorm(4, eps=1e-3, momentum=0.03)
+    with torch.no_grad():
+        bn.weight.copy_(weight)
+        bn.bias.copy_(bias)
+    part = x[rank * 4:(rank + 1) * 4].clone().requires_grad_(True)
+    y = bn(part)
+    # The same loss as the reference, restricted to this rank's half of the batch.
+    coeff = torch.arange(x.numel(), dtype=x.dtype).view_as(x).sin()[rank * 4:(rank + 1) * 4]
+    (y * coeff).sum().backward()
+    dist.all_reduce(bn.weight.grad)  # DDP would average; the reference sums over the whole batch
+    torch.save({"y": y.detach(), "x_grad": part.grad, "w_grad": bn.weight.grad, "rm": bn.running_mean,
+                "rv": bn.running_var}, f"{out_dir}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_cpu_sync_bn_matches_batchnorm_on_the_global_batch(tmp_path) -> None:
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    parts = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
+    torch.manual_seed(0)
+    x = torch.randn(8, 4, 5, 5) * 3 + 1
+    weight, bias = torch.rand(4) + 0.5, torch.rand(4)
+    y, x_grad, w_grad, rm, rv = _reference(x, weight, bias)
+    assert torch.allclose(torch.cat([p["y"] for p in parts]), y, atol=1e-5)
+    assert torch.allclose(torch.cat([p["x_grad"] for p in parts]), x_grad, atol=1e-5)
+    assert torch.allclose(parts[0]["w_grad"], w_grad, atol=1e-4)
+    assert torch.allclose(parts[0]["rm"], rm, atol=1e-6) and torch.allclose(parts[1]["rv"], rv, atol=1e-5)
+
+
+def test_without_process_group_it_is_plain_batchnorm() -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    synced = convert_sync_batchnorm(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), torch.device("cpu"))
+    synced.load_state_dict(plain.state_dict())
+    assert isinstance(synced[1], CpuSyncBatchNorm)
+    x = torch.rand(2, 3, 8, 8)
+    assert torch.equal(plain(x), synced(x))
