@@ -136,8 +136,8 @@ def _ensure_builtin(spec: Any, root: Path, yaml_file: Path, local_rank: int) -> 
     with torch_distributed_zero_first(local_rank):
         try:
             ensure_shapes_dataset(root, **options)
-        except TypeError as e:
-            raise UserError(f"{yaml_file}: 'builtin' options are not valid ({e})") from e
+        except (TypeError, FileExistsError) as e:
+            raise UserError(f"{yaml_file}: 'builtin' {name}: {e}") from e
 
 
 def load_data_config(path: str | Path, local_rank: int = -1) -> dict[str, Any]:
