@@ -1,0 +1,147 @@
+"""YoloDataset and create_dataloader: batch format, reproducibility across workers and ranks, caches, rect."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import utils.dataset as dataset_module
+from utils.boxes import scale_boxes, xywh2xyxy
+from utils.dataloaders import create_dataloader
+from utils.dataset import YoloDataset
+from utils.shapes import generate_shapes
+
+IMGSZ = 64
+HYP = {"hsv_h": 0.015, "hsv_s": 0.7, "hsv_v": 0.4, "degrees": 5.0, "translate": 0.1, "scale": 0.5, "shear": 2.0,
+       "perspective": 0.0, "flipud": 0.2, "fliplr": 0.5, "mosaic": 0.7, "mixup": 0.5}
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory) -> Path:
+    return generate_shapes(tmp_path_factory.mktemp("shapes"), n_train=12, n_val=10, imgsz=IMGSZ, seed=0)
+
+
+def _train(root: Path, **kwargs):
+    options = {"hyp": HYP, "augment": True, "shuffle": True, "seed": 5, "nc": 5, "workers": 0, **kwargs}
+    return create_dataloader(str(root / "images" / "train"), IMGSZ, 4, 32, **options)
+
+
+def _epochs(loader, epochs: tuple[int, ...]) -> list[tuple]:
+    out = []
+    for epoch in epochs:
+        loader.sampler.set_epoch(epoch)
+        out += [(imgs.clone(), targets.clone(), paths) for imgs, targets, paths, _ in loader]
+    return out
+
+
+def test_batch_format(data_root: Path) -> None:
+    loader, dataset = _train(data_root)
+    imgs, targets, paths, shapes = next(iter(loader))
+    assert imgs.dtype == torch.uint8 and imgs.shape == (4, 3, IMGSZ, IMGSZ)
+    assert targets.dtype == torch.float32 and targets.shape[1] == 6
+    assert set(targets[:, 0].long().tolist()) <= set(range(4))
+    assert (targets[:, 2:] >= 0).all() and (targets[:, 2:] <= 1).all() and (targets[:, 4:] > 0).all()
+    assert len(paths) == 4 and len(shapes) == 4
+    assert dataset.n == 12 and len(dataset.labels) == 12 and dataset.shapes.shape == (12, 2)
+    assert all(lb.dtype == np.float32 and lb.shape[1] == 5 for lb in dataset.labels)
+    assert dataset.imgsz == IMGSZ and dataset.augment and not dataset.rect and dataset.hyp["mixup"] == 0.5
+    assert torch.equal(dataset[3][0], dataset[(0, 3)][0])  # a plain index means epoch 0
+
+
+@pytest.mark.slow
+def test_same_batches_with_0_or_2_workers_across_epochs(data_root: Path) -> None:
+    serial = _epochs(_train(data_root, workers=0)[0], (0, 1))
+    parallel = _epochs(_train(data_root, workers=2)[0], (0, 1))  # persistent workers see the new epoch
+    assert len(serial) == len(parallel) == 6
+    for (i0, t0, p0), (i2, t2, p2) in zip(serial, parallel):
+        assert p0 == p2 and torch.equal(i0, i2) and torch.equal(t0, t2)
+    assert not torch.equal(serial[0][0], serial[3][0])  # a new epoch, new draws
+
+
+def test_sample_depends_only_on_seed_epoch_index(data_root: Path) -> None:
+    reference = _train(data_root)[1]
+    for rank in range(2):
+        loader, dataset = _train(data_root, world_size=2, global_rank=rank)
+        loader.sampler.set_epoch(3)
+        pairs = list(loader.sampler)
+        assert len(pairs) == 6 and {e for e, _ in pairs} == {3}
+        for pair in pairs[:3]:
+            mine, ref = dataset[pair], reference[pair]
+            assert torch.equal(mine[0], ref[0]) and torch.equal(mine[1], ref[1])
+    # resume: a fresh dataset gives the same sample for the same (epoch, index); other epochs differ
+    again = _train(data_root)[1]
+    assert torch.equal(again[(3, 4)][0], reference[(3, 4)][0])
+    assert not torch.equal(reference[(2, 4)][0], reference[(3, 4)][0])
+
+
+def test_close_mosaic_epoch_turns_mosaic_off(data_root: Path) -> None:
+    _, dataset = _train(data_root, hyp={**HYP, "mosaic": 1.0}, close_mosaic_epoch=2)
+    assert all(dataset[(1, i)][3] is None for i in range(4))  # mosaic samples carry no letterbox info
+    assert all(dataset[(2, i)][3] is not None for i in range(4))
+
+
+def test_validation_rect_batches_sharded_over_ranks(data_root: Path) -> None:
+    seen: list[str] = []
+    for rank in range(2):
+        loader, dataset = create_dataloader(str(data_root / "images" / "val"), IMGSZ, 4, 32, rect=True, pad=0.5,
+                                            world_size=2, global_rank=rank, nc=5, workers=0)
+        assert dataset.rect and dataset.batch_shapes is not None and (dataset.batch_shapes % 32 == 0).all()
+        for imgs, _, paths, _ in loader:
+            assert imgs.shape[2] % 32 == 0 and imgs.shape[3] % 32 == 0
+            seen += paths
+    assert len(seen) == 10 and len(set(seen)) == 10  # every image once, on exactly one rank
+
+
+def test_letterbox_shapes_map_boxes_back_to_the_original(data_root: Path) -> None:
+    loader, dataset = create_dataloader(str(data_root / "images" / "val"), 96, 5, 32, rect=True, pad=0.5, nc=5,
+                                        workers=0)
+    checked = 0
+    for imgs, targets, paths, shapes in loader:
+        h, w = imgs.shape[2:]
+        for i, path in enumerate(paths):
+            t = targets[targets[:, 0] == i]
+            boxes = xywh2xyxy(t[:, 2:] * torch.tensor([w, h, w, h]))
+            (h0, w0), ratio_pad = shapes[i]
+            restored = scale_boxes((h, w), boxes, (h0, w0), ratio_pad=ratio_pad)
+            label = dataset.labels[dataset.im_files.index(path)]
+            original = xywh2xyxy(torch.from_numpy(label[:, 1:]) * torch.tensor([w0, h0, w0, h0]))
+            assert torch.allclose(restored, original, atol=0.6)
+            checked += len(t)
+    assert checked > 10
+
+
+def test_ram_and_disk_caches_give_identical_samples(data_root: Path) -> None:
+    plain = _train(data_root)[1]
+    ram = _train(data_root, cache="ram")[1]
+    assert ram.cache == "ram" and all(im is not None for im in ram.ram_images)
+    for index in range(6):
+        first = ram[(1, index)][0]
+        assert torch.equal(first, plain[(1, index)][0])
+        assert torch.equal(ram[(1, index)][0], first)  # augmentation never alters the cached image
+    disk = _train(data_root, cache="disk")[1]
+    assert all(f.is_file() for f in disk.npy_files)
+    assert not list((data_root / "images" / "train").glob("*.tmp"))
+    for index in range(3):
+        assert torch.equal(disk[(1, index)][0], plain[(1, index)][0])
+    for f in disk.npy_files:
+        f.unlink()
+
+
+def test_ram_cache_refused_when_memory_is_short(data_root: Path, monkeypatch, caplog) -> None:
+    monkeypatch.setattr(dataset_module, "available_memory_bytes", lambda: 1000)
+    logger = logging.getLogger("yolo")
+    monkeypatch.setattr(logger, "propagate", True)
+    with caplog.at_level(logging.WARNING, logger="yolo"):
+        dataset = YoloDataset(str(data_root / "images" / "val"), IMGSZ, cache="ram", nc=5, workers=0)
+    assert dataset.cache is None and all(im is None for im in dataset.ram_images)
+    assert "--cache ram needs" in caplog.text
+    assert dataset[0][0].shape == (3, IMGSZ, IMGSZ)
+
+
+def test_dataset_builds_label_cache_once_per_split(data_root: Path) -> None:
+    _, dataset = _train(data_root)
+    assert dataset.cache_file == str(data_root / "labels" / "train.cache")
+    assert dataset.label_counts["labelled"] + dataset.label_counts["empty"] + dataset.label_counts["background"] == 12
