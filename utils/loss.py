@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from utils.boxes import bbox_ciou
+from utils.torch_utils import de_parallel
 
 # Objectness weight of each level, finest first: small-object levels have many more cells (and negatives).
 LEVEL_BALANCE = {3: (4.0, 1.0, 0.4)}
@@ -74,7 +75,7 @@ class ComputeLoss:
     gr = 1.0  # objectness target = (1 - gr) + gr * CIoU; 1.0 uses the CIoU itself
 
     def __init__(self, model: nn.Module, hyp: dict, label_smoothing: float = 0.0) -> None:
-        self.detect = model.model[-1]  # read anchors at call time: they follow .to() and AutoAnchor
+        self.detect = de_parallel(model).model[-1]  # read anchors at call time: they follow .to() and AutoAnchor
         self.nl: int = self.detect.nl
         self.na: int = self.detect.na
         self.nc: int = self.detect.nc
