@@ -3,6 +3,8 @@
 Target assignment is vectorised and free of host-device synchronisation: every (target, anchor, cell)
 candidate of a level is kept in a fixed-size tensor together with a ``valid`` mask, and masked sums
 replace the boolean indexing that would force the device to report how many candidates survived.
+When several candidates land on one (image, anchor, cell), the objectness target is the largest of their
+CIoUs (deterministic), where YOLOv5 keeps whichever write happens last.
 """
 from __future__ import annotations
 
@@ -18,7 +20,6 @@ from utils.torch_utils import de_parallel
 # Objectness weight of each level, finest first: small-object levels have many more cells (and negatives).
 LEVEL_BALANCE = {3: (4.0, 1.0, 0.4)}
 LEVEL_BALANCE_FALLBACK = (4.0, 1.0, 0.25, 0.06, 0.02)
-
 
 
 class LevelTargets(NamedTuple):
