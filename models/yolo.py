@@ -52,7 +52,9 @@ class Detect(nn.Module):
         return torch.cat((xy, wh, y[..., 4:]), -1).view(bs, -1, self.no)
 
     def _grids(self, level: int, nx: int, ny: int, device: torch.device, dtype: torch.dtype):
-        key = (level, nx, ny, device, dtype, self.anchors.data_ptr(), float(self.anchors[level].sum()))
+        # The anchors' version counter changes with every in-place edit (AutoAnchor, EMA, loading weights),
+        # and reading it does not wait for the device.
+        key = (level, nx, ny, device, dtype, self.anchors.data_ptr(), self.anchors._version)
         if key not in self._grid_cache:
             ys, xs = torch.meshgrid(torch.arange(ny, device=device, dtype=dtype),
                                     torch.arange(nx, device=device, dtype=dtype), indexing="ij")
@@ -186,8 +188,8 @@ class Model(nn.Module):
         with torch.no_grad():
             outputs = self.forward(torch.zeros(1, ch, probe_size, probe_size))
         detect.stride.copy_(torch.tensor([probe_size / o.shape[-2] for o in outputs]))
-        detect.anchors /= detect.stride.view(-1, 1, 1)
         _check_anchor_order(detect)
+        detect.anchors /= detect.stride.view(-1, 1, 1)
         self._initialize_weights()
         self._initialize_detect_biases()
 
@@ -232,7 +234,7 @@ class Model(nn.Module):
 
 
 def _check_anchor_order(detect: Detect) -> None:
-    """Anchors must grow with the stride; flip them if a config lists them the other way round."""
+    """Pixel anchors must grow with the stride; flip them if a config lists them the other way round."""
     area = detect.anchors.prod(-1).mean(-1).view(-1)
     if (area[-1] - area[0]).sign() != (detect.stride[-1] - detect.stride[0]).sign():
         LOGGER.info("Reversing anchor order to match the strides")
