@@ -1,0 +1,378 @@
+"""Validate a detector on a dataset split: P, R, mAP50, mAP50-95 per class, speed, plots, COCO JSON.
+
+Usage:
+    python val.py --data data/shapes.yaml --weights runs/train/exp/weights/best.pt --imgsz 640
+
+Training calls ``validate`` each epoch with its own model and loader.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from utils.boxes import scale_boxes, xywh2xyxy, xyxy2xywhn
+from utils.errors import UserError
+from utils.log import LOGGER, colorstr, setup_logging
+from utils.metrics import ClassMetrics, ap_per_class, confusion_matrix, fitness, match_detections, mean_metrics
+from utils.nms import non_max_suppression
+from utils.run_dir import increment_path
+from utils.torch_utils import select_device, time_synchronized
+
+TASKS = ("val", "test", "speed")
+N_PLOTTED_BATCHES = 3
+
+
+@dataclass
+class ValResults:
+    """What one validation pass measured. Per-class arrays cover the classes that have ground truth."""
+
+    p: float
+    r: float
+    map50: float
+    map: float
+    losses: np.ndarray  # (3,) box, obj, cls: mean per batch; zeros without compute_loss
+    maps: np.ndarray  # (nc,) mAP50-95 per class, the overall map for classes without ground truth
+    speed: tuple[float, float, float]  # pre-process, inference, NMS: ms per image
+    n_images: int = 0
+    n_instances: int = 0
+    class_metrics: ClassMetrics | None = None
+    confusion: np.ndarray | None = None  # (nc + 1, nc + 1), rows predicted, columns true
+    coco_stats: np.ndarray | None = None  # COCOeval's 12 figures with --save-json
+    save_dir: Path | None = None
+    names: list[str] = field(default_factory=list)
+
+    @property
+    def fitness(self) -> float:
+        return float(fitness(self))
+
+    def as_row(self) -> tuple[float, ...]:
+        """(P, R, mAP50, mAP50-95, val box, obj, cls loss), the order of results.csv."""
+        return (self.p, self.r, self.map50, self.map, *map(float, self.losses))
+
+
+# ---- the validation loop ---------------------------------------------------------------------------------
+
+@torch.no_grad()
+def validate(
+    model: torch.nn.Module,
+    dataloader: Any,
+    *,
+    names: Sequence[str],
+    device: torch.device | str,
+    compute_loss: Callable | None = None,
+    conf_thres: float = 0.001,
+    iou_thres: float = 0.6,
+    max_det: int = 300,
+    single_cls: bool = False,
+    save_dir: str | Path | None = None,
+    plots: bool = False,
+    verbose: bool = False,
+    save_json: bool = False,
+    save_txt: bool = False,
+    save_conf: bool = False,
+    half: bool = False,
+) -> ValResults:
+    """Run ``model`` over ``dataloader`` (letterboxed batches with shapes entries) and measure it.
+
+    The model is put in eval mode and left there. ``half`` (CUDA only) runs an fp32 model under fp16
+    autocast, so the caller's weights (such as training's EMA) are never converted; a model already in
+    fp16 gets fp16 images. Outputs (plots, labels/, JSON files) go to ``save_dir``.
+    """
+    device = torch.device(device)
+    wants_files = plots or save_json or save_txt
+    if wants_files and save_dir is None:
+        raise ValueError("validate: plots, save_json and save_txt need a save_dir")
+    save_dir = Path(save_dir) if save_dir is not None else None
+    half = half and device.type == "cuda"
+    model.eval()
+    fp16_weights = next(model.parameters()).dtype == torch.float16
+    names = list(names)
+    if single_cls:
+        names = names if len(names) == 1 else ["item"]
+    nc = len(names)
+    if save_txt:
+        (save_dir / "labels").mkdir(parents=True, exist_ok=True)
+
+    seen = 0
+    times = np.zeros(3)  # pre-process, inference, NMS (seconds)
+    loss_sum = torch.zeros(3, device=device)
+    n_batches = 0
+    stats: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+    images_per_class = np.zeros(nc, dtype=np.int64)
+    confusion = np.zeros((nc + 1, nc + 1), dtype=np.int64)
+    json_results: list[dict] = []
+    json_images: list[tuple[np.ndarray, tuple[int, int], str]] = []  # (labels, (h, w), file) per image id
+
+    for batch_i, (imgs, targets, paths, shapes) in enumerate(dataloader):
+        t0 = time_synchronized()
+        imgs = imgs.to(device, non_blocking=True)
+        imgs = imgs.half() if fp16_weights else imgs.float()
+        imgs /= 255
+        _, _, height, width = imgs.shape
+        t1 = time_synchronized()
+
+        with torch.autocast(device_type="cuda", dtype=torch.float16, enabled=half and not fp16_weights):
+            pred, raw = model(imgs)
+        t2 = time_synchronized()
+        if compute_loss is not None:
+            loss_sum += compute_loss([x.float() for x in raw], targets.to(device))[1].detach()
+        n_batches += 1
+
+        detections = non_max_suppression(pred.float(), conf_thres, iou_thres, multi_label=True,
+                                         agnostic=single_cls, max_det=max_det)
+        detections = [d.cpu() for d in detections]
+        t3 = time_synchronized()
+        times += (t1 - t0, t2 - t1, t3 - t2)
+
+        targets = targets.cpu()
+        for si, det in enumerate(detections):
+            labels = targets[targets[:, 0] == si, 1:]
+            original_shape, ratio_pad = shapes[si] if shapes[si] is not None else ((height, width), None)
+            h0, w0 = int(original_shape[0]), int(original_shape[1])
+            image_id = seen
+            seen += 1
+
+            det_px = det.clone()
+            if single_cls:
+                det_px[:, 5] = 0
+            scale_boxes((height, width), det_px[:, :4], (h0, w0), ratio_pad)
+            gt_cls = np.zeros(len(labels), dtype=np.int64) if single_cls else labels[:, 0].numpy().astype(np.int64)
+            gt_box = xywh2xyxy(labels[:, 1:5]) * torch.tensor([width, height, width, height])
+            scale_boxes((height, width), gt_box, (h0, w0), ratio_pad)
+            det_np, gt_np = det_px.numpy().astype(np.float64), gt_box.numpy().astype(np.float64)
+
+            correct = match_detections(det_np[:, :4], det_np[:, 4], det_np[:, 5], gt_np, gt_cls)
+            stats.append((correct, det_np[:, 4], det_np[:, 5], gt_cls))
+            present = np.unique(gt_cls)
+            images_per_class[present[present < nc]] += 1
+            if plots:
+                confusion += confusion_matrix(det_np, np.concatenate([gt_cls[:, None], gt_np], 1), nc)
+            if save_txt:
+                _write_txt(save_dir / "labels" / f"{Path(paths[si]).stem}.txt", det_np, (h0, w0), save_conf)
+            if save_json:
+                from utils.coco_json import detections_to_results
+
+                json_results.extend(detections_to_results(det_np, image_id))
+                labels_n = np.concatenate([gt_cls[:, None], xyxy2xywhn(gt_np, w0, h0)], 1) if len(gt_np) else \
+                    np.zeros((0, 5))
+                json_images.append((labels_n, (h0, w0), str(paths[si])))
+
+        if plots and batch_i < N_PLOTTED_BATCHES:
+            from utils.plots import output_to_target, plot_images
+
+            uint8_imgs = (imgs.float() * 255).round().byte().cpu()
+            plot_images(uint8_imgs, targets, paths, save_dir / f"val_batch{batch_i}_labels.jpg", names)
+            plot_images(uint8_imgs, output_to_target(detections, max_det=15 * 16), paths,
+                        save_dir / f"val_batch{batch_i}_pred.jpg", names)
+
+    correct, conf, pred_cls, target_cls = (
+        np.concatenate([s[k] for s in stats]) if stats else np.zeros((0, 10) if k == 0 else 0) for k in range(4)
+    )
+    metrics = ap_per_class(correct.reshape(-1, 10), conf, pred_cls, target_cls)
+    p, r, map50, map50_95 = mean_metrics(metrics)
+    maps = np.full(nc, map50_95)
+    in_range = metrics.classes < nc
+    maps[metrics.classes[in_range]] = metrics.ap50_95[in_range]
+    n_instances = int(len(target_cls))
+    speed = tuple(float(t) for t in times / max(seen, 1) * 1e3)
+
+    _log_table(names, seen, n_instances, (p, r, map50, map50_95), metrics, images_per_class, verbose, nc)
+    if seen:
+        LOGGER.info("Speed: %.1fms pre-process, %.1fms inference, %.1fms NMS per image" % speed)
+
+    results = ValResults(
+        p=p, r=r, map50=map50, map=map50_95, losses=(loss_sum / max(n_batches, 1)).cpu().numpy(), maps=maps,
+        speed=speed, n_images=seen, n_instances=n_instances, class_metrics=metrics,
+        confusion=confusion if plots else None, save_dir=save_dir, names=names,
+    )
+    if plots:
+        _plot_metrics(metrics, confusion, names, save_dir)
+    if save_json:
+        results.coco_stats = _coco_evaluation(json_results, json_images, names, save_dir)
+    if save_txt:
+        n_files = len(list((save_dir / "labels").glob("*.txt")))
+        LOGGER.info(f"{n_files} label files saved to {save_dir / 'labels'}")
+    return results
+
+
+def _write_txt(path: Path, det: np.ndarray, original_hw: tuple[int, int], save_conf: bool) -> None:
+    """One line per detection: cls x y w h [conf], normalised to the original image."""
+    h0, w0 = original_hw
+    xywhn = xyxy2xywhn(det[:, :4], w0, h0)
+    lines = []
+    for (cls, conf), box in zip(det[:, [5, 4]], xywhn):
+        values = (int(cls), *box, conf) if save_conf else (int(cls), *box)
+        lines.append(("%g " * len(values)).rstrip() % values)
+    path.write_text("".join(f"{line}\n" for line in lines))
+
+
+def _log_table(
+    names: list[str], seen: int, n_instances: int, means: tuple[float, float, float, float], metrics: ClassMetrics,
+    images_per_class: np.ndarray, verbose: bool, nc: int,
+) -> None:
+    LOGGER.info(("%22s" + "%11s" * 6) % ("Class", "Images", "Instances", "P", "R", "mAP50", "mAP50-95"))
+    row = "%22s" + "%11i" * 2 + "%11.3g" * 4
+    LOGGER.info(row % ("all", seen, n_instances, *means))
+    if n_instances == 0:
+        LOGGER.warning("WARNING no labels found in this split: metrics cannot be computed without labels")
+    if verbose and nc > 1:
+        for i, c in enumerate(metrics.classes):
+            name = names[c] if c < len(names) else str(c)
+            images = images_per_class[c] if c < nc else 0
+            LOGGER.info(row % (name, images, metrics.n_targets[i], metrics.p[i], metrics.r[i],
+                               metrics.ap50[i], metrics.ap50_95[i]))
+
+
+def _plot_metrics(metrics: ClassMetrics, confusion: np.ndarray, names: list[str], save_dir: Path) -> None:
+    from utils.metrics import CONF_POINTS, RECALL_POINTS
+    from utils.plots import plot_confusion_matrix, plot_metric_curve, plot_pr_curve
+
+    class_names = [names[c] if c < len(names) else str(c) for c in metrics.classes]
+    plot_confusion_matrix(confusion, names, save_dir / "confusion_matrix.png")
+    plot_pr_curve(RECALL_POINTS, metrics.pr_curve, metrics.ap50, class_names, save_dir / "PR_curve.png")
+    for curve, label, fname in ((metrics.f1_curve, "F1", "F1_curve.png"), (metrics.p_curve, "Precision", "P_curve.png"),
+                                (metrics.r_curve, "Recall", "R_curve.png")):
+        plot_metric_curve(CONF_POINTS, curve, class_names, save_dir / fname, label)
+
+
+def _coco_evaluation(
+    json_results: list[dict], json_images: list[tuple[np.ndarray, tuple[int, int], str]], names: list[str],
+    save_dir: Path,
+) -> np.ndarray | None:
+    """Write predictions.json and a ground truth made from the labels, then run COCOeval when available."""
+    from utils.coco_json import coco_eval, format_coco_stats, ground_truth_dict, write_json
+
+    pred_json = write_json(json_results, save_dir / "predictions.json")
+    labels, shapes, files = zip(*json_images) if json_images else ((), (), ())
+    gt = ground_truth_dict(labels, shapes, range(len(labels)), files, names)
+    gt_json = write_json(gt, save_dir / "ground_truth.json")
+    LOGGER.info(f"COCO results saved to {pred_json} (ground truth from the labels: {gt_json})")
+    try:
+        import pycocotools  # noqa: F401
+    except ImportError:
+        LOGGER.warning("pycocotools not installed: COCO evaluation skipped")
+        return None
+    if not gt["annotations"] or not json_results:
+        LOGGER.warning(f"COCO evaluation skipped: no {'ground-truth boxes' if json_results else 'detections'}")
+        return None
+    stats, _ = coco_eval(gt_json, json_results, image_ids=range(len(labels)))
+    LOGGER.info(f"COCOeval (bbox, maxDets=100 per image and class):\n{format_coco_stats(stats)}")
+    return stats
+
+
+# ---- command line ----------------------------------------------------------------------------------------
+
+def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Validate a detector checkpoint on a dataset split")
+    parser.add_argument("--data", type=str, required=True, help="dataset YAML")
+    parser.add_argument("--weights", type=str, required=True, help="checkpoint saved by this project")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--imgsz", "--img", type=int, default=640, help="inference size (pixels, long side)")
+    parser.add_argument("--conf-thres", type=float, default=0.001)
+    parser.add_argument("--iou-thres", type=float, default=0.6, help="NMS IoU threshold")
+    parser.add_argument("--max-det", type=int, default=300, help="detections kept per image")
+    parser.add_argument("--task", default="val", choices=TASKS, help="split to use; speed: timing at conf 0.25")
+    parser.add_argument("--device", default="", help="cuda device (0 or 0,1) or cpu")
+    parser.add_argument("--workers", type=int, default=8, help="dataloader workers")
+    parser.add_argument("--single-cls", action="store_true", help="treat every class as one")
+    parser.add_argument("--verbose", action="store_true", help="a row per class")
+    parser.add_argument("--save-txt", action="store_true", help="predictions as YOLO label files")
+    parser.add_argument("--save-conf", action="store_true", help="with --save-txt: add the confidence")
+    parser.add_argument("--save-json", action="store_true", help="COCO results JSON (and COCOeval)")
+    parser.add_argument("--project", default="runs/val")
+    parser.add_argument("--name", default="exp")
+    parser.add_argument("--exist-ok", action="store_true", help="reuse an existing run folder")
+    parser.add_argument("--half", action="store_true", help="fp16 inference (CUDA only)")
+    parser.add_argument("--noplots", action="store_true")
+    return parser.parse_args(argv)
+
+
+def run(
+    data: str,
+    weights: str,
+    batch_size: int = 32,
+    imgsz: int = 640,
+    conf_thres: float = 0.001,
+    iou_thres: float = 0.6,
+    max_det: int = 300,
+    task: str = "val",
+    device: str = "",
+    workers: int = 8,
+    single_cls: bool = False,
+    verbose: bool = False,
+    save_txt: bool = False,
+    save_conf: bool = False,
+    save_json: bool = False,
+    project: str = "runs/val",
+    name: str = "exp",
+    exist_ok: bool = False,
+    half: bool = False,
+    noplots: bool = False,
+) -> ValResults:
+    """Load a checkpoint and a dataset split, validate, and save the outputs in a new run folder."""
+    from utils.checkpoint import load_model
+    from utils.data_config import load_data_config
+    from utils.dataloaders import create_dataloader
+
+    if task not in TASKS:
+        raise UserError(f"--task {task!r}: expected one of {', '.join(TASKS)}")
+    if not Path(weights).is_file():
+        raise UserError(f"{weights}: weights file not found")
+    data_cfg = load_data_config(data)
+    split = "test" if task == "test" else "val"
+    if not data_cfg.get(split):
+        raise UserError(f"{data_cfg.get('yaml_file', data)}: no '{split}' split to validate on")
+
+    device = select_device(device, batch_size)
+    half = half and device.type == "cuda"
+    model, _ = load_model(weights, device)
+    model = model.float()
+    if hasattr(model, "fuse"):
+        model.fuse()
+    if half:
+        model.half()
+    nc = int(data_cfg["nc"])
+    if not single_cls and getattr(model, "nc", nc) != nc:
+        raise UserError(f"{weights}: the model predicts {model.nc} classes but {data} has {nc}; "
+                        "use matching weights or --single-cls")
+    stride = int(model.stride.max())
+    if imgsz % stride:
+        new_size = (imgsz // stride + 1) * stride
+        LOGGER.warning(f"--imgsz {imgsz} is not a multiple of the stride {stride}: using {new_size}")
+        imgsz = new_size
+    if task == "speed":  # timing at deployment thresholds, not the mAP sweep
+        conf_thres, iou_thres, save_json = 0.25, 0.45, False
+
+    save_dir = increment_path(Path(project) / name, exist_ok=exist_ok, mkdir=True)
+    loader, _ = create_dataloader(data_cfg[split], imgsz, batch_size, stride, augment=False, rect=True, pad=0.5,
+                                  workers=workers, single_cls=single_cls, nc=nc, prefix=colorstr(f"{split}: "))
+    if device.type == "cuda":  # the first CUDA call pays for context and kernel set-up: keep it out of the timings
+        model(torch.zeros(1, 3, imgsz, imgsz, device=device, dtype=torch.float16 if half else torch.float32))
+
+    results = validate(
+        model, loader, names=data_cfg["names"], device=device, conf_thres=conf_thres, iou_thres=iou_thres,
+        max_det=max_det, single_cls=single_cls, save_dir=save_dir, plots=not noplots, verbose=verbose,
+        save_json=save_json, save_txt=save_txt, save_conf=save_conf, half=half,
+    )
+    LOGGER.info(f"Results saved to {colorstr(str(save_dir))}")
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    opt = parse_opt(argv)
+    setup_logging()
+    try:
+        run(**vars(opt))
+    except UserError as e:
+        LOGGER.error(f"ERROR {e}")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
