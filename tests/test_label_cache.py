@@ -284,7 +284,10 @@ def test_process_pool_matches_in_process(tmp_path: Path, monkeypatch) -> None:
     serial = label_cache.scan(files, lbs, NC, workers=1, show_progress=False)
     monkeypatch.setattr(label_cache, "MIN_POOL_SIZE", 1)
     pooled = label_cache.scan(files, lbs, NC, workers=2, show_progress=False)
-    assert [(r[0], r[1], r[2].tolist()) for r in serial] == [(r[0], r[1], r[2].tolist()) for r in pooled]
+    assert sum(len(c[0]) for c in pooled) == 40
+    assert [x for c in serial for x in c[0]] == [x for c in pooled for x in c[0]]
+    assert np.array_equal(np.concatenate([c[3] for c in serial]), np.concatenate([c[3] for c in pooled]))
+    assert [s for c in serial for s in c[1]] == [s for c in pooled for s in c[1]]
 
 
 def test_no_usable_image_is_a_user_error(tmp_path: Path) -> None:

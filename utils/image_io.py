@@ -55,7 +55,7 @@ class _Reader:
 
     def __init__(self, f: BinaryIO):
         self.f = f
-        self.buf = f.read(65536)
+        self.buf = f.read(8192)
 
     def get(self, start: int, n: int) -> bytes:
         while len(self.buf) < start + n:

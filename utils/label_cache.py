@@ -11,6 +11,7 @@ match and is always written atomically.
 from __future__ import annotations
 
 import hashlib
+import math
 import multiprocessing
 import os
 import tempfile
@@ -60,12 +61,28 @@ def _polygon_to_box(values: list[float]) -> list[float]:
     return [values[0], (x1 + x2) / 2, (y1 + y2) / 2, x2 - x1, y2 - y1]
 
 
+def _check_row(values: list[float], line_no: int, nc: int | None) -> tuple[float, ...]:
+    """One row validated and with its box edges clipped to the image (pure Python: rows are few and short)."""
+    cls, x, y, w, h = values
+    if cls != int(cls) or cls < 0 or (nc is not None and cls >= nc):
+        raise LabelError(f"row {line_no}: class {cls:g} is not an integer in [0, {nc if nc is not None else 'nc'})")
+    if any(v < -COORD_TOLERANCE or v > 1 + COORD_TOLERANCE for v in (x, y, w, h)):
+        raise LabelError(f"row {line_no}: coordinates {[x, y, w, h]} outside [0, 1]")
+    # Clip the box edges to the image: the visible part of a box that pokes out is the right target.
+    x1, x2 = min(max(x - w / 2, 0.0), 1.0), min(max(x + w / 2, 0.0), 1.0)
+    y1, y2 = min(max(y - h / 2, 0.0), 1.0), min(max(y + h / 2, 0.0), 1.0)
+    if x2 <= x1 or y2 <= y1:
+        raise LabelError(f"row {line_no}: width and height must be positive")
+    return cls, (x1 + x2) / 2, (y1 + y2) / 2, x2 - x1, y2 - y1
+
+
 def parse_label_text(text: str, nc: int | None) -> tuple[np.ndarray, int]:
     """Rows of a label file as float32 (n, 5) and the number of duplicate rows dropped; LabelError if bad.
 
     Rows are ``cls x y w h`` normalised; YOLOv5 segment rows (cls and 3+ xy points) become their box.
     """
-    rows = []
+    rows: dict[tuple[float, ...], None] = {}  # insertion-ordered set: drops duplicates, keeps the order
+    n_rows = 0
     for line_no, line in enumerate(text.splitlines(), 1):
         parts = line.split()
         if not parts:
@@ -74,39 +91,17 @@ def parse_label_text(text: str, nc: int | None) -> tuple[np.ndarray, int]:
             values = [float(v) for v in parts]
         except ValueError as e:
             raise LabelError(f"row {line_no}: non-numeric value") from e
+        if not all(math.isfinite(v) for v in values):
+            raise LabelError(f"row {line_no}: NaN or infinite value")
         if len(values) >= 7 and len(values) % 2 == 1:
             values = _polygon_to_box(values)
         elif len(values) != 5:
             raise LabelError(f"row {line_no}: {len(values)} columns, expected 5 (cls x y w h)")
-        rows.append(values)
+        rows[_check_row(values, line_no, nc)] = None
+        n_rows += 1
     if not rows:
         return np.zeros((0, 5), np.float32), 0
-
-    lb = np.array(rows, dtype=np.float64)
-    if not np.isfinite(lb).all():
-        raise LabelError(f"row {int(np.nonzero(~np.isfinite(lb).all(1))[0][0]) + 1}: NaN or infinite value")
-    cls = lb[:, 0]
-    bad = (cls != np.round(cls)) | (cls < 0) | ((cls >= nc) if nc is not None else False)
-    if bad.any():
-        i = int(np.nonzero(bad)[0][0])
-        raise LabelError(f"row {i + 1}: class {cls[i]:g} is not an integer in [0, {nc if nc is not None else 'nc'})")
-    out_of_range = (lb[:, 1:] < -COORD_TOLERANCE) | (lb[:, 1:] > 1 + COORD_TOLERANCE)
-    if out_of_range.any():
-        i = int(np.nonzero(out_of_range.any(1))[0][0])
-        raise LabelError(f"row {i + 1}: coordinates {lb[i, 1:].tolist()} outside [0, 1]")
-    # Clip the box edges to the image: the visible part of a box that pokes out is the right target.
-    xy, half = lb[:, 1:3].clip(0, 1), lb[:, 3:5].clip(0, 1) / 2
-    lo, hi = (xy - half).clip(0, 1), (xy + half).clip(0, 1)
-    lb[:, 1:3], lb[:, 3:5] = (lo + hi) / 2, hi - lo
-    if (lb[:, 3:5] <= 0).any():
-        i = int(np.nonzero((lb[:, 3:5] <= 0).any(1))[0][0])
-        raise LabelError(f"row {i + 1}: width and height must be positive")
-    lb = lb.astype(np.float32)
-    _, first = np.unique(lb, axis=0, return_index=True)
-    n_dup = len(lb) - len(first)
-    if n_dup:
-        lb = lb[np.sort(first)]
-    return lb, n_dup
+    return np.array(list(rows), dtype=np.float32), n_rows - len(rows)
 
 
 def verify_pair(im_file: str, lb_file: str, nc: int | None) -> tuple[int, tuple[int, int], np.ndarray, int, str]:
@@ -135,9 +130,17 @@ def verify_pair(im_file: str, lb_file: str, nc: int | None) -> tuple[int, tuple[
     return (LABELLED if len(labels) else EMPTY), shape, labels, n_dup, "; ".join(notes)
 
 
-def _verify_chunk(args: tuple[list[str], list[str], int | None]) -> list[tuple]:
+Chunk = tuple[list[int], list[tuple[int, int]], list[int], np.ndarray, int, list[str]]
+
+
+def _verify_chunk(args: tuple[list[str], list[str], int | None]) -> Chunk:
+    """verify_pair over a chunk, packed into a few objects: pickling one small array per image is slow."""
     im_files, lb_files, nc = args
-    return [verify_pair(im, lb, nc) for im, lb in zip(im_files, lb_files)]
+    results = [verify_pair(im, lb, nc) for im, lb in zip(im_files, lb_files)]
+    labels = [r[2] for r in results if len(r[2])]
+    return ([r[0] for r in results], [r[1] for r in results], [len(r[2]) for r in results],
+            np.concatenate(labels, 0) if labels else np.zeros((0, 5), np.float32),
+            sum(r[3] for r in results), [r[4].replace("\n", " ") for r in results if r[4]])
 
 
 def files_hash(im_files: list[str], label_files: list[str], nc: int | None) -> str:
@@ -208,35 +211,35 @@ def read_cache(path: Path, expected_hash: str) -> dict[str, np.ndarray] | None:
 
 
 def scan(im_files: list[str], label_files: list[str], nc: int | None, workers: int, prefix: str = "",
-         show_progress: bool = True) -> list[tuple]:
-    """verify_pair for every pair, in a process pool for large sets, in input order."""
+         show_progress: bool = True) -> list[Chunk]:
+    """verify_pair for every pair, in a process pool for large sets; packed chunks in input order."""
     n = len(im_files)
     workers = max(1, min(workers, os.cpu_count() or 1))
+    pooled = n >= MIN_POOL_SIZE and workers > 1
+    step = max(16, min(1024, n // (workers * 8))) if pooled else 64
+    chunks = [(im_files[i : i + step], label_files[i : i + step], nc) for i in range(0, n, step)]
     bar = tqdm(total=n, desc=f"{prefix}Verifying {n} images", unit="img", disable=not show_progress, leave=False)
-    results: list[tuple] = []
-    if n < MIN_POOL_SIZE or workers == 1:
-        for im, lb in zip(im_files, label_files):
-            results.append(verify_pair(im, lb, nc))
-            bar.update(1)
-    else:
-        step = max(16, min(512, n // (workers * 8)))
-        chunks = [(im_files[i : i + step], label_files[i : i + step], nc) for i in range(0, n, step)]
+    results: list[Chunk] = []
+    if pooled:
         methods = multiprocessing.get_all_start_methods()
         context = multiprocessing.get_context("fork" if "fork" in methods else None)
         with context.Pool(workers) as pool:
             for part in pool.imap(_verify_chunk, chunks):
-                results.extend(part)
-                bar.update(len(part))
+                results.append(part)
+                bar.update(len(part[0]))
+    else:
+        for chunk in chunks:
+            results.append(_verify_chunk(chunk))
+            bar.update(len(chunk[0]))
     bar.close()
     return results
 
 
-def _build_arrays(results: list[tuple], file_hash: str, im_files: list[str]) -> dict[str, np.ndarray]:
-    status = np.array([r[0] for r in results], dtype=np.int8)
-    shapes = np.array([r[1] for r in results], dtype=np.int32).reshape(-1, 2)
-    counts = np.array([len(r[2]) for r in results], dtype=np.int32)
-    labels = np.concatenate([r[2] for r in results], 0) if results else np.zeros((0, 5), np.float32)
-    messages = [r[4].replace("\n", " ") for r in results if r[4]]
+def _build_arrays(chunks: list[Chunk], file_hash: str, im_files: list[str]) -> dict[str, np.ndarray]:
+    status = np.array([s for c in chunks for s in c[0]], dtype=np.int8)
+    shapes = np.array([wh for c in chunks for wh in c[1]], dtype=np.int32).reshape(-1, 2)
+    counts = np.array([k for c in chunks for k in c[2]], dtype=np.int32)
+    labels = np.concatenate([c[3] for c in chunks], 0) if chunks else np.zeros((0, 5), np.float32)
     return {
         "version": np.array(CACHE_VERSION),
         "hash": np.array(file_hash),
@@ -245,8 +248,8 @@ def _build_arrays(results: list[tuple], file_hash: str, im_files: list[str]) -> 
         "shapes": shapes,
         "counts": counts,
         "labels": labels.astype(np.float32).reshape(-1, 5),
-        "duplicates": np.array(sum(r[3] for r in results), dtype=np.int64),
-        "messages": _join(messages),
+        "duplicates": np.array(sum(c[4] for c in chunks), dtype=np.int64),
+        "messages": _join([m for c in chunks for m in c[5]]),
     }
 
 

@@ -1,0 +1,125 @@
+"""Data pipeline benchmark: augmented samples/s on COCO128 and label-cache build/reload time for 20k images.
+
+Run by hand from the repo root: ``python bench/dataloader.py [--images 20000] [--skip-coco]``.
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import cv2
+import numpy as np
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from utils.data_config import img2label_path, list_image_files, load_data_config  # noqa: E402
+from utils.dataloaders import create_dataloader  # noqa: E402
+from utils.label_cache import load_label_set  # noqa: E402
+from utils.log import setup_logging  # noqa: E402
+
+COCO128 = ROOT.parent / "shared" / "datasets" / "coco128.yaml"
+
+
+def bench_augmented(workers: int, imgsz: int = 640, batch_size: int = 16, epochs: int = 2) -> float:
+    """Augmented (mosaic) training samples per second over COCO128's train split."""
+    cfg = load_data_config(COCO128)
+    hyp = yaml.safe_load((ROOT / "data" / "hyps" / "hyp.scratch-low.yaml").read_text())
+    loader, dataset = create_dataloader(cfg["train"], imgsz, batch_size, 32, hyp=hyp, augment=True, shuffle=True,
+                                        workers=workers, nc=cfg["nc"])
+    loader.sampler.set_epoch(0)
+    for _ in loader:  # warm-up: worker start, page cache
+        break
+    count, start = 0, time.perf_counter()
+    for epoch in range(1, epochs + 1):
+        loader.sampler.set_epoch(epoch)
+        for imgs, *_ in loader:
+            count += len(imgs)
+    return count / (time.perf_counter() - start)
+
+
+def make_tiny_dataset(root: Path, n: int) -> Path:
+    """n small JPEGs (48x40, distinct pixels) with one label row each; every 10th has no label file."""
+    images, labels = root / "images" / "train", root / "labels" / "train"
+    images.mkdir(parents=True)
+    labels.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)
+    for i in range(n):
+        base[i % 40, (i // 40) % 48] = i % 256
+        ok, enc = cv2.imencode(".jpg", base)
+        (images / f"{i:06d}.jpg").write_bytes(enc.tobytes())
+        if i % 10:
+            (labels / f"{i:06d}.txt").write_text(f"{i % 3} 0.5 0.5 0.3 0.4\n0 0.2 0.3 0.1 0.1\n")
+    return images
+
+
+def _pil_style_check(pair: tuple[str, str]) -> int:
+    """Reference: per-image PIL open + verify + EXIF size + end-marker check, then parse the label file."""
+    from PIL import Image, ImageOps
+
+    im_file, lb_file = pair
+    with Image.open(im_file) as im:
+        im.verify()
+    with Image.open(im_file) as im:
+        ImageOps.exif_transpose(im).size
+    with open(im_file, "rb") as f:
+        f.seek(-2, 2)
+        f.read()
+    if os.path.isfile(lb_file):
+        with open(lb_file) as f:
+            np.array([x.split() for x in f.read().strip().splitlines() if len(x)], dtype=np.float32)
+    return 1
+
+
+def bench_cache(n: int, reference: bool) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="bench_cache_"))
+    try:
+        t0 = time.perf_counter()
+        images = make_tiny_dataset(tmp, n)
+        print(f"generated {n} images in {time.perf_counter() - t0:.1f}s")
+        files = list_image_files(str(images))
+        t0 = time.perf_counter()
+        built = load_label_set(files, nc=3, source=str(images), workers=8)
+        build_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        load_label_set(files, nc=3, source=str(images), workers=8)
+        reload_s = time.perf_counter() - t0
+        print(f"label cache, {n} images: build {build_s:.2f}s, reload {reload_s:.3f}s ({built.counts})")
+        if reference:
+            pairs = [(f, img2label_path(f)) for f in files]
+            workers = min(8, os.cpu_count() or 1)
+            t0 = time.perf_counter()
+            with multiprocessing.get_context("fork").Pool(workers) as pool:
+                sum(pool.imap(_pil_style_check, pairs, chunksize=64))
+            print(f"reference PIL-verify scan of the same {n} images ({workers} processes): "
+                  f"{time.perf_counter() - t0:.2f}s")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--images", type=int, default=20000, help="images in the generated cache benchmark")
+    parser.add_argument("--skip-coco", action="store_true", help="skip the COCO128 throughput benchmark")
+    parser.add_argument("--reference", action="store_true", help="also time a PIL-verify style scan")
+    args = parser.parse_args()
+    setup_logging(0)
+    if not args.skip_coco:
+        if COCO128.is_file():
+            for workers in (0, 2):
+                print(f"COCO128 imgsz 640 mosaic, workers={workers}: {bench_augmented(workers):.1f} samples/s")
+        else:
+            print(f"{COCO128} not found: skipping the throughput benchmark")
+    bench_cache(args.images, args.reference)
+
+
+if __name__ == "__main__":
+    main()
