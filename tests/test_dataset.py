@@ -145,3 +145,15 @@ def test_dataset_builds_label_cache_once_per_split(data_root: Path) -> None:
     _, dataset = _train(data_root)
     assert dataset.cache_file == str(data_root / "labels" / "train.cache")
     assert dataset.label_counts["labelled"] + dataset.label_counts["empty"] + dataset.label_counts["background"] == 12
+
+
+def test_disk_cache_on_read_only_folder_warns_once(data_root: Path, monkeypatch, caplog) -> None:
+    def refuse(path: Path, array: np.ndarray) -> None:
+        raise PermissionError("read-only file system")
+
+    monkeypatch.setattr(dataset_module, "_atomic_save_npy", refuse)
+    monkeypatch.setattr(logging.getLogger("yolo"), "propagate", True)
+    with caplog.at_level(logging.WARNING, logger="yolo"):
+        dataset = YoloDataset(str(data_root / "images" / "val"), IMGSZ, cache="disk", nc=5, workers=0)
+    assert caplog.text.count("could not be written") == 1 and "10 of 10" in caplog.text
+    assert dataset[0][0].shape == (3, IMGSZ, IMGSZ)

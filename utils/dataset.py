@@ -154,21 +154,27 @@ class YoloDataset(Dataset):
         fill = self._cache_one_ram if mode == "ram" else self._cache_one_disk
         threads = max(1, min(8, workers, os.cpu_count() or 1))
         with ThreadPoolExecutor(threads) as pool:  # cv2 decoding releases the GIL
-            list(pool.map(fill, range(self.n)))
-        LOGGER.info(f"{self.prefix}Cached {self.n} images ({need / gib:.2f} GiB, {mode})")
+            failures = [err for err in pool.map(fill, range(self.n)) if err]
+        if failures:  # e.g. a read-only image folder: one warning, not one per image
+            LOGGER.warning(f"{self.prefix}WARNING --cache disk: {len(failures)} of {self.n} .npy files could not "
+                           f"be written (first: {failures[0]}); those images are decoded each time")
+        LOGGER.info(f"{self.prefix}Cached {self.n - len(failures)} images ({need / gib:.2f} GiB, {mode})")
 
-    def _cache_one_ram(self, i: int) -> None:
+    def _cache_one_ram(self, i: int) -> str:
         img = self._decode(i)
         self.ram_images[i] = resize_to_long_side(img, self.imgsz, self.augment)[0]
+        return ""
 
-    def _cache_one_disk(self, i: int) -> None:
+    def _cache_one_disk(self, i: int) -> str:
+        """Write image i's .npy unless a current one exists; returns an error message or ''."""
         npy, src = self.npy_files[i], self.im_files[i]
         if npy.is_file() and npy.stat().st_mtime_ns >= os.stat(src).st_mtime_ns:
-            return
+            return ""
         try:
             _atomic_save_npy(npy, self._read_original(i))
         except OSError as e:
-            LOGGER.warning(f"{self.prefix}WARNING {npy}: cannot write disk cache ({e})")
+            return f"{npy}: {e}"
+        return ""
 
     def _read_original(self, i: int) -> np.ndarray:
         img = read_image(self.im_files[i])
