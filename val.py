@@ -41,6 +41,7 @@ class ValResults:
     speed: tuple[float, float, float]  # pre-process, inference, NMS: ms per image
     n_images: int = 0
     n_instances: int = 0
+    n_detections: int = 0  # kept after NMS, all images
     class_metrics: ClassMetrics | None = None
     confusion: np.ndarray | None = None  # (nc + 1, nc + 1), rows predicted, columns true
     coco_stats: np.ndarray | None = None  # COCOeval's 12 figures with --save-json
@@ -188,7 +189,7 @@ def validate(
 
     results = ValResults(
         p=p, r=r, map50=map50, map=map50_95, losses=(loss_sum / max(n_batches, 1)).cpu().numpy(), maps=maps,
-        speed=speed, n_images=seen, n_instances=n_instances, class_metrics=metrics,
+        speed=speed, n_images=seen, n_instances=n_instances, n_detections=int(len(conf)), class_metrics=metrics,
         confusion=confusion if plots else None, save_dir=save_dir, names=names,
     )
     if plots:
@@ -330,6 +331,8 @@ def run(
         raise UserError(f"{data_cfg.get('yaml_file', data)}: no '{split}' split to validate on")
 
     device = select_device(device, batch_size)
+    if half and device.type != "cuda":
+        LOGGER.warning("--half needs a CUDA device: running in fp32")
     half = half and device.type == "cuda"
     model, _ = load_model(weights, device)
     model = model.float()

@@ -42,6 +42,8 @@ def non_max_suppression(
     output: list[torch.Tensor] = []
     for image_pred, keep_mask in zip(prediction, has_candidates):
         x = image_pred[keep_mask]
+        # second cheap filter on the best class, before building the (n, nc) score matrix
+        x = x[x[:, 5:].amax(1) * x[:, 4] > conf_thres]
         if x.shape[0] == 0:
             output.append(torch.zeros((0, 6), device=device, dtype=prediction.dtype))
             continue
