@@ -48,22 +48,23 @@ def non_max_suppression(
             output.append(torch.zeros((0, 6), device=device, dtype=prediction.dtype))
             continue
         scores = x[:, 5:] * x[:, 4:5]
-        boxes = xywh2xyxy(x[:, :4])
         if multi_label:
             box_index, cls_index = (scores > conf_thres).nonzero(as_tuple=True)
-            det = torch.cat(
-                (boxes[box_index], scores[box_index, cls_index, None], cls_index[:, None].to(x.dtype)), 1
-            )
+            conf = scores[box_index, cls_index]
         else:
-            conf, cls_index = scores.max(1, keepdim=True)
-            det = torch.cat((boxes, conf, cls_index.to(x.dtype)), 1)[conf.view(-1) > conf_thres]
+            conf, cls_index = scores.max(1)
+            box_index = (conf > conf_thres).nonzero(as_tuple=True)[0]
+            conf, cls_index = conf[box_index], cls_index[box_index]
         if class_filter is not None:
-            det = det[(det[:, 5:6] == class_filter).any(1)]
-        if det.shape[0] == 0:
+            wanted = (cls_index[:, None] == class_filter).any(1)
+            box_index, cls_index, conf = box_index[wanted], cls_index[wanted], conf[wanted]
+        if conf.shape[0] == 0:
             output.append(torch.zeros((0, 6), device=device, dtype=prediction.dtype))
             continue
-        if det.shape[0] > max_nms:
-            det = det[det[:, 4].topk(max_nms).indices]
+        if conf.shape[0] > max_nms:  # cap before building the (n, 6) rows: an untrained model can pass millions
+            top = conf.topk(max_nms).indices
+            box_index, cls_index, conf = box_index[top], cls_index[top], conf[top]
+        det = torch.cat((xywh2xyxy(x[box_index, :4]), conf[:, None], cls_index[:, None].to(x.dtype)), 1)
 
         group = torch.zeros_like(det[:, 5]) if agnostic else det[:, 5]
         # NMS in float32: half-precision IoU is too coarse near the threshold
