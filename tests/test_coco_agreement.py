@@ -147,3 +147,27 @@ def test_no_detections_score_zero():
     for im in images:
         im["det_boxes"], im["det_cls"], im["scores"] = np.zeros((0, 4)), np.zeros(0, int), np.zeros(0)
     assert ours(images) == (0.0, 0.0)
+
+
+def test_yolo_labels_to_coco_ground_truth_and_results(tmp_path):
+    """Ground truth written from YOLO labels, and detections equal to it, give AP 1 in COCOeval."""
+    from utils.coco_json import detections_to_results, ground_truth_dict
+
+    labels = [np.array([[0, 0.5, 0.5, 0.2, 0.4], [1, 0.25, 0.25, 0.1, 0.1]]), np.zeros((0, 5)),
+              np.array([[1, 0.6, 0.3, 0.3, 0.2]])]
+    shapes = [(100, 200), (50, 50), (300, 150)]  # (h, w)
+    gt = ground_truth_dict(labels, shapes, [0, 1, 2], ["a.jpg", "dir/b.jpg", "c.jpg"], ["cat", "dog"])
+    assert [im["width"] for im in gt["images"]] == [200, 50, 150] and gt["images"][1]["file_name"] == "b.jpg"
+    assert [a["id"] for a in gt["annotations"]] == [1, 2, 3]  # COCOeval reads id 0 as "unmatched"
+    assert gt["annotations"][0]["bbox"] == pytest.approx([80, 30, 40, 40])
+    assert gt["annotations"][0]["area"] == pytest.approx(1600)
+    assert gt["categories"] == [{"id": 0, "name": "cat"}, {"id": 1, "name": "dog"}]
+
+    results = []
+    for image_id in range(len(gt["images"])):
+        rows = [a["bbox"] + [0.9, a["category_id"]] for a in gt["annotations"] if a["image_id"] == image_id]
+        det = np.array([[x, y, x + w, y + h, s, c] for x, y, w, h, s, c in rows]).reshape(-1, 6)
+        results += detections_to_results(det, image_id)
+    assert results[0] == {"image_id": 0, "category_id": 0, "bbox": [80.0, 30.0, 40.0, 40.0], "score": 0.9}
+    stats, evaluation = coco_eval(write_json(gt, tmp_path / "gt.json"), results)
+    assert stats[0] == pytest.approx(1.0) and coco_map(evaluation) == pytest.approx((1.0, 1.0))
