@@ -1,7 +1,6 @@
 """val.py end to end on a generated dataset: an oracle model, a real random model, and user errors."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
