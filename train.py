@@ -37,6 +37,7 @@ from utils.log import LOGGER, colorstr, setup_logging
 from utils.loss import ComputeLoss
 from utils.lr_schedule import apply_warmup, decay_factor, warmup_iterations
 from utils.metrics import fitness
+from utils.recipe import choose_optimizer, optimizer_steps
 from utils.results_log import append_results_row
 from utils.resume import resumed_options
 from utils.run_dir import increment_path
@@ -75,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="", help="'' (auto), 'cpu', '0' or '0,1,2,3'")
     p.add_argument("--multi-scale", action="store_true", help="vary the image size by +/- 50%% per batch")
     p.add_argument("--single-cls", action="store_true", help="train every class as one")
-    p.add_argument("--optimizer", default="SGD", choices=["SGD", "Adam", "AdamW"], help="optimizer")
+    p.add_argument("--optimizer", default="auto", choices=["auto", "SGD", "Adam", "AdamW"],
+                   help="auto: AdamW for short runs, SGD for long ones (see utils/recipe.py)")
+    p.add_argument("--close-mosaic", type=int, default=10, help="train the last N epochs without mosaic and mixup")
     p.add_argument("--sync-bn", action="store_true", help="synchronised BatchNorm across ranks (DDP only)")
     p.add_argument("--workers", type=int, default=2, help="dataloader workers per rank")
     p.add_argument("--project", default=str(ROOT / "runs/train"), help="runs are saved to project/name")
@@ -176,7 +179,8 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, resume_
     train_loader, dataset = create_dataloader(
         data["train"], opt.imgsz, batch_per_rank, grid, hyp=hyp, augment=True, cache=opt.cache, rect=opt.rect,
         local_rank=info.local_rank, global_rank=max(info.rank, 0), world_size=info.world_size, workers=opt.workers,
-        shuffle=True, seed=opt.seed, single_cls=opt.single_cls, nc=nc, prefix=colorstr("train: "))
+        shuffle=True, seed=opt.seed, single_cls=opt.single_cls, nc=nc, prefix=colorstr("train: "),
+        close_mosaic_epoch=max(opt.epochs - opt.close_mosaic, 0) if opt.close_mosaic > 0 else None)
     val_loader = None
     if info.is_main:
         val_loader, _ = create_dataloader(
@@ -192,8 +196,12 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, resume_
     # ---- optimisation ------------------------------------------------------------------------------------
     batches_per_epoch = len(train_loader)
     accumulate = max(round(NOMINAL_BATCH / opt.batch_size), 1)
+    choice = choose_optimizer(opt.optimizer, optimizer_steps(opt.epochs, len(dataset), opt.batch_size, accumulate),
+                              nc, hyp)
+    LOGGER.info(f"optimizer: {choice.name} lr0={choice.lr0} momentum={choice.momentum} ({choice.reason})")
+    hyp_run = {**hyp, "lr0": choice.lr0, "momentum": choice.momentum}  # hyp itself stays as the file says
     decay = hyp["weight_decay"] * opt.batch_size * accumulate / NOMINAL_BATCH
-    optimizer = build_optimizer(model, opt.optimizer, hyp["lr0"], hyp["momentum"], decay)
+    optimizer = build_optimizer(model, choice.name, choice.lr0, choice.momentum, decay)
     lr_factor = decay_factor(opt.epochs, hyp["lrf"], opt.cos_lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lr_factor)
     ema = ModelEMA(model) if info.is_main else None
@@ -226,7 +234,7 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, resume_
         for i, (imgs, targets, paths, _) in batches:
             iteration = i + batches_per_epoch * epoch
             if iteration <= n_warmup:
-                apply_warmup(optimizer, iteration, n_warmup, lr_factor(epoch), hyp)
+                apply_warmup(optimizer, iteration, n_warmup, lr_factor(epoch), hyp_run)
             imgs = prepare_images(imgs, device, opt, grid, epoch, i)
             step_now = (i + 1) % accumulate == 0 or i == batches_per_epoch - 1
             with gradient_sync(model, step_now), autocast(device, precision):

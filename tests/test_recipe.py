@@ -1,0 +1,107 @@
+"""The training recipe: the automatic optimizer choice and closing mosaic for the last epochs."""
+from __future__ import annotations
+
+import os
+import socket
+
+import cv2
+import numpy as np
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import yaml
+
+from utils.dataloaders import create_dataloader
+from utils.recipe import SHORT_RUN_STEPS, choose_optimizer, optimizer_steps
+
+HYP = yaml.safe_load(open("data/hyps/hyp.scratch-low.yaml"))
+
+
+def test_optimizer_steps_counts_accumulated_batches() -> None:
+    assert optimizer_steps(epochs=20, n_images=800, batch_size=16, accumulate=4) == 20 * 13
+    assert optimizer_steps(epochs=1, n_images=10, batch_size=64, accumulate=1) == 1
+
+
+def test_auto_picks_adamw_for_short_runs_and_sgd_for_long_runs() -> None:
+    short = choose_optimizer("auto", steps=260, nc=5, hyp=HYP)
+    assert short.name == "AdamW" and short.lr0 == pytest.approx(0.01 / 9, abs=1e-6) and short.momentum == 0.9
+    assert "short" in short.reason
+    long = choose_optimizer("auto", steps=SHORT_RUN_STEPS + 1, nc=80, hyp=HYP)
+    assert (long.name, long.lr0, long.momentum) == ("SGD", HYP["lr0"], HYP["momentum"])
+    assert choose_optimizer("auto", steps=100, nc=80, hyp=HYP).lr0 < short.lr0  # more classes, smaller lr
+
+
+def test_explicit_optimizer_always_wins() -> None:
+    for name in ("SGD", "Adam", "AdamW"):
+        for steps in (10, 10 * SHORT_RUN_STEPS):
+            choice = choose_optimizer(name, steps=steps, nc=5, hyp=HYP)
+            assert (choice.name, choice.lr0, choice.momentum) == (name, HYP["lr0"], HYP["momentum"])
+
+
+# ---- close-mosaic -------------------------------------------------------------------------------------------
+# Every image is one flat, unique colour: a mosaic sample shows several colours, a plain one shows one.
+N_IMAGES, SIZE, CLOSE_AT, EPOCHS = 8, 64, 2, 4
+MOSAIC_ONLY = {**HYP, **{k: 0.0 for k in ("hsv_h", "hsv_s", "hsv_v", "degrees", "translate", "scale", "shear",
+                                          "perspective", "flipud", "fliplr", "mixup")}, "mosaic": 1.0}
+
+
+@pytest.fixture(scope="module")
+def flat_colour_images(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("flat")
+    (root / "images").mkdir()
+    (root / "labels").mkdir()
+    for i in range(N_IMAGES):
+        colour = (20 + 25 * i, 200 - 20 * i, 60 + 10 * i)
+        cv2.imwrite(str(root / "images" / f"{i}.png"), np.full((SIZE, SIZE, 3), colour, np.uint8))
+        (root / "labels" / f"{i}.txt").write_text("0 0.5 0.5 0.5 0.5\n")
+    return str(root / "images")
+
+
+def _mosaic_per_epoch(images: str, workers: int, rank: int = 0, world_size: int = 1,
+                      epochs: range = range(EPOCHS)) -> dict[int, list[bool]]:
+    loader, _ = create_dataloader(images, SIZE, 2, 32, hyp=MOSAIC_ONLY, augment=True, shuffle=True,
+                                  workers=workers, seed=3, close_mosaic_epoch=CLOSE_AT, global_rank=rank,
+                                  world_size=world_size)
+    seen = {}
+    for epoch in epochs:
+        loader.sampler.set_epoch(epoch)
+        seen[epoch] = [np.unique(img.reshape(3, -1).numpy(), axis=1).shape[1] > 1
+                       for imgs, *_ in loader for img in imgs]
+    return seen
+
+
+def _expected(epochs) -> dict[int, bool]:
+    return {e: e < CLOSE_AT for e in epochs}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_close_mosaic_switches_at_the_right_epoch(flat_colour_images, workers: int) -> None:
+    seen = _mosaic_per_epoch(flat_colour_images, workers)
+    assert {e: all(v) if e < CLOSE_AT else any(v) for e, v in seen.items()} == _expected(range(EPOCHS))
+
+
+def test_a_fresh_loader_starting_in_the_closed_epochs_has_no_mosaic(flat_colour_images) -> None:
+    # What a resume does: new loader, first epoch already past the switch.
+    seen = _mosaic_per_epoch(flat_colour_images, workers=2, epochs=range(CLOSE_AT + 1, EPOCHS))
+    assert not any(any(v) for v in seen.values())
+
+
+def _ddp_worker(rank: int, port: int, images: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    seen = _mosaic_per_epoch(images, workers=2, rank=rank, world_size=2)
+    with open(f"{out}.{rank}", "w") as f:
+        yaml.safe_dump({e: [bool(x) for x in v] for e, v in seen.items()}, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_close_mosaic_under_two_rank_ddp(flat_colour_images, tmp_path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "seen")
+    mp.spawn(_ddp_worker, args=(port, flat_colour_images, out), nprocs=2, join=True)
+    for rank in range(2):
+        seen = yaml.safe_load(open(f"{out}.{rank}"))
+        assert {e: all(v) if e < CLOSE_AT else any(v) for e, v in seen.items()} == _expected(range(EPOCHS))

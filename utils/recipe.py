@@ -1,0 +1,39 @@
+"""Choosing the optimizer for the run at hand: the length of the schedule decides.
+
+YOLOv5's SGD at lr0 0.01 is tuned for ~300-epoch runs on large datasets; over a few thousand optimizer
+steps it learns slowly. Short runs get AdamW, whose per-parameter step sizes make progress from the first
+iterations, at a learning rate that shrinks with the number of classes (more classes, noisier gradients of
+the classification head).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Below this many optimizer steps a run counts as short.
+SHORT_RUN_STEPS = 10_000
+
+
+@dataclass(frozen=True)
+class OptimizerChoice:
+    name: str
+    lr0: float
+    momentum: float
+    reason: str
+
+
+def optimizer_steps(epochs: int, n_images: int, batch_size: int, accumulate: int) -> int:
+    """Optimizer steps of a whole run: epochs x batches per epoch / accumulation."""
+    return epochs * math.ceil(math.ceil(n_images / batch_size) / accumulate)
+
+
+def choose_optimizer(requested: str, steps: int, nc: int, hyp: dict) -> OptimizerChoice:
+    """The explicit --optimizer with the hyp file's lr0/momentum, or the automatic choice for ``auto``."""
+    if requested != "auto":
+        return OptimizerChoice(requested, hyp["lr0"], hyp["momentum"], f"--optimizer {requested}")
+    if steps > SHORT_RUN_STEPS:
+        return OptimizerChoice("SGD", hyp["lr0"], hyp["momentum"],
+                               f"auto: {steps} optimizer steps > {SHORT_RUN_STEPS}, a long run: SGD with the hyp file's lr0")
+    lr0 = round(0.002 * 5 / (4 + nc), 6)
+    return OptimizerChoice("AdamW", lr0, 0.9,
+                           f"auto: {steps} optimizer steps <= {SHORT_RUN_STEPS}, a short run: AdamW, lr0 = 0.01 / (4 + nc)")
