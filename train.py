@@ -231,7 +231,10 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, resume_
                         f"{'Instances':>11}{'Size':>11}")
             batches = tqdm(batches, total=batches_per_epoch, bar_format="{l_bar}{bar:10}{r_bar}")
         optimizer.zero_grad()
+        t_epoch = t_batch_ready = time.perf_counter()
+        data_wait = 0.0
         for i, (imgs, targets, paths, _) in batches:
+            data_wait += time.perf_counter() - t_batch_ready
             iteration = i + batches_per_epoch * epoch
             if iteration <= n_warmup:
                 apply_warmup(optimizer, iteration, n_warmup, lr_factor(epoch), hyp_run)
@@ -250,7 +253,11 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, resume_
                     from utils.plots import plot_images
 
                     plot_images(imgs_uint8(imgs), targets, paths, save_dir / f"train_batch{i}.jpg", names)
+            t_batch_ready = time.perf_counter()
         scheduler.step()
+        epoch_time = time.perf_counter() - t_epoch
+        LOGGER.info(f"epoch {epoch}: {batches_per_epoch * opt.batch_size / epoch_time:.1f} images/s, "
+                    f"{100 * data_wait / epoch_time:.0f}% of the time waiting for data")
 
         if info.is_main:
             final_epoch = epoch + 1 == opt.epochs
