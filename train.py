@@ -71,8 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--noval", action="store_true", help="only validate after the final epoch")
     p.add_argument("--noautoanchor", action="store_true", help="keep the model's anchors as they are")
     p.add_argument("--noplots", action="store_true", help="write no plots")
-    p.add_argument("--cache", nargs="?", const="ram", default=None, choices=["ram", "disk"],
-                   help="cache decoded images in ram (default) or on disk")
+    p.add_argument("--cache", nargs="?", const="ram", default="auto", choices=["auto", "ram", "disk", "off"],
+                   help="cache decoded images: auto (default: in RAM when the dataset is small), ram, disk, off")
     p.add_argument("--device", default="", help="'' (auto), 'cpu', '0' or '0,1,2,3'")
     p.add_argument("--multi-scale", action="store_true", help="vary the image size by +/- 50%% per batch")
     p.add_argument("--single-cls", action="store_true", help="train every class as one")
@@ -130,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def setup_device(opt: argparse.Namespace, info: DistInfo) -> torch.device:
     """This process's device; in a distributed run, also join the process group."""
+    if opt.epochs < 1 or opt.batch_size < 1:
+        raise UserError(f"--epochs {opt.epochs} and --batch-size {opt.batch_size} must be at least 1")
     if opt.batch_size % info.world_size:
         raise UserError(f"--batch-size {opt.batch_size} must be a multiple of WORLD_SIZE {info.world_size}")
     device = select_device(opt.device, batch_size=opt.batch_size)
@@ -177,15 +179,15 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, resume_
     # ---- data --------------------------------------------------------------------------------------------
     batch_per_rank = opt.batch_size // info.world_size
     train_loader, dataset = create_dataloader(
-        data["train"], opt.imgsz, batch_per_rank, grid, hyp=hyp, augment=True, cache=opt.cache, rect=opt.rect,
-        local_rank=info.local_rank, global_rank=max(info.rank, 0), world_size=info.world_size, workers=opt.workers,
+        data["train"], opt.imgsz, batch_per_rank, grid, hyp=hyp, augment=True, cache=image_cache(opt.cache),
+        rect=opt.rect, local_rank=info.local_rank, global_rank=max(info.rank, 0), world_size=info.world_size, workers=opt.workers,
         shuffle=True, seed=opt.seed, single_cls=opt.single_cls, nc=nc, prefix=colorstr("train: "),
         close_mosaic_epoch=max(opt.epochs - opt.close_mosaic, 0) if opt.close_mosaic > 0 else None)
     val_loader = None
     if info.is_main:
         val_loader, _ = create_dataloader(
-            data["val"], opt.imgsz, batch_per_rank * 2, grid, hyp=hyp, cache=None if opt.noval else opt.cache,
-            rect=True, pad=0.5, workers=opt.workers * 2, single_cls=opt.single_cls, nc=nc, prefix=colorstr("val: "))
+            data["val"], opt.imgsz, batch_per_rank * 2, grid, hyp=hyp, cache=image_cache(opt.cache),
+            rect=True, pad=0.5, workers=opt.workers, single_cls=opt.single_cls, nc=nc, prefix=colorstr("val: "))
     if not resume_ckpt and not opt.noautoanchor:
         check_anchors(dataset, model, thr=hyp["anchor_t"], imgsz=opt.imgsz)
     if info.is_main and not resume_ckpt and not opt.noplots:
@@ -206,9 +208,9 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, resume_
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lr_factor)
     ema = ModelEMA(model) if info.is_main else None
     scaler = torch.amp.GradScaler(device.type, enabled=precision.needs_scaler)
-    start_epoch, best_fitness = 0, 0.0
+    start_epoch, best_fitness, best_epoch = 0, 0.0, -1
     if resume_ckpt:
-        start_epoch, best_fitness = restore_training_state(resume_ckpt, optimizer, scaler, ema, scheduler)
+        start_epoch, best_fitness, best_epoch = restore_training_state(resume_ckpt, optimizer, scaler, ema, scheduler)
     compute_loss = ComputeLoss(model, scaled_loss_gains(hyp, model, opt.imgsz), opt.label_smoothing)
 
     if info.is_distributed:
@@ -263,17 +265,20 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, resume_
             final_epoch = epoch + 1 == opt.epochs
             ema.update_attributes(model)
             if not opt.noval or final_epoch:
-                r = validation.validate(ema.ema, val_loader, names=names, device=device,
-                                        compute_loss=compute_loss)
+                report = final_epoch  # the full report (plots, per-class rows) once, for the final weights
+                r = validation.validate(ema.ema, val_loader, names=names, device=device, compute_loss=compute_loss,
+                                        plots=report and not opt.noplots, verbose=report and nc < 50,
+                                        save_dir=save_dir, autocast_dtype=precision.dtype)
                 results = (r.p, r.r, r.map50, r.map, *map(float, r.losses))
             current = float(fitness(np.array(results[:4])))
             improved = current > best_fitness
             best_fitness = max(best_fitness, current)
+            best_epoch = epoch if improved else best_epoch
             epochs_without_improvement = 0 if improved else epochs_without_improvement + 1
             lrs = [g["lr"] for g in optimizer.param_groups]
             append_results_row(save_dir / "results.csv", [epoch, *mean_loss.tolist(), *results, *lrs])
             if not opt.nosave or final_epoch:
-                ckpt = training_checkpoint(model, ema, optimizer, scaler, epoch, best_fitness, opt, hyp)
+                ckpt = training_checkpoint(model, ema, optimizer, scaler, epoch, best_fitness, best_epoch, opt, hyp)
                 save_checkpoint(ckpt, last)
                 if improved:
                     save_checkpoint(ckpt, best)
@@ -291,13 +296,14 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, resume_
     # ---- final validation --------------------------------------------------------------------------------
     if info.is_main:
         LOGGER.info(f"\n{epoch - start_epoch + 1} epochs completed in {(time.time() - t_start) / 3600:.3f} hours.")
-        final = best if best.exists() else last
-        if final.exists():
-            strip_training_state(best)
-            final_model = build_model(load_checkpoint(final)).to(device)
-            LOGGER.info(f"\nValidating {final}...")
+        del batches, train_loader  # ends the training workers before the last validation
+        strip_training_state(best)
+        if best.exists() and best_epoch != epoch:  # the last epoch's report was not for the best weights
+            final_model = build_model(load_checkpoint(best)).to(device, memory_format=torch.channels_last)
+            LOGGER.info(f"\nValidating {best} (epoch {best_epoch})...")
             r = validation.validate(final_model, val_loader, names=names, device=device, plots=not opt.noplots,
-                                    save_dir=save_dir, verbose=nc < 50, compute_loss=compute_loss)
+                                    save_dir=save_dir, verbose=nc < 50, compute_loss=compute_loss,
+                                    autocast_dtype=precision.dtype)
             results = (r.p, r.r, r.map50, r.map, *map(float, r.losses))
         if not opt.noplots:
             from utils.plots import plot_results
@@ -320,6 +326,10 @@ def load_hyp(path: str) -> dict:
     if missing:
         raise UserError(f"{path}: missing hyper-parameters {', '.join(missing)}")
     return hyp
+
+
+def image_cache(mode: str) -> str | None:
+    return None if mode == "off" else mode
 
 
 def make_model(opt: argparse.Namespace, nc: int, resume_ckpt: dict | None) -> nn.Module:
@@ -410,8 +420,8 @@ def progress_line(epoch: int, epochs: int, device: torch.device, mean_loss: torc
 
 
 def training_checkpoint(model: nn.Module, ema: ModelEMA, optimizer: torch.optim.Optimizer,
-                        scaler: torch.amp.GradScaler, epoch: int, best_fitness: float, opt: argparse.Namespace,
-                        hyp: dict) -> dict:
+                        scaler: torch.amp.GradScaler, epoch: int, best_fitness: float, best_epoch: int,
+                        opt: argparse.Namespace, hyp: dict) -> dict:
     """Everything needed to resume, in the safe format: tensors, state_dicts and plain values only."""
     ckpt = model_state(model)
     ckpt.update(
@@ -421,6 +431,7 @@ def training_checkpoint(model: nn.Module, ema: ModelEMA, optimizer: torch.optim.
         scaler=scaler.state_dict() if scaler.is_enabled() else None,
         epoch=epoch,
         best_fitness=float(best_fitness),
+        best_epoch=best_epoch,
         opt={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opt).items()},
         hyp=dict(hyp),
         torch_rng=torch.get_rng_state(),
@@ -430,7 +441,7 @@ def training_checkpoint(model: nn.Module, ema: ModelEMA, optimizer: torch.optim.
 
 
 def restore_training_state(ckpt: dict, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                           ema: ModelEMA | None, scheduler) -> tuple[int, float]:
+                           ema: ModelEMA | None, scheduler) -> tuple[int, float, int]:
     optimizer.load_state_dict(ckpt["optimizer"])
     if ckpt.get("scaler") and scaler.is_enabled():
         scaler.load_state_dict(ckpt["scaler"])
@@ -442,7 +453,7 @@ def restore_training_state(ckpt: dict, optimizer: torch.optim.Optimizer, scaler:
     start_epoch = int(ckpt["epoch"]) + 1
     scheduler.last_epoch = start_epoch  # the saved optimizer already holds the learning rates of start_epoch
     LOGGER.info(f"Resuming training at epoch {start_epoch}")
-    return start_epoch, float(ckpt["best_fitness"])
+    return start_epoch, float(ckpt["best_fitness"]), int(ckpt.get("best_epoch", -1))
 
 
 def strip_training_state(path: Path) -> None:

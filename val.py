@@ -78,12 +78,14 @@ def validate(
     save_txt: bool = False,
     save_conf: bool = False,
     half: bool = False,
+    autocast_dtype: torch.dtype | None = None,
 ) -> ValResults:
     """Run ``model`` over ``dataloader`` (letterboxed batches with shapes entries) and measure it.
 
     The model is put in eval mode and left there. ``half`` (CUDA only) runs an fp32 model under fp16
     autocast, so the caller's weights (such as training's EMA) are never converted; a model already in
-    fp16 gets fp16 images. Outputs (plots, labels/, JSON files) go to ``save_dir``.
+    fp16 gets fp16 images. ``autocast_dtype`` (e.g. bf16 on a CPU, as training uses) runs inference under
+    autocast of that type; NMS and metrics stay in fp32. Outputs (plots, labels/, JSON files) go to ``save_dir``.
     """
     device = torch.device(device)
     wants_files = plots or save_json or save_txt
@@ -92,7 +94,12 @@ def validate(
     save_dir = Path(save_dir) if save_dir is not None else None
     half = half and device.type == "cuda"
     model.eval()
-    fp16_weights = next(model.parameters()).dtype == torch.float16
+    first_weight = next(model.parameters())
+    fp16_weights = first_weight.dtype == torch.float16
+    # Feed images in the layout the convolutions already use, so no conversion runs per layer.
+    channels_last = first_weight.dim() == 4 and first_weight.is_contiguous(memory_format=torch.channels_last)
+    if half and not fp16_weights:
+        autocast_dtype = torch.float16
     names = list(names)
     if single_cls:
         names = names if len(names) == 1 else ["item"]
@@ -113,12 +120,15 @@ def validate(
     for batch_i, (imgs, targets, paths, shapes) in enumerate(dataloader):
         t0 = time_synchronized()
         imgs = imgs.to(device, non_blocking=True)
+        if channels_last:
+            imgs = imgs.contiguous(memory_format=torch.channels_last)
         imgs = imgs.half() if fp16_weights else imgs.float()
         imgs /= 255
         _, _, height, width = imgs.shape
         t1 = time_synchronized()
 
-        with torch.autocast(device_type="cuda", dtype=torch.float16, enabled=half and not fp16_weights):
+        with torch.autocast(device_type=device.type, dtype=autocast_dtype or torch.float32,
+                            enabled=autocast_dtype is not None):
             pred, raw = model(imgs)
         t2 = time_synchronized()
         if compute_loss is not None:

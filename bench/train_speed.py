@@ -6,8 +6,9 @@
 Both trainers run the same settings: yolov5n from scratch, ../shared/datasets/coco128.yaml, imgsz 320,
 batch 16, 2 workers, 3 epochs, --noval (each still validates the final epoch), --noplots, CPU. Ours also
 gets --close-mosaic 0 so that both do the same augmentation work in every epoch. Peak memory is the
-largest sum of resident memory over the trainer's whole process tree (main process plus workers),
-sampled every 0.1 s.
+largest sum of proportional set size (PSS) over the trainer's whole process tree (main process plus
+workers), sampled every 0.25 s. YOLOv5 resolves a relative `path:` against its working directory, so it
+gets a copy of the data YAML with `path:` made absolute.
 """
 from __future__ import annotations
 
@@ -21,34 +22,46 @@ import threading
 import time
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 COCO128 = ROOT.parent / "shared/datasets/coco128.yaml"
 
 
-def tree_rss_bytes(pid: int) -> int:
-    """Resident memory of a process and all its descendants, from /proc."""
+def _pss_bytes(pid: int) -> int:
+    """Proportional set size: shared pages (e.g. copy-on-write after fork) split between their users."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def tree_memory_bytes(pid: int) -> int:
+    """Memory of a process and all its descendants (sum of PSS), from /proc."""
     children: dict[int, list[int]] = {}
-    rss: dict[int, int] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(entry))
-            rss[int(entry)] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(entry))
         except (OSError, IndexError, ValueError):
             continue
     total, stack = 0, [pid]
     while stack:
         p = stack.pop()
-        total += rss.get(p, 0)
+        try:
+            total += _pss_bytes(p)
+        except OSError:
+            pass  # the process ended meanwhile
         stack.extend(children.get(p, []))
     return total
 
 
 def run_measured(cmd: list[str], cwd: Path, log_file: Path) -> tuple[float, int, int]:
-    """Wall seconds, peak tree RSS and exit code of ``cmd``."""
+    """Wall seconds, peak memory of the process tree and exit code of ``cmd``."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with open(log_file, "w") as log:
         t0 = time.perf_counter()
@@ -59,8 +72,8 @@ def run_measured(cmd: list[str], cwd: Path, log_file: Path) -> tuple[float, int,
         def sample() -> None:
             nonlocal peak
             while not stop.is_set():
-                peak = max(peak, tree_rss_bytes(proc.pid))
-                time.sleep(0.1)
+                peak = max(peak, tree_memory_bytes(proc.pid))
+                time.sleep(0.25)
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
@@ -90,6 +103,11 @@ def main() -> int:
     runs = {"ours": ([sys.executable, "train.py", *common, "--cfg", "models/yolov5n.yaml", "--close-mosaic", "0",
                       "--project", str(out), "--name", "ours", *args.extra.split()], ROOT)}
     if args.yolov5:
+        data = yaml.safe_load(Path(args.data).read_text())
+        data["path"] = str((Path(args.data).parent / data.get("path", "")).resolve())
+        absolute_yaml = out / "data_absolute.yaml"
+        absolute_yaml.write_text(yaml.safe_dump(data, sort_keys=False))
+        common[1] = str(absolute_yaml)
         runs["yolov5"] = ([args.yolov5_python, "train.py", *common, "--cfg", "models/yolov5n.yaml", "--weights", "",
                            "--project", str(out), "--name", "yolov5"], Path(args.yolov5))
     results = {}

@@ -26,8 +26,12 @@ from utils.image_io import read_image
 from utils.label_cache import load_label_set
 from utils.log import LOGGER
 
-CACHE_MODES = (None, "ram", "disk")
+CACHE_MODES = (None, "ram", "disk", "auto")
 MEMORY_HEADROOM = 1.5  # the RAM cache must fit this many times over in the available memory
+# 'auto' caches in RAM only small datasets: decoding is a large share of a CPU training step, and caching a
+# few hundred MiB costs little even when several ranks on one machine each hold a copy.
+AUTO_CACHE_MAX_BYTES = 512 << 20
+AUTO_CACHE_MAX_SHARE = 0.05  # of the available memory
 DEFAULT_HYP = {"hsv_h": 0.015, "hsv_s": 0.7, "hsv_v": 0.4, "degrees": 0.0, "translate": 0.1, "scale": 0.5,
                "shear": 0.0, "perspective": 0.0, "flipud": 0.0, "fliplr": 0.5, "mosaic": 1.0, "mixup": 0.0}
 
@@ -94,7 +98,7 @@ class YoloDataset(Dataset):
                  seed: int = 0, close_mosaic_epoch: int | None = None, local_rank: int = -1,
                  workers: int = 8, prefix: str = ""):
         if cache not in CACHE_MODES:
-            raise UserError(f"--cache {cache!r}: expected 'ram', 'disk' or nothing")
+            raise UserError(f"--cache {cache!r}: expected 'ram', 'disk', 'auto' or nothing")
         self.imgsz, self.augment, self.rect, self.stride, self.pad = imgsz, augment, rect, stride, pad
         self.hyp = {**DEFAULT_HYP, **(hyp or {})}
         self.seed, self.close_mosaic_epoch, self.prefix = seed, close_mosaic_epoch, prefix
@@ -136,6 +140,12 @@ class YoloDataset(Dataset):
 
     def _fill_cache(self, mode: str, workers: int) -> None:
         gib = 1 << 30
+        if mode == "auto":
+            need, have = self._resized_bytes(), available_memory_bytes()
+            if need > min(AUTO_CACHE_MAX_BYTES, AUTO_CACHE_MAX_SHARE * have):
+                self.cache = None
+                return
+            mode = self.cache = "ram"
         if mode == "ram":
             need, have = self._resized_bytes(), available_memory_bytes()
             if need * MEMORY_HEADROOM > have:
