@@ -8,10 +8,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 import time
-from copy import deepcopy
 from datetime import datetime
 from pathlib import Path
 
@@ -26,9 +26,9 @@ from tqdm import tqdm
 
 import val as validation
 from models.yolo import Model
-from utils.amp import Precision, autocast, choose_precision
+from utils.amp import autocast, choose_precision
 from utils.autoanchor import check_anchors
-from utils.checkpoint import build_model, load_checkpoint, model_state, save_checkpoint
+from utils.checkpoint import build_model, cpu_fp32_state, load_checkpoint, model_state, save_checkpoint
 from utils.data_config import load_data_config
 from utils.dataloaders import create_dataloader
 from utils.distributed import DistInfo, destroy_process_group, dist_info, init_process_group
@@ -49,7 +49,6 @@ from utils.torch_utils import (
     init_torch_seeds,
     select_device,
     slow_barrier,
-    torch_distributed_zero_first,
 )
 
 ROOT = Path(__file__).resolve().parent
@@ -180,8 +179,8 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, resume_
     batch_per_rank = opt.batch_size // info.world_size
     train_loader, dataset = create_dataloader(
         data["train"], opt.imgsz, batch_per_rank, grid, hyp=hyp, augment=True, cache=image_cache(opt.cache),
-        rect=opt.rect, local_rank=info.local_rank, global_rank=max(info.rank, 0), world_size=info.world_size, workers=opt.workers,
-        shuffle=True, seed=opt.seed, single_cls=opt.single_cls, nc=nc, prefix=colorstr("train: "),
+        rect=opt.rect, local_rank=info.local_rank, global_rank=max(info.rank, 0), world_size=info.world_size,
+        workers=opt.workers, shuffle=True, seed=opt.seed, single_cls=opt.single_cls, nc=nc, prefix=colorstr("train: "),
         close_mosaic_epoch=max(opt.epochs - opt.close_mosaic, 0) if opt.close_mosaic > 0 else None)
     val_loader = None
     if info.is_main:
@@ -382,13 +381,9 @@ def prepare_images(imgs: torch.Tensor, device: torch.device, opt: argparse.Names
     return imgs
 
 
-def gradient_sync(model: nn.Module, step_now: bool):
+def gradient_sync(model: nn.Module, step_now: bool) -> contextlib.AbstractContextManager:
     """Under DDP, all-reduce gradients only on the micro-batch that ends an accumulation window."""
-    if isinstance(model, DDP) and not step_now:
-        return model.no_sync()
-    from contextlib import nullcontext
-
-    return nullcontext()
+    return model.no_sync() if isinstance(model, DDP) and not step_now else contextlib.nullcontext()
 
 
 def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
@@ -425,7 +420,7 @@ def training_checkpoint(model: nn.Module, ema: ModelEMA, optimizer: torch.optim.
     """Everything needed to resume, in the safe format: tensors, state_dicts and plain values only."""
     ckpt = model_state(model)
     ckpt.update(
-        ema={k: v.detach().float().cpu() if v.is_floating_point() else v.cpu() for k, v in ema.ema.state_dict().items()},
+        ema=cpu_fp32_state(ema.ema),
         updates=ema.updates,
         optimizer=optimizer.state_dict(),
         scaler=scaler.state_dict() if scaler.is_enabled() else None,

@@ -1,6 +1,8 @@
 """Data pipeline benchmark: augmented samples/s on COCO128 and label-cache build/reload time for 20k images.
 
 Run by hand from the repo root: ``python bench/dataloader.py [--images 20000] [--skip-coco]``.
+Side by side with a YOLOv5 checkout (its own create_dataloader / LoadImagesAndLabels, same settings, same
+generated images): ``python bench/dataloader.py --yolov5 /path/to/yolov5 --yolov5-python /path/to/python``.
 """
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import argparse
 import multiprocessing
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -79,7 +82,38 @@ def _pil_style_check(pair: tuple[str, str]) -> int:
     return 1
 
 
-def bench_cache(n: int, reference: bool) -> None:
+# Runs inside the YOLOv5 checkout with its Python: the same two measurements through its public functions.
+YOLOV5_PROBE = r"""
+import sys, time, yaml
+from utils.dataloaders import create_dataloader, LoadImagesAndLabels
+mode, arg, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
+if mode == "throughput":
+    hyp = yaml.safe_load(open(sys.argv[4]))
+    loader, _ = create_dataloader(arg, 640, 16, 32, hyp=hyp, augment=True, workers=workers, shuffle=True)
+    it = iter(loader)
+    next(it)  # warm-up, as ours
+    count, start = 0, time.perf_counter()
+    for _ in range(2 * len(loader)):
+        count += len(next(it)[0])
+    print(f"{count / (time.perf_counter() - start):.1f}")
+else:
+    times = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        LoadImagesAndLabels(arg, 640, 16, augment=False)
+        times.append(time.perf_counter() - t0)
+    print(f"{times[0]:.2f} {times[1]:.3f}")
+"""
+
+
+def run_yolov5_probe(yolov5: str, python: str, *args: str) -> str:
+    out = subprocess.run([python, "-c", YOLOV5_PROBE, *args], cwd=yolov5, capture_output=True, text=True)
+    if out.returncode:
+        return f"failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}"
+    return out.stdout.strip().splitlines()[-1]
+
+
+def bench_cache(n: int, reference: bool, yolov5: str = "", yolov5_python: str = "") -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench_cache_"))
     try:
         t0 = time.perf_counter()
@@ -93,6 +127,12 @@ def bench_cache(n: int, reference: bool) -> None:
         load_label_set(files, nc=3, source=str(images), workers=8)
         reload_s = time.perf_counter() - t0
         print(f"label cache, {n} images: build {build_s:.2f}s, reload {reload_s:.3f}s ({built.counts})")
+        if yolov5:
+            for cache in (images.parent.parent / "labels").glob("*.cache"):
+                cache.unlink()  # YOLOv5 must build its own, not find ours
+            build, reload = run_yolov5_probe(yolov5, yolov5_python, "cache", str(images), "0").split()
+            print(f"YOLOv5 label cache, same {n} images: build {build}s, reload {reload}s "
+                  f"(ours builds in {build_s / float(build):.2f} of its time)")
         if reference:
             pairs = [(f, img2label_path(f)) for f in files]
             workers = min(8, os.cpu_count() or 1)
@@ -110,15 +150,26 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=20000, help="images in the generated cache benchmark")
     parser.add_argument("--skip-coco", action="store_true", help="skip the COCO128 throughput benchmark")
     parser.add_argument("--reference", action="store_true", help="also time a PIL-verify style scan")
+    parser.add_argument("--yolov5", default="", help="a YOLOv5 checkout to measure the same way")
+    parser.add_argument("--yolov5-python", default=sys.executable, help="the Python that runs that checkout")
     args = parser.parse_args()
     setup_logging(0)
     if not args.skip_coco:
         if COCO128.is_file():
+            hyp_file = str(ROOT / "data" / "hyps" / "hyp.scratch-low.yaml")
+            train_dir = load_data_config(COCO128)["train"]
             for workers in (0, 2):
-                print(f"COCO128 imgsz 640 mosaic, workers={workers}: {bench_augmented(workers):.1f} samples/s")
+                ours = bench_augmented(workers)
+                line = f"COCO128 imgsz 640 mosaic, workers={workers}: {ours:.1f} samples/s"
+                if args.yolov5:
+                    theirs = run_yolov5_probe(args.yolov5, args.yolov5_python, "throughput", train_dir,
+                                              str(workers), hyp_file)
+                    ratio = f", {ours / float(theirs):.2f}x" if not theirs.startswith("failed") else ""
+                    line += f"; YOLOv5: {theirs} samples/s{ratio}"
+                print(line)
         else:
             print(f"{COCO128} not found: skipping the throughput benchmark")
-    bench_cache(args.images, args.reference)
+    bench_cache(args.images, args.reference, args.yolov5, args.yolov5_python)
 
 
 if __name__ == "__main__":

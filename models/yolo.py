@@ -217,7 +217,7 @@ class Model(nn.Module):
                 b[:, 4] += math.log(8 / (640 / float(s)) ** 2)
                 b[:, 5:5 + detect.nc] += math.log(0.6 / (detect.nc - 0.99999))
 
-    def fuse(self) -> "Model":
+    def fuse(self) -> Model:
         """Fold every BatchNorm into its convolution (for inference)."""
         for m in self.modules():
             if isinstance(m, Conv) and isinstance(m.bn, nn.BatchNorm2d):

@@ -1,7 +1,6 @@
 """Mixed precision and channels-last change speed, not results."""
 from __future__ import annotations
 
-import pytest
 import torch
 import yaml
 

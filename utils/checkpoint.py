@@ -20,14 +20,15 @@ from utils.torch_utils import de_parallel
 FORMAT_VERSION = 1
 
 
+def cpu_fp32_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A module's state_dict on the CPU with floating-point tensors in fp32 (checkpoints stay fp32)."""
+    return {k: v.detach().float().cpu() if v.is_floating_point() else v.cpu() for k, v in module.state_dict().items()}
+
+
 def model_state(model: nn.Module) -> dict[str, Any]:
     """The entries that rebuild a model: its config, class names and fp32 weights (on the CPU)."""
     bare = de_parallel(model)
-    return {
-        "model_cfg": bare.yaml,
-        "names": list(bare.names),
-        "model": {k: v.detach().float().cpu() if v.is_floating_point() else v.cpu() for k, v in bare.state_dict().items()},
-    }
+    return {"model_cfg": bare.yaml, "names": list(bare.names), "model": cpu_fp32_state(bare)}
 
 
 def save_checkpoint(ckpt: dict[str, Any], path: str | Path) -> None:

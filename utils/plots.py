@@ -9,7 +9,7 @@ from __future__ import annotations
 import csv
 import math
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 import cv2
 import numpy as np

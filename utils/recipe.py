@@ -32,8 +32,8 @@ def choose_optimizer(requested: str, steps: int, nc: int, hyp: dict) -> Optimize
     if requested != "auto":
         return OptimizerChoice(requested, hyp["lr0"], hyp["momentum"], f"--optimizer {requested}")
     if steps > SHORT_RUN_STEPS:
-        return OptimizerChoice("SGD", hyp["lr0"], hyp["momentum"],
-                               f"auto: {steps} optimizer steps > {SHORT_RUN_STEPS}, a long run: SGD with the hyp file's lr0")
+        reason = f"auto: {steps} optimizer steps > {SHORT_RUN_STEPS}, a long run: SGD with the hyp file's lr0"
+        return OptimizerChoice("SGD", hyp["lr0"], hyp["momentum"], reason)
     lr0 = round(0.002 * 5 / (4 + nc), 6)
-    return OptimizerChoice("AdamW", lr0, 0.9,
-                           f"auto: {steps} optimizer steps <= {SHORT_RUN_STEPS}, a short run: AdamW, lr0 = 0.01 / (4 + nc)")
+    reason = f"auto: {steps} optimizer steps <= {SHORT_RUN_STEPS}, a short run: AdamW, lr0 = 0.01 / (4 + nc)"
+    return OptimizerChoice("AdamW", lr0, 0.9, reason)

@@ -6,7 +6,7 @@ from ``(seed, epoch, index)`` without being told about epochs.
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch

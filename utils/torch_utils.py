@@ -9,7 +9,7 @@ import platform
 import random
 import time
 from copy import deepcopy
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch
