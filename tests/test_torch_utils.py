@@ -130,3 +130,35 @@ def test_zero_first_is_a_no_op_without_distribution() -> None:
     with torch_distributed_zero_first(-1):
         ran.append(True)
     assert ran == [True]
+
+
+def _dies_inside_zero_first(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    t0 = time.time()
+    try:
+        with torch_distributed_zero_first(rank):
+            if rank == 0:
+                time.sleep(0.5)
+                os._exit(3)  # local rank 0 dies while building, say, the label cache
+    except RuntimeError as e:  # what gloo raises when a peer disappears
+        with open(out, "w") as f:
+            json.dump({"error": str(e).splitlines()[0], "seconds": time.time() - t0}, f)
+        os._exit(1)
+    os._exit(0)
+
+
+@pytest.mark.slow
+def test_waiting_ranks_fail_fast_when_local_rank_0_dies(tmp_path) -> None:
+    out = tmp_path / "rank1.json"
+    port = _free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_dies_inside_zero_first, args=(r, port, str(out))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=60)
+    assert all(p.exitcode is not None for p in procs), "a rank hung"
+    assert procs[0].exitcode == 3 and procs[1].exitcode == 1
+    report = json.loads(out.read_text())
+    assert report["seconds"] < 30 and report["error"]
