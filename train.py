@@ -257,8 +257,10 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, resume_
             t_batch_ready = time.perf_counter()
         scheduler.step()
         epoch_time = time.perf_counter() - t_epoch
+        gpu_peak = f", peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if device.type == "cuda" \
+            else ""
         LOGGER.info(f"epoch {epoch}: {batches_per_epoch * opt.batch_size / epoch_time:.1f} images/s, "
-                    f"{100 * data_wait / epoch_time:.0f}% of the time waiting for data")
+                    f"{100 * data_wait / epoch_time:.0f}% of the time waiting for data{gpu_peak}")
 
         if info.is_main:
             final_epoch = epoch + 1 == opt.epochs

@@ -118,7 +118,7 @@ def main() -> int:
               f"(log: {out / f'{name}.log'})")
         if name == "ours":
             text = (out / "ours.log").read_text(errors="replace")
-            for line in re.findall(r"epoch \d+: [\d.]+ images/s, \d+% of the time waiting for data", text):
+            for line in re.findall(r"epoch \d+: [\d.]+ images/s, \d+% of the time waiting for data[^\n\r]*", text):
                 print(f"         {line}")
     if "yolov5" in results:
         ours, theirs = results["ours"], results["yolov5"]
