@@ -61,9 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cfg", default="", help="model YAML (default: yolov5n.yaml, or the config inside --weights)")
     p.add_argument("--data", default=str(ROOT / "data/shapes.yaml"), help="data YAML (default: built-in shapes)")
     p.add_argument("--hyp", default=str(ROOT / "data/hyps/hyp.scratch-low.yaml"), help="hyper-parameter YAML")
-    p.add_argument("--epochs", type=int, default=30, help="total training epochs")
+    # The defaults of --epochs and --imgsz make `python train.py` a few-minute run on the built-in data.
+    p.add_argument("--epochs", type=int, default=40, help="total training epochs")
     p.add_argument("--batch-size", type=int, default=16, help="total batch size over all ranks")
-    p.add_argument("--imgsz", "--img", "--img-size", type=int, default=320, help="train and val image size (px)")
+    p.add_argument("--imgsz", "--img", "--img-size", type=int, default=256, help="train and val image size (px)")
     p.add_argument("--rect", action="store_true", help="rectangular training batches (no mosaic)")
     p.add_argument("--resume", nargs="?", const=True, default=False, help="resume the latest run, or PATH/last.pt")
     p.add_argument("--nosave", action="store_true", help="only save the final checkpoint")

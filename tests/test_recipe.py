@@ -24,11 +24,12 @@ def test_optimizer_steps_counts_accumulated_batches() -> None:
 
 def test_auto_picks_adamw_for_short_runs_and_sgd_for_long_runs() -> None:
     short = choose_optimizer("auto", steps=260, nc=5, hyp=HYP)
-    assert short.name == "AdamW" and short.lr0 == pytest.approx(0.01 / 9, abs=1e-6) and short.momentum == 0.9
+    assert short.name == "AdamW" and short.lr0 == pytest.approx(0.05 / 9, abs=1e-6) and short.momentum == 0.9
     assert "short" in short.reason
     long = choose_optimizer("auto", steps=SHORT_RUN_STEPS + 1, nc=80, hyp=HYP)
     assert (long.name, long.lr0, long.momentum) == ("SGD", HYP["lr0"], HYP["momentum"])
     assert choose_optimizer("auto", steps=100, nc=80, hyp=HYP).lr0 < short.lr0  # more classes, smaller lr
+    assert choose_optimizer("auto", steps=100, nc=1, hyp=HYP).lr0 == 0.01  # capped at SGD's rate
 
 
 def test_explicit_optimizer_always_wins() -> None:

@@ -216,3 +216,22 @@ def test_bad_inputs_are_one_line_errors(rectangles_yaml, tmp_path) -> None:
     assert foreign.returncode == 1 and "not a checkpoint of this project" in foreign.stdout + foreign.stderr
     no_runs = run([sys.executable, "train.py", "--resume", "--project", str(tmp_path / "empty")])
     assert no_runs.returncode == 1 and "no last.pt to resume" in no_runs.stdout + no_runs.stderr
+
+
+@pytest.mark.slow
+def test_resume_under_ddp_with_the_same_world_size(rectangles_yaml, tmp_path) -> None:
+    cmd = train_cmd(rectangles_yaml, tmp_path, "--epochs", "3", "--noplots", "--batch-size", "4", nproc=2)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    last = tmp_path / "exp/weights/last.pt"
+    _wait_for(last, proc)
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks
+    proc.wait(timeout=30)
+    assert load_checkpoint(last)["epoch"] < 2
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone"]
+    resumed = run([*launcher, "train.py", "--resume", str(last)])
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "Resuming training at epoch" in resumed.stdout + resumed.stderr
+    assert load_checkpoint(last)["epoch"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp"]
+    assert [int(r["epoch"]) for r in results_rows(tmp_path / "exp")][-1] == 2
