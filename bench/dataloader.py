@@ -90,11 +90,12 @@ mode, arg, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
 if mode == "throughput":
     hyp = yaml.safe_load(open(sys.argv[4]))
     loader, _ = create_dataloader(arg, 640, 16, 32, hyp=hyp, augment=True, workers=workers, shuffle=True)
-    it = iter(loader)
-    next(it)  # warm-up, as ours
+    for _ in loader:  # warm-up, as ours
+        break
     count, start = 0, time.perf_counter()
-    for _ in range(2 * len(loader)):
-        count += len(next(it)[0])
+    for _ in range(2):  # each pass over the loader is one epoch
+        for batch in loader:
+            count += len(batch[0])
     print(f"{count / (time.perf_counter() - start):.1f}")
 else:
     times = []

@@ -106,3 +106,30 @@ def test_close_mosaic_under_two_rank_ddp(flat_colour_images, tmp_path) -> None:
     for rank in range(2):
         seen = yaml.safe_load(open(f"{out}.{rank}"))
         assert {e: all(v) if e < CLOSE_AT else any(v) for e, v in seen.items()} == _expected(range(EPOCHS))
+
+
+@pytest.mark.slow
+def test_short_training_learns_more_with_the_new_defaults_than_with_the_old(tmp_path) -> None:
+    import csv
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import write_rectangles_dataset
+
+    data = write_rectangles_dataset(tmp_path / "data", n_train=32, n_val=16, size=128, seed=1)
+    common = ["--data", str(data), "--imgsz", "128", "--batch-size", "8", "--epochs", "15", "--workers", "0",
+              "--noautoanchor", "--noplots", "--device", "cpu", "--project", str(tmp_path), "--exist-ok"]
+    old_defaults = ["--optimizer", "SGD", "--close-mosaic", "0"]  # YOLOv5's recipe
+    final_map50 = {}
+    for name, extra in (("new", []), ("old", old_defaults)):
+        proc = subprocess.run([sys.executable, "train.py", *common, "--name", name, *extra],
+                              cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        with open(tmp_path / name / "results.csv") as f:
+            rows = [{k.strip(): float(v) for k, v in r.items()} for r in csv.DictReader(f)]
+        final_map50[name] = rows[-1]["metrics/mAP_0.5"]
+    # Fifteen optimizer steps in all (nominal batch 64): SGD has barely moved, AdamW has started to detect.
+    # Measured: new 0.044, old 0.003.
+    assert final_map50["new"] > 4 * final_map50["old"] and final_map50["new"] > final_map50["old"] + 0.02, final_map50

@@ -225,7 +225,10 @@ def test_resume_under_ddp_with_the_same_world_size(rectangles_yaml, tmp_path) ->
                             start_new_session=True)
     last = tmp_path / "exp/weights/last.pt"
     _wait_for(last, proc)
-    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks
+    ranks = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "train.py"], capture_output=True, text=True)
+    for pid in [int(p) for p in ranks.stdout.split()]:  # the ranks run in sessions of their own
+        os.kill(pid, signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     assert load_checkpoint(last)["epoch"] < 2
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone"]
