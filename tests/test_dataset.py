@@ -157,3 +157,12 @@ def test_disk_cache_on_read_only_folder_warns_once(data_root: Path, monkeypatch,
         dataset = YoloDataset(str(data_root / "images" / "val"), IMGSZ, cache="disk", nc=5, workers=0)
     assert caplog.text.count("could not be written") == 1 and "10 of 10" in caplog.text
     assert dataset[0][0].shape == (3, IMGSZ, IMGSZ)
+
+
+def test_rect_training_letterboxes_to_the_batch_shape_without_mosaic(data_root: Path) -> None:
+    loader, dataset = create_dataloader(str(data_root / "images" / "train"), IMGSZ, 4, 32, hyp=HYP, augment=True,
+                                        rect=True, pad=0.0, nc=5, workers=0)
+    loader.sampler.set_epoch(0)
+    for b, (imgs, _, _, shapes) in enumerate(loader):  # rect keeps the dataset order: batch b is batch_shapes[b]
+        assert tuple(imgs.shape[2:]) == tuple(dataset.batch_shapes[b])
+        assert all(s is not None for s in shapes)  # letterboxed samples, no mosaic

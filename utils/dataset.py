@@ -246,7 +246,7 @@ class YoloDataset(Dataset):
         index = int(index)
         rng = np.random.default_rng([self.seed, int(epoch), index])
         hy = self.hyp
-        mosaic_on = self.augment and self.mosaic_enabled(epoch)
+        mosaic_on = self.augment and not self.rect and self.mosaic_enabled(epoch)  # rect batches need letterboxes
         shapes: tuple | None = None
         if mosaic_on and rng.random() < hy["mosaic"]:
             img, labels = self._mosaic(index, rng)
