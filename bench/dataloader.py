@@ -38,8 +38,8 @@ def bench_augmented(workers: int, imgsz: int = 640, batch_size: int = 16, epochs
     loader, dataset = create_dataloader(cfg["train"], imgsz, batch_size, 32, hyp=hyp, augment=True, shuffle=True,
                                         workers=workers, nc=cfg["nc"])
     loader.sampler.set_epoch(0)
-    for _ in loader:  # warm-up: worker start, page cache
-        break
+    for _ in loader:  # warm-up (worker start, page cache): a whole epoch, as training never leaves one early,
+        pass  # so the stream already holds epoch 1's first batches, as YOLOv5's endless iterator does after its warm-up
     count, start = 0, time.perf_counter()
     for epoch in range(1, epochs + 1):
         loader.sampler.set_epoch(epoch)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from utils.samplers import ShardedSampler
+from utils.samplers import EpochStreamBatchSampler, ShardedSampler, epoch_batches
 
 
 def _shards(n: int, world: int, **kwargs) -> list[list[tuple[int, int]]]:
@@ -53,3 +53,19 @@ def test_unshuffled_order_and_bad_rank() -> None:
     assert [i for _, i in ShardedSampler(5)] == [0, 1, 2, 3, 4]
     with pytest.raises(ValueError):
         ShardedSampler(5, world_size=2, rank=2)
+
+
+def test_epoch_stream_cuts_batches_per_epoch_and_runs_on() -> None:
+    sampler = ShardedSampler(10, world_size=2, rank=1, shuffle=True, seed=4)
+    stream = EpochStreamBatchSampler(sampler, 2)
+    stream.start_epoch = 3
+    it = iter(stream)
+    for epoch in (3, 4, 5):
+        sampler.set_epoch(epoch)
+        expected = list(sampler)  # 5 pairs: two full batches and a short one, never part of the next epoch
+        got = [next(it) for _ in range(3)]
+        assert [len(b) for b in got] == [2, 2, 1] and [p for b in got for p in b] == expected
+        assert epoch_batches(sampler, 2, epoch) == got
+    with pytest.raises(ValueError):
+        EpochStreamBatchSampler(sampler, 0)
+    assert list(EpochStreamBatchSampler(ShardedSampler(0), 2)) == []  # nothing to sample: the stream ends

@@ -1,7 +1,12 @@
-"""Build the DataLoader of one split for one rank (plain torch DataLoader + ShardedSampler)."""
+"""Build the DataLoader of one split for one rank (torch DataLoader + ShardedSampler).
+
+Training loaders stream epoch after epoch through one DataLoader iterator, so the workers prefetch the next
+epoch's first batches while the current epoch ends instead of idling at every epoch boundary.
+"""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import cv2
@@ -10,12 +15,44 @@ from torch.utils.data import DataLoader
 
 from utils.dataset import YoloDataset
 from utils.log import LOGGER
-from utils.samplers import ShardedSampler
+from utils.samplers import EpochStreamBatchSampler, ShardedSampler, epoch_batches
 
 
 def _worker_init(_: int) -> None:
     # Each worker is one process: cv2's own thread pool there only oversubscribes the cores.
     cv2.setNumThreads(0)
+
+
+class EpochStreamLoader:
+    """One epoch of batches per iteration, drawn from a DataLoader that streams epoch after epoch.
+
+    ``sampler`` is the ShardedSampler: ``sampler.set_epoch(e)`` picks the epoch the next iteration yields.
+    When the stream already stands at the start of that epoch (the previous iteration ran to its end and
+    ``e`` is the next epoch) the prefetched batches are used; otherwise (first use, resume, a skipped or
+    repeated epoch, an iteration left early) the stream restarts at ``e``. Either way an iteration yields
+    exactly what a plain DataLoader over ``sampler`` would for that epoch.
+    """
+
+    def __init__(self, loader: DataLoader, batch_sampler: EpochStreamBatchSampler):
+        self.loader, self.batch_sampler = loader, batch_sampler
+        self.sampler: ShardedSampler = batch_sampler.sampler
+        self.dataset = loader.dataset
+        self._batches: Iterator[Any] | None = None
+        self._next_epoch: int | None = None  # the epoch the stream starts next; None: mid-epoch or not started
+
+    def __len__(self) -> int:
+        """Batches in the current epoch."""
+        return len(epoch_batches(self.sampler, self.batch_sampler.batch_size, self.sampler.epoch))
+
+    def __iter__(self) -> Iterator[Any]:
+        epoch = self.sampler.epoch
+        if self._batches is None or self._next_epoch != epoch:
+            self.batch_sampler.start_epoch = epoch
+            self._batches = iter(self.loader)  # persistent workers: drops what was in flight, then restarts
+        self._next_epoch = None
+        for _ in range(len(self)):
+            yield next(self._batches)
+        self._next_epoch = epoch + 1
 
 
 def create_dataloader(
@@ -39,12 +76,13 @@ def create_dataloader(
     nc: int | None = None,
     close_mosaic_epoch: int | None = None,
     prefix: str = "",
-) -> tuple[DataLoader, YoloDataset]:
-    """A DataLoader over this rank's shard and the dataset; ``batch_size`` is per rank.
+) -> tuple[DataLoader | EpochStreamLoader, YoloDataset]:
+    """A loader over this rank's shard and the dataset; ``batch_size`` is per rank.
 
     Call ``loader.sampler.set_epoch(epoch)`` before each epoch: it picks the epoch's order and its
-    augmentation draws. Training loaders (``shuffle``) pad shards to equal length; others give each
-    sample to exactly one rank. ``local_rank`` orders the label-cache build (-1 when not distributed).
+    augmentation draws. Training loaders (``shuffle``) pad shards to equal length and are an
+    EpochStreamLoader; others give each sample to exactly one rank and are a plain DataLoader.
+    ``local_rank`` orders the label-cache build (-1 when not distributed).
     """
     if rect and shuffle:
         LOGGER.warning(f"{prefix}WARNING rect batches are incompatible with shuffle: shuffle disabled")
@@ -57,15 +95,10 @@ def create_dataloader(
     sampler = ShardedSampler(len(dataset), world_size=world_size, rank=global_rank, shuffle=shuffle, seed=seed,
                              pad=shuffle or augment, block=batch_size if rect else 1)
     workers = max(0, min(workers, os.cpu_count() or 1, batch_size))
-    loader = DataLoader(
-        dataset,
-        batch_size=batch_size,
-        sampler=sampler,
-        num_workers=workers,
-        pin_memory=torch.cuda.is_available(),
-        collate_fn=YoloDataset.collate_fn,
-        persistent_workers=workers > 0,
-        worker_init_fn=_worker_init if workers > 0 else None,
-        drop_last=False,
-    )
-    return loader, dataset
+    common: dict[str, Any] = dict(num_workers=workers, pin_memory=torch.cuda.is_available(),
+                                  collate_fn=YoloDataset.collate_fn, persistent_workers=workers > 0,
+                                  worker_init_fn=_worker_init if workers > 0 else None)
+    if shuffle:
+        stream = EpochStreamBatchSampler(sampler, batch_size)
+        return EpochStreamLoader(DataLoader(dataset, batch_sampler=stream, **common), stream), dataset
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=False, **common), dataset

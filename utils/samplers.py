@@ -38,18 +38,18 @@ class ShardedSampler(Sampler[tuple[int, int]]):
         """Select the epoch whose order (and augmentation draws) the next iteration yields."""
         self.epoch = int(epoch)
 
-    def _blocks(self) -> list[list[int]]:
+    def _blocks(self, epoch: int) -> list[list[int]]:
         blocks = [list(range(i, min(i + self.block, self.n))) for i in range(0, self.n, self.block)]
         if self.shuffle and blocks:
             g = torch.Generator()
             # SeedSequence mixes (seed, epoch) so that e.g. (0, 1) and (1, 0) give unrelated orders.
-            g.manual_seed(int(np.random.SeedSequence([self.seed, self.epoch]).generate_state(1, np.uint64)[0] >> 1))
+            g.manual_seed(int(np.random.SeedSequence([self.seed, epoch]).generate_state(1, np.uint64)[0] >> 1))
             blocks = [blocks[i] for i in torch.randperm(len(blocks), generator=g).tolist()]
         return blocks
 
-    def shard(self) -> list[int]:
-        """This rank's indices for the current epoch."""
-        blocks = self._blocks()
+    def shard(self, epoch: int | None = None) -> list[int]:
+        """This rank's indices for ``epoch`` (default: the current epoch)."""
+        blocks = self._blocks(self.epoch if epoch is None else int(epoch))
         if not blocks:
             return []
         per_rank = math.ceil(len(blocks) / self.world_size)
@@ -67,3 +67,31 @@ class ShardedSampler(Sampler[tuple[int, int]]):
 
     def __len__(self) -> int:
         return len(self.shard()) if self.block > 1 or not self.pad else math.ceil(self.n / self.world_size)
+
+
+def epoch_batches(sampler: ShardedSampler, batch_size: int, epoch: int) -> list[list[tuple[int, int]]]:
+    """One epoch of ``sampler``'s shard cut into batches; only the last one may be short."""
+    pairs = [(epoch, i) for i in sampler.shard(epoch)]
+    return [pairs[i : i + batch_size] for i in range(0, len(pairs), batch_size)]
+
+
+class EpochStreamBatchSampler:
+    """Batches of ``(epoch, index)`` pairs for epoch ``start_epoch``, then the next epoch, and so on forever.
+
+    Used as a DataLoader ``batch_sampler`` so that its workers keep working across epoch ends. Batches are
+    cut per epoch, so none mixes two epochs; each epoch's batches equal ``epoch_batches`` for that epoch.
+    ``start_epoch`` is read when an iteration starts.
+    """
+
+    def __init__(self, sampler: ShardedSampler, batch_size: int):
+        if batch_size < 1:
+            raise ValueError(f"batch size {batch_size} must be at least 1")
+        self.sampler, self.batch_size, self.start_epoch = sampler, batch_size, 0
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        return self._stream(self.start_epoch)
+
+    def _stream(self, epoch: int) -> Iterator[list[tuple[int, int]]]:
+        while batches := epoch_batches(self.sampler, self.batch_size, epoch):
+            yield from batches
+            epoch += 1

@@ -1,0 +1,87 @@
+"""create_dataloader's training stream: one epoch per iteration, prefetch across epochs, same content as a plain loader."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from torch.utils.data import DataLoader
+
+from utils.dataloaders import EpochStreamLoader, create_dataloader
+from utils.dataset import YoloDataset
+from utils.shapes import generate_shapes
+
+BATCH = 4
+IMGSZ = 64
+HYP = yaml.safe_load((Path(__file__).parents[1] / "data" / "hyps" / "hyp.scratch-low.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> str:
+    root = generate_shapes(tmp_path_factory.mktemp("shapes"), n_train=10, n_val=2, imgsz=IMGSZ, seed=1)
+    return str(root / "images" / "train")
+
+
+def _loader(images: str, workers: int) -> EpochStreamLoader:
+    loader, _ = create_dataloader(images, IMGSZ, BATCH, 32, hyp=HYP, augment=True, shuffle=True, seed=2, nc=5,
+                                  workers=workers)
+    assert isinstance(loader, EpochStreamLoader)
+    return loader
+
+
+def _plain_epoch(loader: EpochStreamLoader, epoch: int) -> list[tuple]:
+    """What a plain DataLoader over the same sampler yields for ``epoch`` (the loader before streaming)."""
+    loader.sampler.set_epoch(epoch)
+    plain = DataLoader(loader.dataset, batch_size=BATCH, sampler=loader.sampler, collate_fn=YoloDataset.collate_fn)
+    return list(plain)
+
+
+def _same(a: list[tuple], b: list[tuple]) -> bool:
+    return len(a) == len(b) and all(
+        torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) and x[2] == y[2] for x, y in zip(a, b))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stream_matches_plain_loader_through_epoch_ends_and_jumps(images: str, workers: int) -> None:
+    loader = _loader(images, workers)
+    epochs = [0, 1, 3, 3, 2]  # run on, skip an epoch, repeat one, go back (e.g. a resume)
+    got = {}
+    for k, epoch in enumerate(epochs):
+        loader.sampler.set_epoch(epoch)
+        assert len(loader) == 3  # 10 images, batches of 4: the short last batch stays in its own epoch
+        got[k] = list(loader)
+        assert [len(b[0]) for b in got[k]] == [4, 4, 2]
+    loader.sampler.set_epoch(4)
+    first = next(iter(loader))  # leave epoch 4 early: the next iteration restarts cleanly
+    loader.sampler.set_epoch(4)
+    again = list(loader)
+    assert _same([first], again[:1])
+    reference = _loader(images, 0)
+    for k, epoch in enumerate(epochs):
+        assert _same(got[k], _plain_epoch(reference, epoch)), f"epoch {epoch} (pass {k}) differs"
+    assert not _same(got[0], got[1])
+
+
+def test_stream_reuses_prefetched_batches_only_for_the_next_epoch(images: str) -> None:
+    loader = _loader(images, 0)
+    starts = []
+    original_iter = loader.loader.__iter__
+
+    class Spy(DataLoader):
+        def __iter__(self):
+            starts.append(loader.batch_sampler.start_epoch)
+            return original_iter()
+
+    loader.loader.__class__ = Spy
+    for epoch in (0, 1, 2, 5, 6, 6):
+        loader.sampler.set_epoch(epoch)
+        for _ in loader:
+            pass
+    assert starts == [0, 5, 6]  # one stream for 0-2, a restart for the jump to 5 and for the repeat of 6
+
+
+def test_validation_loader_stays_plain(images: str) -> None:
+    loader, _ = create_dataloader(images, IMGSZ, BATCH, 32, rect=True, pad=0.5, nc=5, workers=0)
+    assert isinstance(loader, DataLoader) and len(loader) == 3
