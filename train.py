@@ -219,7 +219,8 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, resume_
     # ---- training loop -----------------------------------------------------------------------------------
     n_warmup = warmup_iterations(hyp["warmup_epochs"], batches_per_epoch)
     results = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)  # P, R, mAP50, mAP50-95, val box/obj/cls losses
-    epochs_without_improvement, stop = 0, False
+    # A resumed run keeps counting toward --patience from its best epoch.
+    epochs_without_improvement, stop = (start_epoch - 1 - best_epoch if best_epoch >= 0 else 0), False
     LOGGER.info(f"Image sizes {opt.imgsz} train, {opt.imgsz} val; {opt.workers} dataloader workers per rank; "
                 f"logging to {colorstr(str(save_dir))}\nStarting training for {opt.epochs} epochs...")
     t_start = time.time()

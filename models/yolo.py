@@ -112,6 +112,9 @@ def parse_model(cfg: dict, ch: int) -> tuple[nn.Sequential, list[int]]:
         repeats = max(round(repeats * depth), 1) if repeats > 1 else repeats
 
         if block in _CHANNEL_BLOCKS:
+            if not args or isinstance(args[0], bool) or not isinstance(args[0], (int, float)):
+                raise UserError(f"model YAML layer {i} ({name}): the first argument must be a channel count, "
+                                f"got {args[0] if args else 'nothing'!r}")
             c_in, c_out = channels[source], args[0]
             if c_out != no:
                 c_out = make_divisible(c_out * width, 8)
