@@ -121,8 +121,7 @@ def validate(
     for batch_i, (imgs, targets, paths, shapes) in enumerate(dataloader):
         t0 = time_synchronized()
         imgs = imgs.to(device, non_blocking=True)
-        if channels_last:
-            imgs = imgs.contiguous(memory_format=torch.channels_last)
+        imgs = imgs.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
         imgs = imgs.half() if fp16_weights else imgs.float()
         imgs /= 255
         _, _, height, width = imgs.shape

@@ -1,6 +1,6 @@
 """Data pipeline benchmark: augmented samples/s on COCO128 and label-cache build/reload time for 20k images.
 
-Run by hand from the repo root: ``python bench/dataloader.py [--images 20000] [--skip-coco]``.
+Run by hand from the repo root: ``python bench/dataloader.py [--images 20000] [--skip-coco] [--cache none ram]``.
 Side by side with a YOLOv5 checkout (its own create_dataloader / LoadImagesAndLabels, same settings, same
 generated images): ``python bench/dataloader.py --yolov5 /path/to/yolov5 --yolov5-python /path/to/python``.
 """
@@ -31,12 +31,12 @@ from utils.log import setup_logging  # noqa: E402
 COCO128 = ROOT.parent / "shared" / "datasets" / "coco128.yaml"
 
 
-def bench_augmented(workers: int, imgsz: int = 640, batch_size: int = 16, epochs: int = 2) -> float:
+def bench_augmented(workers: int, cache: str | None, imgsz: int = 640, batch_size: int = 16, epochs: int = 2) -> float:
     """Augmented (mosaic) training samples per second over COCO128's train split."""
     cfg = load_data_config(COCO128)
     hyp = yaml.safe_load((ROOT / "data" / "hyps" / "hyp.scratch-low.yaml").read_text())
     loader, dataset = create_dataloader(cfg["train"], imgsz, batch_size, 32, hyp=hyp, augment=True, shuffle=True,
-                                        workers=workers, nc=cfg["nc"])
+                                        workers=workers, nc=cfg["nc"], cache=cache)
     loader.sampler.set_epoch(0)
     for _ in loader:  # warm-up (worker start, page cache): a whole epoch, as training never leaves one early,
         pass  # so the stream already holds epoch 1's first batches, as YOLOv5's endless iterator does after its warm-up
@@ -89,7 +89,9 @@ from utils.dataloaders import create_dataloader, LoadImagesAndLabels
 mode, arg, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
 if mode == "throughput":
     hyp = yaml.safe_load(open(sys.argv[4]))
-    loader, _ = create_dataloader(arg, 640, 16, 32, hyp=hyp, augment=True, workers=workers, shuffle=True)
+    cache = sys.argv[5] if sys.argv[5] != "none" else False
+    loader, _ = create_dataloader(arg, 640, 16, 32, hyp=hyp, augment=True, workers=workers, shuffle=True,
+                                  cache=cache)
     for _ in loader:  # warm-up, as ours
         break
     count, start = 0, time.perf_counter()
@@ -153,21 +155,24 @@ def main() -> None:
     parser.add_argument("--reference", action="store_true", help="also time a PIL-verify style scan")
     parser.add_argument("--yolov5", default="", help="a YOLOv5 checkout to measure the same way")
     parser.add_argument("--yolov5-python", default=sys.executable, help="the Python that runs that checkout")
+    parser.add_argument("--cache", nargs="+", default=["none"], choices=["none", "ram"],
+                        help="image caches to measure the throughput with (both frameworks alike)")
     args = parser.parse_args()
     setup_logging(0)
     if not args.skip_coco:
         if COCO128.is_file():
             hyp_file = str(ROOT / "data" / "hyps" / "hyp.scratch-low.yaml")
             train_dir = load_data_config(COCO128)["train"]
-            for workers in (0, 2):
-                ours = bench_augmented(workers)
-                line = f"COCO128 imgsz 640 mosaic, workers={workers}: {ours:.1f} samples/s"
-                if args.yolov5:
-                    theirs = run_yolov5_probe(args.yolov5, args.yolov5_python, "throughput", train_dir,
-                                              str(workers), hyp_file)
-                    ratio = f", {ours / float(theirs):.2f}x" if not theirs.startswith("failed") else ""
-                    line += f"; YOLOv5: {theirs} samples/s{ratio}"
-                print(line)
+            for cache in args.cache:
+                for workers in (0, 2):
+                    ours = bench_augmented(workers, None if cache == "none" else cache)
+                    line = f"COCO128 imgsz 640 mosaic, cache {cache}, workers={workers}: {ours:.1f} samples/s"
+                    if args.yolov5:
+                        theirs = run_yolov5_probe(args.yolov5, args.yolov5_python, "throughput", train_dir,
+                                                  str(workers), hyp_file, cache)
+                        ratio = f", {ours / float(theirs):.2f}x" if not theirs.startswith("failed") else ""
+                        line += f"; YOLOv5: {theirs} samples/s{ratio}"
+                    print(line)
         else:
             print(f"{COCO128} not found: skipping the throughput benchmark")
     bench_cache(args.images, args.reference, args.yolov5, args.yolov5_python)

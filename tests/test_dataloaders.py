@@ -85,3 +85,17 @@ def test_stream_reuses_prefetched_batches_only_for_the_next_epoch(images: str) -
 def test_validation_loader_stays_plain(images: str) -> None:
     loader, _ = create_dataloader(images, IMGSZ, BATCH, 32, rect=True, pad=0.5, nc=5, workers=0)
     assert isinstance(loader, DataLoader) and len(loader) == 3
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batches_are_channels_last_and_hold_each_sample(images: str, workers: int) -> None:
+    loader = _loader(images, workers)
+    loader.sampler.set_epoch(1)
+    imgs, targets, paths, _ = next(iter(loader))
+    assert imgs.dtype == torch.uint8 and imgs.shape == (BATCH, 3, IMGSZ, IMGSZ)
+    assert imgs.is_contiguous(memory_format=torch.channels_last)  # the model's layout: no conversion later
+    indices = list(loader.sampler)[:BATCH]
+    for k, (epoch, index) in enumerate(indices):
+        img, tgt, path, _ = loader.dataset[(epoch, index)]
+        assert torch.equal(imgs[k], img) and path == paths[k]
+        assert torch.equal(targets[targets[:, 0] == k][:, 1:], tgt[:, 1:])

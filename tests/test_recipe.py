@@ -117,9 +117,11 @@ def test_short_training_learns_more_with_the_new_defaults_than_with_the_old(tmp_
 
     from conftest import write_rectangles_dataset
 
-    data = write_rectangles_dataset(tmp_path / "data", n_train=32, n_val=16, size=128, seed=1)
-    common = ["--data", str(data), "--imgsz", "128", "--batch-size", "8", "--epochs", "15", "--workers", "0",
-              "--noautoanchor", "--noplots", "--device", "cpu", "--project", str(tmp_path), "--exist-ok"]
+    # 10 epochs of 20 batches (nominal batch 64): 50 optimizer steps. 15 steps, as this test first used, left
+    # both runs near 0 mAP, where a one-grey-level change of a few pixels could swing the result several-fold.
+    data = write_rectangles_dataset(tmp_path / "data", n_train=320, n_val=16, size=96, seed=1)
+    common = ["--data", str(data), "--imgsz", "96", "--batch-size", "16", "--epochs", "10", "--workers", "0",
+              "--noval", "--noautoanchor", "--noplots", "--device", "cpu", "--project", str(tmp_path), "--exist-ok"]
     old_defaults = ["--optimizer", "SGD", "--close-mosaic", "0"]  # YOLOv5's recipe
     final_map50 = {}
     for name, extra in (("new", []), ("old", old_defaults)):
@@ -130,6 +132,5 @@ def test_short_training_learns_more_with_the_new_defaults_than_with_the_old(tmp_
         with open(tmp_path / name / "results.csv") as f:
             rows = [{k.strip(): float(v) for k, v in r.items()} for r in csv.DictReader(f)]
         final_map50[name] = rows[-1]["metrics/mAP_0.5"]
-    # Fifteen optimizer steps in all (nominal batch 64): SGD has barely moved, AdamW has started to detect.
-    # Measured: new 0.044, old 0.003.
-    assert final_map50["new"] > 4 * final_map50["old"] and final_map50["new"] > final_map50["old"] + 0.02, final_map50
+    # Measured with seeds 0, 1, 2: new 0.908, 0.854, 0.710; old 0.005, 0.012, 0.004.
+    assert final_map50["new"] > 0.4 and final_map50["new"] > final_map50["old"] + 0.3, final_map50

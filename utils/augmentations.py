@@ -7,6 +7,8 @@ Images are BGR uint8 HWC arrays. Pixel boxes use edge coordinates: pixel column 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import cv2
 import numpy as np
 
@@ -14,6 +16,14 @@ from utils.boxes import xywhn2xyxy
 
 FILL_VALUE = 114  # grey used for letterbox padding, mosaic canvas and warp borders
 _FILL_BGR = (FILL_VALUE, FILL_VALUE, FILL_VALUE)
+
+
+def long_side_shape(h0: int, w0: int, imgsz: int) -> tuple[int, int]:
+    """(h, w) of an h0 x w0 image resized so that its longer side is ``imgsz``."""
+    ratio = imgsz / max(h0, w0)
+    if ratio == 1:
+        return h0, w0
+    return max(1, round(h0 * ratio)), max(1, round(w0 * ratio))
 
 
 def resize_to_long_side(
@@ -25,11 +35,10 @@ def resize_to_long_side(
     because it is much faster and training augmentation hides the difference.
     """
     h0, w0 = img.shape[:2]
-    ratio = imgsz / max(h0, w0)
-    if ratio == 1:
+    h, w = long_side_shape(h0, w0, imgsz)
+    if (h, w) == (h0, w0):
         return img, (h0, w0), (h0, w0)
-    w, h = max(1, round(w0 * ratio)), max(1, round(h0 * ratio))
-    interp = cv2.INTER_AREA if (ratio < 1 and not augment) else cv2.INTER_LINEAR
+    interp = cv2.INTER_AREA if (max(h, w) < max(h0, w0) and not augment) else cv2.INTER_LINEAR
     return cv2.resize(img, (w, h), interpolation=interp), (h0, w0), (h, w)
 
 
@@ -118,6 +127,105 @@ def _translation(dx: float, dy: float) -> np.ndarray:
     return m
 
 
+def random_warp_matrix(
+    rng: np.random.Generator,
+    in_wh: tuple[int, int],
+    out_wh: tuple[int, int],
+    degrees: float = 10,
+    translate: float = 0.1,
+    scale: float = 0.1,
+    shear: float = 10,
+    perspective: float = 0.0,
+) -> tuple[np.ndarray, float]:
+    """A random 3x3 warp (in edge coordinates) from an ``in_wh`` image to an ``out_wh`` one, and its zoom.
+
+    The input's centre goes to a random point near the output's centre; rotation, zoom, shear and
+    perspective act around it.
+    """
+    # Always draw the same number of values in the same order so streams stay aligned across settings.
+    px, py = rng.uniform(-perspective, perspective, 2)
+    angle = rng.uniform(-degrees, degrees)
+    zoom = float(rng.uniform(1 - scale, 1 + scale))
+    shear_x, shear_y = np.tan(np.radians(rng.uniform(-shear, shear, 2)))
+    tx, ty = rng.uniform(0.5 - translate, 0.5 + translate, 2) * out_wh
+
+    centre = _translation(-in_wh[0] / 2, -in_wh[1] / 2)
+    persp = np.eye(3)
+    persp[2, 0], persp[2, 1] = px, py
+    rot_scale = np.eye(3)
+    rot_scale[:2] = cv2.getRotationMatrix2D((0, 0), angle, zoom)
+    shear_m = np.eye(3)
+    shear_m[0, 1], shear_m[1, 0] = shear_x, shear_y
+    return _translation(tx, ty) @ shear_m @ rot_scale @ persp @ centre, zoom
+
+
+def _is_perspective(matrix: np.ndarray) -> bool:
+    return bool(matrix[2, 0] or matrix[2, 1])
+
+
+def warp_image(
+    img: np.ndarray, matrix: np.ndarray, out_wh: tuple[int, int], origin: tuple[int, int] = (0, 0)
+) -> np.ndarray:
+    """Warp ``img`` by ``matrix`` (edge coordinates) into an ``out_wh`` image filled with grey outside it.
+
+    ``img`` may be a crop of the image the matrix was drawn for, whose top-left pixel sits at ``origin``
+    of that image: the result is the same as warping the whole image, as long as the crop holds every
+    pixel the output samples (see ``sampled_window``).
+    """
+    # cv2 samples at pixel centres (pixel i sits at i, not i + 0.5): shift so that boxes in edge
+    # coordinates and the warped pixels stay exactly aligned, even under zoom.
+    pixel_matrix = _translation(-0.5, -0.5) @ matrix @ _translation(0.5 + origin[0], 0.5 + origin[1])
+    if _is_perspective(matrix):
+        return cv2.warpPerspective(img, pixel_matrix, out_wh, borderValue=_FILL_BGR)
+    return cv2.warpAffine(img, pixel_matrix[:2], out_wh, borderValue=_FILL_BGR)
+
+
+def sampled_window(
+    matrix: np.ndarray, out_wh: tuple[int, int], in_wh: tuple[int, int], margin: int = 2
+) -> tuple[int, int, int, int] | None:
+    """Pixel window (x1, y1, x2, y2) of an ``in_wh`` image that warping it by ``matrix`` reads.
+
+    Covers the source of every output pixel plus ``margin`` pixels for interpolation, clipped to the
+    input; the whole input when a perspective maps part of the output from beyond the horizon; None
+    when the output reads no input pixel at all.
+    """
+    out_w, out_h = out_wh
+    corners = np.array([[0, 0, 1], [out_w, 0, 1], [0, out_h, 1], [out_w, out_h, 1]], dtype=np.float64)
+    src = corners @ np.linalg.inv(matrix).T
+    if (src[:, 2] <= 0).any():
+        return 0, 0, in_wh[0], in_wh[1]
+    xy = src[:, :2] / src[:, 2:3]  # corners of the output in input edge coordinates
+    x1, y1 = np.floor(xy.min(0)).astype(int) - margin
+    x2, y2 = np.ceil(xy.max(0)).astype(int) + margin
+    x1, y1, x2, y2 = max(int(x1), 0), max(int(y1), 0), min(int(x2), in_wh[0]), min(int(y2), in_wh[1])
+    return (x1, y1, x2, y2) if x2 > x1 and y2 > y1 else None
+
+
+def warp_boxes(
+    labels: np.ndarray, matrix: np.ndarray, zoom: float, out_wh: tuple[int, int]
+) -> np.ndarray:
+    """Warp (n, 5) [cls, x1, y1, x2, y2] pixel labels; drops the degenerate ones (``box_candidates``).
+
+    Each box becomes the enclosing box of its 4 warped corners, clipped to the output. Returns a new array.
+    """
+    n = len(labels)
+    if n == 0:
+        return labels.copy()
+    corners = np.ones((n * 4, 3))
+    corners[:, :2] = labels[:, [1, 2, 3, 4, 1, 4, 3, 2]].reshape(n * 4, 2)  # the 4 corners of each box
+    corners = corners @ matrix.T
+    xy = corners[:, :2] / corners[:, 2:3] if _is_perspective(matrix) else corners[:, :2]
+    xy = xy.reshape(n, 4, 2)
+    boxes = np.concatenate((xy.min(1), xy.max(1)), axis=1)
+    boxes[:, [0, 2]] = boxes[:, [0, 2]].clip(0, out_wh[0])
+    boxes[:, [1, 3]] = boxes[:, [1, 3]].clip(0, out_wh[1])
+
+    keep = box_candidates(labels[:, 1:5] * zoom, boxes)
+    out = labels[keep].copy()
+    out[:, 1:5] = boxes[keep]
+    return out
+
+
 def random_perspective(
     img: np.ndarray,
     labels: np.ndarray,
@@ -136,50 +244,65 @@ def random_perspective(
     Boxes become the enclosing box of their 4 warped corners, clipped to the output, and
     degenerate ones are dropped with ``box_candidates``. Returns new arrays.
     """
-    out_h, out_w = img.shape[0] + 2 * border[0], img.shape[1] + 2 * border[1]
-
-    # Always draw the same number of values in the same order so streams stay aligned across settings.
-    px, py = rng.uniform(-perspective, perspective, 2)
-    angle = rng.uniform(-degrees, degrees)
-    zoom = rng.uniform(1 - scale, 1 + scale)
-    shear_x, shear_y = np.tan(np.radians(rng.uniform(-shear, shear, 2)))
-    tx, ty = rng.uniform(0.5 - translate, 0.5 + translate, 2) * (out_w, out_h)
-
-    centre = _translation(-img.shape[1] / 2, -img.shape[0] / 2)
-    persp = np.eye(3)
-    persp[2, 0], persp[2, 1] = px, py
-    rot_scale = np.eye(3)
-    rot_scale[:2] = cv2.getRotationMatrix2D((0, 0), angle, zoom)
-    shear_m = np.eye(3)
-    shear_m[0, 1], shear_m[1, 0] = shear_x, shear_y
-    matrix = _translation(tx, ty) @ shear_m @ rot_scale @ persp @ centre  # acts on edge coordinates
-
+    out_wh = (img.shape[1] + 2 * border[1], img.shape[0] + 2 * border[0])
+    matrix, zoom = random_warp_matrix(rng, (img.shape[1], img.shape[0]), out_wh, degrees, translate, scale,
+                                      shear, perspective)
     identity = border[0] == 0 and border[1] == 0 and np.allclose(matrix, np.eye(3))
     if not identity:
-        # cv2 samples at pixel centres (pixel i sits at i, not i + 0.5): shift so that boxes in edge
-        # coordinates and the warped pixels stay exactly aligned, even under zoom.
-        pixel_matrix = _translation(-0.5, -0.5) @ matrix @ _translation(0.5, 0.5)
-        if perspective:
-            img = cv2.warpPerspective(img, pixel_matrix, (out_w, out_h), borderValue=_FILL_BGR)
-        else:
-            img = cv2.warpAffine(img, pixel_matrix[:2], (out_w, out_h), borderValue=_FILL_BGR)
+        img = warp_image(img, matrix, out_wh)
+    return img, warp_boxes(labels, matrix, zoom, out_wh)
 
-    n = len(labels)
-    if n == 0:
-        return img, labels.copy()
-    corners = np.ones((n * 4, 3))
-    corners[:, :2] = labels[:, [1, 2, 3, 4, 1, 4, 3, 2]].reshape(n * 4, 2)  # the 4 corners of each box
-    corners = corners @ matrix.T
-    xy = corners[:, :2] / corners[:, 2:3] if perspective else corners[:, :2]
-    xy = xy.reshape(n, 4, 2)
-    boxes = np.concatenate((xy.min(1), xy.max(1)), axis=1)
-    boxes[:, [0, 2]] = boxes[:, [0, 2]].clip(0, out_w)
-    boxes[:, [1, 3]] = boxes[:, [1, 3]].clip(0, out_h)
 
-    keep = box_candidates(labels[:, 1:5] * zoom, boxes)
-    out = labels[keep].copy()
-    out[:, 1:5] = boxes[keep]
-    return img, out
+def mosaic_layout(
+    shapes_hw: list[tuple[int, int]], imgsz: int, rng: np.random.Generator
+) -> list[tuple[int, int]]:
+    """Top-left canvas corners of 4 tiles of the given (h, w) around a random centre of a 2 * imgsz canvas.
+
+    Tile k touches the centre with its bottom-right, bottom-left, top-right and top-left corner
+    respectively; a corner may lie outside the canvas.
+    """
+    xc, yc = (int(v) for v in rng.uniform(0.5 * imgsz, 1.5 * imgsz, 2))
+    return [(xc - w if k in (0, 2) else xc, yc - h if k in (0, 1) else yc) for k, (h, w) in enumerate(shapes_hw)]
+
+
+def _mosaic_labels(
+    labels: list[np.ndarray], shapes_hw: list[tuple[int, int]], corners: list[tuple[int, int]], size: int
+) -> np.ndarray:
+    placed = []
+    for lab, (h, w), (left, top) in zip(labels, shapes_hw, corners):
+        if len(lab):
+            boxes = np.asarray(lab, dtype=np.float32).copy()
+            boxes[:, 1:] = xywhn2xyxy(boxes[:, 1:], w, h, left, top)
+            placed.append(boxes)
+    out = np.concatenate(placed, 0) if placed else np.zeros((0, 5), dtype=np.float32)
+    out[:, 1:] = out[:, 1:].clip(0, size)
+    return out
+
+
+def _paste_tiles(
+    canvas: np.ndarray,
+    window: tuple[int, int, int, int],
+    load: Callable[[int], np.ndarray],
+    shapes_hw: list[tuple[int, int]],
+    corners: list[tuple[int, int]],
+    map_fn: Callable = map,
+) -> None:
+    """Copy into ``canvas`` (which shows ``window`` of the mosaic) the visible part of each tile.
+
+    Only tiles that overlap the window are loaded, through ``map_fn(load, tile_indices)``.
+    """
+    wx1, wy1, wx2, wy2 = window
+    visible = []
+    for k, ((h, w), (left, top)) in enumerate(zip(shapes_hw, corners)):
+        x1, y1 = max(left, wx1), max(top, wy1)
+        x2, y2 = min(left + w, wx2), min(top + h, wy2)
+        if x2 > x1 and y2 > y1:
+            visible.append((k, x1, y1, x2, y2))
+    for (k, x1, y1, x2, y2), img in zip(visible, map_fn(load, [v[0] for v in visible])):
+        (h, w), (left, top) = shapes_hw[k], corners[k]
+        if img.shape[:2] != (h, w):
+            raise ValueError(f"mosaic tile {k} has shape {img.shape[:2]}, expected {(h, w)}")
+        canvas[y1 - wy1 : y2 - wy1, x1 - wx1 : x2 - wx1] = img[y1 - top : y2 - top, x1 - left : x2 - left]
 
 
 def mosaic4(
@@ -195,26 +318,50 @@ def mosaic4(
     if len(images) != 4 or len(labels) != 4:
         raise ValueError(f"mosaic4 needs 4 images and 4 label arrays, got {len(images)} and {len(labels)}")
     size = 2 * imgsz
+    shapes_hw = [img.shape[:2] for img in images]
+    corners = mosaic_layout(shapes_hw, imgsz, rng)
     canvas = np.full((size, size, images[0].shape[2]), FILL_VALUE, dtype=np.uint8)
-    xc, yc = (int(v) for v in rng.uniform(0.5 * imgsz, 1.5 * imgsz, 2))
+    _paste_tiles(canvas, (0, 0, size, size), images.__getitem__, shapes_hw, corners)
+    return canvas, _mosaic_labels(labels, shapes_hw, corners, size)
 
-    placed = []
-    for k, (img, lab) in enumerate(zip(images, labels)):
-        h, w = img.shape[:2]
-        # Top-left corner of the whole image on the canvas; it may lie outside the canvas.
-        left = xc - w if k in (0, 2) else xc
-        top = yc - h if k in (0, 1) else yc
-        x1, y1 = max(left, 0), max(top, 0)
-        x2, y2 = min(left + w, size), min(top + h, size)
-        canvas[y1:y2, x1:x2] = img[y1 - top : y2 - top, x1 - left : x2 - left]
-        if len(lab):
-            boxes = np.asarray(lab, dtype=np.float32).copy()
-            boxes[:, 1:] = xywhn2xyxy(boxes[:, 1:], w, h, left, top)
-            placed.append(boxes)
 
-    out = np.concatenate(placed, 0) if placed else np.zeros((0, 5), dtype=np.float32)
-    out[:, 1:] = out[:, 1:].clip(0, size)
-    return canvas, out
+def warped_mosaic4(
+    load: Callable[[int], np.ndarray],
+    shapes_hw: list[tuple[int, int]],
+    labels: list[np.ndarray],
+    imgsz: int,
+    rng: np.random.Generator,
+    degrees: float = 10,
+    translate: float = 0.1,
+    scale: float = 0.1,
+    shear: float = 10,
+    perspective: float = 0.0,
+    map_fn: Callable = map,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``mosaic4`` then ``random_perspective`` down to imgsz, building only the part of the canvas that shows.
+
+    Same draws and same output as the two steps (border ``-imgsz // 2``), but ``load(k)`` (tile k as a
+    BGR uint8 image of shape ``shapes_hw[k]``) is called only for tiles the output shows, and only the
+    canvas window the warp reads is filled: about a third of the 2 * imgsz canvas on average, and
+    one tile in ten is never decoded with the default scale and translation. ``map_fn`` (``map`` or a
+    thread pool's) calls ``load`` over the visible tiles.
+    """
+    if len(shapes_hw) != 4 or len(labels) != 4:
+        raise ValueError(f"warped_mosaic4 needs 4 shapes and 4 label arrays, got {len(shapes_hw)} and {len(labels)}")
+    size = 2 * imgsz
+    corners = mosaic_layout(shapes_hw, imgsz, rng)
+    border = -imgsz // 2
+    out_wh = (size + 2 * border, size + 2 * border)
+    matrix, zoom = random_warp_matrix(rng, (size, size), out_wh, degrees, translate, scale, shear, perspective)
+    window = sampled_window(matrix, out_wh, (size, size))
+    if window is None:  # the output shows only the grey beyond the canvas
+        img = np.full((out_wh[1], out_wh[0], 3), FILL_VALUE, dtype=np.uint8)
+    else:
+        x1, y1, x2, y2 = window
+        canvas = np.full((y2 - y1, x2 - x1, 3), FILL_VALUE, dtype=np.uint8)
+        _paste_tiles(canvas, window, load, shapes_hw, corners, map_fn)
+        img = warp_image(canvas, matrix, out_wh, origin=(x1, y1))
+    return img, warp_boxes(_mosaic_labels(labels, shapes_hw, corners, size), matrix, zoom, out_wh)
 
 
 def mixup(

@@ -87,17 +87,21 @@ def create_dataloader(
     if rect and shuffle:
         LOGGER.warning(f"{prefix}WARNING rect batches are incompatible with shuffle: shuffle disabled")
         shuffle = False
+    cpus = os.cpu_count() or 1
+    loader_workers = max(0, min(workers, cpus, batch_size))
+    # Without worker processes the mosaic tiles are decoded in threads of this process, sharing its cores.
+    decode_threads = 1 if loader_workers else max(1, min(4, cpus // max(1, world_size)))
     dataset = YoloDataset(path, imgsz, batch_size, augment=augment, hyp=hyp, rect=rect, cache=cache,
                           single_cls=single_cls, stride=stride, pad=pad, nc=nc, seed=seed,
                           close_mosaic_epoch=close_mosaic_epoch, local_rank=local_rank, workers=workers,
-                          prefix=prefix)
+                          decode_threads=decode_threads, prefix=prefix)
     batch_size = min(batch_size, len(dataset))
     sampler = ShardedSampler(len(dataset), world_size=world_size, rank=global_rank, shuffle=shuffle, seed=seed,
                              pad=shuffle or augment, block=batch_size if rect else 1)
-    workers = max(0, min(workers, os.cpu_count() or 1, batch_size))
-    common: dict[str, Any] = dict(num_workers=workers, pin_memory=torch.cuda.is_available(),
-                                  collate_fn=YoloDataset.collate_fn, persistent_workers=workers > 0,
-                                  worker_init_fn=_worker_init if workers > 0 else None)
+    loader_workers = min(loader_workers, batch_size)
+    common: dict[str, Any] = dict(num_workers=loader_workers, pin_memory=torch.cuda.is_available(),
+                                  collate_fn=YoloDataset.collate_fn, persistent_workers=loader_workers > 0,
+                                  worker_init_fn=_worker_init if loader_workers > 0 else None)
     if shuffle:
         stream = EpochStreamBatchSampler(sampler, batch_size)
         return EpochStreamLoader(DataLoader(dataset, batch_sampler=stream, **common), stream), dataset

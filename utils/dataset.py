@@ -9,16 +9,18 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import cv2
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
-from utils.augmentations import (augment_hsv, letterbox, mixup, mosaic4, random_flips, random_perspective,
-                                 resize_to_long_side)
+from utils.augmentations import (augment_hsv, letterbox, long_side_shape, mixup, random_flips, random_perspective,
+                                 resize_to_long_side, warped_mosaic4)
 from utils.boxes import xywhn2xyxy, xyxy2xywhn
 from utils.data_config import list_image_files
 from utils.errors import UserError
@@ -96,7 +98,7 @@ class YoloDataset(Dataset):
                  hyp: dict[str, Any] | None = None, rect: bool = False, cache: str | None = None,
                  single_cls: bool = False, stride: int = 32, pad: float = 0.0, nc: int | None = None,
                  seed: int = 0, close_mosaic_epoch: int | None = None, local_rank: int = -1,
-                 workers: int = 8, prefix: str = ""):
+                 workers: int = 8, decode_threads: int = 1, prefix: str = ""):
         if cache not in CACHE_MODES:
             raise UserError(f"--cache {cache!r}: expected 'ram', 'disk', 'auto' or nothing")
         self.imgsz, self.augment, self.rect, self.stride, self.pad = imgsz, augment, rect, stride, pad
@@ -127,6 +129,9 @@ class YoloDataset(Dataset):
             self.shapes = self.shapes[order]
             self.batch_shapes = rect_batch_shapes(self.shapes, batch_size, imgsz, stride, pad)
 
+        # Loading in the main process (no workers) leaves cores idle: decode a mosaic's tiles in threads.
+        self.decode_threads = max(1, decode_threads)
+        self._decode_pool: ThreadPoolExecutor | None = None
         self.cache = cache
         self.ram_images: list[np.ndarray | None] = [None] * self.n
         self.npy_files = [Path(f).with_suffix(".npy") for f in self.im_files]
@@ -220,12 +225,26 @@ class YoloDataset(Dataset):
     def _mosaic(self, index: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """A 4-image mosaic warped to imgsz x imgsz; labels [cls, x1, y1, x2, y2] in pixels."""
         indices = [index, *rng.integers(0, self.n, 3).tolist()]
-        images = [self.load_image(i)[0] for i in indices]
-        img, labels = mosaic4(images, [self.labels[i] for i in indices], self.imgsz, rng)
+        # Tile shapes come from the label cache, so tiles the warp never shows are not even decoded.
+        shapes_hw = [long_side_shape(int(self.shapes[i][1]), int(self.shapes[i][0]), self.imgsz) for i in indices]
+
+        def load(k: int) -> np.ndarray:
+            img = self.load_image(indices[k])[0]
+            if img.shape[:2] != shapes_hw[k]:  # the file changed size since it was verified: keep boxes aligned
+                img = cv2.resize(img, shapes_hw[k][::-1], interpolation=cv2.INTER_LINEAR)
+            return img
+
         h = self.hyp
-        border = (-self.imgsz // 2, -self.imgsz // 2)
-        return random_perspective(img, labels, rng, h["degrees"], h["translate"], h["scale"], h["shear"],
-                                  h["perspective"], border=border)
+        return warped_mosaic4(load, shapes_hw, [self.labels[i] for i in indices], self.imgsz, rng, h["degrees"],
+                              h["translate"], h["scale"], h["shear"], h["perspective"], map_fn=self._tile_map())
+
+    def _tile_map(self) -> Callable:
+        """``map`` over mosaic tiles: a thread pool when ``decode_threads`` > 1 (cv2 decodes without the GIL)."""
+        if self.decode_threads <= 1:
+            return map
+        if self._decode_pool is None:  # created where it is used: a pool does not survive a fork
+            self._decode_pool = ThreadPoolExecutor(self.decode_threads, thread_name_prefix="decode")
+        return self._decode_pool.map
 
     def _letterboxed(self, index: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, tuple]:
         img, (h0, w0), (h, w) = self.load_image(index)
@@ -271,13 +290,18 @@ class YoloDataset(Dataset):
         targets = torch.zeros((len(labels), 6), dtype=torch.float32)
         if len(labels):
             targets[:, 1:] = torch.from_numpy(np.ascontiguousarray(labels, dtype=np.float32))
-        chw = np.ascontiguousarray(img[:, :, ::-1].transpose(2, 0, 1))  # BGR HWC -> RGB CHW
-        return torch.from_numpy(chw), targets, self.im_files[index], shapes
+        # A 3xHxW view of the HWC pixels: no transposing copy here, and the batch comes out channels-last,
+        # the layout the model runs in.
+        rgb = cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
+        return torch.from_numpy(rgb).permute(2, 0, 1), targets, self.im_files[index], shapes
 
     @staticmethod
     def collate_fn(batch: list[tuple]) -> tuple[torch.Tensor, torch.Tensor, tuple[str, ...], tuple]:
-        """Stack images; targets gain the image's index in the batch as column 0."""
+        """Stack images into a channels-last uint8 batch; targets gain the image's index in the batch as column 0."""
         imgs, targets, paths, shapes = zip(*batch)
         for i, t in enumerate(targets):
             t[:, 0] = i
-        return torch.stack(imgs, 0), torch.cat(targets, 0), paths, shapes
+        # default_collate stacks straight into shared memory inside a worker (no extra copy on the way to the
+        # main process); stacking the HWC views keeps it a plain memory copy.
+        hwc = default_collate([im.permute(1, 2, 0) for im in imgs])
+        return hwc.permute(0, 3, 1, 2), torch.cat(targets, 0), paths, shapes
