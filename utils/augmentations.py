@@ -7,7 +7,9 @@ Images are BGR uint8 HWC arrays. Pixel boxes use edge coordinates: pixel column 
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import cv2
 import numpy as np
@@ -201,6 +203,69 @@ def sampled_window(
     return (x1, y1, x2, y2) if x2 > x1 and y2 > y1 else None
 
 
+@dataclass(frozen=True)
+class WarpPlan:
+    """How to produce a warped image: which input pixels to read and how.
+
+    ``matrix`` is the warp the pixels actually get (edge coordinates): boxes must be moved with it.
+    ``window`` (x1, y1, x2, y2) is the input region read, None when the output shows no input pixel.
+    ``resize_to`` is set for warps without rotation, shear or perspective: the output rectangle the window
+    is resized onto (it may reach past the output, which keeps only its inside), a separable resize being
+    several times cheaper than a general warp.
+    """
+
+    matrix: np.ndarray
+    window: tuple[int, int, int, int] | None
+    resize_to: tuple[int, int, int, int] | None = None
+
+
+def _resize_span(scale: float, shift: float, n_in: int, n_out: int) -> tuple[int, int, int, int] | None:
+    """Input pixels [a, b) that ``x -> scale * x + shift`` shows in [0, n_out), with one more on each side for
+    interpolation, and the whole-pixel output span [c, d) they are resized onto (it may reach past the output)."""
+    a, b = max(0, math.floor(-shift / scale) - 1), min(n_in, math.ceil((n_out - shift) / scale) + 1)
+    c, d = round(scale * a + shift), round(scale * b + shift)
+    return (a, b, c, d) if b > a and d > c and d > 0 and c < n_out else None
+
+
+def plan_warp(matrix: np.ndarray, out_wh: tuple[int, int], in_wh: tuple[int, int]) -> WarpPlan:
+    """Plan warping an ``in_wh`` image by ``matrix`` into ``out_wh``.
+
+    An axis-aligned matrix (zoom and translation only: the default augmentation) becomes a resize of whole
+    input pixels onto whole output pixels; its scale and shift move by under a pixel to make that exact, and
+    the returned matrix is that adjusted one.
+    """
+    if matrix[0, 1] == 0 and matrix[1, 0] == 0 and not _is_perspective(matrix):
+        spans = [_resize_span(matrix[i, i], matrix[i, 2], in_wh[i], out_wh[i]) for i in (0, 1)]
+        if spans[0] is None or spans[1] is None:
+            return WarpPlan(matrix, None)
+        (ax, bx, cx, dx), (ay, by, cy, dy) = spans
+        sx, sy = (dx - cx) / (bx - ax), (dy - cy) / (by - ay)
+        exact = np.array([[sx, 0.0, cx - ax * sx], [0.0, sy, cy - ay * sy], [0.0, 0.0, 1.0]])
+        return WarpPlan(exact, (ax, ay, bx, by), (cx, cy, dx, dy))
+    return WarpPlan(matrix, sampled_window(matrix, out_wh, in_wh))
+
+
+def render_warp(window_img: np.ndarray | None, plan: WarpPlan, out_wh: tuple[int, int]) -> np.ndarray:
+    """The warped image from the pixels of ``plan.window`` (``window_img``; None when there is no window)."""
+    if plan.window is None or window_img is None:
+        return np.full((out_wh[1], out_wh[0], 3), FILL_VALUE, dtype=np.uint8)
+    if plan.resize_to is None:
+        return warp_image(window_img, plan.matrix, out_wh, origin=plan.window[:2])
+    x1, y1, x2, y2 = plan.resize_to
+    resized = cv2.resize(window_img, (x2 - x1, y2 - y1), interpolation=cv2.INTER_LINEAR)
+    if resized.ndim == 2:  # cv2 drops a single channel's axis
+        resized = resized[..., None]
+    if (x1, y1, x2, y2) == (0, 0, *out_wh):
+        return resized
+    ox1, oy1, ox2, oy2 = max(x1, 0), max(y1, 0), min(x2, out_wh[0]), min(y2, out_wh[1])
+    inside = resized[oy1 - y1 : oy2 - y1, ox1 - x1 : ox2 - x1]
+    if (ox1, oy1, ox2, oy2) == (0, 0, *out_wh):
+        return np.ascontiguousarray(inside)
+    out = np.full((out_wh[1], out_wh[0], window_img.shape[2]), FILL_VALUE, dtype=window_img.dtype)
+    out[oy1:oy2, ox1:ox2] = inside
+    return out
+
+
 def warp_boxes(
     labels: np.ndarray, matrix: np.ndarray, zoom: float, out_wh: tuple[int, int]
 ) -> np.ndarray:
@@ -247,10 +312,17 @@ def random_perspective(
     out_wh = (img.shape[1] + 2 * border[1], img.shape[0] + 2 * border[0])
     matrix, zoom = random_warp_matrix(rng, (img.shape[1], img.shape[0]), out_wh, degrees, translate, scale,
                                       shear, perspective)
-    identity = border[0] == 0 and border[1] == 0 and np.allclose(matrix, np.eye(3))
-    if not identity:
-        img = warp_image(img, matrix, out_wh)
-    return img, warp_boxes(labels, matrix, zoom, out_wh)
+    if border[0] == 0 and border[1] == 0 and np.allclose(matrix, np.eye(3)):
+        return img, warp_boxes(labels, matrix, zoom, out_wh)
+    plan = plan_warp(matrix, out_wh, (img.shape[1], img.shape[0]))
+    if plan.window is None:  # nothing of the image shows
+        img = np.full((out_wh[1], out_wh[0], img.shape[2]), FILL_VALUE, dtype=img.dtype)
+    elif plan.resize_to is None:
+        img = warp_image(img, plan.matrix, out_wh)
+    else:
+        x1, y1, x2, y2 = plan.window
+        img = render_warp(img[y1:y2, x1:x2], plan, out_wh)
+    return img, warp_boxes(labels, plan.matrix, zoom, out_wh)
 
 
 def mosaic_layout(
@@ -344,7 +416,7 @@ def warped_mosaic4(
     BGR uint8 image of shape ``shapes_hw[k]``) is called only for tiles the output shows, and only the
     canvas window the warp reads is filled: about a third of the 2 * imgsz canvas on average, and
     one tile in ten is never decoded with the default scale and translation. ``map_fn`` (``map`` or a
-    thread pool's) calls ``load`` over the visible tiles.
+    thread pool's) calls ``load`` over the visible tiles. Axis-aligned warps are resizes (``plan_warp``).
     """
     if len(shapes_hw) != 4 or len(labels) != 4:
         raise ValueError(f"warped_mosaic4 needs 4 shapes and 4 label arrays, got {len(shapes_hw)} and {len(labels)}")
@@ -353,15 +425,14 @@ def warped_mosaic4(
     border = -imgsz // 2
     out_wh = (size + 2 * border, size + 2 * border)
     matrix, zoom = random_warp_matrix(rng, (size, size), out_wh, degrees, translate, scale, shear, perspective)
-    window = sampled_window(matrix, out_wh, (size, size))
-    if window is None:  # the output shows only the grey beyond the canvas
-        img = np.full((out_wh[1], out_wh[0], 3), FILL_VALUE, dtype=np.uint8)
-    else:
-        x1, y1, x2, y2 = window
+    plan = plan_warp(matrix, out_wh, (size, size))
+    canvas = None
+    if plan.window is not None:
+        x1, y1, x2, y2 = plan.window
         canvas = np.full((y2 - y1, x2 - x1, 3), FILL_VALUE, dtype=np.uint8)
-        _paste_tiles(canvas, window, load, shapes_hw, corners, map_fn)
-        img = warp_image(canvas, matrix, out_wh, origin=(x1, y1))
-    return img, warp_boxes(_mosaic_labels(labels, shapes_hw, corners, size), matrix, zoom, out_wh)
+        _paste_tiles(canvas, plan.window, load, shapes_hw, corners, map_fn)
+    img = render_warp(canvas, plan, out_wh)
+    return img, warp_boxes(_mosaic_labels(labels, shapes_hw, corners, size), plan.matrix, zoom, out_wh)
 
 
 def mixup(

@@ -5,7 +5,8 @@ steps it learns slowly. Short runs get AdamW, whose per-parameter step sizes mak
 iterations, at a learning rate that shrinks with the number of classes (more classes, noisier gradients of
 the classification head): lr0 = 0.05 / (4 + nc), at most 0.01. The constant was measured on the built-in
 shapes set (yolov5n, 30 epochs, imgsz 320, batch 16, mAP50-95): 0.01 / (4 + nc) gave 0.201,
-0.027 / (4 + nc) 0.241, 0.054 / (4 + nc) 0.267.
+0.027 / (4 + nc) 0.241, 0.054 / (4 + nc) 0.267. Checked on a held-out shapes set generated with another seed
+(800 train / 200 val, 20 epochs, imgsz 320): the defaults reach 0.626, YOLOv5 with AdamW at 0.01 / (4 + nc) 0.443.
 """
 from __future__ import annotations
 
