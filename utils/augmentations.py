@@ -234,7 +234,8 @@ def plan_warp(matrix: np.ndarray, out_wh: tuple[int, int], in_wh: tuple[int, int
     input pixels onto whole output pixels; its scale and shift move by under a pixel to make that exact, and
     the returned matrix is that adjusted one.
     """
-    if matrix[0, 1] == 0 and matrix[1, 0] == 0 and not _is_perspective(matrix):
+    axis_aligned = matrix[0, 1] == 0 and matrix[1, 0] == 0 and not _is_perspective(matrix)
+    if axis_aligned and matrix[0, 0] > 0 and matrix[1, 1] > 0:  # a zoom <= 0 (hyp scale >= 1) flips or collapses
         spans = [_resize_span(matrix[i, i], matrix[i, 2], in_wh[i], out_wh[i]) for i in (0, 1)]
         if spans[0] is None or spans[1] is None:
             return WarpPlan(matrix, None)
