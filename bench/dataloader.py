@@ -31,7 +31,7 @@ from utils.log import setup_logging  # noqa: E402
 COCO128 = ROOT.parent / "shared" / "datasets" / "coco128.yaml"
 
 
-def bench_augmented(workers: int, cache: str | None, imgsz: int = 640, batch_size: int = 16, epochs: int = 2) -> float:
+def bench_augmented(workers: int, cache: str | None, epochs: int, imgsz: int = 640, batch_size: int = 16) -> float:
     """Augmented (mosaic) training samples per second over COCO128's train split."""
     cfg = load_data_config(COCO128)
     hyp = yaml.safe_load((ROOT / "data" / "hyps" / "hyp.scratch-low.yaml").read_text())
@@ -90,12 +90,13 @@ mode, arg, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
 if mode == "throughput":
     hyp = yaml.safe_load(open(sys.argv[4]))
     cache = sys.argv[5] if sys.argv[5] != "none" else False
+    epochs = int(sys.argv[6])
     loader, _ = create_dataloader(arg, 640, 16, 32, hyp=hyp, augment=True, workers=workers, shuffle=True,
                                   cache=cache)
-    for _ in loader:  # warm-up, as ours
-        break
+    for _ in loader:  # warm-up: one whole epoch, as ours
+        pass
     count, start = 0, time.perf_counter()
-    for _ in range(2):  # each pass over the loader is one epoch
+    for _ in range(epochs):  # each pass over the loader is one epoch
         for batch in loader:
             count += len(batch[0])
     print(f"{count / (time.perf_counter() - start):.1f}")
@@ -155,6 +156,7 @@ def main() -> None:
     parser.add_argument("--reference", action="store_true", help="also time a PIL-verify style scan")
     parser.add_argument("--yolov5", default="", help="a YOLOv5 checkout to measure the same way")
     parser.add_argument("--yolov5-python", default=sys.executable, help="the Python that runs that checkout")
+    parser.add_argument("--epochs", type=int, default=5, help="epochs timed after the warm-up epoch")
     parser.add_argument("--cache", nargs="+", default=["none"], choices=["none", "ram"],
                         help="image caches to measure the throughput with (both frameworks alike)")
     args = parser.parse_args()
@@ -165,11 +167,11 @@ def main() -> None:
             train_dir = load_data_config(COCO128)["train"]
             for cache in args.cache:
                 for workers in (0, 2):
-                    ours = bench_augmented(workers, None if cache == "none" else cache)
+                    ours = bench_augmented(workers, None if cache == "none" else cache, args.epochs)
                     line = f"COCO128 imgsz 640 mosaic, cache {cache}, workers={workers}: {ours:.1f} samples/s"
                     if args.yolov5:
                         theirs = run_yolov5_probe(args.yolov5, args.yolov5_python, "throughput", train_dir,
-                                                  str(workers), hyp_file, cache)
+                                                  str(workers), hyp_file, cache, str(args.epochs))
                         ratio = f", {ours / float(theirs):.2f}x" if not theirs.startswith("failed") else ""
                         line += f"; YOLOv5: {theirs} samples/s{ratio}"
                     print(line)
