@@ -186,9 +186,10 @@ def test_warped_mosaic_equals_mosaic_then_perspective_and_skips_hidden_tiles(par
         expected_img, expected_labels = mosaic_then_perspective(seed, imgsz, **params)
         loaded: list[int] = []
 
-        def load(k: int) -> np.ndarray:
+        def load(k: int, region: tuple[int, int, int, int]) -> np.ndarray:
             loaded.append(k)
-            return images[k]
+            x1, y1, x2, y2 = region
+            return images[k][y1:y2, x1:x2] if k % 2 else images[k]  # both kinds of answer
 
         img, out = warped_mosaic4(load, [im.shape[:2] for im in images], labels, imgsz,
                                   np.random.default_rng([seed, 1]), **params)
@@ -208,7 +209,7 @@ def test_warped_mosaic_rejects_a_tile_of_the_wrong_shape() -> None:
     images, labels = make_mosaic_inputs(0, 64)
     shapes = [im.shape[:2] for im in images]
     with pytest.raises(ValueError, match="tile"):
-        warped_mosaic4(lambda k: images[k][:-1], shapes, labels, 64, np.random.default_rng(0), degrees=0,
+        warped_mosaic4(lambda k, _: images[k][:-1], shapes, labels, 64, np.random.default_rng(0), degrees=0,
                        translate=0, scale=0, shear=0)
 
 

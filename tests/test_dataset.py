@@ -12,6 +12,8 @@ import utils.dataset as dataset_module
 from utils.boxes import scale_boxes, xywh2xyxy
 from utils.dataloaders import create_dataloader
 from utils.dataset import YoloDataset
+from utils.image_io import read_image_region
+from utils.jpeg_region import region_decoding_available
 from utils.shapes import generate_shapes
 
 IMGSZ = 64
@@ -128,6 +130,25 @@ def test_ram_and_disk_caches_give_identical_samples(data_root: Path) -> None:
         assert torch.equal(disk[(1, index)][0], plain[(1, index)][0])
     for f in disk.npy_files:
         f.unlink()
+
+
+def test_mosaic_tiles_decoded_in_part_give_the_same_samples(data_root: Path, monkeypatch) -> None:
+    dataset = _train(data_root)[1]
+    decoded_parts = []
+
+    def counting(path: str, shape_hw: tuple[int, int], region: tuple[int, int, int, int]):
+        part = read_image_region(path, shape_hw, region)
+        decoded_parts.append(part is not None and part.shape[:2] != shape_hw)
+        return part
+
+    monkeypatch.setattr(dataset_module, "read_image_region", counting)
+    pairs = [(epoch, index) for epoch in (1, 2) for index in range(12)]
+    partial = [dataset[pair][0] for pair in pairs]
+    if region_decoding_available():
+        assert sum(decoded_parts) > 12  # most tiles came from partial decodes
+    monkeypatch.setattr(dataset_module, "read_image_region", lambda *args: None)
+    for pair, img in zip(pairs, partial):
+        assert torch.equal(dataset[pair][0], img)
 
 
 def test_ram_cache_refused_when_memory_is_short(data_root: Path, monkeypatch, caplog) -> None:

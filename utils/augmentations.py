@@ -92,13 +92,16 @@ def augment_hsv(
         return img
     gains = rng.uniform(-1.0, 1.0, 3) * (hgain, sgain, vgain) + 1.0
     levels = np.arange(256, dtype=np.float32)
-    # One 3-channel table lets a single cv2.LUT call do all channels (no split/merge copies).
-    table = np.empty((1, 256, 3), dtype=np.uint8)
-    table[0, :, 0] = (levels * gains[0]) % 180  # OpenCV 8-bit hue lives in [0, 180)
-    table[0, :, 1] = np.clip(levels * gains[1], 0, 255)
-    table[0, :, 2] = np.clip(levels * gains[2], 0, 255)
+    tables = (
+        ((levels * gains[0]) % 180).astype(np.uint8),  # OpenCV 8-bit hue lives in [0, 180)
+        np.clip(levels * gains[1], 0, 255).astype(np.uint8),
+        np.clip(levels * gains[2], 0, 255).astype(np.uint8),
+    )
     hsv = cv2.cvtColor(img, cv2.COLOR_BGR2HSV)
-    cv2.LUT(hsv, table, dst=hsv)
+    channels = cv2.split(hsv)
+    for channel, table in zip(channels, tables):  # one-channel LUTs beat one 3-channel LUT, split and merge included
+        cv2.LUT(channel, table, dst=channel)
+    cv2.merge(channels, dst=hsv)
     cv2.cvtColor(hsv, cv2.COLOR_HSV2BGR, dst=img)
     return img
 
@@ -355,14 +358,16 @@ def _mosaic_labels(
 def _paste_tiles(
     canvas: np.ndarray,
     window: tuple[int, int, int, int],
-    load: Callable[[int], np.ndarray],
+    load: Callable[[int, tuple[int, int, int, int]], np.ndarray],
     shapes_hw: list[tuple[int, int]],
     corners: list[tuple[int, int]],
     map_fn: Callable = map,
 ) -> None:
     """Copy into ``canvas`` (which shows ``window`` of the mosaic) the visible part of each tile.
 
-    Only tiles that overlap the window are loaded, through ``map_fn(load, tile_indices)``.
+    Only tiles that overlap the window are loaded, as ``load(k, region)`` through ``map_fn``; ``region``
+    (x1, y1, x2, y2, in the tile's pixels) is the part that shows, and ``load`` returns either the whole
+    tile or just that region.
     """
     wx1, wy1, wx2, wy2 = window
     visible = []
@@ -370,12 +375,15 @@ def _paste_tiles(
         x1, y1 = max(left, wx1), max(top, wy1)
         x2, y2 = min(left + w, wx2), min(top + h, wy2)
         if x2 > x1 and y2 > y1:
-            visible.append((k, x1, y1, x2, y2))
-    for (k, x1, y1, x2, y2), img in zip(visible, map_fn(load, [v[0] for v in visible])):
+            visible.append((k, (x1 - left, y1 - top, x2 - left, y2 - top)))
+    for (k, (x1, y1, x2, y2)), img in zip(visible, map_fn(lambda v: load(*v), visible)):
         (h, w), (left, top) = shapes_hw[k], corners[k]
-        if img.shape[:2] != (h, w):
-            raise ValueError(f"mosaic tile {k} has shape {img.shape[:2]}, expected {(h, w)}")
-        canvas[y1 - wy1 : y2 - wy1, x1 - wx1 : x2 - wx1] = img[y1 - top : y2 - top, x1 - left : x2 - left]
+        if img.shape[:2] == (h, w):
+            img = img[y1:y2, x1:x2]
+        elif img.shape[:2] != (y2 - y1, x2 - x1):
+            raise ValueError(f"mosaic tile {k} has shape {img.shape[:2]}, expected {(h, w)} or its region "
+                             f"{(y2 - y1, x2 - x1)}")
+        canvas[top + y1 - wy1 : top + y2 - wy1, left + x1 - wx1 : left + x2 - wx1] = img
 
 
 def mosaic4(
@@ -394,12 +402,12 @@ def mosaic4(
     shapes_hw = [img.shape[:2] for img in images]
     corners = mosaic_layout(shapes_hw, imgsz, rng)
     canvas = np.full((size, size, images[0].shape[2]), FILL_VALUE, dtype=np.uint8)
-    _paste_tiles(canvas, (0, 0, size, size), images.__getitem__, shapes_hw, corners)
+    _paste_tiles(canvas, (0, 0, size, size), lambda k, _: images[k], shapes_hw, corners)
     return canvas, _mosaic_labels(labels, shapes_hw, corners, size)
 
 
 def warped_mosaic4(
-    load: Callable[[int], np.ndarray],
+    load: Callable[[int, tuple[int, int, int, int]], np.ndarray],
     shapes_hw: list[tuple[int, int]],
     labels: list[np.ndarray],
     imgsz: int,
@@ -413,11 +421,12 @@ def warped_mosaic4(
 ) -> tuple[np.ndarray, np.ndarray]:
     """``mosaic4`` then ``random_perspective`` down to imgsz, building only the part of the canvas that shows.
 
-    Same draws and same output as the two steps (border ``-imgsz // 2``), but ``load(k)`` (tile k as a
-    BGR uint8 image of shape ``shapes_hw[k]``) is called only for tiles the output shows, and only the
-    canvas window the warp reads is filled: about a third of the 2 * imgsz canvas on average, and
-    one tile in ten is never decoded with the default scale and translation. ``map_fn`` (``map`` or a
-    thread pool's) calls ``load`` over the visible tiles. Axis-aligned warps are resizes (``plan_warp``).
+    Same draws and same output as the two steps (border ``-imgsz // 2``), but only the canvas window the
+    warp reads is filled (about a third of the 2 * imgsz canvas on average) and ``load(k, region)`` is
+    called only for tiles the output shows (one tile in ten is hidden with the default scale and
+    translation), with the part that shows: it returns tile k (BGR uint8 of shape ``shapes_hw[k]``) or
+    just that (x1, y1, x2, y2) region of it. ``map_fn`` (``map`` or a thread pool's) calls ``load`` over
+    the visible tiles. Axis-aligned warps are resizes (``plan_warp``).
     """
     if len(shapes_hw) != 4 or len(labels) != 4:
         raise ValueError(f"warped_mosaic4 needs 4 shapes and 4 label arrays, got {len(shapes_hw)} and {len(labels)}")

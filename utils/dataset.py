@@ -24,7 +24,7 @@ from utils.augmentations import (augment_hsv, letterbox, long_side_shape, mixup,
 from utils.boxes import xywhn2xyxy, xyxy2xywhn
 from utils.data_config import list_image_files
 from utils.errors import UserError
-from utils.image_io import read_image
+from utils.image_io import read_image, read_image_region
 from utils.label_cache import load_label_set
 from utils.log import LOGGER
 
@@ -207,6 +207,10 @@ class YoloDataset(Dataset):
                 pass  # a damaged .npy: fall back to the image itself
         return self._read_original(i)
 
+    def _decodes_from_file(self, i: int) -> bool:
+        """Image ``i`` comes from its file (no RAM copy, no .npy)."""
+        return self.ram_images[i] is None and not (self.cache == "disk" and self.npy_files[i].is_file())
+
     def load_image(self, i: int) -> tuple[np.ndarray, tuple[int, int], tuple[int, int]]:
         """Image ``i`` resized to long side imgsz (shared with the RAM cache: do not modify in place)."""
         cached = self.ram_images[i]
@@ -228,8 +232,13 @@ class YoloDataset(Dataset):
         # Tile shapes come from the label cache, so tiles the warp never shows are not even decoded.
         shapes_hw = [long_side_shape(int(self.shapes[i][1]), int(self.shapes[i][0]), self.imgsz) for i in indices]
 
-        def load(k: int) -> np.ndarray:
-            img = self.load_image(indices[k])[0]
+        def load(k: int, region: tuple[int, int, int, int]) -> np.ndarray:
+            i = indices[k]
+            if self._decodes_from_file(i) and shapes_hw[k] == (int(self.shapes[i][1]), int(self.shapes[i][0])):
+                part = read_image_region(self.im_files[i], shapes_hw[k], region)  # only the part that shows
+                if part is not None:
+                    return part
+            img = self.load_image(i)[0]
             if img.shape[:2] != shapes_hw[k]:  # the file changed size since it was verified: keep boxes aligned
                 img = cv2.resize(img, shapes_hw[k][::-1], interpolation=cv2.INTER_LINEAR)
             return img

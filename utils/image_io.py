@@ -12,6 +12,8 @@ from typing import BinaryIO
 import cv2
 import numpy as np
 
+from utils.jpeg_region import decode_jpeg_region
+
 JPEG_SOI, JPEG_EOI = b"\xff\xd8", b"\xff\xd9"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # SOFn markers carry the frame size; C4 (DHT), C8 (JPG) and CC (DAC) share the range but do not.
@@ -48,6 +50,19 @@ def read_image(path: str) -> np.ndarray | None:
     if img is None and data[:2].tobytes() == JPEG_SOI:
         img = _decode(np.concatenate((data, np.frombuffer(JPEG_EOI, np.uint8))))
     return img
+
+
+def read_image_region(path: str, shape_hw: tuple[int, int], region: tuple[int, int, int, int]) -> np.ndarray | None:
+    """Pixels ``region`` (x1, y1, x2, y2) of an image file of size ``shape_hw``, as ``read_image`` would give them,
+    decoding only that part; None where that cannot be done (not a JPEG, see ``decode_jpeg_region``)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    if data[:2] != JPEG_SOI:
+        return None
+    return decode_jpeg_region(np.frombuffer(data, dtype=np.uint8), shape_hw, region)
 
 
 class _Reader:

@@ -1,0 +1,154 @@
+"""Partial JPEG decoding: the pixels of a region equal that crop of a whole OpenCV decode, or None (fall back)."""
+from __future__ import annotations
+
+import io
+import logging
+import struct
+from concurrent.futures import ThreadPoolExecutor
+
+import cv2
+import numpy as np
+import pytest
+from PIL import Image
+
+import utils.jpeg_region as jpeg_region
+from utils.image_io import read_image, read_image_region
+from utils.jpeg_region import decode_jpeg_region, region_decoding_available
+
+
+@pytest.fixture(scope="module", autouse=True)
+def decoder() -> None:
+    if not region_decoding_available():
+        pytest.skip("the partial JPEG decoder cannot be built here (no C compiler or libjpeg headers)")
+
+
+def textured(h: int, w: int, seed: int) -> np.ndarray:
+    """Smooth colour gradients plus noise: every 8x8 block and chroma sample differs."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:h, 0:w]
+    img = np.stack([(xx * 255 // max(w - 1, 1)), (yy * 255 // max(h - 1, 1)), (xx + yy) % 256], -1)
+    return np.clip(img + rng.integers(-40, 40, img.shape), 0, 255).astype(np.uint8)
+
+
+def encode(img: np.ndarray, *params: int) -> np.ndarray:
+    ok, buf = cv2.imencode(".jpg", img, list(params))
+    assert ok
+    return buf.reshape(-1)
+
+
+def random_regions(h: int, w: int, rng: np.random.Generator, n: int) -> list[tuple[int, int, int, int]]:
+    regions = [(0, 0, w, h), (w - 1, h - 1, w, h), (0, 0, 1, 1), (w // 2, 0, w, h // 3)]
+    for _ in range(n):
+        x1, x2 = sorted(int(v) for v in rng.choice(w + 1, 2, replace=False))
+        y1, y2 = sorted(int(v) for v in rng.choice(h + 1, 2, replace=False))
+        regions.append((x1, y1, x2, y2))
+    return regions
+
+
+ENCODINGS = {
+    "4:2:0": (cv2.IMWRITE_JPEG_QUALITY, 95),
+    "4:4:4": (cv2.IMWRITE_JPEG_SAMPLING_FACTOR, cv2.IMWRITE_JPEG_SAMPLING_FACTOR_444),
+    "4:2:2": (cv2.IMWRITE_JPEG_SAMPLING_FACTOR, cv2.IMWRITE_JPEG_SAMPLING_FACTOR_422),
+    "4:1:1": (cv2.IMWRITE_JPEG_SAMPLING_FACTOR, cv2.IMWRITE_JPEG_SAMPLING_FACTOR_411),
+    "progressive": (cv2.IMWRITE_JPEG_PROGRESSIVE, 1),
+    "restart markers": (cv2.IMWRITE_JPEG_RST_INTERVAL, 3),
+    "optimized": (cv2.IMWRITE_JPEG_OPTIMIZE, 1, cv2.IMWRITE_JPEG_QUALITY, 60),
+}
+
+
+@pytest.mark.parametrize("encoding", list(ENCODINGS))
+@pytest.mark.parametrize("h, w", [(48, 64), (37, 53), (121, 17), (480, 640)])
+def test_region_equals_crop_of_whole_decode(encoding: str, h: int, w: int) -> None:
+    data = encode(textured(h, w, seed=h * w), *ENCODINGS[encoding])
+    whole = cv2.imdecode(data, cv2.IMREAD_COLOR)
+    rng = np.random.default_rng(h + w)
+    for x1, y1, x2, y2 in random_regions(h, w, rng, 20):
+        part = decode_jpeg_region(data, (h, w), (x1, y1, x2, y2))
+        assert part is not None and part.shape == (y2 - y1, x2 - x1, 3)
+        assert np.array_equal(part, whole[y1:y2, x1:x2]), (encoding, (x1, y1, x2, y2))
+
+
+def test_greyscale_jpeg_comes_out_as_three_equal_channels() -> None:
+    grey = textured(40, 56, 1)[..., 0]
+    data = encode(grey)
+    part = decode_jpeg_region(data, (40, 56), (5, 7, 50, 33))
+    assert part is not None and np.array_equal(part, cv2.imdecode(data, cv2.IMREAD_COLOR)[7:33, 5:50])
+
+
+def with_exif_orientation(data: np.ndarray, orientation: int) -> np.ndarray:
+    """The JPEG with an EXIF APP1 segment (one IFD entry: Orientation) right after SOI."""
+    tiff = b"MM\x00\x2a" + struct.pack(">I", 8) + struct.pack(">H", 1)
+    tiff += struct.pack(">HHIHH", 0x0112, 3, 1, orientation, 0) + struct.pack(">I", 0)
+    payload = b"Exif\x00\x00" + tiff
+    app1 = b"\xff\xe1" + struct.pack(">H", len(payload) + 2) + payload
+    raw = data.tobytes()
+    return np.frombuffer(raw[:2] + app1 + raw[2:], np.uint8)
+
+
+def test_exif_orientation_other_than_1_falls_back() -> None:
+    data = encode(textured(32, 32, 2))  # square: a rotation keeps the size, only the EXIF tag tells
+    upright = with_exif_orientation(data, 1)
+    part = decode_jpeg_region(upright, (32, 32), (0, 0, 32, 32))
+    assert part is not None and np.array_equal(part, cv2.imdecode(upright, cv2.IMREAD_COLOR))
+    for orientation in (3, 6, 8):
+        rotated = with_exif_orientation(data, orientation)
+        assert not np.array_equal(cv2.imdecode(rotated, cv2.IMREAD_COLOR), cv2.imdecode(data, cv2.IMREAD_COLOR))
+        assert decode_jpeg_region(rotated, (32, 32), (0, 0, 32, 32)) is None
+
+
+def test_unsupported_or_damaged_input_falls_back() -> None:
+    img = textured(64, 80, 3)
+    data = encode(img)
+    assert decode_jpeg_region(data, (64, 81), (0, 0, 10, 10)) is None  # not the size it was verified at
+    assert decode_jpeg_region(data, (64, 80), (0, 0, 81, 10)) is None  # region outside the image
+    assert decode_jpeg_region(data, (64, 80), (5, 5, 5, 10)) is None  # empty region
+    png = np.frombuffer(cv2.imencode(".png", img)[1].tobytes(), np.uint8)
+    assert decode_jpeg_region(png, (64, 80), (0, 0, 10, 10)) is None
+    cmyk = io.BytesIO()
+    Image.fromarray(img).convert("CMYK").save(cmyk, "JPEG")
+    cmyk_data = np.frombuffer(cmyk.getvalue(), np.uint8)
+    assert cv2.imdecode(cmyk_data, cv2.IMREAD_COLOR) is not None  # OpenCV reads it: the caller falls back to it
+    assert decode_jpeg_region(cmyk_data, (64, 80), (0, 0, 10, 10)) is None
+    truncated = data[: len(data) // 2]
+    assert decode_jpeg_region(truncated, (64, 80), (0, 50, 80, 64)) is None  # the rows asked for are missing
+    garbage = data.copy()
+    garbage[len(data) // 3 : len(data) // 3 + 64] = 0xFF  # not a valid marker sequence inside the scan
+    assert decode_jpeg_region(garbage, (64, 80), (0, 0, 80, 64)) is None
+
+
+def test_read_image_region_matches_read_image(tmp_path) -> None:
+    path = tmp_path / "a.jpg"
+    cv2.imwrite(str(path), textured(50, 70, 4))
+    part = read_image_region(str(path), (50, 70), (10, 20, 60, 45))
+    assert part is not None and np.array_equal(part, read_image(str(path))[20:45, 10:60])
+    png = tmp_path / "b.png"
+    cv2.imwrite(str(png), textured(50, 70, 4))
+    assert read_image_region(str(png), (50, 70), (0, 0, 5, 5)) is None
+    assert read_image_region(str(tmp_path / "missing.jpg"), (50, 70), (0, 0, 5, 5)) is None
+
+
+def test_threads_decode_at_once() -> None:
+    files = [encode(textured(96, 128, s)) for s in range(8)]
+    expected = [cv2.imdecode(d, cv2.IMREAD_COLOR)[10:90, 3:120] for d in files]
+    with ThreadPoolExecutor(4) as pool:
+        parts = list(pool.map(lambda d: decode_jpeg_region(d, (96, 128), (3, 10, 120, 90)), files * 4))
+    assert all(np.array_equal(p, e) for p, e in zip(parts, expected * 4))
+
+
+def test_without_a_compiler_it_falls_back_and_says_so(monkeypatch, tmp_path, caplog) -> None:
+    monkeypatch.setattr(jpeg_region, "_state", {})
+    monkeypatch.setattr(jpeg_region, "BUILD_DIR", tmp_path / "build")
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    logger = logging.getLogger("yolo")
+    monkeypatch.setattr(logger, "propagate", True)
+    with caplog.at_level(logging.INFO, logger="yolo"):
+        assert decode_jpeg_region(encode(textured(16, 16, 5)), (16, 16), (0, 0, 16, 16)) is None
+        assert not region_decoding_available()
+    assert sum("partial JPEG decoding unavailable" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_build_is_atomic_and_reused(tmp_path) -> None:
+    first = jpeg_region._build(jpeg_region.SOURCE, tmp_path)
+    mtime = first.stat().st_mtime_ns
+    assert jpeg_region._build(jpeg_region.SOURCE, tmp_path) == first and first.stat().st_mtime_ns == mtime
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left behind
