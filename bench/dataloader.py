@@ -1,6 +1,7 @@
 """Data pipeline benchmark: augmented samples/s on COCO128 and label-cache build/reload time for 20k images.
 
-Run by hand from the repo root: ``python bench/dataloader.py [--images 20000] [--skip-coco] [--cache none ram]``.
+Run by hand from the repo root: ``python bench/dataloader.py [--images 20000] [--skip-coco] [--cache none ram]
+[--repeats 5]``.
 Side by side with a YOLOv5 checkout (its own create_dataloader / LoadImagesAndLabels, same settings, same
 generated images): ``python bench/dataloader.py --yolov5 /path/to/yolov5 --yolov5-python /path/to/python``.
 """
@@ -157,6 +158,8 @@ def main() -> None:
     parser.add_argument("--yolov5", default="", help="a YOLOv5 checkout to measure the same way")
     parser.add_argument("--yolov5-python", default=sys.executable, help="the Python that runs that checkout")
     parser.add_argument("--epochs", type=int, default=5, help="epochs timed after the warm-up epoch")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="throughput runs per setting, alternating with YOLOv5's; medians are compared")
     parser.add_argument("--cache", nargs="+", default=["none"], choices=["none", "ram"],
                         help="image caches to measure the throughput with (both frameworks alike)")
     args = parser.parse_args()
@@ -167,13 +170,29 @@ def main() -> None:
             train_dir = load_data_config(COCO128)["train"]
             for cache in args.cache:
                 for workers in (0, 2):
-                    ours = bench_augmented(workers, None if cache == "none" else cache, args.epochs)
+                    # Alternate the two frameworks and take medians: this machine's speed drifts by tens of
+                    # percent between minutes, which single back-to-back runs turn into ratio noise.
+                    ours_runs, theirs_runs = [], []
+                    for _ in range(args.repeats):
+                        ours_runs.append(bench_augmented(workers, None if cache == "none" else cache, args.epochs))
+                        if args.yolov5:
+                            theirs = run_yolov5_probe(args.yolov5, args.yolov5_python, "throughput", train_dir,
+                                                      str(workers), hyp_file, cache, str(args.epochs))
+                            if not theirs.startswith("failed"):
+                                theirs_runs.append(float(theirs))
+                    ours = float(np.median(ours_runs))
                     line = f"COCO128 imgsz 640 mosaic, cache {cache}, workers={workers}: {ours:.1f} samples/s"
+                    if args.repeats > 1:
+                        line += f" (median of {', '.join(f'{v:.1f}' for v in ours_runs)})"
                     if args.yolov5:
-                        theirs = run_yolov5_probe(args.yolov5, args.yolov5_python, "throughput", train_dir,
-                                                  str(workers), hyp_file, cache, str(args.epochs))
-                        ratio = f", {ours / float(theirs):.2f}x" if not theirs.startswith("failed") else ""
-                        line += f"; YOLOv5: {theirs} samples/s{ratio}"
+                        if theirs_runs:
+                            median = float(np.median(theirs_runs))
+                            line += f"; YOLOv5: {median:.1f} samples/s"
+                            if args.repeats > 1:
+                                line += f" (median of {', '.join(f'{v:.1f}' for v in theirs_runs)})"
+                            line += f", {ours / median:.2f}x"
+                        else:
+                            line += f"; YOLOv5: {theirs}"
                     print(line)
         else:
             print(f"{COCO128} not found: skipping the throughput benchmark")

@@ -1,6 +1,7 @@
 """Tests for utils/augmentations.py on generated images: boxes must stay on their pixels."""
 from __future__ import annotations
 
+import cv2
 import numpy as np
 import pytest
 
@@ -8,8 +9,10 @@ from utils.augmentations import (
     augment_hsv,
     box_candidates,
     letterbox,
+    linear_resize_source_span,
     mixup,
     mosaic4,
+    paste_region,
     random_flips,
     random_perspective,
     resize_to_long_side,
@@ -186,10 +189,9 @@ def test_warped_mosaic_equals_mosaic_then_perspective_and_skips_hidden_tiles(par
         expected_img, expected_labels = mosaic_then_perspective(seed, imgsz, **params)
         loaded: list[int] = []
 
-        def load(k: int, region: tuple[int, int, int, int]) -> np.ndarray:
+        def load(k: int, region: tuple[int, int, int, int], out: np.ndarray) -> None:
             loaded.append(k)
-            x1, y1, x2, y2 = region
-            return images[k][y1:y2, x1:x2] if k % 2 else images[k]  # both kinds of answer
+            paste_region(images[k], region, out)
 
         img, out = warped_mosaic4(load, [im.shape[:2] for im in images], labels, imgsz,
                                   np.random.default_rng([seed, 1]), **params)
@@ -205,12 +207,16 @@ def test_warped_mosaic_equals_mosaic_then_perspective_and_skips_hidden_tiles(par
     assert skipped > 0
 
 
-def test_warped_mosaic_rejects_a_tile_of_the_wrong_shape() -> None:
+def test_warped_mosaic_rejects_a_tile_smaller_than_its_shape() -> None:
     images, labels = make_mosaic_inputs(0, 64)
     shapes = [im.shape[:2] for im in images]
+
+    def load_short_tile(k: int, region: tuple[int, int, int, int], out: np.ndarray) -> None:
+        paste_region(images[k][:-20], region, out)  # 20 rows fewer than announced
+
     with pytest.raises(ValueError, match="tile"):
-        warped_mosaic4(lambda k, _: images[k][:-1], shapes, labels, 64, np.random.default_rng(0), degrees=0,
-                       translate=0, scale=0, shear=0)
+        warped_mosaic4(load_short_tile, shapes, labels, 64, np.random.default_rng(0), degrees=0, translate=0,
+                       scale=0, shear=0)
 
 
 def test_mosaic_perspective_keeps_boxes_on_pixels_without_rotation() -> None:
@@ -410,3 +416,18 @@ def test_same_seed_same_output_different_seed_differs() -> None:
     assert np.array_equal(img_a, img_b) and np.array_equal(lab_a, lab_b)
     assert not np.array_equal(img_a, img_c)
     assert lab_a.shape != lab_c.shape or not np.allclose(lab_a, lab_c)
+
+
+@pytest.mark.parametrize("n_src, n_dst", [(100, 64), (128, 64), (40, 64), (4000, 640), (641, 640), (333, 640)])
+def test_linear_resize_reads_only_the_source_span(n_src: int, n_dst: int) -> None:
+    rng = np.random.default_rng(n_src)
+    img = rng.integers(0, 256, (n_src, 7, 3), dtype=np.uint8)
+    whole = cv2.resize(img, (7, n_dst), interpolation=cv2.INTER_LINEAR)
+    for _ in range(30):
+        start, stop = sorted(int(v) for v in rng.choice(n_dst + 1, 2, replace=False))
+        a, b = linear_resize_source_span(start, stop, n_src, n_dst)
+        scrambled = rng.integers(0, 256, img.shape, dtype=np.uint8)
+        scrambled[a:b] = img[a:b]  # only the span is the real image
+        part = cv2.resize(scrambled, (7, n_dst), interpolation=cv2.INTER_LINEAR)[start:stop]
+        assert np.array_equal(part, whole[start:stop]), (start, stop, a, b)
+        assert b - a <= (stop - start) * max(1.0, n_src / n_dst) + 2 * max(2.0, n_src / n_dst) + 4  # not just all of it

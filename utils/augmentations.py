@@ -44,6 +44,16 @@ def resize_to_long_side(
     return cv2.resize(img, (w, h), interpolation=interp), (h0, w0), (h, w)
 
 
+def linear_resize_source_span(start: int, stop: int, n_src: int, n_dst: int) -> tuple[int, int]:
+    """Source pixels [a, b) from which a linear resize of ``n_src`` pixels onto ``n_dst`` computes output pixels
+    [start, stop): each output reads its two nearest sources (a 2x shrink, which OpenCV does as a 2x2 mean,
+    reads the same two); one more on each side absorbs OpenCV's fixed-point rounding."""
+    k = n_src / n_dst
+    a = math.floor((start + 0.5) * k - 0.5) - 1
+    b = math.floor((stop - 0.5) * k - 0.5) + 3
+    return max(0, a), min(n_src, b)
+
+
 def letterbox(
     img: np.ndarray,
     new_shape: tuple[int, int] | int = (640, 640),
@@ -355,19 +365,21 @@ def _mosaic_labels(
     return out
 
 
+TileLoader = Callable[[int, tuple[int, int, int, int], np.ndarray], None]
+
+
 def _paste_tiles(
     canvas: np.ndarray,
     window: tuple[int, int, int, int],
-    load: Callable[[int, tuple[int, int, int, int]], np.ndarray],
+    load: TileLoader,
     shapes_hw: list[tuple[int, int]],
     corners: list[tuple[int, int]],
     map_fn: Callable = map,
 ) -> None:
-    """Copy into ``canvas`` (which shows ``window`` of the mosaic) the visible part of each tile.
+    """Fill ``canvas`` (which shows ``window`` of the mosaic) with the visible part of each tile.
 
-    Only tiles that overlap the window are loaded, as ``load(k, region)`` through ``map_fn``; ``region``
-    (x1, y1, x2, y2, in the tile's pixels) is the part that shows, and ``load`` returns either the whole
-    tile or just that region.
+    Only tiles that overlap the window are loaded, as ``load(k, region, out)`` through ``map_fn``: it writes
+    ``region`` (x1, y1, x2, y2, in tile k's pixels) of tile k into ``out``, the canvas view where it shows.
     """
     wx1, wy1, wx2, wy2 = window
     visible = []
@@ -375,15 +387,19 @@ def _paste_tiles(
         x1, y1 = max(left, wx1), max(top, wy1)
         x2, y2 = min(left + w, wx2), min(top + h, wy2)
         if x2 > x1 and y2 > y1:
-            visible.append((k, (x1 - left, y1 - top, x2 - left, y2 - top)))
-    for (k, (x1, y1, x2, y2)), img in zip(visible, map_fn(lambda v: load(*v), visible)):
-        (h, w), (left, top) = shapes_hw[k], corners[k]
-        if img.shape[:2] == (h, w):
-            img = img[y1:y2, x1:x2]
-        elif img.shape[:2] != (y2 - y1, x2 - x1):
-            raise ValueError(f"mosaic tile {k} has shape {img.shape[:2]}, expected {(h, w)} or its region "
-                             f"{(y2 - y1, x2 - x1)}")
-        canvas[top + y1 - wy1 : top + y2 - wy1, left + x1 - wx1 : left + x2 - wx1] = img
+            out = canvas[y1 - wy1 : y2 - wy1, x1 - wx1 : x2 - wx1]
+            visible.append((k, (x1 - left, y1 - top, x2 - left, y2 - top), out))
+    for _ in map_fn(lambda args: load(*args), visible):  # consume: the loads happen here
+        pass
+
+
+def paste_region(tile: np.ndarray, region: tuple[int, int, int, int], out: np.ndarray) -> None:
+    """A tile loader's usual body: copy ``region`` (x1, y1, x2, y2) of the whole ``tile`` into ``out``."""
+    x1, y1, x2, y2 = region
+    part = tile[y1:y2, x1:x2]
+    if part.shape != out.shape:
+        raise ValueError(f"mosaic tile of shape {tile.shape[:2]} has no region {region} of shape {out.shape[:2]}")
+    out[...] = part
 
 
 def mosaic4(
@@ -402,12 +418,13 @@ def mosaic4(
     shapes_hw = [img.shape[:2] for img in images]
     corners = mosaic_layout(shapes_hw, imgsz, rng)
     canvas = np.full((size, size, images[0].shape[2]), FILL_VALUE, dtype=np.uint8)
-    _paste_tiles(canvas, (0, 0, size, size), lambda k, _: images[k], shapes_hw, corners)
+    _paste_tiles(canvas, (0, 0, size, size), lambda k, region, out: paste_region(images[k], region, out), shapes_hw,
+                 corners)
     return canvas, _mosaic_labels(labels, shapes_hw, corners, size)
 
 
 def warped_mosaic4(
-    load: Callable[[int, tuple[int, int, int, int]], np.ndarray],
+    load: TileLoader,
     shapes_hw: list[tuple[int, int]],
     labels: list[np.ndarray],
     imgsz: int,
@@ -424,9 +441,10 @@ def warped_mosaic4(
     Same draws and same output as the two steps (border ``-imgsz // 2``), but only the canvas window the
     warp reads is filled (about a third of the 2 * imgsz canvas on average) and ``load(k, region)`` is
     called only for tiles the output shows (one tile in ten is hidden with the default scale and
-    translation), with the part that shows: it returns tile k (BGR uint8 of shape ``shapes_hw[k]``) or
-    just that (x1, y1, x2, y2) region of it. ``map_fn`` (``map`` or a thread pool's) calls ``load`` over
-    the visible tiles. Axis-aligned warps are resizes (``plan_warp``).
+    translation): it writes the (x1, y1, x2, y2) region that shows of tile k (BGR uint8 of shape
+    ``shapes_hw[k]``) into the canvas view ``out`` (``paste_region`` does it from a whole tile).
+    ``map_fn`` (``map`` or a thread pool's) calls ``load`` over the visible tiles. Axis-aligned warps are
+    resizes (``plan_warp``).
     """
     if len(shapes_hw) != 4 or len(labels) != 4:
         raise ValueError(f"warped_mosaic4 needs 4 shapes and 4 label arrays, got {len(shapes_hw)} and {len(labels)}")

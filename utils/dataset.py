@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from utils.augmentations import (augment_hsv, letterbox, long_side_shape, mixup, random_flips, random_perspective,
-                                 resize_to_long_side, warped_mosaic4)
+from utils.augmentations import (augment_hsv, letterbox, linear_resize_source_span, long_side_shape, mixup,
+                                 paste_region, random_flips, random_perspective, resize_to_long_side, warped_mosaic4)
 from utils.boxes import xywhn2xyxy, xyxy2xywhn
 from utils.data_config import list_image_files
 from utils.errors import UserError
@@ -232,20 +232,41 @@ class YoloDataset(Dataset):
         # Tile shapes come from the label cache, so tiles the warp never shows are not even decoded.
         shapes_hw = [long_side_shape(int(self.shapes[i][1]), int(self.shapes[i][0]), self.imgsz) for i in indices]
 
-        def load(k: int, region: tuple[int, int, int, int]) -> np.ndarray:
-            i = indices[k]
-            if self._decodes_from_file(i) and shapes_hw[k] == (int(self.shapes[i][1]), int(self.shapes[i][0])):
-                part = read_image_region(self.im_files[i], shapes_hw[k], region)  # only the part that shows
-                if part is not None:
-                    return part
-            img = self.load_image(i)[0]
-            if img.shape[:2] != shapes_hw[k]:  # the file changed size since it was verified: keep boxes aligned
-                img = cv2.resize(img, shapes_hw[k][::-1], interpolation=cv2.INTER_LINEAR)
-            return img
+        def load(k: int, region: tuple[int, int, int, int], out: np.ndarray) -> None:
+            self._load_tile(indices[k], shapes_hw[k], region, out)
 
         h = self.hyp
         return warped_mosaic4(load, shapes_hw, [self.labels[i] for i in indices], self.imgsz, rng, h["degrees"],
                               h["translate"], h["scale"], h["shear"], h["perspective"], map_fn=self._tile_map())
+
+    def _load_tile(self, i: int, shape_hw: tuple[int, int], region: tuple[int, int, int, int],
+                   out: np.ndarray) -> None:
+        """Write ``region`` of image ``i`` (resized to ``shape_hw``) into ``out``, decoding only what it needs."""
+        if self._decodes_from_file(i) and self._read_tile_region(i, shape_hw, region, out):
+            return
+        img = self.load_image(i)[0]
+        if img.shape[:2] != shape_hw:  # the file changed size since it was verified: keep boxes aligned
+            img = cv2.resize(img, shape_hw[::-1], interpolation=cv2.INTER_LINEAR)
+        paste_region(img, region, out)
+
+    def _read_tile_region(self, i: int, shape_hw: tuple[int, int], region: tuple[int, int, int, int],
+                          out: np.ndarray) -> bool:
+        """``_load_tile`` from a partial JPEG decode; False where that cannot be done (the caller decodes it whole)."""
+        h0, w0 = int(self.shapes[i][1]), int(self.shapes[i][0])
+        if (h0, w0) == shape_hw:
+            return read_image_region(self.im_files[i], shape_hw, region, out) is not None
+        if not self.augment:  # load_image shrinks with INTER_AREA then, which reads wider than a linear resize
+            return False
+        # Decode the source pixels the region is interpolated from into a full-size frame, then resize it
+        # as load_image does: the region's pixels never depend on the undecoded rest of the frame.
+        x1, y1, x2, y2 = region
+        sx1, sx2 = linear_resize_source_span(x1, x2, w0, shape_hw[1])
+        sy1, sy2 = linear_resize_source_span(y1, y2, h0, shape_hw[0])
+        frame = np.empty((h0, w0, 3), dtype=np.uint8)
+        if read_image_region(self.im_files[i], (h0, w0), (sx1, sy1, sx2, sy2), frame[sy1:sy2, sx1:sx2]) is None:
+            return False
+        paste_region(resize_to_long_side(frame, self.imgsz, self.augment)[0], region, out)
+        return True
 
     def _tile_map(self) -> Callable:
         """``map`` over mosaic tiles: a thread pool when ``decode_threads`` > 1 (cv2 decodes without the GIL)."""

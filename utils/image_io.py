@@ -52,9 +52,12 @@ def read_image(path: str) -> np.ndarray | None:
     return img
 
 
-def read_image_region(path: str, shape_hw: tuple[int, int], region: tuple[int, int, int, int]) -> np.ndarray | None:
+def read_image_region(
+    path: str, shape_hw: tuple[int, int], region: tuple[int, int, int, int], out: np.ndarray | None = None
+) -> np.ndarray | None:
     """Pixels ``region`` (x1, y1, x2, y2) of an image file of size ``shape_hw``, as ``read_image`` would give them,
-    decoding only that part; None where that cannot be done (not a JPEG, see ``decode_jpeg_region``)."""
+    decoding only that part (into ``out`` when given); None where that cannot be done (not a JPEG, see
+    ``decode_jpeg_region``)."""
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -62,7 +65,7 @@ def read_image_region(path: str, shape_hw: tuple[int, int], region: tuple[int, i
         return None
     if data[:2] != JPEG_SOI:
         return None
-    return decode_jpeg_region(np.frombuffer(data, dtype=np.uint8), shape_hw, region)
+    return decode_jpeg_region(np.frombuffer(data, dtype=np.uint8), shape_hw, region, out)
 
 
 class _Reader:

@@ -84,16 +84,21 @@ def region_decoding_available() -> bool:
 
 
 def decode_jpeg_region(
-    data: np.ndarray, shape_hw: tuple[int, int], region: tuple[int, int, int, int]
+    data: np.ndarray, shape_hw: tuple[int, int], region: tuple[int, int, int, int], out: np.ndarray | None = None
 ) -> np.ndarray | None:
     """Pixels ``region`` = (x1, y1, x2, y2) of the JPEG in ``data`` (uint8 bytes) as BGR uint8, equal to that
-    crop of ``cv2.imdecode``; None when this cannot be done (decoder unavailable, not a JPEG, a size other than
-    ``shape_hw``, an EXIF rotation, CMYK, damaged data): then decode the whole file instead."""
+    crop of ``cv2.imdecode``; written into ``out`` when given (rows may be strided, pixels must be packed).
+    None when this cannot be done (decoder unavailable, not a JPEG, a size other than ``shape_hw``, an EXIF
+    rotation, CMYK, damaged data): then decode the whole file instead (``out`` may be partly written)."""
     lib = _library()
     if lib is None or data.size < 4 or data[0] != 0xFF or data[1] != 0xD8:
         return None
     x1, y1, x2, y2 = region
-    out = np.empty((y2 - y1, x2 - x1, 3), dtype=np.uint8)
+    if out is None:
+        out = np.empty((y2 - y1, x2 - x1, 3), dtype=np.uint8)
+    elif out.shape != (y2 - y1, x2 - x1, 3) or out.dtype != np.uint8 or out.strides[1:] != (3, 1):
+        raise ValueError(f"decode_jpeg_region: out of shape {out.shape} {out.dtype} strides {out.strides} "
+                         f"cannot hold region {region}")
     data = np.ascontiguousarray(data, dtype=np.uint8)
     status = lib.decode_region(data.ctypes.data, data.size, shape_hw[1], shape_hw[0], x1, y1, x2, y2,
                                out.ctypes.data, out.strides[0])
