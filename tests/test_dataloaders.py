@@ -1,6 +1,7 @@
 """create_dataloader's training stream: one epoch per iteration, prefetch across epochs, same content as a plain loader."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,8 @@ import torch
 import yaml
 from torch.utils.data import DataLoader
 
+import utils.dataloaders as dataloaders
+from utils.batch_ring import BatchRing
 from utils.dataloaders import EpochStreamLoader, create_dataloader
 from utils.dataset import YoloDataset
 from utils.shapes import generate_shapes
@@ -99,3 +102,41 @@ def test_batches_are_channels_last_and_hold_each_sample(images: str, workers: in
         img, tgt, path, _ = loader.dataset[(epoch, index)]
         assert torch.equal(imgs[k], img) and path == paths[k]
         assert torch.equal(targets[targets[:, 0] == k][:, 1:], tgt[:, 1:])
+
+
+@pytest.mark.slow
+def test_ring_batches_stay_intact_when_the_main_process_is_slow(images: str, monkeypatch) -> None:
+    # Workers race ahead while the main process dawdles before copying each batch out of its ring slot: a slot
+    # refilled too early would show up as another batch's pixels.
+    take = BatchRing.take
+
+    def slow_take(self, where, pin_memory=False):
+        time.sleep(0.15)
+        return take(self, where, pin_memory)
+
+    monkeypatch.setattr(BatchRing, "take", slow_take)
+    loader = _loader(images, 2)
+    assert loader.ring is not None
+    for epoch in (0, 1, 2):
+        loader.sampler.set_epoch(epoch)
+        indices = list(loader.sampler)
+        for b, (imgs, targets, paths, _) in enumerate(loader):
+            for k, pair in enumerate(indices[b * BATCH : (b + 1) * BATCH]):
+                img, tgt, path, _ = loader.dataset[pair]
+                assert torch.equal(imgs[k], img) and path == paths[k], (epoch, b, k)
+
+
+def test_ring_only_where_workers_and_shared_memory_allow(images: str, monkeypatch) -> None:
+    assert _loader(images, 0).ring is None  # no workers: nothing to ship between processes
+    monkeypatch.setattr(dataloaders, "shared_memory_fits", lambda nbytes: False)
+    loader = _loader(images, 2)
+    assert loader.ring is None
+    loader.sampler.set_epoch(0)
+    assert [len(b[0]) for b in loader] == [4, 4, 2]
+
+
+def test_ring_put_refuses_what_does_not_fit() -> None:
+    ring = BatchRing(1, 2, 2, (4, 4, 3))
+    image = torch.zeros(4, 4, 3, dtype=torch.uint8)
+    assert ring.put([image]) is None  # not in a worker process
+    assert ring.nbytes(1, 2, 2, (4, 4, 3)) == ring.buffer.numel()

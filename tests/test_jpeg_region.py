@@ -152,3 +152,16 @@ def test_build_is_atomic_and_reused(tmp_path) -> None:
     mtime = first.stat().st_mtime_ns
     assert jpeg_region._build(jpeg_region.SOURCE, tmp_path) == first and first.stat().st_mtime_ns == mtime
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left behind
+
+
+def test_a_decoder_that_disagrees_with_opencv_is_not_used(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(jpeg_region, "_state", {})
+    monkeypatch.setattr(jpeg_region, "_agrees_with_opencv", lambda lib: False)
+    monkeypatch.setattr(logging.getLogger("yolo"), "propagate", True)
+    with caplog.at_level(logging.INFO, logger="yolo"):
+        assert decode_jpeg_region(encode(textured(16, 16, 5)), (16, 16), (0, 0, 16, 16)) is None
+    assert any("other than OpenCV's" in r.getMessage() for r in caplog.records)
+
+
+def test_self_check_passes_with_the_real_decoder() -> None:
+    assert jpeg_region._agrees_with_opencv(jpeg_region._load(jpeg_region.SOURCE))

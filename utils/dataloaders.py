@@ -7,15 +7,20 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import cv2
 import torch
 from torch.utils.data import DataLoader
 
+from utils.batch_ring import BatchRing, RingSlot, shared_memory_fits
 from utils.dataset import YoloDataset
 from utils.log import LOGGER
 from utils.samplers import EpochStreamBatchSampler, ShardedSampler, epoch_batches
+
+
+PREFETCH_BATCHES = 2  # per worker (DataLoader's prefetch_factor); BatchRing's slot count follows from it
 
 
 def _worker_init(_: int) -> None:
@@ -33,8 +38,8 @@ class EpochStreamLoader:
     exactly what a plain DataLoader over ``sampler`` would for that epoch.
     """
 
-    def __init__(self, loader: DataLoader, batch_sampler: EpochStreamBatchSampler):
-        self.loader, self.batch_sampler = loader, batch_sampler
+    def __init__(self, loader: DataLoader, batch_sampler: EpochStreamBatchSampler, ring: BatchRing | None = None):
+        self.loader, self.batch_sampler, self.ring = loader, batch_sampler, ring
         self.sampler: ShardedSampler = batch_sampler.sampler
         self.dataset = loader.dataset
         self._batches: Iterator[Any] | None = None
@@ -51,7 +56,11 @@ class EpochStreamLoader:
             self._batches = iter(self.loader)  # persistent workers: drops what was in flight, then restarts
         self._next_epoch = None
         for _ in range(len(self)):
-            yield next(self._batches)
+            batch = next(self._batches)
+            if isinstance(batch[0], RingSlot):  # copied out before the next batch is asked for: see BatchRing
+                images = self.ring.take(batch[0], pin_memory=self.loader.pin_memory).permute(0, 3, 1, 2)
+                batch = (images, *batch[1:])
+            yield batch
         self._next_epoch = epoch + 1
 
 
@@ -102,7 +111,16 @@ def create_dataloader(
     common: dict[str, Any] = dict(num_workers=loader_workers, pin_memory=torch.cuda.is_available(),
                                   collate_fn=YoloDataset.collate_fn, persistent_workers=loader_workers > 0,
                                   worker_init_fn=_worker_init if loader_workers > 0 else None)
-    if shuffle:
-        stream = EpochStreamBatchSampler(sampler, batch_size)
-        return EpochStreamLoader(DataLoader(dataset, batch_sampler=stream, **common), stream), dataset
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=False, **common), dataset
+    if not shuffle:
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=False, **common), dataset
+    stream = EpochStreamBatchSampler(sampler, batch_size)
+    ring = None
+    if loader_workers > 0:
+        common["prefetch_factor"] = PREFETCH_BATCHES
+        # Training samples are all imgsz x imgsz (mosaic or letterbox; rect training never comes here).
+        shape_hwc = (imgsz, imgsz, 3)
+        slots = PREFETCH_BATCHES + 1  # one more than a worker can have in flight: see BatchRing
+        if shared_memory_fits(BatchRing.nbytes(loader_workers, slots, batch_size, shape_hwc)):
+            ring = BatchRing(loader_workers, slots, batch_size, shape_hwc)
+            common["collate_fn"] = partial(YoloDataset.collate_fn, ring=ring)
+    return EpochStreamLoader(DataLoader(dataset, batch_sampler=stream, **common), stream, ring), dataset

@@ -21,6 +21,7 @@ from torch.utils.data import Dataset, default_collate
 
 from utils.augmentations import (augment_hsv, letterbox, linear_resize_source_span, long_side_shape, mixup,
                                  paste_region, random_flips, random_perspective, resize_to_long_side, warped_mosaic4)
+from utils.batch_ring import BatchRing, RingSlot
 from utils.boxes import xywhn2xyxy, xyxy2xywhn
 from utils.data_config import list_image_files
 from utils.errors import UserError
@@ -326,12 +327,20 @@ class YoloDataset(Dataset):
         return torch.from_numpy(rgb).permute(2, 0, 1), targets, self.im_files[index], shapes
 
     @staticmethod
-    def collate_fn(batch: list[tuple]) -> tuple[torch.Tensor, torch.Tensor, tuple[str, ...], tuple]:
-        """Stack images into a channels-last uint8 batch; targets gain the image's index in the batch as column 0."""
+    def collate_fn(
+        batch: list[tuple], ring: BatchRing | None = None
+    ) -> tuple[torch.Tensor | RingSlot, torch.Tensor, tuple[str, ...], tuple]:
+        """Stack images into a channels-last uint8 batch; targets gain the image's index in the batch as column 0.
+
+        In a worker with a ``ring`` the images go into the worker's next ring slot and only that slot is
+        returned (``BatchRing.take`` gets the batch); images the ring cannot hold are stacked as usual.
+        """
         imgs, targets, paths, shapes = zip(*batch)
         for i, t in enumerate(targets):
             t[:, 0] = i
+        hwc = [im.permute(1, 2, 0) for im in imgs]  # stacking the HWC views keeps it a plain memory copy
+        where = ring.put(hwc) if ring is not None else None
         # default_collate stacks straight into shared memory inside a worker (no extra copy on the way to the
-        # main process); stacking the HWC views keeps it a plain memory copy.
-        hwc = default_collate([im.permute(1, 2, 0) for im in imgs])
-        return hwc.permute(0, 3, 1, 2), torch.cat(targets, 0), paths, shapes
+        # main process).
+        images = where if where is not None else default_collate(hwc).permute(0, 3, 1, 2)
+        return images, torch.cat(targets, 0), paths, shapes

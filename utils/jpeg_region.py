@@ -3,8 +3,9 @@
 A mosaic shows about a third of its four tiles: decoding only what shows makes a training sample roughly
 a fifth cheaper. The decoder is a small C file (``jpeg_region.c``) compiled on first use with the system C
 compiler against the system libjpeg (``cc ... -ljpeg``, well under a second) into a per-user cache and
-called through ctypes, which releases the GIL. Where it cannot be built (no compiler, no libjpeg headers)
-``decode_jpeg_region`` returns None and callers decode whole images with OpenCV, as before.
+called through ctypes, which releases the GIL. Where it cannot be built (no compiler, no libjpeg-turbo headers)
+or decodes a test image differently from OpenCV, ``decode_jpeg_region`` returns None and callers decode whole
+images with OpenCV.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+import cv2
 import numpy as np
 
 from utils.log import LOGGER
@@ -54,24 +56,42 @@ def _build(source: Path, build_dir: Path) -> Path:
     return target
 
 
+def _load(source: Path) -> ctypes.CDLL:
+    for build_dir in (BUILD_DIR, Path(tempfile.gettempdir()) / "yolo-train-build"):
+        try:
+            path = _build(source, build_dir)
+            break
+        except PermissionError:
+            continue  # a read-only cache folder: try the next
+    else:
+        raise OSError("no writable build folder")
+    lib = ctypes.CDLL(str(path))
+    lib.decode_region.argtypes = [ctypes.c_void_p, ctypes.c_ulong, *[ctypes.c_int] * 6, ctypes.c_void_p,
+                                  ctypes.c_long]
+    lib.decode_region.restype = ctypes.c_int
+    return lib
+
+
+def _agrees_with_opencv(lib: ctypes.CDLL) -> bool:
+    """The system libjpeg decodes a test image to OpenCV's pixels (a sample must not depend on which decodes it)."""
+    yy, xx = np.mgrid[0:48, 0:40]
+    img = np.stack([xx * 6, yy * 5, (xx * yy) % 256], -1).astype(np.uint8)
+    data = cv2.imencode(".jpg", img)[1].reshape(-1)  # 4:2:0, the usual sampling
+    expected = cv2.imdecode(data, cv2.IMREAD_COLOR)[9:41, 3:37]
+    out = np.empty_like(expected)
+    status = lib.decode_region(data.ctypes.data, data.size, 40, 48, 3, 9, 37, 41, out.ctypes.data, out.strides[0])
+    return status == _DECODED and np.array_equal(out, expected)
+
+
 def _library() -> ctypes.CDLL | None:
-    """The decoder, built and loaded on first use; None (logged once) where it cannot be built."""
+    """The decoder, built and checked on first use; None (logged once) where it cannot be used."""
     with _lock:
         if "lib" not in _state:
             lib = None
             try:
-                for build_dir in (BUILD_DIR, Path(tempfile.gettempdir()) / "yolo-train-build"):
-                    try:
-                        path = _build(SOURCE, build_dir)
-                        break
-                    except PermissionError:
-                        continue  # a read-only cache folder: try the next
-                else:
-                    raise OSError("no writable build folder")
-                lib = ctypes.CDLL(str(path))
-                fn = lib.decode_region
-                fn.argtypes = [ctypes.c_void_p, ctypes.c_ulong, *[ctypes.c_int] * 6, ctypes.c_void_p, ctypes.c_long]
-                fn.restype = ctypes.c_int
+                lib = _load(SOURCE)
+                if not _agrees_with_opencv(lib):
+                    raise OSError("the system libjpeg decodes pixels other than OpenCV's")
             except (OSError, subprocess.SubprocessError) as e:
                 LOGGER.info(f"partial JPEG decoding unavailable ({e}): images are decoded whole")
                 lib = None
