@@ -165,3 +165,20 @@ def test_a_decoder_that_disagrees_with_opencv_is_not_used(monkeypatch, caplog) -
 
 def test_self_check_passes_with_the_real_decoder() -> None:
     assert jpeg_region._agrees_with_opencv(jpeg_region._load(jpeg_region.SOURCE))
+
+
+def test_malformed_exif_is_never_read_past_its_end() -> None:
+    data = encode(textured(24, 24, 6))
+    whole = cv2.imdecode(data, cv2.IMREAD_COLOR)
+    raw = data.tobytes()
+    payloads = [
+        b"Exif\x00\x00MM\x00\x2a",  # header cut short
+        b"Exif\x00\x00MM\x00\x2a\xff\xff\xff\xfe",  # IFD offset near 2**32
+        b"Exif\x00\x00II\x2a\x00\x08\x00\x00\x00\x05\x00",  # 5 entries announced, none there
+        b"Exif\x00\x00XX\x00\x2a\x00\x00\x00\x08",  # unknown byte order
+    ]
+    for payload in payloads:
+        app1 = b"\xff\xe1" + struct.pack(">H", len(payload) + 2) + payload
+        damaged = np.frombuffer(raw[:2] + app1 + raw[2:], np.uint8)
+        part = decode_jpeg_region(damaged, (24, 24), (0, 0, 24, 24))
+        assert part is None or np.array_equal(part, whole)  # falls back, or the orientation was clearly absent

@@ -40,12 +40,12 @@ static int exif_orientation(const JOCTET *seg, unsigned len) {
     unsigned n = len - 6;
     if (n < 8 || !((tiff[0] == 'I' && tiff[1] == 'I') || (tiff[0] == 'M' && tiff[1] == 'M'))) return 0;
     int little = tiff[0] == 'I';
-    unsigned ifd = read32(tiff + 4, little);
-    if (ifd > n - 2) return 0;
+    unsigned ifd = read32(tiff + 4, little);  /* any value: it comes from the file */
+    if (ifd >= n || n - ifd < 2) return 0;
     unsigned count = read16(tiff + ifd, little);
     for (unsigned i = 0; i < count; i++) {
-        unsigned entry = ifd + 2 + 12 * i;
-        if (entry > n - 12) return 0;
+        size_t entry = (size_t)ifd + 2 + 12 * (size_t)i;
+        if (entry + 12 > n) return 0;
         if (read16(tiff + entry, little) == 0x0112) {
             unsigned value = read16(tiff + entry + 8, little);
             return read16(tiff + entry + 2, little) == 3 && value >= 1 && value <= 8 ? (int)value : 0;

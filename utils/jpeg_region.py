@@ -1,7 +1,7 @@
 """Decode a rectangle of a JPEG without decoding the rest (libjpeg's scanline skipping and cropping).
 
-A mosaic shows about a third of its four tiles: decoding only what shows makes a training sample roughly
-a fifth cheaper. The decoder is a small C file (``jpeg_region.c``) compiled on first use with the system C
+A mosaic shows about a third of its four tiles: decoding only what shows makes a training sample about 15%
+cheaper on coco128. The decoder is a small C file (``jpeg_region.c``) compiled on first use with the system C
 compiler against the system libjpeg (``cc ... -ljpeg``, well under a second) into a per-user cache and
 called through ctypes, which releases the GIL. Where it cannot be built (no compiler, no libjpeg-turbo headers)
 or decodes a test image differently from OpenCV, ``decode_jpeg_region`` returns None and callers decode whole
@@ -85,6 +85,8 @@ def _agrees_with_opencv(lib: ctypes.CDLL) -> bool:
 
 def _library() -> ctypes.CDLL | None:
     """The decoder, built and checked on first use; None (logged once) where it cannot be used."""
+    if "lib" in _state:  # every tile asks: no lock once decided
+        return _state["lib"]
     with _lock:
         if "lib" not in _state:
             lib = None
