@@ -163,6 +163,8 @@ def main() -> None:
     parser.add_argument("--cache", nargs="+", default=["none"], choices=["none", "ram"],
                         help="image caches to measure the throughput with (both frameworks alike)")
     args = parser.parse_args()
+    if args.repeats < 1 or args.epochs < 1:
+        parser.error("--repeats and --epochs must be at least 1")
     setup_logging(0)
     if not args.skip_coco:
         if COCO128.is_file():

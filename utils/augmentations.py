@@ -439,8 +439,8 @@ def warped_mosaic4(
     """``mosaic4`` then ``random_perspective`` down to imgsz, building only the part of the canvas that shows.
 
     Same draws and same output as the two steps (border ``-imgsz // 2``), but only the canvas window the
-    warp reads is filled (about a third of the 2 * imgsz canvas on average) and ``load(k, region)`` is
-    called only for tiles the output shows (one tile in ten is hidden with the default scale and
+    warp reads is filled (about a third of the 2 * imgsz canvas on average) and ``load(k, region, out)``
+    is called only for tiles the output shows (one tile in ten is hidden with the default scale and
     translation): it writes the (x1, y1, x2, y2) region that shows of tile k (BGR uint8 of shape
     ``shapes_hw[k]``) into the canvas view ``out`` (``paste_region`` does it from a whole tile).
     ``map_fn`` (``map`` or a thread pool's) calls ``load`` over the visible tiles. Axis-aligned warps are
