@@ -29,8 +29,8 @@ from models.yolo import Model
 from utils.amp import autocast, choose_precision
 from utils.autoanchor import check_anchors
 from utils.checkpoint import build_model, cpu_fp32_state, load_checkpoint, model_state, save_checkpoint
-from utils.data_config import load_data_config
-from utils.dataloaders import create_dataloader
+from utils.data.config import load_data_config
+from utils.data.loader import create_dataloader
 from utils.distributed import DistInfo, destroy_process_group, dist_info, init_process_group
 from utils.errors import UserError
 from utils.log import LOGGER, colorstr, setup_logging

@@ -328,8 +328,8 @@ def run(
 ) -> ValResults:
     """Load a checkpoint and a dataset split, validate, and save the outputs in a new run folder."""
     from utils.checkpoint import load_model
-    from utils.data_config import load_data_config
-    from utils.dataloaders import create_dataloader
+    from utils.data.config import load_data_config
+    from utils.data.loader import create_dataloader
 
     if task not in TASKS:
         raise UserError(f"--task {task!r}: expected one of {', '.join(TASKS)}")

@@ -24,9 +24,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from utils.data_config import img2label_path, list_image_files, load_data_config  # noqa: E402
-from utils.dataloaders import create_dataloader  # noqa: E402
-from utils.label_cache import load_label_set  # noqa: E402
+from utils.data.config import img2label_path, list_image_files, load_data_config  # noqa: E402
+from utils.data.loader import create_dataloader  # noqa: E402
+from utils.data.label_cache import load_label_set  # noqa: E402
 from utils.log import setup_logging  # noqa: E402
 
 COCO128 = ROOT.parent / "shared" / "datasets" / "coco128.yaml"
@@ -86,7 +86,7 @@ def _pil_style_check(pair: tuple[str, str]) -> int:
 # Runs inside the YOLOv5 checkout with its Python: the same two measurements through its public functions.
 YOLOV5_PROBE = r"""
 import sys, time, yaml
-from utils.dataloaders import create_dataloader, LoadImagesAndLabels
+from utils.data.loader import create_dataloader, LoadImagesAndLabels
 mode, arg, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
 if mode == "throughput":
     hyp = yaml.safe_load(open(sys.argv[4]))

@@ -5,7 +5,7 @@ import cv2
 import numpy as np
 import pytest
 
-from utils.augmentations import (
+from utils.data.augmentations import (
     augment_hsv,
     box_candidates,
     letterbox,

@@ -9,11 +9,11 @@ import torch
 import yaml
 from torch.utils.data import DataLoader
 
-import utils.dataloaders as dataloaders
-from utils.batch_ring import BatchRing
-from utils.dataloaders import EpochStreamLoader, create_dataloader
-from utils.dataset import YoloDataset
-from utils.shapes import generate_shapes
+import utils.data.loader as dataloaders
+from utils.data.batch_ring import BatchRing
+from utils.data.loader import EpochStreamLoader, create_dataloader
+from utils.data.dataset import YoloDataset
+from utils.data.shapes import generate_shapes
 
 BATCH = 4
 IMGSZ = 64

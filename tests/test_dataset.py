@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-import utils.dataset as dataset_module
+import utils.data.dataset as dataset_module
 from utils.boxes import scale_boxes, xywh2xyxy
-from utils.dataloaders import create_dataloader
-from utils.dataset import YoloDataset
-from utils.image_io import read_image_region
-from utils.jpeg_region import region_decoding_available
-from utils.shapes import generate_shapes
+from utils.data.loader import create_dataloader
+from utils.data.dataset import YoloDataset
+from utils.data.image_io import read_image_region
+from utils.data.jpeg_region import region_decoding_available
+from utils.data.shapes import generate_shapes
 
 IMGSZ = 64
 HYP = {"hsv_h": 0.015, "hsv_s": 0.7, "hsv_v": 0.4, "degrees": 5.0, "translate": 0.1, "scale": 0.5, "shear": 2.0,

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import utils.jpeg_region as jpeg_region
-from utils.image_io import read_image, read_image_region
-from utils.jpeg_region import decode_jpeg_region, region_decoding_available
+import utils.data.jpeg_region as jpeg_region
+from utils.data.image_io import read_image, read_image_region
+from utils.data.jpeg_region import decode_jpeg_region, region_decoding_available
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import utils.label_cache as label_cache
-from utils.data_config import list_image_files
-from utils.dataset import YoloDataset
+import utils.data.label_cache as label_cache
+from utils.data.config import list_image_files
+from utils.data.dataset import YoloDataset
 from utils.errors import UserError
-from utils.image_io import ImageError, probe_image, read_image
-from utils.label_cache import LabelError, load_label_set, parse_label_text, read_cache, write_cache
+from utils.data.image_io import ImageError, probe_image, read_image
+from utils.data.label_cache import LabelError, load_label_set, parse_label_text, read_cache, write_cache
 
 NC = 3
 GOOD_ROW = "0 0.5 0.5 0.25 0.25\n"

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from utils.augmentations import letterbox
+from utils.data.augmentations import letterbox
 from utils.boxes import scale_boxes, xyxy2xywh
 from utils.nms import non_max_suppression
 

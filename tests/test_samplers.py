@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from utils.samplers import EpochStreamBatchSampler, ShardedSampler, epoch_batches
+from utils.data.samplers import EpochStreamBatchSampler, ShardedSampler, epoch_batches
 
 
 def _shards(n: int, world: int, **kwargs) -> list[list[tuple[int, int]]]:

@@ -6,9 +6,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from utils.data_config import load_data_config
-from utils.label_cache import parse_label_text
-from utils.shapes import SHAPE_NAMES, ensure_shapes_dataset, generate_shapes
+from utils.data.config import load_data_config
+from utils.data.label_cache import parse_label_text
+from utils.data.shapes import SHAPE_NAMES, ensure_shapes_dataset, generate_shapes
 
 
 def _contents(root: Path) -> dict[str, bytes]:

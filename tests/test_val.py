@@ -16,7 +16,7 @@ import yaml
 import val
 from models.yolo import Model
 from utils.checkpoint import model_state, save_checkpoint
-from utils.dataloaders import create_dataloader
+from utils.data.loader import create_dataloader
 from utils.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]

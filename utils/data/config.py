@@ -3,7 +3,7 @@
 A YAML written for YOLOv5 works unchanged: ``path`` (dataset root), ``train``/``val``/``test`` (a folder
 of images, a ``.txt`` list of image paths, or a list of those) and ``names`` (a list or an
 ``{index: name}`` mapping). ``download`` is accepted and ignored: it is never executed. ``builtin: shapes``
-asks for the synthetic dataset of ``utils.shapes``, generated on first use.
+asks for the synthetic dataset of ``utils.data.shapes``, generated on first use.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from utils.errors import UserError
 from utils.torch_utils import torch_distributed_zero_first
 
 IMG_FORMATS = ("bmp", "jpeg", "jpg", "png", "tif", "tiff", "webp")
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 SPLITS = ("train", "val", "test")
 
 
@@ -131,7 +131,7 @@ def _ensure_builtin(spec: Any, root: Path, yaml_file: Path, local_rank: int) -> 
     name = options.pop("name", None)
     if name != "shapes":
         raise UserError(f"{yaml_file}: 'builtin' {name!r} is unknown (known: shapes)")
-    from utils.shapes import ensure_shapes_dataset  # only needed by YAMLs that ask for it
+    from utils.data.shapes import ensure_shapes_dataset  # only needed by YAMLs that ask for it
 
     with torch_distributed_zero_first(local_rank):
         try:

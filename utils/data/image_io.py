@@ -12,7 +12,7 @@ from typing import BinaryIO
 import cv2
 import numpy as np
 
-from utils.jpeg_region import decode_jpeg_region
+from utils.data.jpeg_region import decode_jpeg_region
 
 JPEG_SOI, JPEG_EOI = b"\xff\xd8", b"\xff\xd9"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

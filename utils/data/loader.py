@@ -14,10 +14,10 @@ import cv2
 import torch
 from torch.utils.data import DataLoader
 
-from utils.batch_ring import BatchRing, RingSlot, shared_memory_fits
-from utils.dataset import YoloDataset
+from utils.data.batch_ring import BatchRing, RingSlot, shared_memory_fits
+from utils.data.dataset import YoloDataset
 from utils.log import LOGGER
-from utils.samplers import EpochStreamBatchSampler, ShardedSampler, epoch_batches
+from utils.data.samplers import EpochStreamBatchSampler, ShardedSampler, epoch_batches
 
 
 PREFETCH_BATCHES = 2  # per worker (DataLoader's prefetch_factor); BatchRing's slot count follows from it

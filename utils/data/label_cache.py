@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from utils.data_config import img2label_path
+from utils.data.config import img2label_path
 from utils.errors import UserError
-from utils.image_io import ImageError, probe_image
+from utils.data.image_io import ImageError, probe_image
 from utils.log import LOGGER
 from utils.torch_utils import torch_distributed_zero_first
 

@@ -19,14 +19,14 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from utils.augmentations import (augment_hsv, letterbox, linear_resize_source_span, long_side_shape, mixup,
+from utils.data.augmentations import (augment_hsv, letterbox, linear_resize_source_span, long_side_shape, mixup,
                                  paste_region, random_flips, random_perspective, resize_to_long_side, warped_mosaic4)
-from utils.batch_ring import BatchRing, RingSlot
+from utils.data.batch_ring import BatchRing, RingSlot
 from utils.boxes import xywhn2xyxy, xyxy2xywhn
-from utils.data_config import list_image_files
+from utils.data.config import list_image_files
 from utils.errors import UserError
-from utils.image_io import read_image, read_image_region
-from utils.label_cache import load_label_set
+from utils.data.image_io import read_image, read_image_region
+from utils.data.label_cache import load_label_set
 from utils.log import LOGGER
 
 CACHE_MODES = (None, "ram", "disk", "auto")
