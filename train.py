@@ -31,25 +31,19 @@ from utils.autoanchor import check_anchors
 from utils.checkpoint import build_model, cpu_fp32_state, load_checkpoint, model_state, save_checkpoint
 from utils.data.config import load_data_config
 from utils.data.loader import create_dataloader
-from utils.distributed import DistInfo, destroy_process_group, dist_info, init_process_group
+from utils.distributed import DistInfo, de_parallel, destroy_process_group, dist_info, init_process_group, slow_barrier
 from utils.errors import UserError
 from utils.log import LOGGER, colorstr, setup_logging
 from utils.loss import ComputeLoss
 from utils.lr_schedule import apply_warmup, decay_factor, warmup_iterations
 from utils.metrics import fitness
-from utils.recipe import choose_optimizer, optimizer_steps
+from utils.optimizer import build_optimizer, choose_optimizer, optimizer_steps
 from utils.results_log import append_results_row
 from utils.resume import resumed_options
 from utils.run_dir import increment_path
 from utils.sync_bn import convert_sync_batchnorm
-from utils.torch_utils import (
-    ModelEMA,
-    build_optimizer,
-    de_parallel,
-    init_torch_seeds,
-    select_device,
-    slow_barrier,
-)
+from utils.ema import ModelEMA
+from utils.torch_utils import init_torch_seeds, select_device
 
 ROOT = Path(__file__).resolve().parent
 NOMINAL_BATCH = 64  # gradients are accumulated up to this many images per optimizer step

@@ -1,4 +1,4 @@
-"""Building blocks of the YOLOv5 family: Conv (Conv2d + BN + SiLU), Bottleneck, C3, SPPF, Concat."""
+"""Building blocks of the YOLOv5 family: Conv (Conv2d + BN + SiLU), Bottleneck, C3, SPPF, Concat; BN folding."""
 from __future__ import annotations
 
 import torch
@@ -85,3 +85,23 @@ class Concat(nn.Module):
 
     def forward(self, x: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(x, self.d)
+
+
+def fuse_conv_and_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> nn.Conv2d:
+    """A single Conv2d equal to ``bn(conv(x))`` in eval mode."""
+    fused = nn.Conv2d(
+        conv.in_channels,
+        conv.out_channels,
+        kernel_size=conv.kernel_size,
+        stride=conv.stride,
+        padding=conv.padding,
+        dilation=conv.dilation,
+        groups=conv.groups,
+        bias=True,
+    ).to(conv.weight.device)
+    scale = bn.weight.detach() / torch.sqrt(bn.running_var + bn.eps)
+    fused.weight.data.copy_(conv.weight.detach() * scale.view(-1, 1, 1, 1))
+    conv_bias = conv.bias.detach() if conv.bias is not None else torch.zeros_like(bn.running_mean)
+    fused.bias.data.copy_(bn.bias.detach() + (conv_bias - bn.running_mean) * scale)
+    fused.requires_grad_(False)
+    return fused

@@ -11,10 +11,10 @@ import torch
 import torch.nn as nn
 import yaml
 
-from models.common import C3, SPPF, Bottleneck, Concat, Conv
+from models.common import C3, SPPF, Bottleneck, Concat, Conv, fuse_conv_and_bn
+from models.summary import model_info
 from utils.errors import UserError
 from utils.log import LOGGER
-from utils.torch_utils import fuse_conv_and_bn, model_info
 
 
 class Detect(nn.Module):

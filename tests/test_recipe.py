@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 import yaml
 
 from utils.data.loader import create_dataloader
-from utils.recipe import SHORT_RUN_STEPS, choose_optimizer, optimizer_steps
+from utils.optimizer import SHORT_RUN_STEPS, choose_optimizer, optimizer_steps
 
 HYP = yaml.safe_load(open("data/hyps/hyp.scratch-low.yaml"))
 

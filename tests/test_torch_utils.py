@@ -14,14 +14,9 @@ import torch.nn as nn
 from models.yolo import Model
 from utils.distributed import dist_info
 from utils.errors import UserError
-from utils.torch_utils import (
-    ModelEMA,
-    build_optimizer,
-    init_torch_seeds,
-    select_device,
-    time_synchronized,
-    torch_distributed_zero_first,
-)
+from utils.ema import ModelEMA
+from utils.optimizer import build_optimizer
+from utils.torch_utils import init_torch_seeds, select_device, time_synchronized, torch_distributed_zero_first
 
 
 def test_select_device_cpu_and_default(monkeypatch) -> None:

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from utils.log import LOGGER, colorstr
-from utils.torch_utils import de_parallel
+from utils.distributed import de_parallel
 
 PREFIX = "AutoAnchor: "
 BPR_GOOD_ENOUGH = 0.98

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from utils.errors import UserError
-from utils.torch_utils import de_parallel
+from utils.distributed import de_parallel
 
 FORMAT_VERSION = 1
 

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from utils.boxes import bbox_ciou
-from utils.torch_utils import de_parallel
+from utils.distributed import de_parallel
 
 # Objectness weight of each level, finest first: small-object levels have many more cells (and negatives).
 LEVEL_BALANCE = {3: (4.0, 1.0, 0.4)}

@@ -1,4 +1,4 @@
-"""Choosing the optimizer for the run at hand: the length of the schedule decides.
+"""The optimizer: which one the run at hand gets (the length of the schedule decides) and its parameter groups.
 
 YOLOv5's SGD at lr0 0.01 is tuned for ~300-epoch runs on large datasets; over a few thousand optimizer
 steps it learns slowly. Short runs get AdamW, whose per-parameter step sizes make progress from the first
@@ -12,6 +12,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from utils.errors import UserError
+from utils.log import LOGGER
 
 # Below this many optimizer steps a run counts as short.
 SHORT_RUN_STEPS = 10_000
@@ -42,3 +48,40 @@ def choose_optimizer(requested: str, steps: int, nc: int, hyp: dict) -> Optimize
     lr0 = round(min(ADAMW_LR_PER_CLASS_TERM / (4 + nc), ADAMW_MAX_LR), 6)
     reason = f"auto: {steps} optimizer steps <= {SHORT_RUN_STEPS}, a short run: AdamW, lr0 = 0.05 / (4 + nc)"
     return OptimizerChoice("AdamW", lr0, 0.9, reason)
+
+
+def parameter_groups(model: nn.Module) -> tuple[list, list, list]:
+    """Split parameters into (weights with decay, normalisation weights without decay, biases without decay)."""
+    decay, norm_weights, biases = [], [], []
+    norm_types = tuple(v for k, v in vars(nn).items() if "Norm" in k and isinstance(v, type))
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if name == "bias":
+                biases.append(p)
+            elif isinstance(module, norm_types):
+                norm_weights.append(p)
+            else:
+                decay.append(p)
+    return decay, norm_weights, biases
+
+
+def build_optimizer(
+    model: nn.Module, name: str = "SGD", lr: float = 0.01, momentum: float = 0.937, decay: float = 5e-4
+) -> torch.optim.Optimizer:
+    """SGD (Nesterov), Adam or AdamW over three groups; weight decay only on conv/linear weights."""
+    weights, norm_weights, biases = parameter_groups(model)
+    if name == "Adam":
+        optimizer = torch.optim.Adam(biases, lr=lr, betas=(momentum, 0.999))
+    elif name == "AdamW":
+        optimizer = torch.optim.AdamW(biases, lr=lr, betas=(momentum, 0.999), weight_decay=0.0)
+    elif name == "SGD":
+        optimizer = torch.optim.SGD(biases, lr=lr, momentum=momentum, nesterov=True)
+    else:
+        raise UserError(f"--optimizer {name} is not known: use SGD, Adam or AdamW")
+    optimizer.add_param_group({"params": weights, "weight_decay": decay})
+    optimizer.add_param_group({"params": norm_weights, "weight_decay": 0.0})
+    LOGGER.info(
+        f"optimizer: {name}(lr={lr}) with parameter groups {len(norm_weights)} weight(decay=0.0), "
+        f"{len(weights)} weight(decay={decay}), {len(biases)} bias"
+    )
+    return optimizer
