@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
+import shlex
 import sys
 import time
-from datetime import datetime
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -20,58 +22,62 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-import yaml
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 import val as validation
-from models.yolo import Model
-from utils.amp import autocast, choose_precision
+from models.yolo import build_model
+from utils.amp import Precision, autocast, choose_precision
 from utils.autoanchor import check_anchors
-from utils.checkpoint import build_model, cpu_fp32_state, load_checkpoint, model_state, save_checkpoint
+from utils.checkpoint import (latest_last_checkpoint, load_checkpoint, model_weights,
+                              restore_training_state, resumed_options, run_folder_of, strip_training_state,
+                              training_checkpoint)
 from utils.data.config import load_data_config
+from utils.data.label_cache import load_split
 from utils.data.loader import create_dataloader
-from utils.distributed import DistInfo, de_parallel, destroy_process_group, dist_info, init_process_group, slow_barrier
-from utils.errors import UserError
-from utils.log import LOGGER, colorstr, setup_logging
-from utils.loss import ComputeLoss
-from utils.lr_schedule import apply_warmup, decay_factor, warmup_iterations
-from utils.metrics import fitness
-from utils.optimizer import build_optimizer, choose_optimizer, optimizer_steps
-from utils.results_log import append_results_row
-from utils.resume import resumed_options
-from utils.run_dir import increment_path
-from utils.sync_bn import convert_sync_batchnorm
+from utils.distributed import (DistInfo, all_reduce_sum, broadcast_object, de_parallel, describe_failure,
+                               destroy_process_group, dist_info, init_process_group, rank_zero_decides)
 from utils.ema import ModelEMA
-from utils.torch_utils import init_torch_seeds, select_device
+from utils.errors import UserError, run_reporting_errors
+from utils.hyp import Hyp
+from utils.log import LOGGER, colorstr, setup_logging
+from utils.loss import ComputeLoss, LossNorm
+from utils.lr_schedule import LrSchedule, apply_warmup, warmup_iterations
+from utils.optimizer import build_optimizer, choose_optimizer, optimizer_steps
+from utils.run_dir import increment_path
+from utils.run_record import RunRecord
+from utils.sync_bn import convert_sync_batchnorm
+from utils.torch_utils import init_torch_seeds, select_device, torch_distributed_zero_first
 
 ROOT = Path(__file__).resolve().parent
 NOMINAL_BATCH = 64  # gradients are accumulated up to this many images per optimizer step
+MAX_NONFINITE_STEPS = 25  # in a row: training has diverged
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--weights", default="", help="checkpoint to start from ('' trains from scratch)")
+    p.add_argument("--weights", default="", help="checkpoint to start from (ours or YOLOv5's; '' trains from scratch)")
     p.add_argument("--cfg", default="", help="model YAML (default: yolov5n.yaml, or the config inside --weights)")
     p.add_argument("--data", default=str(ROOT / "data/shapes.yaml"), help="data YAML (default: built-in shapes)")
     p.add_argument("--hyp", default=str(ROOT / "data/hyps/hyp.scratch-low.yaml"), help="hyper-parameter YAML")
     # The defaults of --epochs and --imgsz make `python train.py` a few-minute run on the built-in data.
-    p.add_argument("--epochs", type=int, default=40, help="total training epochs")
+    p.add_argument("--epochs", type=int, default=40, help="total training epochs (with --resume: extend the run)")
+    p.add_argument("--time", type=float, default=None, help="train for this many hours (overrides --epochs)")
     p.add_argument("--batch-size", type=int, default=16, help="total batch size over all ranks")
     p.add_argument("--imgsz", "--img", "--img-size", type=int, default=256, help="train and val image size (px)")
     p.add_argument("--rect", action="store_true", help="rectangular training batches (no mosaic)")
     p.add_argument("--resume", nargs="?", const=True, default=False, help="resume the latest run, or PATH/last.pt")
     p.add_argument("--nosave", action="store_true", help="only save the final checkpoint")
-    p.add_argument("--noval", action="store_true", help="only validate after the final epoch")
+    p.add_argument("--noval", action="store_true", help="only validate after the final epoch (no early stopping)")
     p.add_argument("--noautoanchor", action="store_true", help="keep the model's anchors as they are")
     p.add_argument("--noplots", action="store_true", help="write no plots")
     p.add_argument("--cache", nargs="?", const="ram", default="auto", choices=["auto", "ram", "disk", "off"],
                    help="cache decoded images: auto (default: in RAM when the dataset is small), ram, disk, off")
-    p.add_argument("--device", default="", help="'' (auto), 'cpu', '0' or '0,1,2,3'")
+    p.add_argument("--device", default="", help="'' (auto), 'cpu', '0' or '0,1,2,3' (GPUs of this machine)")
     p.add_argument("--multi-scale", action="store_true", help="vary the image size by +/- 50%% per batch")
     p.add_argument("--single-cls", action="store_true", help="train every class as one")
     p.add_argument("--optimizer", default="auto", choices=["auto", "SGD", "Adam", "AdamW"],
-                   help="auto: AdamW for short runs, SGD for long ones (see utils/recipe.py)")
+                   help="auto: AdamW for short runs, SGD for long ones (see utils/optimizer.py)")
     p.add_argument("--close-mosaic", type=int, default=10, help="train the last N epochs without mosaic and mixup")
     p.add_argument("--sync-bn", action="store_true", help="synchronised BatchNorm across ranks (DDP only)")
     p.add_argument("--workers", type=int, default=2, help="dataloader workers per rank")
@@ -80,13 +86,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exist-ok", action="store_true", help="reuse project/name instead of incrementing it")
     p.add_argument("--cos-lr", action="store_true", help="cosine learning-rate decay instead of linear")
     p.add_argument("--label-smoothing", type=float, default=0.0, help="label smoothing epsilon")
-    p.add_argument("--patience", type=int, default=100, help="stop after this many epochs without improvement")
+    p.add_argument("--patience", type=int, default=100, help="stop after this many epochs without improvement "
+                                                             "(0: never)")
     p.add_argument("--freeze", nargs="+", type=int, default=[0], help="freeze the first N layers, or listed layers")
     p.add_argument("--save-period", type=int, default=-1, help="also save epochN.pt every N epochs (< 1: never)")
+    p.add_argument("--save-steps", type=int, default=0, help="also save last.pt every N optimizer steps (0: never)")
+    p.add_argument("--save-minutes", type=float, default=10.0,
+                   help="save last.pt inside an epoch once this many minutes passed since the last save (0: never)")
     p.add_argument("--seed", type=int, default=0, help="global seed: model init, data order, augmentations")
     p.add_argument("--deterministic", action="store_true", help="bit-for-bit repeatable kernels (slower)")
     p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=True,
                    help="mixed precision where it helps: fp16 on CUDA, bf16 on CPUs with native bf16")
+    p.add_argument("--dist-timeout", type=float, default=10.0,
+                   help="minutes a collective may wait for a rank before the run stops (DDP)")
+    # torch.distributed.launch and older scripts pass these; LOCAL_RANK from the environment is what counts.
+    p.add_argument("--local-rank", "--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
     return p
 
 
@@ -98,6 +112,7 @@ def parse_opt(argv: list[str] | None = None) -> tuple[argparse.Namespace, set[st
     probe = build_parser()
     probe.set_defaults(**{name: unset for name in vars(opt)})
     explicit = {name for name, value in vars(probe.parse_args(argv)).items() if value is not unset}
+    opt.argv = list(argv)
     return opt, explicit
 
 
@@ -105,17 +120,22 @@ def main(argv: list[str] | None = None) -> int:
     opt, explicit = parse_opt(argv)
     info = dist_info()
     setup_logging(info.rank)
+    return run_reporting_errors(lambda: run(opt, explicit, info))
+
+
+def run(opt: argparse.Namespace, explicit: set[str], info: DistInfo) -> int:
+    device = setup_device(opt, info)
     try:
-        resume_ckpt = None
-        if opt.resume:
-            opt, resume_ckpt = resumed_options(opt, explicit)
-            if resume_ckpt["epoch"] + 1 >= opt.epochs:
-                LOGGER.info(f"{opt.resume}: this run already finished its {opt.epochs} epochs; nothing to resume")
-                return 0
-        device = setup_device(opt, info)
-        train(opt, device, info, resume_ckpt)
-    except UserError as e:
-        LOGGER.error(f"error: {e}")
+        opt, ckpt = resume_point(opt, explicit, info)
+        if ckpt is not None and ckpt["mid_epoch"] is None and ckpt["epoch"] + 1 >= opt.epochs:
+            LOGGER.info(f"{opt.resume}: this run already finished its {opt.epochs} epochs; nothing to resume "
+                        f"(add --epochs N to train it further)")
+            return 0
+        train(opt, device, info, ckpt)
+    except (dist.DistError, RuntimeError) as e:
+        if not (info.is_distributed and _is_collective_failure(e)):
+            raise
+        LOGGER.error(describe_failure(e, info))
         return 1
     finally:
         destroy_process_group()
@@ -124,184 +144,223 @@ def main(argv: list[str] | None = None) -> int:
 
 def setup_device(opt: argparse.Namespace, info: DistInfo) -> torch.device:
     """This process's device; in a distributed run, also join the process group."""
-    if opt.epochs < 1 or opt.batch_size < 1:
-        raise UserError(f"--epochs {opt.epochs} and --batch-size {opt.batch_size} must be at least 1")
-    if opt.batch_size % info.world_size:
-        raise UserError(f"--batch-size {opt.batch_size} must be a multiple of WORLD_SIZE {info.world_size}")
-    device = select_device(opt.device, batch_size=opt.batch_size)
+    ids = [i for i in opt.device.replace("cuda:", "").split(",") if i.strip()] if opt.device != "cpu" else []
+    if len(ids) > 1 and not info.is_distributed:
+        command = " ".join(shlex.quote(a) for a in opt.argv)
+        raise UserError(f"--device {opt.device} names {len(ids)} GPUs but this is one process: start one per GPU "
+                        f"with `python -m torch.distributed.run --nproc_per_node {len(ids)} train.py {command}`")
+    device = select_device(opt.device, local_rank=info.local_rank, local_world_size=info.local_world_size)
     if info.is_distributed:
-        n_devices = len(opt.device.split(",")) if device.type == "cuda" and opt.device else 0
-        if device.type == "cuda":
-            if n_devices and n_devices < info.world_size:
-                raise UserError(f"--device {opt.device} has {n_devices} devices for WORLD_SIZE {info.world_size}")
-            torch.cuda.set_device(info.local_rank)
-            device = torch.device("cuda", info.local_rank)
-        init_process_group(device)
+        init_process_group(device, info, opt.dist_timeout)
         LOGGER.info(f"DDP: world size {info.world_size}, backend {dist.get_backend()}, rank {info.rank} on {device}")
     return device
 
 
-def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, resume_ckpt: dict | None) -> dict:
-    # ---- options, data, run folder, model --------------------------------------------------------------
-    hyp = resume_ckpt["hyp"] if resume_ckpt else load_hyp(opt.hyp)
-    data = load_data_config(opt.data, info.local_rank)
-    save_dir = Path(opt.save_dir) if resume_ckpt else increment_path(Path(opt.project) / opt.name, opt.exist_ok)
-    opt.save_dir = str(save_dir)
-    weights_dir = save_dir / "weights"
-    last, best = weights_dir / "last.pt", weights_dir / "best.pt"
-    if info.is_main:
-        weights_dir.mkdir(parents=True, exist_ok=True)
-        (save_dir / "opt.yaml").write_text(yaml.safe_dump(vars(opt), sort_keys=False))
-        (save_dir / "hyp.yaml").write_text(yaml.safe_dump(hyp, sort_keys=False))
-        LOGGER.info(colorstr("hyperparameters: ") + ", ".join(f"{k}={v}" for k, v in hyp.items()))
-    init_torch_seeds(opt.seed, opt.deterministic)
+def resume_point(opt: argparse.Namespace, explicit: set[str],
+                 info: DistInfo) -> tuple[argparse.Namespace, dict | None]:
+    """The options and checkpoint to continue from: --resume, or the run a restarted launcher group was training.
 
+    Rank 0 decides which file; every rank then reads it (on several machines the run folder must be shared).
+    """
+    path = None
+    if opt.resume:
+        path = latest_last_checkpoint(opt.project) if opt.resume is True else Path(opt.resume)
+    elif info.restart_count > 0 and info.is_main:
+        folder = run_folder_of(info.run_id, opt.project)
+        if folder is not None and (folder / "weights/last.pt").is_file():
+            path = folder / "weights/last.pt"
+            LOGGER.info(f"restart {info.restart_count} of launcher run {info.run_id}: continuing {folder}")
+    path = broadcast_object(None if path is None else str(path), info)
+    if path is None:
+        return opt, None
+    ckpt = load_checkpoint(path)
+    if info.restart_count > 0 and not opt.resume:
+        explicit = set()  # the same command line as the run's own: nothing to check
+    return resumed_options(opt, explicit, Path(path), ckpt), ckpt
+
+
+@dataclass
+class Training:
+    """What every training step uses; made once by ``train``."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    ema: ModelEMA | None
+    compute_loss: ComputeLoss
+    precision: Precision
+    device: torch.device
+    info: DistInfo
+    opt: argparse.Namespace
+    hyp: Hyp
+    momentum: float  # the optimizer's own, what warmup ramps towards
+    grid: int
+    accumulate: int
+    n_warmup: int
+    schedule: LrSchedule
+    save_mid_epoch: object = None  # callable(epoch, next_batch, tally) on rank 0, or None
+    steps_done: int = 0
+    last_save: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class LossTally:
+    """An epoch's training losses so far, summed over ranks (items of micro-batches, see ComputeLoss)."""
+
+    sums: np.ndarray = field(default_factory=lambda: np.zeros(3))
+    micro_batches: float = 0.0  # global micro-batches counted (whatever the number of ranks)
+    skipped_steps: int = 0  # optimizer steps skipped for non-finite gradients
+
+    def add(self, synced: torch.Tensor, world_size: int) -> None:
+        """Add the all-reduced [box, obj, cls, finite micro-batches] of some steps."""
+        self.sums += synced[:3].cpu().numpy()
+        self.micro_batches += float(synced[3]) / world_size
+
+    def means(self) -> np.ndarray:
+        return self.sums / max(self.micro_batches, 1.0)
+
+    def state(self) -> dict:
+        return {"sums": self.sums.tolist(), "micro_batches": self.micro_batches, "skipped_steps": self.skipped_steps}
+
+
+def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: dict | None) -> dict:
+    # ---- options, data, model -------------------------------------------------------------------------
+    if opt.epochs < 1 or opt.batch_size < 1:
+        raise UserError(f"--epochs {opt.epochs} and --batch-size {opt.batch_size} must be at least 1")
+    if opt.batch_size % info.world_size and ckpt is not None:  # resumed on another number of ranks
+        kept = max(opt.batch_size // info.world_size, 1) * info.world_size
+        LOGGER.warning(f"WARNING the global batch {opt.batch_size} cannot be split over {info.world_size} ranks: "
+                       f"continuing with {kept} from the next epoch boundary")
+        opt.batch_size = kept
+    if opt.batch_size % info.world_size:
+        raise UserError(f"--batch-size {opt.batch_size} must be a multiple of WORLD_SIZE {info.world_size}")
+    hyp = Hyp.from_dict(ckpt["hyp"], f"{opt.resume} (hyp)") if ckpt else Hyp.from_yaml(opt.hyp)
+    init_torch_seeds(opt.seed, opt.deterministic)
+    with torch_distributed_zero_first(info.local_rank):  # local rank 0 makes built-in data and label caches first
+        data = load_data_config(opt.data)
+        train_labels = load_split(data["train"], nc=data["nc"], workers=opt.workers, prefix=colorstr("train: "),
+                                  verbose=info.is_local_main)
+        val_labels = load_split(data["val"], nc=data["nc"], workers=opt.workers, prefix=colorstr("val: "),
+                                verbose=info.is_local_main) if info.is_main else None
+    # Labels were checked against the data YAML's classes above; --single-cls folds them into one afterwards.
     nc, names = (1, ["item"]) if opt.single_cls else (data["nc"], data["names"])
-    # channels-last runs the convolutions 1.2-1.6x faster on CPU (oneDNN) and on tensor-core GPUs
-    model = make_model(opt, nc, resume_ckpt).to(device, memory_format=torch.channels_last)
-    model.names = names
+    model = create_model(opt, nc, names, hyp, ckpt).to(device, memory_format=torch.channels_last)
     freeze_layers(model, opt.freeze)
     if opt.sync_bn and info.is_distributed:  # before the optimizer and the EMA take the parameters
         model = convert_sync_batchnorm(model, device)
-    precision = choose_precision(device, opt.amp)
-    LOGGER.info(f"precision: {precision.reason}")
-
     grid = max(int(model.stride.max()), 32)
     if opt.imgsz % grid:
         raise UserError(f"--imgsz {opt.imgsz} must be a multiple of the largest stride ({grid})")
+    precision = choose_precision(device, opt.amp)
+    LOGGER.info(f"precision: {precision.reason}")
 
-    # ---- data --------------------------------------------------------------------------------------------
     batch_per_rank = opt.batch_size // info.world_size
     train_loader, dataset = create_dataloader(
-        data["train"], opt.imgsz, batch_per_rank, grid, hyp=hyp, augment=True, cache=image_cache(opt.cache),
-        rect=opt.rect, local_rank=info.local_rank, global_rank=max(info.rank, 0), world_size=info.world_size,
-        workers=opt.workers, shuffle=True, seed=opt.seed, single_cls=opt.single_cls, nc=nc, prefix=colorstr("train: "),
-        close_mosaic_epoch=max(opt.epochs - opt.close_mosaic, 0) if opt.close_mosaic > 0 else None)
+        None, opt.imgsz, batch_per_rank, grid, hyp=hyp, augment=True, cache=image_cache(opt.cache),
+        rect=opt.rect, global_rank=max(info.rank, 0), world_size=info.world_size, workers=opt.workers, shuffle=True,
+        seed=opt.seed, single_cls=opt.single_cls, prefix=colorstr("train: "), label_set=train_labels,
+        close_mosaic_epoch=close_mosaic_epoch(opt.epochs, opt.close_mosaic))
     val_loader = None
     if info.is_main:
         val_loader, _ = create_dataloader(
-            data["val"], opt.imgsz, batch_per_rank * 2, grid, hyp=hyp, cache=image_cache(opt.cache),
-            rect=True, pad=0.5, workers=opt.workers, single_cls=opt.single_cls, nc=nc, prefix=colorstr("val: "))
-    if not resume_ckpt and not opt.noautoanchor:
-        check_anchors(dataset, model, thr=hyp["anchor_t"], imgsz=opt.imgsz)
-    if info.is_main and not resume_ckpt and not opt.noplots:
-        from utils.plots import plot_labels
+            None, opt.imgsz, batch_per_rank * 2, grid, hyp=hyp, cache=image_cache(opt.cache), rect=True, pad=0.5,
+            workers=opt.workers, single_cls=opt.single_cls, prefix=colorstr("val: "), label_set=val_labels)
+    if not ckpt and not opt.noautoanchor:
+        check_anchors(dataset, model, thr=hyp.anchor_t, imgsz=opt.imgsz)
 
-        plot_labels(np.concatenate([lb for lb in dataset.labels if len(lb)] or [np.zeros((0, 5))]), names, save_dir)
+    # ---- the run folder: made only now that every start-up check has passed ------------------------------
+    save_dir = run_folder(opt, info, hyp)
 
     # ---- optimisation ------------------------------------------------------------------------------------
-    batches_per_epoch = len(train_loader)
     accumulate = max(round(NOMINAL_BATCH / opt.batch_size), 1)
-    choice = choose_optimizer(opt.optimizer, optimizer_steps(opt.epochs, len(dataset), opt.batch_size, accumulate),
-                              nc, hyp)
+    steps = optimizer_steps(opt.epochs, len(dataset), opt.batch_size, accumulate)
+    choice = choose_optimizer(opt.optimizer, steps, nc, hyp)
     LOGGER.info(f"optimizer: {choice.name} lr0={choice.lr0} momentum={choice.momentum} ({choice.reason})")
-    hyp_run = {**hyp, "lr0": choice.lr0, "momentum": choice.momentum}  # hyp itself stays as the file says
-    decay = hyp["weight_decay"] * opt.batch_size * accumulate / NOMINAL_BATCH
+    decay = hyp.weight_decay * opt.batch_size * accumulate / NOMINAL_BATCH
     optimizer = build_optimizer(model, choice.name, choice.lr0, choice.momentum, decay)
-    lr_factor = decay_factor(opt.epochs, hyp["lrf"], opt.cos_lr)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lr_factor)
+    schedule = LrSchedule.for_run(opt.epochs, hyp.lrf, opt.cos_lr)
     ema = ModelEMA(model) if info.is_main else None
     scaler = torch.amp.GradScaler(device.type, enabled=precision.needs_scaler)
-    start_epoch, best_fitness, best_epoch = 0, 0.0, -1
-    if resume_ckpt:
-        start_epoch, best_fitness, best_epoch = restore_training_state(resume_ckpt, optimizer, scaler, ema, scheduler)
-    compute_loss = ComputeLoss(model, scaled_loss_gains(hyp, model, opt.imgsz), opt.label_smoothing)
-
+    start_epoch, start_batch, tally = 0, 0, LossTally()
+    best_fitness, best_epoch = 0.0, -1
+    if ckpt:
+        restore_training_state(ckpt, optimizer, scaler, ema)
+        schedule, start_epoch, start_batch, tally = resumed_position(ckpt, opt, hyp, info)
+        best_fitness, best_epoch = float(ckpt["best_fitness"]), int(ckpt.get("best_epoch", -1))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=schedule)
+    scheduler.last_epoch = start_epoch  # the optimizer already holds this epoch's learning rates
     if info.is_distributed:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    t = Training(model, optimizer, scaler, ema, ComputeLoss(model, scaled_loss_gains(hyp, model, opt.imgsz),
+                 opt.label_smoothing), precision, device, info, opt, hyp, choice.momentum, grid, accumulate,
+                 warmup_iterations(hyp.warmup_epochs, len(train_loader)), schedule)
+    record = None
+    if info.is_main:
+        record = RunRecord(save_dir, patience=opt.patience, noval=opt.noval, nosave=opt.nosave,
+                           save_period=opt.save_period, best_fitness=best_fitness, best_epoch=best_epoch,
+                           start_epoch=start_epoch + (start_batch > 0))
+
+        def checkpoint(epoch: int, mid_epoch: dict | None) -> dict:
+            return training_checkpoint(model, ema, optimizer, scaler, epoch=epoch, mid_epoch=mid_epoch,
+                                       best_fitness=record.best_fitness, best_epoch=record.best_epoch,
+                                       lr_schedule=t.schedule.segments, opt=opt, hyp=hyp.to_dict(),
+                                       world_size=info.world_size, run_id=info.run_id)
+
+        t.save_mid_epoch = lambda epoch, batch, so_far: record.save_mid_epoch(
+            checkpoint(epoch - 1, {"epoch": epoch, "batch": batch, **so_far.state()}))
+        if not ckpt and not opt.noplots:
+            from utils.plots import plot_labels
+
+            plot_labels(np.concatenate([lb for lb in dataset.labels if len(lb)] or [np.zeros((0, 5))]), names,
+                        save_dir)
 
     # ---- training loop -----------------------------------------------------------------------------------
-    n_warmup = warmup_iterations(hyp["warmup_epochs"], batches_per_epoch)
-    results = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)  # P, R, mAP50, mAP50-95, val box/obj/cls losses
-    # A resumed run keeps counting toward --patience from its best epoch.
-    epochs_without_improvement, stop = (start_epoch - 1 - best_epoch if best_epoch >= 0 else 0), False
     LOGGER.info(f"Image sizes {opt.imgsz} train, {opt.imgsz} val; {opt.workers} dataloader workers per rank; "
                 f"logging to {colorstr(str(save_dir))}\nStarting training for {opt.epochs} epochs...")
-    t_start = time.time()
-    for epoch in range(start_epoch, opt.epochs):
-        model.train()
-        train_loader.sampler.set_epoch(epoch)
-        mean_loss = torch.zeros(3, device=device)
-        batches = enumerate(train_loader)
-        if info.is_main:
-            LOGGER.info(f"\n{'Epoch':>11}{'GPU_mem':>11}{'box_loss':>11}{'obj_loss':>11}{'cls_loss':>11}"
-                        f"{'Instances':>11}{'Size':>11}")
-            batches = tqdm(batches, total=batches_per_epoch, bar_format="{l_bar}{bar:10}{r_bar}")
-        optimizer.zero_grad()
-        t_epoch = t_batch_ready = time.perf_counter()
-        data_wait = 0.0
-        for i, (imgs, targets, paths, _) in batches:
-            data_wait += time.perf_counter() - t_batch_ready
-            iteration = i + batches_per_epoch * epoch
-            if iteration <= n_warmup:
-                apply_warmup(optimizer, iteration, n_warmup, lr_factor(epoch), hyp_run)
-            imgs = prepare_images(imgs, device, opt, grid, epoch, i)
-            step_now = (i + 1) % accumulate == 0 or i == batches_per_epoch - 1
-            with gradient_sync(model, step_now), autocast(device, precision):
-                loss, loss_items = compute_loss(model(imgs), targets.to(device, non_blocking=True))
-                loss = loss * info.world_size  # DDP averages gradients over ranks; the loss sums over images
-            scaler.scale(loss).backward()
-            if step_now:
-                optimizer_step(model, optimizer, scaler, ema)
-            mean_loss = (mean_loss * i + loss_items) / (i + 1)
-            if info.is_main:
-                batches.set_description(progress_line(epoch, opt.epochs, device, mean_loss, targets, imgs))
-                if i < 3 and epoch == start_epoch and not opt.noplots:
-                    from utils.plots import plot_images
-
-                    plot_images(imgs_uint8(imgs), targets, paths, save_dir / f"train_batch{i}.jpg", names)
-            t_batch_ready = time.perf_counter()
-        scheduler.step()
-        epoch_time = time.perf_counter() - t_epoch
-        gpu_peak = f", peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if device.type == "cuda" \
-            else ""
-        LOGGER.info(f"epoch {epoch}: {batches_per_epoch * opt.batch_size / epoch_time:.1f} images/s, "
-                    f"{100 * data_wait / epoch_time:.0f}% of the time waiting for data{gpu_peak}")
-
-        if info.is_main:
-            final_epoch = epoch + 1 == opt.epochs
-            ema.update_attributes(model)
-            if not opt.noval or final_epoch:
-                report = final_epoch  # the full report (plots, per-class rows) once, for the final weights
-                r = validation.validate(ema.ema, val_loader, names=names, device=device, compute_loss=compute_loss,
-                                        plots=report and not opt.noplots, verbose=report and nc < 50,
-                                        save_dir=save_dir, autocast_dtype=precision.dtype)
-                results = (r.p, r.r, r.map50, r.map, *map(float, r.losses))
-            current = float(fitness(np.array(results[:4])))
-            improved = current > best_fitness
-            best_fitness = max(best_fitness, current)
-            best_epoch = epoch if improved else best_epoch
-            epochs_without_improvement = 0 if improved else epochs_without_improvement + 1
-            lrs = [g["lr"] for g in optimizer.param_groups]
-            append_results_row(save_dir / "results.csv", [epoch, *mean_loss.tolist(), *results, *lrs])
-            if not opt.nosave or final_epoch:
-                ckpt = training_checkpoint(model, ema, optimizer, scaler, epoch, best_fitness, best_epoch, opt, hyp)
-                save_checkpoint(ckpt, last)
-                if improved:
-                    save_checkpoint(ckpt, best)
-                if opt.save_period > 0 and (epoch + 1) % opt.save_period == 0:
-                    save_checkpoint(ckpt, weights_dir / f"epoch{epoch}.pt")
-            stop = epochs_without_improvement >= opt.patience
-            if stop:
-                LOGGER.info(f"Stopping early: no improvement in the last {opt.patience} epochs")
-        if info.is_distributed:
-            slow_barrier()  # the other ranks wait here, however long rank 0's validation takes
-            stop = broadcast_flag(stop, device)
-        if stop:
+    t_start, results, epoch = time.time(), (0.0,) * 7, start_epoch
+    for epoch in range(start_epoch, 10**9):
+        if epoch >= opt.epochs:
             break
+        t_epoch = time.perf_counter()
+        tally = train_one_epoch(t, train_loader, epoch, start_batch, tally, plots_dir=None if opt.noplots or
+                                epoch != start_epoch or not info.is_main else save_dir)
+        scheduler.step()
+        decision: dict = {}
+        if info.is_main:
+            final = epoch + 1 == opt.epochs
+            ema.update_attributes(model)
+            if not opt.noval or final:
+                r = validation.validate(ema.ema, val_loader, names=names, device=device,
+                                        compute_loss=t.compute_loss, plots=final and not opt.noplots,
+                                        verbose=final and nc < 50, save_dir=save_dir, autocast_dtype=precision.dtype)
+                results = r.as_row()
+            lrs = [g["lr"] for g in optimizer.param_groups]
+            decision["stop"] = record.end_epoch(epoch, tally.means(), results if not opt.noval or
+                                                final else None, lrs, checkpoint(epoch, None), final)
+            if opt.time:
+                decision.update(fit_to_time(opt, epoch, start_epoch, time.time() - t_start,
+                                            time.perf_counter() - t_epoch))
+        decision = json.loads(rank_zero_decides(info, json.dumps(decision)))  # the others wait on the store
+        if decision.get("epochs"):
+            refit_schedule(t, scheduler, train_loader, opt, decision["epochs"])
+        if decision.get("stop"):
+            break
+        start_batch, tally = 0, LossTally()
 
     # ---- final validation --------------------------------------------------------------------------------
     if info.is_main:
         LOGGER.info(f"\n{epoch - start_epoch + 1} epochs completed in {(time.time() - t_start) / 3600:.3f} hours.")
-        del batches, train_loader  # ends the training workers before the last validation
-        strip_training_state(best)
-        if best.exists() and best_epoch != epoch:  # the last epoch's report was not for the best weights
-            final_model = build_model(load_checkpoint(best)).to(device, memory_format=torch.channels_last)
-            LOGGER.info(f"\nValidating {best} (epoch {best_epoch})...")
-            r = validation.validate(final_model, val_loader, names=names, device=device, plots=not opt.noplots,
-                                    save_dir=save_dir, verbose=nc < 50, compute_loss=compute_loss,
-                                    autocast_dtype=precision.dtype)
-            results = (r.p, r.r, r.map50, r.map, *map(float, r.losses))
+        del train_loader  # ends the training workers before the last validation
+        record.close()
+        strip_training_state(record.best)
+        if record.best.exists() and record.best_epoch != epoch:  # the last epoch's report was not for the best weights
+            best_ckpt = load_checkpoint(record.best)
+            final_model = build_model(best_ckpt["model_cfg"], weights=model_weights(best_ckpt), names=names)
+            LOGGER.info(f"\nValidating {record.best} (epoch {record.best_epoch})...")
+            r = validation.validate(final_model.to(device, memory_format=torch.channels_last), val_loader,
+                                    names=names, device=device, plots=not opt.noplots, save_dir=save_dir,
+                                    verbose=nc < 50, compute_loss=t.compute_loss, autocast_dtype=precision.dtype)
+            results = r.as_row()
         if not opt.noplots:
             from utils.plots import plot_results
 
@@ -310,41 +369,168 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, resume_
     return {"save_dir": save_dir, "results": results}
 
 
+def train_one_epoch(t: Training, loader, epoch: int, start_batch: int, tally: LossTally,
+                    plots_dir: Path | None = None) -> LossTally:
+    """One epoch of optimizer steps, from ``start_batch`` on (a resumed epoch), with one all-reduce per step.
+
+    That all-reduce carries the positive counts of the step's micro-batches (the loss divides by global counts:
+    the step equals a one-process step on the global batch), the previous step's losses and rank 0's wish to
+    save a checkpoint, which is then written before this step with the state after the previous one.
+    """
+    model, info, world = t.model, t.info, t.info.world_size
+    model.train()
+    loader.set_epoch(epoch, start_batch)
+    n_batches = len(loader)
+    batches = enumerate(loader, start_batch)
+    if info.is_main:
+        LOGGER.info(f"\n{'Epoch':>11}{'GPU_mem':>11}{'box_loss':>11}{'obj_loss':>11}{'cls_loss':>11}"
+                    f"{'Instances':>11}{'Size':>11}")
+        batches = tqdm(batches, total=n_batches, initial=start_batch, bar_format="{l_bar}{bar:10}{r_bar}")
+    pending = torch.zeros(4, device=t.device)  # this rank's loss items and finite micro-batches since the last sync
+    skipped_in_row, t0, data_wait, t_ready = 0, time.perf_counter(), 0.0, time.perf_counter()
+    for window in accumulation_windows(batches, t.accumulate, n_batches):
+        data_wait += time.perf_counter() - t_ready
+        first = window[0][0]
+        micro = [(prepare_images(b[0], t, epoch, i), b[1].to(t.device, non_blocking=True)) for i, b in window]
+        counts = torch.stack([t.compute_loss.positives(targets, imgs.shape[2:]) for imgs, targets in micro])
+        save_now = t.save_mid_epoch is not None and first > start_batch and wants_save(t)
+        synced = all_reduce_sum(torch.cat((counts.flatten(), pending, torch.tensor([float(save_now)], device=t.device))))
+        counts, done = synced[:counts.numel()].view_as(counts), synced[counts.numel():]
+        tally.add(done, world)
+        pending.zero_()
+        if done[4] > 0 and t.save_mid_epoch is not None:
+            t.save_mid_epoch(epoch, first, tally)
+            t.last_save = time.monotonic()
+        iteration = window[-1][0] + n_batches * epoch
+        if iteration <= t.n_warmup:
+            apply_warmup(t.optimizer, iteration, t.n_warmup, t.schedule(epoch), t.hyp, t.momentum)
+        for k, ((imgs, targets), positives) in enumerate(zip(micro, counts)):
+            with gradient_sync(model, k == len(micro) - 1), autocast(t.device, t.precision):
+                loss, items = t.compute_loss(model(imgs), targets, LossNorm(positives, imgs.shape[0] * world))
+            t.scaler.scale(loss * world).backward()  # DDP averages gradients over ranks; the loss sums over them
+            if torch.isfinite(items).all():
+                pending += torch.cat((items, items.new_ones(1)))
+        if optimizer_step(t):
+            skipped_in_row = 0
+        else:
+            tally.skipped_steps += 1
+            skipped_in_row += 1
+            LOGGER.warning(f"WARNING epoch {epoch} batch {window[-1][0]}: non-finite gradients (losses box, obj, cls "
+                           f"{', '.join(f'{x:.4g}' for x in items.tolist())}): step skipped")
+            if skipped_in_row >= MAX_NONFINITE_STEPS:
+                raise UserError(f"epoch {epoch} batch {window[-1][0]}: {skipped_in_row} optimizer steps in a row had "
+                                "non-finite gradients: training diverged (lower lr0, or check the data)")
+        t.steps_done += 1
+        if info.is_main:
+            batches.set_description(progress_line(epoch, t.opt.epochs, t.device, tally.means(), micro))
+            if plots_dir is not None and first < 3:
+                from utils.plots import plot_images
+
+                for (i, b) in window:
+                    if i < 3:
+                        plot_images(b[0], b[1], b[2], plots_dir / f"train_batch{i}.jpg", de_parallel(model).names)
+        t_ready = time.perf_counter()
+    tally.add(all_reduce_sum(pending.clone()), world)
+    elapsed = time.perf_counter() - t0
+    gpu = f", peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if t.device.type == "cuda" else ""
+    skipped = f", {tally.skipped_steps} steps skipped (non-finite gradients)" if tally.skipped_steps else ""
+    LOGGER.info(f"epoch {epoch}: {(n_batches - start_batch) * t.opt.batch_size / elapsed:.1f} images/s, "
+                f"{100 * data_wait / elapsed:.0f}% of the time waiting for data{gpu}{skipped}")
+    return tally
+
+
 # ---- helpers of train() ----------------------------------------------------------------------------------
-
-def load_hyp(path: str) -> dict:
-    try:
-        hyp = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as e:
-        raise UserError(f"{path}: cannot read hyper-parameters ({e.__class__.__name__})") from e
-    required = ("lr0", "lrf", "momentum", "weight_decay", "warmup_epochs", "warmup_momentum", "warmup_bias_lr",
-                "box", "cls", "cls_pw", "obj", "obj_pw", "anchor_t", "fl_gamma")
-    missing = [k for k in required if not isinstance(hyp, dict) or k not in hyp]
-    if missing:
-        raise UserError(f"{path}: missing hyper-parameters {', '.join(missing)}")
-    return hyp
-
 
 def image_cache(mode: str) -> str | None:
     return None if mode == "off" else mode
 
 
-def make_model(opt: argparse.Namespace, nc: int, resume_ckpt: dict | None) -> nn.Module:
-    """A new model from --cfg, the model of --weights (matching tensors transferred), or the resumed one."""
-    if resume_ckpt:
-        model = Model(resume_ckpt["model_cfg"])
-        model.load_state_dict(resume_ckpt["model"])
-        return model
+def close_mosaic_epoch(epochs: int, close_mosaic: int) -> int | None:
+    return max(epochs - close_mosaic, 0) if close_mosaic > 0 else None
+
+
+def create_model(opt: argparse.Namespace, nc: int, names: list[str], hyp: Hyp, ckpt: dict | None) -> nn.Module:
+    """The resumed model, a new one with the --weights tensors that fit, or a new one from --cfg."""
+    if ckpt:
+        return build_model(ckpt["model_cfg"], weights=ckpt["model"], names=names)
     if opt.weights:
-        ckpt = load_checkpoint(opt.weights)
-        model = Model(opt.cfg or ckpt["model_cfg"], nc=nc)
-        source = ckpt.get("ema") or ckpt["model"]
-        own = model.state_dict()
-        matching = {k: v for k, v in source.items() if k in own and own[k].shape == v.shape and "anchors" not in k}
-        model.load_state_dict(matching, strict=False)
-        LOGGER.info(f"Transferred {len(matching)}/{len(own)} tensors from {opt.weights}")
-        return model
-    return Model(opt.cfg or ROOT / "models/yolov5n.yaml", nc=nc)
+        source = load_checkpoint(opt.weights)
+        LOGGER.info(f"Starting from {opt.weights}")
+        # Anchors come with the weights unless another config or anchor count is asked for (AutoAnchor may refit).
+        return build_model(opt.cfg or source["model_cfg"], nc=nc, weights=model_weights(source), transfer=True,
+                           keep_anchors=not (opt.cfg or hyp.anchors), anchors=hyp.anchors, names=names)
+    return build_model(opt.cfg or ROOT / "models/yolov5n.yaml", nc=nc, anchors=hyp.anchors, names=names)
+
+
+def run_folder(opt: argparse.Namespace, info: DistInfo, hyp: Hyp) -> Path:
+    """The run's folder: a resumed run keeps its own; rank 0 makes a new one and writes the options into it."""
+    restarted = run_folder_of(info.run_id, opt.project) if info.restart_count > 0 and info.is_main else None
+    if opt.resume:
+        save_dir = Path(opt.save_dir)
+    elif restarted is not None:  # the launcher restarted the group before the run's first checkpoint
+        save_dir = restarted
+    else:
+        save_dir = increment_path(Path(opt.project) / opt.name, opt.exist_ok)
+    save_dir = Path(broadcast_object(str(save_dir), info))
+    opt.save_dir = str(save_dir)
+    if info.is_main:
+        (save_dir / "weights").mkdir(parents=True, exist_ok=True)
+        import yaml
+
+        options = {k: v for k, v in vars(opt).items() if k != "argv"}
+        (save_dir / "opt.yaml").write_text(yaml.safe_dump(options, sort_keys=False))
+        hyp.to_yaml(save_dir / "hyp.yaml")
+        if info.run_id:  # launcher restarts find the folder by it
+            (save_dir / "run_id").write_text(info.run_id)
+        LOGGER.info(colorstr("hyperparameters: ") + ", ".join(f"{k}={v}" for k, v in hyp.to_dict().items()))
+    return save_dir
+
+
+def resumed_position(ckpt: dict, opt: argparse.Namespace, hyp: Hyp,
+                     info: DistInfo) -> tuple[LrSchedule, int, int, LossTally]:
+    """Where a resumed run goes on (epoch, batch, the epoch's losses so far) and its learning-rate schedule."""
+    saved_opt = ckpt["opt"]
+    schedule = LrSchedule(ckpt.get("lr_schedule") or [[0, saved_opt["epochs"], 1.0, hyp.lrf]], opt.cos_lr)
+    mid = ckpt.get("mid_epoch")
+    start_epoch, start_batch, tally = int(ckpt["epoch"]) + 1, 0, LossTally()
+    if mid:
+        start_epoch = int(mid["epoch"])
+        if opt.batch_size == saved_opt["batch_size"]:  # the same global batches, whatever the number of ranks
+            start_batch = int(mid["batch"])
+            tally = LossTally(np.array(mid["sums"]), float(mid["micro_batches"]), int(mid["skipped_steps"]))
+        else:
+            start_epoch += 1
+            LOGGER.warning(f"WARNING the global batch changed: epoch {start_epoch - 1} is not finished, training "
+                           f"goes on from the next epoch boundary ({start_epoch})")
+    if opt.epochs != saved_opt["epochs"]:
+        schedule = schedule.extended(start_epoch, opt.epochs, hyp.lrf)
+        LOGGER.info(f"--epochs {opt.epochs} (was {saved_opt['epochs']}): the learning rate goes on from "
+                    f"{schedule(start_epoch):.4g} x lr0 to {hyp.lrf} x lr0 at epoch {opt.epochs - 1}")
+    where = f"batch {start_batch} of epoch {start_epoch}" if start_batch else f"epoch {start_epoch}"
+    LOGGER.info(f"Resuming training at {where}")
+    return schedule, start_epoch, start_batch, tally
+
+
+def fit_to_time(opt: argparse.Namespace, epoch: int, start_epoch: int, elapsed: float, epoch_seconds: float) -> dict:
+    """--time: after the first epoch, the number of epochs that fit the budget; a stop when it is spent."""
+    budget = opt.time * 3600
+    if elapsed + epoch_seconds > budget:
+        LOGGER.info(f"--time {opt.time} h: the budget is spent after epoch {epoch}")
+        return {"stop": True}
+    if epoch != start_epoch:
+        return {}
+    epochs = max(epoch + 2, int(budget / epoch_seconds))
+    LOGGER.info(f"--time {opt.time} h: an epoch takes {epoch_seconds:.1f} s, so {epochs} epochs; the learning-rate "
+                f"schedule and close-mosaic ({opt.close_mosaic} last epochs) are fitted to that")
+    return {"epochs": epochs}
+
+
+def refit_schedule(t: Training, scheduler, loader, opt: argparse.Namespace, epochs: int) -> None:
+    """Apply a new run length (--time): learning-rate schedule and the close-mosaic epoch."""
+    opt.epochs = epochs
+    t.schedule = LrSchedule.for_run(epochs, t.hyp.lrf, opt.cos_lr)
+    scheduler.lr_lambdas = [t.schedule] * len(scheduler.lr_lambdas)
+    loader.update_dataset(close_mosaic_epoch=close_mosaic_epoch(epochs, opt.close_mosaic))
 
 
 def freeze_layers(model: nn.Module, freeze: list[int]) -> None:
@@ -355,28 +541,42 @@ def freeze_layers(model: nn.Module, freeze: list[int]) -> None:
             LOGGER.debug(f"freezing {name}")
 
 
-def scaled_loss_gains(hyp: dict, model: nn.Module, imgsz: int) -> dict:
+def scaled_loss_gains(hyp: Hyp, model: nn.Module, imgsz: int) -> Hyp:
     """Loss gains scaled to the number of levels, classes and the image size (hyp values are for 3/80/640)."""
     detect = de_parallel(model).model[-1]
-    scaled = dict(hyp)
-    scaled["box"] *= 3 / detect.nl
-    scaled["cls"] *= detect.nc / 80 * 3 / detect.nl
-    scaled["obj"] *= (imgsz / 640) ** 2 * 3 / detect.nl
-    return scaled
+    return hyp.replace(box=hyp.box * 3 / detect.nl, cls=hyp.cls * detect.nc / 80 * 3 / detect.nl,
+                       obj=hyp.obj * (imgsz / 640) ** 2 * 3 / detect.nl)
 
 
-def prepare_images(imgs: torch.Tensor, device: torch.device, opt: argparse.Namespace, grid: int, epoch: int,
-                   batch_index: int) -> torch.Tensor:
+def accumulation_windows(batches, accumulate: int, n_batches: int):
+    """Consecutive groups of ``(index, batch)`` that make one optimizer step each: ``accumulate`` batches, the
+    last of an epoch possibly fewer. Windows start at multiples of ``accumulate``, so a resumed epoch lines up."""
+    window = []
+    for i, batch in batches:
+        window.append((i, batch))
+        if (i + 1) % accumulate == 0 or i == n_batches - 1:
+            yield window
+            window = []
+
+
+def prepare_images(imgs: torch.Tensor, t: Training, epoch: int, batch_index: int) -> torch.Tensor:
     """uint8 batch -> float [0, 1] on the device, resized for --multi-scale by a (seed, epoch, batch) draw."""
-    imgs = imgs.to(device, non_blocking=True).contiguous(memory_format=torch.channels_last).float() / 255
-    if opt.multi_scale:
-        rng = np.random.default_rng([opt.seed, epoch, batch_index, 1])
-        size = int(rng.uniform(opt.imgsz * 0.5, opt.imgsz * 1.5 + grid)) // grid * grid
+    imgs = imgs.to(t.device, non_blocking=True).contiguous(memory_format=torch.channels_last).float() / 255
+    if t.opt.multi_scale:
+        rng = np.random.default_rng([t.opt.seed, epoch, batch_index, 1])
+        size = int(rng.uniform(t.opt.imgsz * 0.5, t.opt.imgsz * 1.5 + t.grid)) // t.grid * t.grid
         factor = size / max(imgs.shape[2:])
         if factor != 1:
-            new_shape = [math.ceil(x * factor / grid) * grid for x in imgs.shape[2:]]
+            new_shape = [math.ceil(x * factor / t.grid) * t.grid for x in imgs.shape[2:]]
             imgs = F.interpolate(imgs, size=new_shape, mode="bilinear", align_corners=False)
     return imgs
+
+
+def wants_save(t: Training) -> bool:
+    """Rank 0's wish for a checkpoint now: every --save-steps steps, or --save-minutes after the last save."""
+    by_steps = t.opt.save_steps > 0 and t.steps_done > 0 and t.steps_done % t.opt.save_steps == 0
+    by_time = t.opt.save_minutes > 0 and time.monotonic() - t.last_save >= t.opt.save_minutes * 60
+    return by_steps or by_time
 
 
 def gradient_sync(model: nn.Module, step_now: bool) -> contextlib.AbstractContextManager:
@@ -384,80 +584,34 @@ def gradient_sync(model: nn.Module, step_now: bool) -> contextlib.AbstractContex
     return model.no_sync() if isinstance(model, DDP) and not step_now else contextlib.nullcontext()
 
 
-def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                   ema: ModelEMA | None) -> None:
-    scaler.unscale_(optimizer)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=10.0)
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad()
-    if ema is not None:
-        ema.update(model)
+def optimizer_step(t: Training) -> bool:
+    """Clip, step, update the EMA; False (and no step) when the gradients are not finite.
+
+    The gradients are all-reduced, so every rank makes the same decision. With a gradient scaler (fp16) the
+    scaler skips overflowing steps itself, as it should early in training; those are not counted.
+    """
+    t.scaler.unscale_(t.optimizer)
+    norm = torch.nn.utils.clip_grad_norm_(t.model.parameters(), max_norm=10.0)
+    finite = t.scaler.is_enabled() or bool(torch.isfinite(norm))
+    if finite:
+        t.scaler.step(t.optimizer)
+    t.scaler.update()
+    t.optimizer.zero_grad()
+    if finite and t.ema is not None:
+        t.ema.update(t.model)
+    return finite
 
 
-def broadcast_flag(flag: bool, device: torch.device) -> bool:
-    t = torch.tensor([float(flag)], device=device)
-    dist.broadcast(t, src=0)
-    return bool(t.item())
+def _is_collective_failure(error: BaseException) -> bool:
+    text = str(error).lower()
+    return isinstance(error, dist.DistError) or any(w in text for w in ("gloo", "nccl", "timed out", "connection"))
 
 
-def imgs_uint8(imgs: torch.Tensor) -> torch.Tensor:
-    return (imgs.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu()
-
-
-def progress_line(epoch: int, epochs: int, device: torch.device, mean_loss: torch.Tensor, targets: torch.Tensor,
-                  imgs: torch.Tensor) -> str:
+def progress_line(epoch: int, epochs: int, device: torch.device, mean_loss: np.ndarray, micro: list) -> str:
     mem = f"{torch.cuda.memory_reserved() / 1e9:.3g}G" if device.type == "cuda" else "0G"
     losses = "".join(f"{x:>11.4g}" for x in mean_loss.tolist())
+    imgs, targets = micro[-1]
     return f"{f'{epoch}/{epochs - 1}':>11}{mem:>11}{losses}{targets.shape[0]:>11}{imgs.shape[-1]:>11}"
-
-
-def training_checkpoint(model: nn.Module, ema: ModelEMA, optimizer: torch.optim.Optimizer,
-                        scaler: torch.amp.GradScaler, epoch: int, best_fitness: float, best_epoch: int,
-                        opt: argparse.Namespace, hyp: dict) -> dict:
-    """Everything needed to resume, in the safe format: tensors, state_dicts and plain values only."""
-    ckpt = model_state(model)
-    ckpt.update(
-        ema=cpu_fp32_state(ema.ema),
-        updates=ema.updates,
-        optimizer=optimizer.state_dict(),
-        scaler=scaler.state_dict() if scaler.is_enabled() else None,
-        epoch=epoch,
-        best_fitness=float(best_fitness),
-        best_epoch=best_epoch,
-        opt={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opt).items()},
-        hyp=dict(hyp),
-        torch_rng=torch.get_rng_state(),
-        date=datetime.now().isoformat(timespec="seconds"),
-    )
-    return ckpt
-
-
-def restore_training_state(ckpt: dict, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                           ema: ModelEMA | None, scheduler) -> tuple[int, float, int]:
-    optimizer.load_state_dict(ckpt["optimizer"])
-    if ckpt.get("scaler") and scaler.is_enabled():
-        scaler.load_state_dict(ckpt["scaler"])
-    if ema is not None and ckpt.get("ema") is not None:
-        ema.ema.load_state_dict(ckpt["ema"])
-        ema.updates = int(ckpt["updates"])
-    if ckpt.get("torch_rng") is not None:
-        torch.set_rng_state(ckpt["torch_rng"])
-    start_epoch = int(ckpt["epoch"]) + 1
-    scheduler.last_epoch = start_epoch  # the saved optimizer already holds the learning rates of start_epoch
-    LOGGER.info(f"Resuming training at epoch {start_epoch}")
-    return start_epoch, float(ckpt["best_fitness"]), int(ckpt.get("best_epoch", -1))
-
-
-def strip_training_state(path: Path) -> None:
-    """Drop the optimizer and scaler from a final checkpoint (a third of the size); keep it loadable."""
-    if not path.exists():
-        return
-    ckpt = load_checkpoint(path)
-    for key in ("optimizer", "scaler"):
-        ckpt[key] = None
-    ckpt.pop("format_version", None)
-    save_checkpoint(ckpt, path)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from utils.boxes import scale_boxes, xywh2xyxy, xyxy2xywhn
-from utils.errors import UserError
+from utils.errors import UserError, run_reporting_errors
 from utils.log import LOGGER, colorstr, setup_logging
 from utils.metrics import ClassMetrics, ap_per_class, confusion_matrix, fitness, match_detections, mean_metrics
 from utils.nms import non_max_suppression
@@ -279,7 +279,8 @@ def _coco_evaluation(
 
 # ---- command line ----------------------------------------------------------------------------------------
 
-def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """val.py's options and their defaults (the only place they are declared; ``run`` takes the same names)."""
     parser = argparse.ArgumentParser(description="Validate a detector checkpoint on a dataset split")
     parser.add_argument("--data", type=str, required=True, help="dataset YAML")
     parser.add_argument("--weights", type=str, required=True, help="checkpoint saved by this project")
@@ -289,7 +290,7 @@ def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--iou-thres", type=float, default=0.6, help="NMS IoU threshold")
     parser.add_argument("--max-det", type=int, default=300, help="detections kept per image")
     parser.add_argument("--task", default="val", choices=TASKS, help="split to use; speed: timing at conf 0.25")
-    parser.add_argument("--device", default="", help="cuda device (0 or 0,1) or cpu")
+    parser.add_argument("--device", default="", help="cuda device (0) or cpu")
     parser.add_argument("--workers", type=int, default=8, help="dataloader workers")
     parser.add_argument("--single-cls", action="store_true", help="treat every class as one")
     parser.add_argument("--verbose", action="store_true", help="a row per class")
@@ -301,91 +302,81 @@ def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--exist-ok", action="store_true", help="reuse an existing run folder")
     parser.add_argument("--half", action="store_true", help="fp16 inference (CUDA only)")
     parser.add_argument("--noplots", action="store_true")
-    return parser.parse_args(argv)
+    return parser
 
 
-def run(
-    data: str,
-    weights: str,
-    batch_size: int = 32,
-    imgsz: int = 640,
-    conf_thres: float = 0.001,
-    iou_thres: float = 0.6,
-    max_det: int = 300,
-    task: str = "val",
-    device: str = "",
-    workers: int = 8,
-    single_cls: bool = False,
-    verbose: bool = False,
-    save_txt: bool = False,
-    save_conf: bool = False,
-    save_json: bool = False,
-    project: str = "runs/val",
-    name: str = "exp",
-    exist_ok: bool = False,
-    half: bool = False,
-    noplots: bool = False,
-) -> ValResults:
+def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def run(**options: Any) -> ValResults:
+    """``python val.py`` from Python: the same option names (``batch_size``, ``conf_thres``, ...) and defaults."""
+    defaults = vars(build_parser().parse_args(["--data", "", "--weights", ""]))
+    unknown = sorted(set(options) - set(defaults))
+    if unknown:
+        raise TypeError(f"run() got unknown option(s): {', '.join(unknown)}")
+    return run_options(argparse.Namespace(**{**defaults, **options}))
+
+
+def run_options(opt: argparse.Namespace) -> ValResults:
     """Load a checkpoint and a dataset split, validate, and save the outputs in a new run folder."""
-    from utils.checkpoint import load_model
+    from models.yolo import load_model
     from utils.data.config import load_data_config
     from utils.data.loader import create_dataloader
 
-    if task not in TASKS:
-        raise UserError(f"--task {task!r}: expected one of {', '.join(TASKS)}")
-    if not Path(weights).is_file():
-        raise UserError(f"{weights}: weights file not found")
-    data_cfg = load_data_config(data)
-    split = "test" if task == "test" else "val"
+    if opt.task not in TASKS:
+        raise UserError(f"--task {opt.task!r}: expected one of {', '.join(TASKS)}")
+    if not Path(opt.weights).is_file():
+        raise UserError(f"{opt.weights}: weights file not found")
+    data_cfg = load_data_config(opt.data)
+    split = "test" if opt.task == "test" else "val"
     if not data_cfg.get(split):
-        raise UserError(f"{data_cfg.get('yaml_file', data)}: no '{split}' split to validate on")
+        raise UserError(f"{data_cfg.get('yaml_file', opt.data)}: no '{split}' split to validate on")
 
-    device = select_device(device, batch_size)
-    if half and device.type != "cuda":
+    device = select_device(opt.device)
+    if opt.half and device.type != "cuda":
         LOGGER.warning("--half needs a CUDA device: running in fp32")
-    half = half and device.type == "cuda"
-    model, _ = load_model(weights, device)
+    half = opt.half and device.type == "cuda"
+    model, _ = load_model(opt.weights, device)
     model = model.float()
     if hasattr(model, "fuse"):
         model.fuse()
     if half:
         model.half()
     nc = int(data_cfg["nc"])
-    if not single_cls and getattr(model, "nc", nc) != nc:
-        raise UserError(f"{weights}: the model predicts {model.nc} classes but {data} has {nc}; "
+    if not opt.single_cls and getattr(model, "nc", nc) != nc:
+        raise UserError(f"{opt.weights}: the model predicts {model.nc} classes but {opt.data} has {nc}; "
                         "use matching weights or --single-cls")
     stride = int(model.stride.max())
+    imgsz = opt.imgsz
     if imgsz % stride:
-        new_size = (imgsz // stride + 1) * stride
-        LOGGER.warning(f"--imgsz {imgsz} is not a multiple of the stride {stride}: using {new_size}")
-        imgsz = new_size
-    if task == "speed":  # timing at deployment thresholds, not the mAP sweep
+        imgsz = (imgsz // stride + 1) * stride
+        LOGGER.warning(f"--imgsz {opt.imgsz} is not a multiple of the stride {stride}: using {imgsz}")
+    conf_thres, iou_thres, save_json = opt.conf_thres, opt.iou_thres, opt.save_json
+    if opt.task == "speed":  # timing at deployment thresholds, not the mAP sweep
         conf_thres, iou_thres, save_json = 0.25, 0.45, False
 
-    save_dir = increment_path(Path(project) / name, exist_ok=exist_ok, mkdir=True)
-    loader, _ = create_dataloader(data_cfg[split], imgsz, batch_size, stride, augment=False, rect=True, pad=0.5,
-                                  workers=workers, single_cls=single_cls, nc=nc, prefix=colorstr(f"{split}: "))
+    save_dir = increment_path(Path(opt.project) / opt.name, exist_ok=opt.exist_ok, mkdir=True)
+    loader, _ = create_dataloader(data_cfg[split], imgsz, opt.batch_size, stride, augment=False, rect=True, pad=0.5,
+                                  workers=opt.workers, single_cls=opt.single_cls, nc=nc,
+                                  prefix=colorstr(f"{split}: "))
     if device.type == "cuda":  # the first CUDA call pays for context and kernel set-up: keep it out of the timings
         model(torch.zeros(1, 3, imgsz, imgsz, device=device, dtype=torch.float16 if half else torch.float32))
 
     results = validate(
         model, loader, names=data_cfg["names"], device=device, conf_thres=conf_thres, iou_thres=iou_thres,
-        max_det=max_det, single_cls=single_cls, save_dir=save_dir, plots=not noplots, verbose=verbose,
-        save_json=save_json, save_txt=save_txt, save_conf=save_conf, half=half,
+        max_det=opt.max_det, single_cls=opt.single_cls, save_dir=save_dir, plots=not opt.noplots,
+        verbose=opt.verbose, save_json=save_json, save_txt=opt.save_txt, save_conf=opt.save_conf, half=half,
     )
     LOGGER.info(f"Results saved to {colorstr(str(save_dir))}")
     return results
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     opt = parse_opt(argv)
     setup_logging()
-    try:
-        run(**vars(opt))
-    except UserError as e:
-        LOGGER.error(f"ERROR {e}")
-        sys.exit(1)
+    return run_reporting_errors(lambda: run_options(opt) and None)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import cv2
 import numpy as np
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from utils.hyp import Hyp
 from utils.data.config import img2label_path, list_image_files, load_data_config  # noqa: E402
 from utils.data.loader import create_dataloader  # noqa: E402
 from utils.data.label_cache import load_label_set  # noqa: E402
@@ -35,7 +35,7 @@ COCO128 = ROOT.parent / "shared" / "datasets" / "coco128.yaml"
 def bench_augmented(workers: int, cache: str | None, epochs: int, imgsz: int = 640, batch_size: int = 16) -> float:
     """Augmented (mosaic) training samples per second over COCO128's train split."""
     cfg = load_data_config(COCO128)
-    hyp = yaml.safe_load((ROOT / "data" / "hyps" / "hyp.scratch-low.yaml").read_text())
+    hyp = Hyp.from_yaml(ROOT / "data" / "hyps" / "hyp.scratch-low.yaml")
     loader, dataset = create_dataloader(cfg["train"], imgsz, batch_size, 32, hyp=hyp, augment=True, shuffle=True,
                                         workers=workers, nc=cfg["nc"], cache=cache)
     loader.sampler.set_epoch(0)
@@ -89,7 +89,7 @@ import sys, time, yaml
 from utils.data.loader import create_dataloader, LoadImagesAndLabels
 mode, arg, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
 if mode == "throughput":
-    hyp = yaml.safe_load(open(sys.argv[4]))
+    hyp = Hyp.from_yaml(sys.argv[4])
     cache = sys.argv[5] if sys.argv[5] != "none" else False
     epochs = int(sys.argv[6])
     loader, _ = create_dataloader(arg, 640, 16, 32, hyp=hyp, augment=True, workers=workers, shuffle=True,

@@ -10,12 +10,12 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from models.yolo import Model  # noqa: E402
+from utils.hyp import Hyp
 from utils.amp import cpu_supports_bf16  # noqa: E402
 from utils.loss import ComputeLoss  # noqa: E402
 
@@ -26,7 +26,7 @@ def images_per_second(cfg: str, imgsz: int, batch_size: int, steps: int, channel
     model = Model(cfg, nc=80).to(device)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     model = model.to(memory_format=fmt)
-    compute_loss = ComputeLoss(model, yaml.safe_load((ROOT / "data/hyps/hyp.scratch-low.yaml").read_text()))
+    compute_loss = ComputeLoss(model, Hyp.from_yaml(ROOT / "data/hyps/hyp.scratch-low.yaml"))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     imgs = torch.rand(batch_size, 3, imgsz, imgsz, device=device).contiguous(memory_format=fmt)
     n = 4 * batch_size  # four objects per image

@@ -13,6 +13,7 @@ import yaml
 
 from models.common import C3, SPPF, Bottleneck, Concat, Conv, fuse_conv_and_bn
 from models.summary import model_info
+from utils.checkpoint import load_checkpoint, model_weights
 from utils.errors import UserError
 from utils.log import LOGGER
 
@@ -242,6 +243,38 @@ def _check_anchor_order(detect: Detect) -> None:
     if (area[-1] - area[0]).sign() != (detect.stride[-1] - detect.stride[0]).sign():
         LOGGER.info("Reversing anchor order to match the strides")
         detect.anchors[:] = detect.anchors.flip(0)
+
+
+def build_model(cfg: str | Path | dict, *, nc: int | None = None, weights: dict[str, torch.Tensor] | None = None,
+                transfer: bool = False, keep_anchors: bool = True, anchors: float | None = None,
+                names: list[str] | None = None) -> Model:
+    """The one way models are made: from a config, then loaded with ``weights`` if given.
+
+    Without ``transfer`` every tensor of ``weights`` must match (resuming, evaluating a checkpoint). With it,
+    each tensor whose name and shape fit is copied and the rest keep their initialisation (fine-tuning with
+    another number of classes: the head's class outputs do not fit); the count is logged. ``keep_anchors``
+    False leaves the config's anchors (AutoAnchor may then fit new ones).
+    """
+    model = Model(cfg, nc=nc, anchors=anchors)
+    if weights is not None:
+        if transfer:
+            own = model.state_dict()
+            fitting = {k: v for k, v in weights.items() if k in own and own[k].shape == v.shape
+                       and (keep_anchors or not k.endswith(".anchors"))}
+            model.load_state_dict(fitting, strict=False)
+            LOGGER.info(f"Transferred {len(fitting)}/{len(own)} tensors")
+        else:
+            model.load_state_dict(weights)
+    if names is not None:
+        model.names = list(names)
+    return model
+
+
+def load_model(path: str | Path, device: torch.device | str = "cpu") -> tuple[Model, dict[str, Any]]:
+    """A checkpoint's model (EMA weights when present) in eval mode on ``device``, and the checkpoint dict."""
+    ckpt = load_checkpoint(path)
+    model = build_model(ckpt["model_cfg"], weights=model_weights(ckpt), names=ckpt.get("names"))
+    return model.to(device).eval(), ckpt
 
 
 def main() -> None:

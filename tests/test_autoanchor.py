@@ -21,6 +21,7 @@ from utils.autoanchor import (
     set_anchors,
 )
 from utils.log import LOGGER
+from utils.hyp import Hyp
 from utils.loss import ComputeLoss
 
 IMGSZ = 640
@@ -102,7 +103,7 @@ def test_anchors_far_off_the_data_are_replaced(model: Model, log_records) -> Non
     before, _ = anchor_metrics(dataset_box_sizes(dataset, IMGSZ, np.random.default_rng(0)), pixel_anchors(model), 4.0)
     assert before < 0.5
 
-    loss = ComputeLoss(model, {"box": 0.05, "obj": 1.0, "cls": 0.5, "anchor_t": 4.0})
+    loss = ComputeLoss(model, Hyp(box=0.05, obj=1.0, cls=0.5, anchor_t=4.0))
     assert check_anchors(dataset, model, thr=4.0, imgsz=IMGSZ) is True
 
     assert detect.anchors is buffer  # updated in place
@@ -115,7 +116,7 @@ def test_anchors_far_off_the_data_are_replaced(model: Model, log_records) -> Non
     # A loss built before AutoAnchor assigns targets with the new anchors.
     targets = torch.tensor([[0, 0, 0.5, 0.5, 450 / IMGSZ, 22 / IMGSZ]])
     preds = [torch.zeros(1, 3, IMGSZ // s, IMGSZ // s, 6) for s in (8, 16, 32)]
-    assert any(lt.valid.any() for lt in loss.build_targets(preds, targets))
+    assert any(lt.valid.any() for lt in loss.build_targets([p.shape[2:4] for p in preds], targets))
 
 
 def test_anchors_that_already_fit_are_kept(model: Model, log_records) -> None:

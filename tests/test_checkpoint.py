@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from models.yolo import Model
-from utils.checkpoint import load_checkpoint, load_model, model_state, save_checkpoint
+from models.yolo import load_model
+from utils.checkpoint import load_checkpoint, model_state, save_checkpoint
 from utils.errors import UserError
 
 

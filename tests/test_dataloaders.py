@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from torch.utils.data import DataLoader
 
 import utils.data.loader as dataloaders
+from utils.hyp import Hyp
 from utils.data.batch_ring import BatchRing
 from utils.data.loader import EpochStreamLoader, create_dataloader
 from utils.data.dataset import YoloDataset
@@ -17,7 +17,7 @@ from utils.data.shapes import generate_shapes
 
 BATCH = 4
 IMGSZ = 64
-HYP = yaml.safe_load((Path(__file__).parents[1] / "data" / "hyps" / "hyp.scratch-low.yaml").read_text())
+HYP = Hyp.from_yaml(Path(__file__).parents[1] / "data" / "hyps" / "hyp.scratch-low.yaml")
 
 
 @pytest.fixture(scope="module")

@@ -14,12 +14,13 @@ from utils.boxes import scale_boxes, xywh2xyxy
 from utils.data.loader import create_dataloader
 from utils.data.dataset import YoloDataset
 from utils.data.image_io import read_image_region
-from utils.data.jpeg_region import region_decoding_available
+from utils.data.jpeg_region import load_decoder
 from utils.data.shapes import generate_shapes
+from utils.hyp import Hyp
 
 IMGSZ = 64
-HYP = {"hsv_h": 0.015, "hsv_s": 0.7, "hsv_v": 0.4, "degrees": 5.0, "translate": 0.1, "scale": 0.5, "shear": 2.0,
-       "perspective": 0.0, "flipud": 0.2, "fliplr": 0.5, "mosaic": 0.7, "mixup": 0.5}
+HYP = Hyp(hsv_h=0.015, hsv_s=0.7, hsv_v=0.4, degrees=5.0, translate=0.1, scale=0.5, shear=2.0, perspective=0.0,
+          flipud=0.2, fliplr=0.5, mosaic=0.7, mixup=0.5)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,7 @@ def test_batch_format(data_root: Path) -> None:
     assert len(paths) == 4 and len(shapes) == 4
     assert dataset.n == 12 and len(dataset.labels) == 12 and dataset.shapes.shape == (12, 2)
     assert all(lb.dtype == np.float32 and lb.shape[1] == 5 for lb in dataset.labels)
-    assert dataset.imgsz == IMGSZ and dataset.augment and not dataset.rect and dataset.hyp["mixup"] == 0.5
+    assert dataset.imgsz == IMGSZ and dataset.augment and not dataset.rect and dataset.hyp.mixup == 0.5
     assert torch.equal(dataset[3][0], dataset[(0, 3)][0])  # a plain index means epoch 0
 
 
@@ -81,7 +82,7 @@ def test_sample_depends_only_on_seed_epoch_index(data_root: Path) -> None:
 
 
 def test_close_mosaic_epoch_turns_mosaic_off(data_root: Path) -> None:
-    _, dataset = _train(data_root, hyp={**HYP, "mosaic": 1.0}, close_mosaic_epoch=2)
+    _, dataset = _train(data_root, hyp=HYP.replace(mosaic=1.0), close_mosaic_epoch=2)
     assert all(dataset[(1, i)][3] is None for i in range(4))  # mosaic samples carry no letterbox info
     assert all(dataset[(2, i)][3] is not None for i in range(4))
 
@@ -155,15 +156,15 @@ def test_mosaic_tiles_decoded_in_part_give_the_same_samples(which: str, data_roo
     dataset = create_dataloader(images, IMGSZ, 4, 32, hyp=HYP, augment=True, shuffle=True, workers=0, nc=5)[1]
     decoded_parts = []
 
-    def counting(path: str, shape_hw: tuple[int, int], region: tuple[int, int, int, int], out=None):
-        part = read_image_region(path, shape_hw, region, out)
+    def counting(path: str, shape_hw: tuple[int, int], region: tuple[int, int, int, int], out=None, decoder=None):
+        part = read_image_region(path, shape_hw, region, out, decoder)
         decoded_parts.append(part is not None and part.shape[:2] != shape_hw)
         return part
 
     monkeypatch.setattr(dataset_module, "read_image_region", counting)
     pairs = [(epoch, index) for epoch in (1, 2, 3) for index in range(12)]
     partial = [dataset[pair][0] for pair in pairs]
-    if region_decoding_available():
+    if load_decoder() is not None:
         assert sum(decoded_parts) > 24  # most tiles came from partial decodes
     monkeypatch.setattr(dataset_module, "read_image_region", lambda *args: None)
     for pair, img in zip(pairs, partial):
@@ -188,10 +189,10 @@ def test_dataset_builds_label_cache_once_per_split(data_root: Path) -> None:
 
 
 def test_disk_cache_on_read_only_folder_warns_once(data_root: Path, monkeypatch, caplog) -> None:
-    def refuse(path: Path, array: np.ndarray) -> None:
+    def refuse(path: Path):
         raise PermissionError("read-only file system")
 
-    monkeypatch.setattr(dataset_module, "_atomic_save_npy", refuse)
+    monkeypatch.setattr(dataset_module, "atomic_output", refuse)
     monkeypatch.setattr(logging.getLogger("yolo"), "propagate", True)
     with caplog.at_level(logging.WARNING, logger="yolo"):
         dataset = YoloDataset(str(data_root / "images" / "val"), IMGSZ, cache="disk", nc=5, workers=0)

@@ -1,7 +1,6 @@
 """Verification of image/label pairs and the label cache, on a generated dataset full of bad inputs."""
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
 from pathlib import Path
@@ -258,23 +257,6 @@ def test_read_only_labels_fall_back_to_user_cache(tmp_path: Path, monkeypatch) -
     assert Path(first.cache_file).parent == tmp_path / "user_cache" and not primary.exists()
     load_label_set(files, nc=NC, source=str(images))
     assert len(calls) == 1  # the fallback cache is found again
-
-
-def test_cache_built_inside_distributed_zero_first(tmp_path: Path, monkeypatch) -> None:
-    images = _small_dataset(tmp_path)
-    events: list[str] = []
-
-    @contextlib.contextmanager
-    def recording(local_rank: int):
-        events.append(f"enter {local_rank}")
-        yield
-        events.append("exit")
-
-    real_scan = label_cache.scan
-    monkeypatch.setattr(label_cache, "torch_distributed_zero_first", recording)
-    monkeypatch.setattr(label_cache, "scan", lambda *a, **k: events.append("scan") or real_scan(*a, **k))
-    load_label_set(list_image_files(str(images)), nc=NC, local_rank=0, source=str(images))
-    assert events == ["enter 0", "scan", "exit"]
 
 
 def test_process_pool_matches_in_process(tmp_path: Path, monkeypatch) -> None:

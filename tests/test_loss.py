@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from models.yolo import Model
+from utils.hyp import Hyp
 from utils.loss import ComputeLoss
 
-HYP = {"box": 0.05, "obj": 1.0, "cls": 0.5, "cls_pw": 1.0, "obj_pw": 1.0, "anchor_t": 4.0, "fl_gamma": 0.0}
+HYP = Hyp(box=0.05, obj=1.0, cls=0.5, cls_pw=1.0, obj_pw=1.0, anchor_t=4.0, fl_gamma=0.0)
 NC = 3
 IMGSZ = 64  # grids 8x8, 4x4, 2x2
 
@@ -70,7 +71,7 @@ def perfect_preds(model: Model, targets: torch.Tensor, batch_size: int) -> list[
     """Predictions that decode exactly to every assigned target box, with confident objectness and class."""
     compute = ComputeLoss(model, HYP)
     preds = [torch.full_like(p, -12.0) for p in random_preds(model, batch_size)]  # no object, no class
-    for pi, lt in zip(preds, compute.build_targets(preds, targets)):
+    for pi, lt in zip(preds, compute.build_targets([p.shape[2:4] for p in preds], targets)):
         v = lt.valid
         b, a, gy, gx = lt.image[v], lt.anchor[v], lt.gy[v], lt.gx[v]
         txy, twh = lt.tbox[v, :2], lt.tbox[v, 2:]
@@ -166,7 +167,7 @@ def test_vectorised_assignment_equals_loop_reference(model: Model) -> None:
     preds = random_preds(model, batch_size)
     compute = ComputeLoss(model, HYP)
     got = {}
-    for level, lt in enumerate(compute.build_targets(preds, targets)):
+    for level, lt in enumerate(compute.build_targets([p.shape[2:4] for p in preds], targets)):
         for i in torch.nonzero(lt.valid).flatten().tolist():
             key = (level, int(lt.image[i]), int(lt.anchor[i]), int(lt.gy[i]), int(lt.gx[i]), int(lt.target[i]))
             assert key not in got, "duplicate assignment"
@@ -174,7 +175,7 @@ def test_vectorised_assignment_equals_loop_reference(model: Model) -> None:
             assert lt.tcls[i] == targets[int(lt.target[i]), 1]
             assert torch.equal(lt.anchor_wh[i], model.model[-1].anchors[level, lt.anchor[i]])
     grids = [(p.shape[2], p.shape[3]) for p in preds]
-    expected = reference_assignments(targets, model.model[-1].anchors, grids, HYP["anchor_t"])
+    expected = reference_assignments(targets, model.model[-1].anchors, grids, HYP.anchor_t)
     assert len(expected) > 50
     assert got.keys() == expected.keys()
     for key, box in expected.items():
@@ -196,15 +197,15 @@ def test_label_smoothing_sets_class_targets(model: Model) -> None:
         _, items = compute(preds, targets)
         positive, negative = 1 - 0.5 * eps, 0.5 * eps
         mean_target = (positive + (NC - 1) * negative) / NC
-        levels_with_targets = sum(bool(lt.valid.any()) for lt in compute.build_targets(preds, targets))
-        expected = HYP["cls"] * (F.softplus(torch.tensor(z)) - z * mean_target) * levels_with_targets
+        levels_with_targets = sum(bool(lt.valid.any()) for lt in compute.build_targets([p.shape[2:4] for p in preds], targets))
+        expected = HYP.cls * (F.softplus(torch.tensor(z)) - z * mean_target) * levels_with_targets
         assert items[2] == pytest.approx(float(expected), rel=1e-5)
 
 
 def test_focal_loss_downweights_easy_examples(model: Model) -> None:
     preds, targets = random_preds(model), random_targets(12, 2)
     _, plain = ComputeLoss(model, HYP)(preds, targets)
-    _, focal = ComputeLoss(model, {**HYP, "fl_gamma": 1.5})(preds, targets)
+    _, focal = ComputeLoss(model, HYP.replace(fl_gamma=1.5))(preds, targets)
     assert torch.isfinite(focal).all()
     assert focal[1] < plain[1] and focal[2] < plain[2]
     assert focal[0] == plain[0]  # the box loss is not a BCE

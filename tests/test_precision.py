@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import torch
-import yaml
 
 from models.yolo import Model
+from utils.hyp import Hyp
 from utils.amp import autocast, choose_precision, cpu_supports_bf16
 from utils.loss import ComputeLoss
 
@@ -35,7 +35,7 @@ def test_choose_precision_policy() -> None:
 def test_bf16_autocast_loss_matches_fp32_on_a_fixed_batch() -> None:
     torch.manual_seed(0)
     model = Model("models/yolov5n.yaml", nc=3)
-    compute_loss = ComputeLoss(model, yaml.safe_load(open(ROOT_HYP)))
+    compute_loss = ComputeLoss(model, Hyp.from_yaml(ROOT_HYP))
     imgs, targets = _batch()
     fp32_loss, fp32_items = compute_loss(model(imgs), targets)
     precision = choose_precision(torch.device("cpu"), requested=True)
@@ -57,7 +57,7 @@ def test_channels_last_gives_the_same_outputs_and_gradients() -> None:
     nhwc.load_state_dict(nchw.state_dict())
     nhwc = nhwc.to(memory_format=torch.channels_last)
     imgs, targets = _batch(1)
-    hyp = yaml.safe_load(open(ROOT_HYP))
+    hyp = Hyp.from_yaml(ROOT_HYP)
     out_a = nchw(imgs)
     out_b = nhwc(imgs.contiguous(memory_format=torch.channels_last))
     for a, b in zip(out_a, out_b):

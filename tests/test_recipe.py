@@ -11,10 +11,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
 
+from utils.hyp import Hyp
 from utils.data.loader import create_dataloader
 from utils.optimizer import SHORT_RUN_STEPS, choose_optimizer, optimizer_steps
 
-HYP = yaml.safe_load(open("data/hyps/hyp.scratch-low.yaml"))
+HYP = Hyp.from_yaml("data/hyps/hyp.scratch-low.yaml")
 
 
 def test_optimizer_steps_counts_accumulated_batches() -> None:
@@ -27,7 +28,7 @@ def test_auto_picks_adamw_for_short_runs_and_sgd_for_long_runs() -> None:
     assert short.name == "AdamW" and short.lr0 == pytest.approx(0.05 / 9, abs=1e-6) and short.momentum == 0.9
     assert "short" in short.reason
     long = choose_optimizer("auto", steps=SHORT_RUN_STEPS + 1, nc=80, hyp=HYP)
-    assert (long.name, long.lr0, long.momentum) == ("SGD", HYP["lr0"], HYP["momentum"])
+    assert (long.name, long.lr0, long.momentum) == ("SGD", HYP.lr0, HYP.momentum)
     assert choose_optimizer("auto", steps=100, nc=80, hyp=HYP).lr0 < short.lr0  # more classes, smaller lr
     assert choose_optimizer("auto", steps=100, nc=1, hyp=HYP).lr0 == 0.01  # capped at SGD's rate
 
@@ -36,14 +37,14 @@ def test_explicit_optimizer_always_wins() -> None:
     for name in ("SGD", "Adam", "AdamW"):
         for steps in (10, 10 * SHORT_RUN_STEPS):
             choice = choose_optimizer(name, steps=steps, nc=5, hyp=HYP)
-            assert (choice.name, choice.lr0, choice.momentum) == (name, HYP["lr0"], HYP["momentum"])
+            assert (choice.name, choice.lr0, choice.momentum) == (name, HYP.lr0, HYP.momentum)
 
 
 # ---- close-mosaic -------------------------------------------------------------------------------------------
 # Every image is one flat, unique colour: a mosaic sample shows several colours, a plain one shows one.
 N_IMAGES, SIZE, CLOSE_AT, EPOCHS = 8, 64, 2, 4
-MOSAIC_ONLY = {**HYP, **{k: 0.0 for k in ("hsv_h", "hsv_s", "hsv_v", "degrees", "translate", "scale", "shear",
-                                          "perspective", "flipud", "fliplr", "mixup")}, "mosaic": 1.0}
+MOSAIC_ONLY = HYP.replace(**{k: 0.0 for k in ("hsv_h", "hsv_s", "hsv_v", "degrees", "translate", "scale", "shear",
+                                               "perspective", "flipud", "fliplr", "mixup")}, mosaic=1.0)
 
 
 @pytest.fixture(scope="module")

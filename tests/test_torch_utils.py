@@ -11,6 +11,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
+import utils.data.label_cache as label_cache
+
 from models.yolo import Model
 from utils.distributed import dist_info
 from utils.errors import UserError
@@ -36,12 +38,19 @@ def test_select_device_missing_cuda_names_what_is_available(monkeypatch) -> None
         select_device("gpu")
 
 
-def test_select_device_batch_must_divide_by_device_count(monkeypatch) -> None:
+def test_select_device_picks_the_gpu_of_the_local_rank(monkeypatch) -> None:
+    # A node of a 2-node run: 8 ranks in all, 4 on this machine; no GPU is needed to check the choice.
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    with pytest.raises(UserError, match="multiple of the number of devices"):
-        select_device("0,1,2,3", batch_size=6)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"name": "fake", "total_memory": 1})())
+    assert select_device("0,1,2,3", local_rank=3, local_world_size=4) == torch.device("cuda", 3)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert select_device("2,3", local_rank=0, local_world_size=2) == torch.device("cuda", 0)  # GPU 2
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"
+    with pytest.raises(UserError, match="names 2 GPU.*for 4 processes"):
+        select_device("2,3", local_rank=0, local_world_size=4)
 
 
 def test_init_torch_seeds_repeats_random_streams() -> None:
@@ -94,7 +103,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _zero_first_worker(rank: int, port: int, log_file: str) -> None:
+def _zero_first_worker(rank: int, port: int, log_file: str, images: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE="2")
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -105,19 +114,28 @@ def _zero_first_worker(rank: int, port: int, log_file: str) -> None:
         if rank == 0:
             time.sleep(1.5)  # rank 1 must not enter while rank 0 is in here
         events.append(("leave", time.time()))
+    scans = []
+    real_scan = label_cache.scan
+    label_cache.scan = lambda *a, **k: scans.append(1) or real_scan(*a, **k)
+    with torch_distributed_zero_first(info.local_rank):  # as train.py prepares the data
+        label_set = label_cache.load_split(images, nc=2, workers=1, verbose=False)
+    events += [("scans", len(scans)), ("images", len(label_set.im_files))]
     with open(f"{log_file}.{rank}", "w") as f:
         json.dump(events, f)
     dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_zero_first_makes_rank_1_wait_for_rank_0(tmp_path) -> None:
+def test_zero_first_makes_rank_1_wait_for_rank_0_and_reuse_its_label_cache(rectangles_yaml, tmp_path) -> None:
     log_file = str(tmp_path / "events")
-    mp.spawn(_zero_first_worker, args=(_free_port(), log_file), nprocs=2, join=True)
+    images = str(rectangles_yaml.parent / "images" / "val")
+    mp.spawn(_zero_first_worker, args=(_free_port(), log_file, images), nprocs=2, join=True)
     rank0 = dict(json.load(open(f"{log_file}.0")))
     rank1 = dict(json.load(open(f"{log_file}.1")))
     assert rank1["enter"] >= rank0["leave"]
     assert rank1["enter"] - rank0["enter"] >= 1.4
+    assert (rank0["scans"], rank1["scans"]) == (1, 0)  # local rank 0 built the cache, rank 1 read it
+    assert rank0["images"] == rank1["images"] == 8
 
 
 def test_zero_first_is_a_no_op_without_distribution() -> None:

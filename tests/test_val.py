@@ -15,6 +15,7 @@ import yaml
 
 import val
 from models.yolo import Model
+from utils.hyp import Hyp
 from utils.checkpoint import model_state, save_checkpoint
 from utils.data.loader import create_dataloader
 from utils.errors import UserError
@@ -173,11 +174,11 @@ def test_run_with_a_random_model_and_loss(dataset, tmp_path):
     assert val.run(**kwargs, single_cls=True, task="speed").save_dir == tmp_path / "runs" / "exp2"
 
     # the training path: validate with the loss object on an already-built loader
-    from utils.checkpoint import load_model
+    from models.yolo import load_model
     from utils.loss import ComputeLoss
 
     model, _ = load_model(weights, "cpu")
-    hyp = yaml.safe_load((ROOT / "data" / "hyps" / "hyp.scratch-low.yaml").read_text())
+    hyp = Hyp.from_yaml(ROOT / "data" / "hyps" / "hyp.scratch-low.yaml")
     loader, _ = create_dataloader(str(dataset.parent / "images" / "val"), 64, 4, 32, rect=True, pad=0.5, workers=0)
     r = val.validate(model.train(), loader, names=["red", "green"], device="cpu", compute_loss=ComputeLoss(model, hyp),
                      max_det=50)

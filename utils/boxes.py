@@ -99,26 +99,6 @@ def scale_boxes(
     return clip_boxes(boxes, original_shape)
 
 
-def box_area(boxes: Array) -> Array:
-    return (boxes[..., 2] - boxes[..., 0]) * (boxes[..., 3] - boxes[..., 1])
-
-
-def box_iou(box1: torch.Tensor, box2: torch.Tensor, eps: float = 1e-7) -> torch.Tensor:
-    """Pairwise IoU of xyxy boxes: (N, 4) x (M, 4) -> (N, M)."""
-    lt = torch.max(box1[:, None, :2], box2[None, :, :2])
-    rb = torch.min(box1[:, None, 2:], box2[None, :, 2:])
-    inter = (rb - lt).clamp(min=0).prod(2)
-    return inter / (box_area(box1)[:, None] + box_area(box2)[None, :] - inter + eps)
-
-
-def box_iou_np(box1: np.ndarray, box2: np.ndarray, eps: float = 1e-7) -> np.ndarray:
-    """Pairwise IoU of xyxy boxes with numpy: (N, 4) x (M, 4) -> (N, M)."""
-    lt = np.maximum(box1[:, None, :2], box2[None, :, :2])
-    rb = np.minimum(box1[:, None, 2:], box2[None, :, 2:])
-    inter = (rb - lt).clip(min=0).prod(2)
-    return inter / (box_area(box1)[:, None] + box_area(box2)[None, :] - inter + eps)
-
-
 def bbox_ciou(box1: torch.Tensor, box2: torch.Tensor, eps: float = 1e-7) -> torch.Tensor:
     """Element-wise Complete IoU of xywh boxes of shape (..., 4); returns shape (...)."""
     b1_x1, b1_x2 = box1[..., 0] - box1[..., 2] / 2, box1[..., 0] + box1[..., 2] / 2

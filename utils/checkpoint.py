@@ -1,24 +1,42 @@
-"""The project's one checkpoint format: a model config dict, state_dicts and plain values.
+"""The checkpoint room: the project's one checkpoint format, saving, loading, stripping and the resume rules.
 
-Everything in it opens with ``torch.load(path, weights_only=True)``, so loading never runs code from the
-file. Files are written to a temporary name and renamed, so a crash never leaves a half-written checkpoint.
+A checkpoint is a dict of a model config, state_dicts and plain values; it opens with
+``torch.load(path, weights_only=True)``, so loading never runs code from the file. Files are written to a
+temporary name, flushed and renamed, so a crash never leaves a half-written checkpoint. Building a model from a
+checkpoint is the models' job (``models.yolo.build_model``); this module only handles dicts.
+
+Training state (what ``--resume`` and launcher restarts need): ``optimizer``, ``scaler``, ``ema``/``updates``,
+``epoch`` (the last completed epoch, -1 before the first), ``mid_epoch`` (None, or where a checkpoint written
+inside an epoch stands: the epoch, the batches done and the epoch's loss sums so far), ``best_fitness``,
+``best_epoch``, ``lr_schedule`` (see utils/lr_schedule.py), ``opt``, ``hyp``, ``world_size`` and ``run_id``.
 """
 from __future__ import annotations
 
-import os
+import argparse
+import math
 import pickle
 import zipfile
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from utils.errors import UserError
 from utils.distributed import de_parallel
+from utils.errors import UserError
+from utils.files import atomic_output
 
 FORMAT_VERSION = 1
 
+# Options a resumed run may take anew; any other option given with --resume must equal the run's own.
+RESUME_OVERRIDABLE = frozenset({
+    "epochs", "device", "workers", "patience", "save_period", "save_steps", "save_minutes", "noval", "nosave",
+    "noplots", "cache", "exist_ok", "deterministic", "amp", "dist_timeout", "time", "local_rank",
+})
+
+
+# ---- format, save, load ----------------------------------------------------------------------------------
 
 def cpu_fp32_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """A module's state_dict on the CPU with floating-point tensors in fp32 (checkpoints stay fp32)."""
@@ -31,17 +49,16 @@ def model_state(model: nn.Module) -> dict[str, Any]:
     return {"model_cfg": bare.yaml, "names": list(bare.names), "model": cpu_fp32_state(bare)}
 
 
+def weights_are_finite(ckpt: dict[str, Any]) -> bool:
+    """False when the model or EMA weights hold a NaN or an infinity (such a file must not replace a good one)."""
+    states = [ckpt.get("model") or {}, ckpt.get("ema") or {}]
+    return all(torch.isfinite(v).all() for s in states for v in s.values() if v.is_floating_point())
+
+
 def save_checkpoint(ckpt: dict[str, Any], path: str | Path) -> None:
-    """Write ``ckpt`` atomically: to a temporary file in the same folder, then rename over ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
+    """Write ``ckpt`` atomically and durably: a temporary file in the same folder, flushed, then renamed."""
+    with atomic_output(path, durable=True) as tmp:
         torch.save({"format_version": FORMAT_VERSION, **ckpt}, tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
@@ -63,19 +80,124 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     return ckpt
 
 
-def build_model(ckpt: dict[str, Any], weights: str = "ema") -> nn.Module:
-    """Rebuild the model of a checkpoint with its EMA weights (when present) or its raw weights."""
-    from models.yolo import Model
-
-    model = Model(ckpt["model_cfg"])
-    state = ckpt.get("ema") if weights == "ema" and ckpt.get("ema") is not None else ckpt["model"]
-    model.load_state_dict(state)
-    model.names = list(ckpt.get("names", model.names))
-    return model
+def model_weights(ckpt: dict[str, Any], prefer_ema: bool = True) -> dict[str, torch.Tensor]:
+    """The weights a model is rebuilt with: the EMA's when present (and wanted), else the raw model's."""
+    return ckpt["ema"] if prefer_ema and ckpt.get("ema") is not None else ckpt["model"]
 
 
-def load_model(path: str | Path, device: torch.device | str = "cpu") -> tuple[nn.Module, dict[str, Any]]:
-    """Load a checkpoint and return its model (EMA weights when present, eval mode, on ``device``) and the dict."""
+# ---- training state ---------------------------------------------------------------------------------------
+
+def training_checkpoint(model: nn.Module, ema, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                        *, epoch: int, mid_epoch: dict[str, Any] | None, best_fitness: float, best_epoch: int,
+                        lr_schedule: list[list[float]], opt: argparse.Namespace, hyp: dict[str, float],
+                        world_size: int, run_id: str) -> dict[str, Any]:
+    """Everything needed to resume, in the safe format: tensors, state_dicts and plain values only."""
+    return {
+        **model_state(model),
+        "ema": cpu_fp32_state(ema.ema),
+        "updates": ema.updates,
+        "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict() if scaler.is_enabled() else None,
+        "epoch": epoch,
+        "mid_epoch": mid_epoch,
+        "best_fitness": float(best_fitness),
+        "best_epoch": best_epoch,
+        "lr_schedule": lr_schedule,
+        "opt": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opt).items()},
+        "hyp": dict(hyp),
+        "world_size": world_size,
+        "run_id": run_id,
+        "torch_rng": torch.get_rng_state(),
+        "date": datetime.now().isoformat(timespec="seconds"),
+    }
+
+
+def has_training_state(ckpt: dict[str, Any]) -> bool:
+    return ckpt.get("optimizer") is not None and "epoch" in ckpt and "opt" in ckpt
+
+
+def restore_training_state(ckpt: dict[str, Any], optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                           ema) -> None:
+    """Load the optimizer, scaler, EMA and RNG of a training checkpoint into the freshly built ones."""
+    optimizer.load_state_dict(ckpt["optimizer"])
+    if ckpt.get("scaler") and scaler.is_enabled():
+        scaler.load_state_dict(ckpt["scaler"])
+    if ema is not None and ckpt.get("ema") is not None:
+        ema.ema.load_state_dict(ckpt["ema"])
+        ema.updates = int(ckpt["updates"])
+    if ckpt.get("torch_rng") is not None:
+        torch.set_rng_state(ckpt["torch_rng"])
+
+
+def strip_training_state(path: Path) -> None:
+    """Drop the optimizer and scaler from a final checkpoint (a third of the size); keep it loadable."""
+    if not path.exists():
+        return
     ckpt = load_checkpoint(path)
-    model = build_model(ckpt).to(device).eval()
-    return model, ckpt
+    for key in ("optimizer", "scaler"):
+        ckpt[key] = None
+    ckpt.pop("format_version", None)
+    save_checkpoint(ckpt, path)
+
+
+# ---- resume rules ------------------------------------------------------------------------------------------
+
+def latest_last_checkpoint(search_dir: str | Path) -> Path:
+    candidates = sorted(Path(search_dir).glob("**/last.pt"), key=lambda p: p.stat().st_mtime)
+    if not candidates:
+        raise UserError(f"{search_dir}: no last.pt to resume (train first, or pass --resume PATH)")
+    return candidates[-1]
+
+
+def run_folder_of(run_id: str, project: str | Path) -> Path | None:
+    """The run folder under ``project`` that a launcher job with ``run_id`` created (restarts find it so)."""
+    if not run_id:
+        return None
+    for marker in sorted(Path(project).glob("*/run_id")):
+        if marker.read_text(encoding="utf-8").strip() == run_id:
+            return marker.parent
+    return None
+
+
+def _not_resumable(path: Path, ckpt: dict[str, Any]) -> UserError:
+    if ckpt.get("source") == "yolov5":
+        what = "a YOLOv5 checkpoint"
+        instead = f"fine-tune from it with --weights {path} (YOLOv5's own training state cannot be continued here)"
+    elif ckpt.get("optimizer") is None and "epoch" in ckpt:
+        what = "a final checkpoint (the optimizer state is stripped at the end of training)"
+        instead = f"resume from {path.with_name('last.pt')}, or fine-tune from it with --weights {path}"
+    else:
+        what = "weights without training state"
+        instead = f"fine-tune from them with --weights {path}, or resume from a run's weights/last.pt"
+    return UserError(f"{path}: cannot resume: {what}; {instead}")
+
+
+def resumed_options(opt: argparse.Namespace, explicit: set[str], path: Path,
+                    ckpt: dict[str, Any]) -> argparse.Namespace:
+    """The run's own options with the flags given now applied: overridable ones replace, others must agree.
+
+    ``--epochs`` may extend (or shorten) a run, a finished one included; see utils/lr_schedule.py for how
+    the learning rate continues. Any other option that differs from the run's is a one-line error naming it.
+    """
+    if not has_training_state(ckpt):
+        raise _not_resumable(path, ckpt)
+    restored = argparse.Namespace(**{**vars(opt), **ckpt["opt"]})
+    for name in sorted(explicit - {"resume"}):
+        given, saved = getattr(opt, name), ckpt["opt"].get(name)
+        if name in RESUME_OVERRIDABLE:
+            setattr(restored, name, given)
+        elif saved is not None and _comparable(given) != _comparable(saved):
+            flag = "--" + name.replace("_", "-")
+            raise UserError(f"{flag} {given} cannot change when resuming {path} (the run has {saved}); "
+                            f"start a new run with --weights {path} instead")
+    restored.resume = str(path)
+    restored.weights = str(path)
+    return restored
+
+
+def _comparable(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return [_comparable(v) for v in value]
+    if isinstance(value, float) and math.isfinite(value) and value == int(value):
+        return int(value)
+    return str(value) if isinstance(value, Path) else value

@@ -9,8 +9,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
-import tempfile
 from pathlib import Path
 from collections.abc import Iterable, Sequence
 
@@ -18,6 +16,7 @@ import numpy as np
 
 from utils.boxes import xywhn2xyxy
 from utils.errors import UserError
+from utils.files import atomic_output
 from utils.log import LOGGER
 
 COCO_STAT_NAMES = (
@@ -39,16 +38,8 @@ COCO_STAT_NAMES = (
 def write_json(obj: object, path: str | Path) -> Path:
     """Write JSON atomically (temp file in the same folder, then rename)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    with atomic_output(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f)
     return path
 
 

@@ -1,14 +1,28 @@
-"""Everything distributed: rank and world size (the one place that reads torch.distributed.run's environment),
-the process group, barriers, and unwrapping DDP models."""
+"""Everything distributed: who this process is, the process group, waits, collectives and diagnosis.
+
+``dist_info`` is the one place that reads torch.distributed.run's environment. Collectives time out after
+``--dist-timeout``; where ranks are known to wait for long work (local rank 0 building a label cache, rank 0
+validating) they wait on a key of the rendezvous store instead, which has no collective timeout. Every rank
+bumps a heartbeat counter in the store, so a rank that stops answering can be named when a collective fails.
+"""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import threading
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from utils.errors import UserError
+
+LONG_WAIT = datetime.timedelta(hours=12)  # for work of unknown length (a million-image label cache)
+HEARTBEAT_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -16,6 +30,9 @@ class DistInfo:
     rank: int  # global rank, -1 when not distributed
     local_rank: int  # rank on this machine, -1 when not distributed
     world_size: int  # 1 when not distributed
+    local_world_size: int = 1  # processes on this machine
+    restart_count: int = 0  # how often torch.distributed.run has restarted the group
+    run_id: str = ""  # the launcher's id of this job (the same across its restarts)
 
     @property
     def is_distributed(self) -> bool:
@@ -25,45 +42,182 @@ class DistInfo:
     def is_main(self) -> bool:
         return self.rank in (-1, 0)
 
+    @property
+    def is_local_main(self) -> bool:
+        return self.local_rank in (-1, 0)
+
 
 def dist_info() -> DistInfo:
-    """Read RANK, LOCAL_RANK and WORLD_SIZE as set by ``torch.distributed.run``."""
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    """Read RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE and the restart round as set by torch.distributed.run."""
+    env = os.environ
+    restart_count = int(env.get("TORCHELASTIC_RESTART_COUNT", 0))
+    run_id = env.get("TORCHELASTIC_RUN_ID", "")
+    world_size = int(env.get("WORLD_SIZE", 1))
     if world_size <= 1:
-        return DistInfo(rank=-1, local_rank=-1, world_size=1)
+        return DistInfo(rank=-1, local_rank=-1, world_size=1, restart_count=restart_count, run_id=run_id)
+    local_rank = int(env.get("LOCAL_RANK", 0))
     return DistInfo(
-        rank=int(os.environ.get("RANK", 0)),
-        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        rank=int(env.get("RANK", 0)),
+        local_rank=local_rank,
         world_size=world_size,
+        local_world_size=int(env.get("LOCAL_WORLD_SIZE", world_size)),
+        restart_count=restart_count,
+        run_id=run_id,
     )
 
 
-def init_process_group(device: torch.device, timeout_s: float = 1800.0) -> None:
-    """Join the process group: NCCL for CUDA devices, gloo for CPU."""
+# ---- the process group --------------------------------------------------------------------------------
+
+class _Group:
+    """What this process keeps about its process group: the store (prefixed per restart round) and heartbeat."""
+
+    store: dist.Store | None = None
+    heartbeat_stop: threading.Event | None = None
+    waits = 0  # store waits so far; every rank makes the same ones in the same order
+
+
+def _open_store(info: DistInfo, timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store under a prefix of this restart round.
+
+    torch.distributed.run keeps one store across restarts; keys of the dead round (gloo's peer addresses among
+    them) would otherwise be read by the new one, which then fails to connect.
+    """
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent_serves = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    hosts = not agent_serves and info.rank == 0
+    store = dist.TCPStore(host, port, world_size=info.world_size, is_master=hosts, timeout=timeout,
+                          wait_for_workers=False, multi_tenant=hosts)
+    return dist.PrefixStore(f"yolo-train/round-{info.restart_count}", store)
+
+
+def init_process_group(device: torch.device, info: DistInfo, timeout_minutes: float = 10.0) -> None:
+    """Join the process group (NCCL for CUDA devices, gloo for CPU); collectives time out after ``timeout_minutes``."""
     if dist.is_initialized():
         return
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    store = _open_store(info, timeout)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(backend=backend, store=store, rank=info.rank, world_size=info.world_size,
+                            timeout=timeout)
+    _Group.store, _Group.waits = store, 0
+    _start_heartbeat(store, info.rank)
 
 
 def destroy_process_group() -> None:
+    if _Group.heartbeat_stop is not None:
+        _Group.heartbeat_stop.set()
+        _Group.heartbeat_stop = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    _Group.store = None
 
 
-# A barrier group on gloo with a long timeout: a rank-0 job such as building the label cache of a million
-# images may take longer than the default collective timeout, and gloo notices a dead peer at once.
-_SLOW_BARRIER_GROUP: dist.ProcessGroup | None = None
-SLOW_BARRIER_TIMEOUT = datetime.timedelta(hours=6)
+def _store() -> dist.Store:
+    """The store of this process group (ours, or the default one when the group was made elsewhere, e.g. in tests)."""
+    return _Group.store if _Group.store is not None else dist.distributed_c10d._get_default_store()
 
 
-def slow_barrier() -> None:
-    """A barrier over all ranks that waits up to SLOW_BARRIER_TIMEOUT, yet fails at once if a peer dies."""
-    global _SLOW_BARRIER_GROUP
-    if _SLOW_BARRIER_GROUP is None:
-        # new_group is collective: every rank reaches this line at the same point of the program.
-        _SLOW_BARRIER_GROUP = dist.new_group(backend="gloo", timeout=SLOW_BARRIER_TIMEOUT)
-    dist.barrier(group=_SLOW_BARRIER_GROUP)
+def _start_heartbeat(store: dist.Store, rank: int) -> None:
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(HEARTBEAT_SECONDS):
+            with contextlib.suppress(Exception):  # a store that went away is diagnosed where it matters
+                store.add(f"heartbeat/{rank}", 1)
+
+    store.add(f"heartbeat/{rank}", 1)
+    threading.Thread(target=beat, name="heartbeat", daemon=True).start()
+    _Group.heartbeat_stop = stop
+
+
+def silent_ranks(world_size: int, seconds: float = 3 * HEARTBEAT_SECONDS) -> list[int] | None:
+    """Ranks whose heartbeat did not advance within ``seconds``; None when the store itself cannot be reached."""
+    try:
+        store = _store()
+        before = [store.add(f"heartbeat/{r}", 0) for r in range(world_size)]
+        time.sleep(seconds)
+        after = [store.add(f"heartbeat/{r}", 0) for r in range(world_size)]
+    except Exception:  # the store's host is gone or frozen: any error of the client means that
+        return None
+    return [r for r in range(world_size) if after[r] == before[r]]
+
+
+def describe_failure(error: BaseException, info: DistInfo) -> str:
+    """One line for a collective that failed: which rank went missing, or that the store is unreachable."""
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    missing = silent_ranks(info.world_size)
+    if missing is None:
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        who = f"the rendezvous store at {where} does not answer (its node went missing)"
+    elif missing:
+        who = f"rank(s) {', '.join(map(str, missing))} stopped answering"
+    else:
+        who = "every rank still answers"
+    return f"rank {info.rank}: a collective failed ({first}); {who}; exiting so the launcher can restart the group"
+
+
+# ---- waiting without a collective timeout ---------------------------------------------------------------
+
+def _next_key(tag: str) -> str:
+    _Group.waits += 1
+    return f"wait/{tag}/{_Group.waits}"
+
+
+@contextlib.contextmanager
+def local_rank_zero_first(info: DistInfo) -> Iterator[None]:
+    """Run the block on local rank 0 of each machine first; the machine's other ranks enter once it has left.
+
+    They wait on a store key (no collective timeout: building a large cache may take hours). If local rank 0
+    fails in the block, the others stop with one line instead of waiting for ever.
+    """
+    if not info.is_distributed or not dist.is_initialized():
+        yield
+        return
+    key = _next_key(f"node-{info.rank - info.local_rank}")
+    store = _store()
+    if info.local_rank != 0:
+        store.wait([key], LONG_WAIT)
+        if store.get(key) != b"ok":
+            raise UserError(f"rank {info.rank}: local rank 0 failed while preparing the data (its error says why)")
+        yield
+        return
+    try:
+        yield
+    except BaseException:
+        store.set(key, "failed")
+        raise
+    store.set(key, "ok")
+
+
+def rank_zero_decides(info: DistInfo, decision: str | None) -> str:
+    """Rank 0's ``decision`` for every rank; the others wait for it on the store however long rank 0 takes."""
+    if not info.is_distributed:
+        return decision or ""
+    key = _next_key("decision")
+    store = _store()
+    if info.rank == 0:
+        store.set(key, decision or "")
+        return decision or ""
+    store.wait([key], LONG_WAIT)
+    return store.get(key).decode()
+
+
+# ---- collectives and models ------------------------------------------------------------------------------
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum ``tensor`` over all ranks in place (a no-op outside a process group); returns it."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def broadcast_object(obj: object, info: DistInfo) -> object:
+    """Rank 0's ``obj`` on every rank (pickled between our own processes only)."""
+    if not info.is_distributed:
+        return obj
+    box = [obj if info.rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def de_parallel(model: nn.Module) -> nn.Module:

@@ -16,10 +16,18 @@ import torch.nn.functional as F
 
 from utils.boxes import bbox_ciou
 from utils.distributed import de_parallel
+from utils.hyp import Hyp
 
 # Objectness weight of each level, finest first: small-object levels have many more cells (and negatives).
 LEVEL_BALANCE = {3: (4.0, 1.0, 0.4)}
 LEVEL_BALANCE_FALLBACK = (4.0, 1.0, 0.25, 0.06, 0.02)
+
+
+class LossNorm(NamedTuple):
+    """What the means of a micro-batch divide by, counted over the whole global micro-batch (all ranks)."""
+
+    positives: torch.Tensor  # (nl,) target-anchor-cell assignments per level
+    images: int  # images
 
 
 class LevelTargets(NamedTuple):
@@ -65,45 +73,57 @@ class ComputeLoss:
     scaling them for the number of levels, classes and the image size (box *= 3/nl, cls *= nc/80 * 3/nl,
     obj *= (imgsz/640)**2 * 3/nl) is the training script's job and must happen before this is built.
 
-    The returned loss is (mean box + mean obj + mean cls loss) * batch_size, as in YOLOv5: the objectness term
-    is then a plain sum over images, so splitting a batch across DDP ranks (whose gradients train.py averages)
-    leaves it unchanged; the box and class terms are means over each split's positives, so they agree only
-    approximately. ``items`` holds the three weighted means, detached, for logging.
+    The returned loss is (mean box + mean obj + mean cls loss) * batch_size, as in YOLOv5. The box and class
+    terms are means over positive assignments, the objectness term a mean over grid cells. Given ``norm`` (the
+    counts of the whole global micro-batch, from ``positives`` summed over ranks), a rank's loss divides its own
+    sums by those global counts: the ranks' losses then add up to the loss of the global micro-batch, and so do
+    their gradients (train.py scales by the world size, as DDP averages). Without ``norm`` the counts are this
+    call's own. ``items`` holds the three weighted terms, detached, for logging: summed over ranks they are the
+    global micro-batch's means.
 
     Everything is computed in fp32, so predictions from an autocast (bf16/fp16) forward are safe.
     """
 
     gr = 1.0  # objectness target = (1 - gr) + gr * CIoU; 1.0 uses the CIoU itself
 
-    def __init__(self, model: nn.Module, hyp: dict, label_smoothing: float = 0.0) -> None:
+    def __init__(self, model: nn.Module, hyp: Hyp, label_smoothing: float = 0.0) -> None:
         self.detect = de_parallel(model).model[-1]  # read anchors at call time: they follow .to() and AutoAnchor
         self.nl: int = self.detect.nl
         self.na: int = self.detect.na
         self.nc: int = self.detect.nc
         self.hyp = hyp
-        self.anchor_t = float(hyp["anchor_t"])
-        self.fl_gamma = float(hyp.get("fl_gamma", 0.0))
-        self.cls_pw = float(hyp.get("cls_pw", 1.0))
-        self.obj_pw = float(hyp.get("obj_pw", 1.0))
+        self.anchor_t = hyp.anchor_t
+        self.fl_gamma = hyp.fl_gamma
+        self.cls_pw = hyp.cls_pw
+        self.obj_pw = hyp.obj_pw
         self.cls_positive, self.cls_negative = smooth_bce_targets(label_smoothing)
         self.balance = LEVEL_BALANCE.get(self.nl, LEVEL_BALANCE_FALLBACK[: self.nl])
 
-    def __call__(self, preds: list[torch.Tensor], targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def positives(self, targets: torch.Tensor, image_hw: tuple[int, int]) -> torch.Tensor:
+        """(nl,) float: the positive assignments per level of ``targets`` in images of size ``image_hw``."""
+        grids = [(image_hw[0] // int(s), image_hw[1] // int(s)) for s in self.detect.stride]
+        targets = targets.to(dtype=torch.float32)
+        return torch.stack([lt.valid.sum() for lt in self.build_targets(grids, targets)]).float()
+
+    def __call__(self, preds: list[torch.Tensor], targets: torch.Tensor,
+                 norm: LossNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         preds = [p.float() for p in preds]
         device = preds[0].device
         targets = targets.to(device=device, dtype=torch.float32)
-        batch_size = preds[0].shape[0]
+        local_images = preds[0].shape[0]
+        batch_size = norm.images if norm is not None else local_images
         cls_pw = torch.full((1,), self.cls_pw, device=device)  # filled on the device: no host copy
         obj_pw = torch.full((1,), self.obj_pw, device=device)
 
         lbox = torch.zeros((), device=device)
         lobj = torch.zeros((), device=device)
         lcls = torch.zeros((), device=device)
-        for level, (pi, lt) in enumerate(zip(preds, self.build_targets(preds, targets))):
+        grids = [(p.shape[2], p.shape[3]) for p in preds]
+        for level, (pi, lt) in enumerate(zip(preds, self.build_targets(grids, targets))):
             tobj = torch.zeros(pi.shape[:4], device=device)
             if lt.valid.numel():
                 weight = lt.valid.float()
-                count = weight.sum().clamp(min=1.0)
+                count = (norm.positives[level].to(device) if norm is not None else weight.sum()).clamp(min=1.0)
                 ps = pi[lt.image, lt.anchor, lt.gy, lt.gx]  # (M, no)
 
                 pxy = ps[:, :2].sigmoid() * 2 - 0.5
@@ -123,17 +143,18 @@ class ComputeLoss:
                     cls_loss = bce_with_logits(ps[:, 5:], tcls, cls_pw, self.fl_gamma)
                     lcls = lcls + (cls_loss * weight[:, None]).sum() / (count * self.nc)
 
-            obj_loss = bce_with_logits(pi[..., 4], tobj, obj_pw, self.fl_gamma).mean()
+            # A mean over the global micro-batch's cells: this rank's sum over its cells / all cells.
+            obj_loss = bce_with_logits(pi[..., 4], tobj, obj_pw, self.fl_gamma).sum() / (tobj[0].numel() * batch_size)
             lobj = lobj + obj_loss * self.balance[level]
 
-        lbox = lbox * self.hyp["box"]
-        lobj = lobj * self.hyp["obj"]
-        lcls = lcls * self.hyp["cls"]
+        lbox = lbox * self.hyp.box
+        lobj = lobj * self.hyp.obj
+        lcls = lcls * self.hyp.cls
         return (lbox + lobj + lcls) * batch_size, torch.stack((lbox, lobj, lcls)).detach()
 
     @torch.no_grad()
-    def build_targets(self, preds: list[torch.Tensor], targets: torch.Tensor) -> list[LevelTargets]:
-        """Assign each target (N, 6) [image, cls, x, y, w, h] to anchors and cells of every level.
+    def build_targets(self, grids: list[tuple[int, int]], targets: torch.Tensor) -> list[LevelTargets]:
+        """Assign each target (N, 6) [image, cls, x, y, w, h] to anchors and cells of every level's (ny, nx) grid.
 
         A target matches an anchor when max(r, 1/r) < anchor_t over both of r = target wh / anchor wh. Each
         match is assigned to the target's own cell and to the neighbour in x and in y on the side of the cell
@@ -149,8 +170,7 @@ class ComputeLoss:
         tcls = targets[:, 1].long()
 
         result = []
-        for level, pi in enumerate(preds):
-            ny, nx = pi.shape[2], pi.shape[3]
+        for level, (ny, nx) in enumerate(grids):
             anchors = anchors_all[level]  # (na, 2) grid units
             # Python scalars only: a small tensor made on the host and copied to CUDA would sync the stream.
             gxy = torch.stack((targets[:, 2] * nx, targets[:, 3] * ny), 1)  # (nt, 2) grid units

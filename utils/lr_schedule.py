@@ -2,17 +2,42 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import numpy as np
 import torch
 
+from utils.hyp import Hyp
 
-def decay_factor(epochs: int, lrf: float, cosine: bool = False) -> Callable[[int], float]:
-    """Multiplier of lr0 at a given epoch: 1 at epoch 0, ``lrf`` at the last epoch."""
-    if cosine:
-        return lambda epoch: ((1 - math.cos(epoch * math.pi / epochs)) / 2) * (lrf - 1) + 1
-    return lambda epoch: (1 - epoch / epochs) * (1.0 - lrf) + lrf
+
+class LrSchedule:
+    """lr0's multiplier per epoch: linear (or cosine) segments ``[start_epoch, end_epoch, start, end]``.
+
+    A run starts with one segment from 1 at epoch 0 to ``lrf`` at its last epoch. When ``--resume --epochs N``
+    changes the length of a run at epoch e, the schedule continues from the multiplier it has at e and goes to
+    ``lrf`` at the new last epoch (``extended``): no jump, and the run still ends at lr0 * lrf. A finished run is
+    already at ``lrf`` and continues at that rate.
+    """
+
+    def __init__(self, segments: list[list[float]], cosine: bool = False):
+        self.segments = [list(map(float, seg)) for seg in segments]
+        self.cosine = cosine
+
+    @classmethod
+    def for_run(cls, epochs: int, lrf: float, cosine: bool = False) -> LrSchedule:
+        return cls([[0, epochs, 1.0, lrf]], cosine)
+
+    def __call__(self, epoch: int) -> float:
+        seg = next((s for s in self.segments if epoch < s[1]), self.segments[-1])
+        start, end, f0, f1 = seg
+        t = min(max((epoch - start) / (end - start), 0.0), 1.0) if end > start else 1.0
+        ramp = (1 - math.cos(t * math.pi)) / 2 if self.cosine else t
+        return f0 + (f1 - f0) * ramp
+
+    def extended(self, at_epoch: int, epochs: int, lrf: float) -> LrSchedule:
+        """The schedule of a run whose length changes to ``epochs`` at ``at_epoch``."""
+        now = self(at_epoch)
+        kept = [[s[0], min(s[1], at_epoch), s[2], self(min(s[1], at_epoch))] for s in self.segments if s[0] < at_epoch]
+        return LrSchedule([*kept, [at_epoch, max(epochs, at_epoch + 1), now, lrf]], self.cosine)
 
 
 def warmup_iterations(warmup_epochs: float, batches_per_epoch: int) -> int:
@@ -21,14 +46,15 @@ def warmup_iterations(warmup_epochs: float, batches_per_epoch: int) -> int:
 
 
 def apply_warmup(optimizer: torch.optim.Optimizer, iteration: int, n_warmup: int, epoch_factor: float,
-                 hyp: dict) -> None:
-    """Ramp every group's lr (biases, group 0, down from warmup_bias_lr) and the momentum during warmup."""
+                 hyp: Hyp, momentum: float) -> None:
+    """Ramp every group's lr (biases, group 0, down from warmup_bias_lr) and the momentum (from warmup_momentum to
+    ``momentum``, the optimizer's own) during warmup."""
     ramp = [0, n_warmup]
     for j, group in enumerate(optimizer.param_groups):
-        start = hyp["warmup_bias_lr"] if j == 0 else 0.0
+        start = hyp.warmup_bias_lr if j == 0 else 0.0
         group["lr"] = float(np.interp(iteration, ramp, [start, group["initial_lr"] * epoch_factor]))
         if "momentum" in group:
-            group["momentum"] = float(np.interp(iteration, ramp, [hyp["warmup_momentum"], hyp["momentum"]]))
+            group["momentum"] = float(np.interp(iteration, ramp, [hyp.warmup_momentum, momentum]))
         elif "betas" in group:
-            beta1 = float(np.interp(iteration, ramp, [hyp["warmup_momentum"], hyp["momentum"]]))
+            beta1 = float(np.interp(iteration, ramp, [hyp.warmup_momentum, momentum]))
             group["betas"] = (beta1, group["betas"][1])

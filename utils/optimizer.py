@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from utils.errors import UserError
+from utils.hyp import Hyp
 from utils.log import LOGGER
 
 # Below this many optimizer steps a run counts as short.
@@ -38,13 +39,13 @@ def optimizer_steps(epochs: int, n_images: int, batch_size: int, accumulate: int
     return epochs * math.ceil(math.ceil(n_images / batch_size) / accumulate)
 
 
-def choose_optimizer(requested: str, steps: int, nc: int, hyp: dict) -> OptimizerChoice:
+def choose_optimizer(requested: str, steps: int, nc: int, hyp: Hyp) -> OptimizerChoice:
     """The explicit --optimizer with the hyp file's lr0/momentum, or the automatic choice for ``auto``."""
     if requested != "auto":
-        return OptimizerChoice(requested, hyp["lr0"], hyp["momentum"], f"--optimizer {requested}")
+        return OptimizerChoice(requested, hyp.lr0, hyp.momentum, f"--optimizer {requested}")
     if steps > SHORT_RUN_STEPS:
         reason = f"auto: {steps} optimizer steps > {SHORT_RUN_STEPS}, a long run: SGD with the hyp file's lr0"
-        return OptimizerChoice("SGD", hyp["lr0"], hyp["momentum"], reason)
+        return OptimizerChoice("SGD", hyp.lr0, hyp.momentum, reason)
     lr0 = round(min(ADAMW_LR_PER_CLASS_TERM / (4 + nc), ADAMW_MAX_LR), 6)
     reason = f"auto: {steps} optimizer steps <= {SHORT_RUN_STEPS}, a short run: AdamW, lr0 = 0.05 / (4 + nc)"
     return OptimizerChoice("AdamW", lr0, 0.9, reason)

@@ -19,3 +19,13 @@ def append_results_row(csv_file: Path, values: list[float]) -> None:
         if new:
             f.write(",".join(f"{c:>20}" for c in RESULT_COLUMNS) + "\n")
         f.write(f"{int(values[0]):>20}," + ",".join(f"{v:>20.5g}" for v in values[1:]) + "\n")
+
+
+def truncate_results(csv_file: Path, keep_below_epoch: int) -> None:
+    """Drop the rows of epochs >= ``keep_below_epoch`` (a resumed run writes them again; no duplicates)."""
+    if not csv_file.exists():
+        return
+    lines = csv_file.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = lines[:1] + [line for line in lines[1:] if line.strip() and int(line.split(",")[0]) < keep_below_epoch]
+    if len(kept) != len(lines):
+        csv_file.write_text("".join(kept), encoding="utf-8")

@@ -12,42 +12,55 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from utils.distributed import slow_barrier
+from utils.distributed import DistInfo, local_rank_zero_first
 from utils.errors import UserError
 from utils.log import LOGGER
 
 
-def select_device(device: str = "", batch_size: int | None = None) -> torch.device:
-    """Resolve '' (CUDA 0 if present, else CPU), 'cpu', '0' or '0,1,2,3' to the device this process uses."""
+def _set_env(name: str, value: str, why: str) -> None:
+    if os.environ.get(name) != value:
+        os.environ[name] = value
+        LOGGER.info(f"{name}={value} ({why})")
+
+
+def select_device(device: str = "", local_rank: int = -1, local_world_size: int = 1) -> torch.device:
+    """This process's device for --device '' (CUDA if present, else CPU), 'cpu', '0' or '0,1,2,3'.
+
+    In a distributed run the list names the GPUs of this machine, one per local rank: ``--device 2,3`` puts
+    local rank 0 on GPU 2 and local rank 1 on GPU 3.
+    """
     spec = str(device).strip().lower().replace("cuda:", "").replace(" ", "")
     if spec == "cpu":
-        os.environ["CUDA_VISIBLE_DEVICES"] = "-1"  # keep CUDA from initialising in CPU runs
+        _set_env("CUDA_VISIBLE_DEVICES", "-1", "--device cpu: CUDA stays uninitialised")
         chosen = torch.device("cpu")
         ids: list[str] = []
     elif spec:
         ids = spec.split(",")
         if not all(i.isdigit() for i in ids):
             raise UserError(f"--device '{device}' is not valid: use 'cpu', '0' or '0,1,2,3'")
-        os.environ["CUDA_VISIBLE_DEVICES"] = spec  # must happen before CUDA initialises
+        processes = max(local_world_size, 1) if local_rank >= 0 else 1
+        if len(ids) < processes:
+            raise UserError(f"--device {spec} names {len(ids)} GPU(s) for {processes} processes on this machine "
+                            "(LOCAL_WORLD_SIZE): name one GPU per process")
+        _set_env("CUDA_VISIBLE_DEVICES", spec, "from --device; must be set before CUDA starts")
         available = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if available < len(ids):
             raise UserError(
                 f"--device '{device}' asks for CUDA device(s) {spec} but {available} CUDA device(s) are "
                 f"available{'' if available else ' (use --device cpu)'}"
             )
-        chosen = torch.device("cuda", 0)
+        chosen = torch.device("cuda", max(local_rank, 0))
     else:
-        ids = ["0"] if torch.cuda.is_available() else []
-        chosen = torch.device("cuda", 0) if ids else torch.device("cpu")
-
-    if len(ids) > 1 and batch_size is not None and batch_size > 0 and batch_size % len(ids):
-        raise UserError(f"--batch-size {batch_size} must be a multiple of the number of devices ({len(ids)})")
+        ids = [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+        chosen = torch.device("cuda", max(local_rank, 0)) if ids else torch.device("cpu")
+    if chosen.type == "cuda":
+        torch.cuda.set_device(chosen)
 
     parts = [f"Python-{platform.python_version()} torch-{torch.__version__}"]
     if chosen.type == "cuda":
-        for i in range(len(ids)):
-            p = torch.cuda.get_device_properties(i)
-            parts.append(f"CUDA:{ids[i]} ({p.name}, {p.total_memory / (1 << 20):.0f}MiB)")
+        p = torch.cuda.get_device_properties(chosen.index)
+        name = ids[chosen.index] if chosen.index < len(ids) else chosen.index
+        parts.append(f"CUDA:{name} ({p.name}, {p.total_memory / (1 << 20):.0f}MiB)")
     else:
         parts.append(f"CPU ({torch.get_num_threads()} threads)")
     LOGGER.info(" ".join(parts))
@@ -64,7 +77,8 @@ def init_torch_seeds(seed: int = 0, deterministic: bool = False) -> None:
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
         torch.use_deterministic_algorithms(True, warn_only=True)
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        if torch.cuda.is_available() and "CUBLAS_WORKSPACE_CONFIG" not in os.environ:
+            _set_env("CUBLAS_WORKSPACE_CONFIG", ":4096:8", "--deterministic: repeatable cuBLAS results")
     else:
         torch.backends.cudnn.benchmark = True
 
@@ -78,10 +92,13 @@ def time_synchronized() -> float:
 
 @contextlib.contextmanager
 def torch_distributed_zero_first(local_rank: int) -> Iterator[None]:
-    """Run the block on local rank 0 first; the other ranks enter it once local rank 0 has left it."""
-    active = local_rank != -1 and dist.is_available() and dist.is_initialized()
-    if active and local_rank != 0:
-        slow_barrier()
-    yield
-    if active and local_rank == 0:
-        slow_barrier()
+    """Run the block on local rank 0 first; the machine's other ranks enter it once local rank 0 has left it.
+
+    The others wait on the rendezvous store, not in a collective, so the block may take hours.
+    """
+    if local_rank == -1 or not (dist.is_available() and dist.is_initialized()):
+        yield
+        return
+    info = DistInfo(rank=dist.get_rank(), local_rank=local_rank, world_size=dist.get_world_size())
+    with local_rank_zero_first(info):
+        yield

@@ -14,7 +14,6 @@ from typing import Any
 import yaml
 
 from utils.errors import UserError
-from utils.torch_utils import torch_distributed_zero_first
 
 IMG_FORMATS = ("bmp", "jpeg", "jpg", "png", "tif", "tiff", "webp")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -125,23 +124,25 @@ def _resolve_split(value: Any, root: Path, yaml_file: Path, key: str) -> str | l
     return resolved if isinstance(value, (list, tuple)) else resolved[0]
 
 
-def _ensure_builtin(spec: Any, root: Path, yaml_file: Path, local_rank: int) -> None:
-    """Generate a built-in dataset into ``root`` if it is missing (local rank 0 first, the others wait)."""
+def _ensure_builtin(spec: Any, root: Path, yaml_file: Path) -> None:
+    """Generate a built-in dataset into ``root`` if it is missing."""
     options = dict(spec) if isinstance(spec, dict) else {"name": spec}
     name = options.pop("name", None)
     if name != "shapes":
         raise UserError(f"{yaml_file}: 'builtin' {name!r} is unknown (known: shapes)")
     from utils.data.shapes import ensure_shapes_dataset  # only needed by YAMLs that ask for it
 
-    with torch_distributed_zero_first(local_rank):
-        try:
-            ensure_shapes_dataset(root, **options)
-        except (TypeError, FileExistsError) as e:
-            raise UserError(f"{yaml_file}: 'builtin' {name}: {e}") from e
+    try:
+        ensure_shapes_dataset(root, **options)
+    except (TypeError, FileExistsError) as e:
+        raise UserError(f"{yaml_file}: 'builtin' {name}: {e}") from e
 
 
-def load_data_config(path: str | Path, local_rank: int = -1) -> dict[str, Any]:
+def load_data_config(path: str | Path) -> dict[str, Any]:
     """Read a dataset YAML and return {'path', 'train', 'val', ['test'], 'names', 'nc', 'yaml_file'}.
+
+    A built-in dataset is generated on first use: in a distributed run call this on local rank 0 first
+    (``torch_distributed_zero_first``).
 
     Split paths are absolute strings (or lists of them). Every problem raises one UserError naming the
     YAML, the key and the path tried.
@@ -169,7 +170,7 @@ def load_data_config(path: str | Path, local_rank: int = -1) -> dict[str, Any]:
 
     root = _resolve_root(raw.get("path"), yaml_file)
     if raw.get("builtin"):
-        _ensure_builtin(raw["builtin"], root, yaml_file, local_rank)
+        _ensure_builtin(raw["builtin"], root, yaml_file)
     if not root.exists():
         hint = " (its 'download' section is never run: fetch the data yourself)" if raw.get("download") else ""
         raise UserError(f"{yaml_file}: 'path' {raw.get('path')!r} does not exist (tried {root}){hint}")

@@ -8,11 +8,9 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import cv2
 import numpy as np
@@ -23,10 +21,12 @@ from utils.data.augmentations import (augment_hsv, letterbox, linear_resize_sour
                                  paste_region, random_flips, random_perspective, resize_to_long_side, warped_mosaic4)
 from utils.data.batch_ring import BatchRing, RingSlot
 from utils.boxes import xywhn2xyxy, xyxy2xywhn
-from utils.data.config import list_image_files
 from utils.errors import UserError
+from utils.files import atomic_output
+from utils.hyp import Hyp
 from utils.data.image_io import read_image, read_image_region
-from utils.data.label_cache import load_label_set
+from utils.data.jpeg_region import load_decoder
+from utils.data.label_cache import LabelSet, load_split
 from utils.log import LOGGER
 
 CACHE_MODES = (None, "ram", "disk", "auto")
@@ -35,8 +35,6 @@ MEMORY_HEADROOM = 1.5  # the RAM cache must fit this many times over in the avai
 # few hundred MiB costs little even when several ranks on one machine each hold a copy.
 AUTO_CACHE_MAX_BYTES = 512 << 20
 AUTO_CACHE_MAX_SHARE = 0.05  # of the available memory
-DEFAULT_HYP = {"hsv_h": 0.015, "hsv_s": 0.7, "hsv_v": 0.4, "degrees": 0.0, "translate": 0.1, "scale": 0.5,
-               "shear": 0.0, "perspective": 0.0, "flipud": 0.0, "fliplr": 0.5, "mosaic": 1.0, "mixup": 0.0}
 
 
 def available_memory_bytes() -> int:
@@ -70,22 +68,11 @@ def rect_batch_shapes(shapes_wh: np.ndarray, batch_size: int, imgsz: int, stride
     return (np.ceil(out * imgsz / stride + pad) * stride).astype(int)
 
 
-def _atomic_save_npy(path: Path, array: np.ndarray) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, array, allow_pickle=False)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 class YoloDataset(Dataset):
     """Images and labels of one split, returning ``(img uint8 3xHxW RGB, targets (n, 6), path, shapes)``.
 
     ``__getitem__`` takes an ``(epoch, index)`` pair (what ShardedSampler yields) or a plain index
-    (epoch 0). Training (``augment``) uses mosaic with probability ``hyp['mosaic']`` then
+    (epoch 0). Training (``augment``) uses mosaic with probability ``hyp.mosaic`` then
     random_perspective, mixup, HSV and flips; other training samples are letterboxed then warped.
     Without ``augment`` images are only letterboxed, to per-batch rectangles when ``rect``.
     From ``close_mosaic_epoch`` on, no mosaic and no mixup.
@@ -95,21 +82,19 @@ class YoloDataset(Dataset):
     logged and the dataset runs without that cache: a speed option never stops a run.
     """
 
-    def __init__(self, path: str | list[str], imgsz: int = 640, batch_size: int = 16, augment: bool = False,
-                 hyp: dict[str, Any] | None = None, rect: bool = False, cache: str | None = None,
+    def __init__(self, path: str | list[str] | None, imgsz: int = 640, batch_size: int = 16, augment: bool = False,
+                 hyp: Hyp | None = None, rect: bool = False, cache: str | None = None,
                  single_cls: bool = False, stride: int = 32, pad: float = 0.0, nc: int | None = None,
-                 seed: int = 0, close_mosaic_epoch: int | None = None, local_rank: int = -1,
-                 workers: int = 8, decode_threads: int = 1, prefix: str = ""):
+                 seed: int = 0, close_mosaic_epoch: int | None = None, workers: int = 8, decode_threads: int = 1,
+                 prefix: str = "", label_set: LabelSet | None = None, verbose: bool = True):
         if cache not in CACHE_MODES:
             raise UserError(f"--cache {cache!r}: expected 'ram', 'disk', 'auto' or nothing")
         self.imgsz, self.augment, self.rect, self.stride, self.pad = imgsz, augment, rect, stride, pad
-        self.hyp = {**DEFAULT_HYP, **(hyp or {})}
+        self.hyp = hyp or Hyp()
         self.seed, self.close_mosaic_epoch, self.prefix = seed, close_mosaic_epoch, prefix
 
-        im_files = list_image_files(path)
-        source = path if isinstance(path, (str, list)) else str(path)
-        label_set = load_label_set(im_files, nc=nc, local_rank=local_rank, workers=workers, prefix=prefix,
-                                   source=source)
+        if label_set is None:
+            label_set = load_split(path, nc=nc, workers=workers, prefix=prefix, verbose=verbose)
         self.label_counts = label_set.counts
         self.cache_file = label_set.cache_file
         self.im_files: list[str] = label_set.im_files
@@ -136,6 +121,8 @@ class YoloDataset(Dataset):
         self.cache = cache
         self.ram_images: list[np.ndarray | None] = [None] * self.n
         self.npy_files = [Path(f).with_suffix(".npy") for f in self.im_files]
+        # Built (or found) and checked now, once, and logged: reads only use it.
+        self.jpeg_decoder = load_decoder() if augment else None
         if cache:
             self._fill_cache(cache, workers)
 
@@ -187,7 +174,8 @@ class YoloDataset(Dataset):
         if npy.is_file() and npy.stat().st_mtime_ns >= os.stat(src).st_mtime_ns:
             return ""
         try:
-            _atomic_save_npy(npy, self._read_original(i))
+            with atomic_output(npy) as tmp, open(tmp, "wb") as f:
+                np.save(f, self._read_original(i), allow_pickle=False)
         except OSError as e:
             return f"{npy}: {e}"
         return ""
@@ -237,8 +225,8 @@ class YoloDataset(Dataset):
             self._load_tile(indices[k], shapes_hw[k], region, out)
 
         h = self.hyp
-        return warped_mosaic4(load, shapes_hw, [self.labels[i] for i in indices], self.imgsz, rng, h["degrees"],
-                              h["translate"], h["scale"], h["shear"], h["perspective"], map_fn=self._tile_map())
+        return warped_mosaic4(load, shapes_hw, [self.labels[i] for i in indices], self.imgsz, rng, h.degrees,
+                              h.translate, h.scale, h.shear, h.perspective, map_fn=self._tile_map())
 
     def _load_tile(self, i: int, shape_hw: tuple[int, int], region: tuple[int, int, int, int],
                    out: np.ndarray) -> None:
@@ -255,7 +243,7 @@ class YoloDataset(Dataset):
         """``_load_tile`` from a partial JPEG decode; False where that cannot be done (the caller decodes it whole)."""
         h0, w0 = int(self.shapes[i][1]), int(self.shapes[i][0])
         if (h0, w0) == shape_hw:
-            return read_image_region(self.im_files[i], shape_hw, region, out) is not None
+            return read_image_region(self.im_files[i], shape_hw, region, out, self.jpeg_decoder) is not None
         if not self.augment:  # load_image shrinks with INTER_AREA then, which reads wider than a linear resize
             return False
         # Decode the source pixels the region is interpolated from into a full-size frame, then resize it
@@ -264,7 +252,8 @@ class YoloDataset(Dataset):
         sx1, sx2 = linear_resize_source_span(x1, x2, w0, shape_hw[1])
         sy1, sy2 = linear_resize_source_span(y1, y2, h0, shape_hw[0])
         frame = np.empty((h0, w0, 3), dtype=np.uint8)
-        if read_image_region(self.im_files[i], (h0, w0), (sx1, sy1, sx2, sy2), frame[sy1:sy2, sx1:sx2]) is None:
+        if read_image_region(self.im_files[i], (h0, w0), (sx1, sy1, sx2, sy2), frame[sy1:sy2, sx1:sx2],
+                             self.jpeg_decoder) is None:
             return False
         paste_region(resize_to_long_side(frame, self.imgsz, self.augment)[0], region, out)
         return True
@@ -286,8 +275,8 @@ class YoloDataset(Dataset):
             labels[:, 1:] = xywhn2xyxy(labels[:, 1:], rw * w, rh * h, pw, ph)
         if self.augment:
             hy = self.hyp
-            img, labels = random_perspective(img, labels, rng, hy["degrees"], hy["translate"], hy["scale"],
-                                             hy["shear"], hy["perspective"])
+            img, labels = random_perspective(img, labels, rng, hy.degrees, hy.translate, hy.scale, hy.shear,
+                                             hy.perspective)
         shapes = ((h0, w0), ((rh * h / h0, rw * w / w0), (pw, ph)))
         return img, labels, shapes
 
@@ -298,9 +287,9 @@ class YoloDataset(Dataset):
         hy = self.hyp
         mosaic_on = self.augment and not self.rect and self.mosaic_enabled(epoch)  # rect batches need letterboxes
         shapes: tuple | None = None
-        if mosaic_on and rng.random() < hy["mosaic"]:
+        if mosaic_on and rng.random() < hy.mosaic:
             img, labels = self._mosaic(index, rng)
-            if rng.random() < hy["mixup"]:
+            if rng.random() < hy.mixup:
                 img2, labels2 = self._mosaic(int(rng.integers(0, self.n)), rng)
                 img, labels = mixup(img, labels, img2, labels2, rng)
         else:
@@ -315,8 +304,8 @@ class YoloDataset(Dataset):
         if self.augment:
             if self.ram_images[index] is not None and np.shares_memory(img, self.ram_images[index]):
                 img = img.copy()  # augment_hsv works in place: never touch the cached image
-            img = augment_hsv(img, rng, hy["hsv_h"], hy["hsv_s"], hy["hsv_v"])
-            img, labels = random_flips(img, labels, rng, hy["flipud"], hy["fliplr"])
+            img = augment_hsv(img, rng, hy.hsv_h, hy.hsv_s, hy.hsv_v)
+            img, labels = random_flips(img, labels, rng, hy.flipud, hy.fliplr)
 
         targets = torch.zeros((len(labels), 6), dtype=torch.float32)
         if len(labels):

@@ -1,8 +1,10 @@
-"""Reading images: cv2 decoding (EXIF orientation honoured, 8-bit BGR out) and fast header probing.
+"""Decoding images (cv2: EXIF orientation honoured, 8-bit BGR out), parts of JPEGs, and fast header probing.
 
-``probe_image`` gets an image's displayed size from its header without decoding the pixels (JPEG and
-PNG, the common case); it decodes only files that look damaged or are in a rarer format. This is what
-makes verifying a large dataset fast.
+Decoding works on the encoded bytes, wherever they come from (a file, a tar shard); ``read_image`` and
+``read_image_region`` are the file versions. ``probe_image`` gets an image's displayed size from its header
+without decoding the pixels (JPEG and PNG, the common case); it decodes only files that look damaged or are in
+a rarer format. This is what makes verifying a large dataset fast. The JPEG header parser here (frame size and
+EXIF orientation) is the project's only one.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import BinaryIO
 import cv2
 import numpy as np
 
-from utils.data.jpeg_region import decode_jpeg_region
+from utils.data.jpeg_region import JpegRegionDecoder
 
 JPEG_SOI, JPEG_EOI = b"\xff\xd8", b"\xff\xd9"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -26,7 +28,7 @@ class ImageError(ValueError):
     """The file is not a usable image; the message says why."""
 
 
-def _decode(data: np.ndarray) -> np.ndarray | None:
+def _imdecode(data: np.ndarray) -> np.ndarray | None:
     if data.size == 0:
         return None
     try:
@@ -36,48 +38,68 @@ def _decode(data: np.ndarray) -> np.ndarray | None:
         return None
 
 
-def read_image(path: str) -> np.ndarray | None:
-    """Decode an image file to BGR uint8 HxWx3, or None when it cannot be decoded.
+def decode_image(data: np.ndarray) -> np.ndarray | None:
+    """Decode encoded image bytes (uint8 array) to BGR uint8 HxWx3, or None when they cannot be decoded.
 
     A truncated JPEG is repaired in memory by appending the missing end-of-image marker (the missing
-    part decodes as grey); the file on disk is never modified.
+    part decodes as grey).
     """
-    try:
-        data = np.fromfile(path, dtype=np.uint8)  # np.fromfile + imdecode also copes with non-ASCII paths
-    except OSError:
-        return None
-    img = _decode(data)
+    img = _imdecode(data)
     if img is None and data[:2].tobytes() == JPEG_SOI:
-        img = _decode(np.concatenate((data, np.frombuffer(JPEG_EOI, np.uint8))))
+        img = _imdecode(np.concatenate((data, np.frombuffer(JPEG_EOI, np.uint8))))
     return img
 
 
-def read_image_region(
-    path: str, shape_hw: tuple[int, int], region: tuple[int, int, int, int], out: np.ndarray | None = None
-) -> np.ndarray | None:
-    """Pixels ``region`` (x1, y1, x2, y2) of an image file of size ``shape_hw``, as ``read_image`` would give them,
-    decoding only that part (into ``out`` when given); None where that cannot be done (not a JPEG, see
-    ``decode_jpeg_region``)."""
+def read_bytes(path: str) -> np.ndarray | None:
+    """A file's bytes as a uint8 array (np.fromfile copes with non-ASCII paths), None when unreadable."""
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        return np.fromfile(path, dtype=np.uint8)
     except OSError:
         return None
-    if data[:2] != JPEG_SOI:
+
+
+def read_image(path: str) -> np.ndarray | None:
+    """``decode_image`` of a file; None when it cannot be read or decoded (the file is never modified)."""
+    data = read_bytes(path)
+    return None if data is None else decode_image(data)
+
+
+def decode_image_region(
+    data: np.ndarray, shape_hw: tuple[int, int], region: tuple[int, int, int, int], out: np.ndarray | None,
+    decoder: JpegRegionDecoder | None,
+) -> np.ndarray | None:
+    """Pixels ``region`` (x1, y1, x2, y2) of an image of displayed size ``shape_hw``, as ``decode_image`` would
+    give them, decoding only that part (into ``out`` when given); None where that cannot be done (no decoder,
+    not a JPEG, an EXIF rotation, see ``JpegRegionDecoder.decode``): then decode the whole image."""
+    if decoder is None or data[:2].tobytes() != JPEG_SOI:
         return None
-    return decode_jpeg_region(np.frombuffer(data, dtype=np.uint8), shape_hw, region, out)
+    try:
+        if jpeg_info(data)[2] != 1:  # the stored pixels are not the displayed ones
+            return None
+    except (ImageError, struct.error):
+        return None
+    return decoder.decode(data, shape_hw, region, out)
+
+
+def read_image_region(
+    path: str, shape_hw: tuple[int, int], region: tuple[int, int, int, int], out: np.ndarray | None = None,
+    decoder: JpegRegionDecoder | None = None,
+) -> np.ndarray | None:
+    """``decode_image_region`` of a file."""
+    data = read_bytes(path)
+    return None if data is None else decode_image_region(data, shape_hw, region, out, decoder)
 
 
 class _Reader:
-    """Sequential reads from the head of a file with a growing buffer (headers are usually < 64 KiB)."""
+    """Reads from the head of a file with a growing buffer (headers are usually < 64 KiB), or from bytes."""
 
-    def __init__(self, f: BinaryIO):
+    def __init__(self, f: BinaryIO | None = None, data: bytes = b""):
         self.f = f
-        self.buf = f.read(8192)
+        self.buf = f.read(8192) if f is not None else data
 
     def get(self, start: int, n: int) -> bytes:
         while len(self.buf) < start + n:
-            more = self.f.read(max(65536, start + n - len(self.buf)))
+            more = self.f.read(max(65536, start + n - len(self.buf))) if self.f is not None else b""
             if not more:
                 raise ImageError("unexpected end of file in header")
             self.buf += more
@@ -104,9 +126,8 @@ def _exif_orientation(tiff: bytes) -> int:
     return 1
 
 
-def _jpeg_header_size(f: BinaryIO) -> tuple[int, int, int]:
-    """(width, height, EXIF orientation) from the JPEG markers before the first scan."""
-    r = _Reader(f)
+def _jpeg_header(r: _Reader) -> tuple[int, int, int]:
+    """(width, height, EXIF orientation) of the stored pixels, from the JPEG markers before the first scan."""
     pos, orientation = 2, 1
     while True:
         marker = r.get(pos, 2)
@@ -134,6 +155,11 @@ def _jpeg_header_size(f: BinaryIO) -> tuple[int, int, int]:
         pos += 2 + length
 
 
+def jpeg_info(data: np.ndarray | bytes) -> tuple[int, int, int]:
+    """(stored width, stored height, EXIF orientation 1-8) of JPEG bytes; ImageError when the header is broken."""
+    return _jpeg_header(_Reader(data=bytes(memoryview(data)[:65536])))
+
+
 def _png_header_size(head: bytes) -> tuple[int, int]:
     if len(head) < 24 or head[12:16] != b"IHDR":
         raise ImageError("PNG without IHDR header")
@@ -159,7 +185,7 @@ def probe_image(path: str) -> tuple[tuple[int, int], str]:
             head = f.read(32)
             if head[:2] == JPEG_SOI:
                 f.seek(0)
-                width, height, orientation = _jpeg_header_size(f)
+                width, height, orientation = _jpeg_header(_Reader(f))
                 if orientation in (5, 6, 7, 8):  # rotated by 90 degrees on display
                     width, height = height, width
                 complete = JPEG_EOI in _tail(f)
@@ -174,15 +200,14 @@ def probe_image(path: str) -> tuple[tuple[int, int], str]:
 
     warning = ""
     if not complete:  # unknown format or a missing end marker: decode to be sure
-        try:
-            data = np.fromfile(path, dtype=np.uint8)
-        except OSError as e:
-            raise ImageError(f"cannot read ({e})") from e
+        data = read_bytes(path)
+        if data is None:
+            raise ImageError("cannot read")
         if data.size == 0:
             raise ImageError("empty file")
-        img = _decode(data)
+        img = _imdecode(data)
         if img is None and head[:2] == JPEG_SOI:
-            img = read_image(path)
+            img = decode_image(data)
             if img is not None:
                 warning = "truncated JPEG, repaired in memory when read"
         if img is None:

@@ -14,18 +14,17 @@ import hashlib
 import math
 import multiprocessing
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-from utils.data.config import img2label_path
+from utils.data.config import img2label_path, list_image_files
 from utils.errors import UserError
+from utils.files import atomic_output
 from utils.data.image_io import ImageError, probe_image
 from utils.log import LOGGER
-from utils.torch_utils import torch_distributed_zero_first
 
 CACHE_VERSION = 1
 COORD_TOLERANCE = 1e-3  # label coordinates this far outside [0, 1] are clipped; farther is an error
@@ -183,15 +182,8 @@ def _split(data: np.ndarray) -> list[str]:
 
 def write_cache(path: Path, arrays: dict[str, np.ndarray]) -> None:
     """Write an .npz atomically: a temp file in the same folder, then os.replace (raises OSError)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_output(path) as tmp, open(tmp, "wb") as f:
+        np.savez(f, **arrays)
 
 
 def read_cache(path: Path, expected_hash: str) -> dict[str, np.ndarray] | None:
@@ -275,19 +267,24 @@ def _load_or_build(im_files: list[str], label_files: list[str], cache_path: Path
     return arrays, _store(arrays, cache_path), False
 
 
-def load_label_set(im_files: list[str], cache_path: Path | None = None, nc: int | None = None,
-                   local_rank: int = -1, workers: int = 8, prefix: str = "", source: str | list[str] = "") -> LabelSet:
+def load_split(source: str | list[str], nc: int | None = None, workers: int = 8, prefix: str = "",
+               verbose: bool = True) -> LabelSet:
+    """The verified labels of a split's images (a folder, a .txt list or a list of those): ``load_label_set``."""
+    return load_label_set(list_image_files(source), nc=nc, workers=workers, prefix=prefix, source=source,
+                          verbose=verbose)
+
+
+def load_label_set(im_files: list[str], cache_path: Path | None = None, nc: int | None = None, workers: int = 8,
+                   prefix: str = "", source: str | list[str] = "", verbose: bool = True) -> LabelSet:
     """Verified labels of ``im_files``, from the cache when it is current, else verified and cached.
 
-    In DDP, local rank 0 builds the cache while the other local ranks wait, then they read it. Raises
-    UserError when no image is usable.
+    In a distributed run call it on local rank 0 first (``torch_distributed_zero_first``), so that one process
+    per machine builds the cache and the others read it. Raises UserError when no image is usable.
     """
     label_files = [img2label_path(f) for f in im_files]
     if cache_path is None:
         cache_path = cache_path_for(source or str(Path(im_files[0]).parent), label_files)
-    verbose = local_rank in (-1, 0)
-    with torch_distributed_zero_first(local_rank):
-        arrays, stored_at, reused = _load_or_build(im_files, label_files, cache_path, nc, workers, prefix, verbose)
+    arrays, stored_at, reused = _load_or_build(im_files, label_files, cache_path, nc, workers, prefix, verbose)
 
     status, shapes, counts = arrays["status"], arrays["shapes"], arrays["counts"]
     per_image = np.split(arrays["labels"], np.cumsum(counts)[:-1]) if len(counts) else []

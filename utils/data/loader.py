@@ -16,6 +16,8 @@ from torch.utils.data import DataLoader
 
 from utils.data.batch_ring import BatchRing, RingSlot, shared_memory_fits
 from utils.data.dataset import YoloDataset
+from utils.data.label_cache import LabelSet
+from utils.hyp import Hyp
 from utils.log import LOGGER
 from utils.data.samplers import EpochStreamBatchSampler, ShardedSampler, epoch_batches
 
@@ -31,31 +33,49 @@ def _worker_init(_: int) -> None:
 class EpochStreamLoader:
     """One epoch of batches per iteration, drawn from a DataLoader that streams epoch after epoch.
 
-    ``sampler`` is the ShardedSampler: ``sampler.set_epoch(e)`` picks the epoch the next iteration yields.
-    When the stream already stands at the start of that epoch (the previous iteration ran to its end and
-    ``e`` is the next epoch) the prefetched batches are used; otherwise (first use, resume, a skipped or
-    repeated epoch, an iteration left early) the stream restarts at ``e``. Either way an iteration yields
-    exactly what a plain DataLoader over ``sampler`` would for that epoch.
+    ``set_epoch(e, start_batch)`` picks the epoch the next iteration yields and the batch it starts at (0, or
+    where a checkpoint written inside the epoch left off). When the stream already stands at the start of that
+    epoch (the previous iteration ran to its end and ``e`` is the next epoch) the prefetched batches are used;
+    otherwise (first use, resume, a skipped or repeated epoch, an iteration left early) the stream restarts at
+    ``e``. Either way an iteration yields exactly what a plain DataLoader over ``sampler`` would for that epoch,
+    from ``start_batch`` on.
     """
 
-    def __init__(self, loader: DataLoader, batch_sampler: EpochStreamBatchSampler, ring: BatchRing | None = None):
-        self.loader, self.batch_sampler, self.ring = loader, batch_sampler, ring
+    def __init__(self, dataset: YoloDataset, batch_sampler: EpochStreamBatchSampler, options: dict[str, Any],
+                 ring: BatchRing | None = None):
+        self.dataset, self.batch_sampler, self.options, self.ring = dataset, batch_sampler, options, ring
+        self.loader = DataLoader(dataset, batch_sampler=batch_sampler, **options)
         self.sampler: ShardedSampler = batch_sampler.sampler
-        self.dataset = loader.dataset
         self._batches: Iterator[Any] | None = None
         self._next_epoch: int | None = None  # the epoch the stream starts next; None: mid-epoch or not started
+        self.start_batch = 0
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        self.sampler.set_epoch(epoch)
+        self.start_batch = start_batch
+
+    def update_dataset(self, **attributes: Any) -> None:
+        """Set dataset attributes (such as ``close_mosaic_epoch``) for the batches not made yet.
+
+        Persistent workers hold copies of the dataset made when they started, so they are replaced.
+        """
+        for name, value in attributes.items():
+            setattr(self.dataset, name, value)
+        if self.loader.num_workers > 0:
+            self._batches = None
+            self.loader = DataLoader(self.dataset, batch_sampler=self.batch_sampler, **self.options)
 
     def __len__(self) -> int:
-        """Batches in the current epoch."""
+        """Batches in the current epoch (all of them, wherever the next iteration starts)."""
         return len(epoch_batches(self.sampler, self.batch_sampler.batch_size, self.sampler.epoch))
 
     def __iter__(self) -> Iterator[Any]:
-        epoch = self.sampler.epoch
-        if self._batches is None or self._next_epoch != epoch:
-            self.batch_sampler.start_epoch = epoch
+        epoch, start = self.sampler.epoch, self.start_batch
+        if self._batches is None or self._next_epoch != epoch or start:
+            self.batch_sampler.start_epoch, self.batch_sampler.start_batch = epoch, start
             self._batches = iter(self.loader)  # persistent workers: drops what was in flight, then restarts
-        self._next_epoch = None
-        for _ in range(len(self)):
+        self._next_epoch, self.start_batch = None, 0
+        for _ in range(len(self) - start):
             batch = next(self._batches)
             if isinstance(batch[0], RingSlot):  # copied out before the next batch is asked for: see BatchRing
                 images = self.ring.take(batch[0], pin_memory=self.loader.pin_memory).permute(0, 3, 1, 2)
@@ -70,12 +90,11 @@ def create_dataloader(
     batch_size: int,
     stride: int,
     *,
-    hyp: dict[str, Any] | None = None,
+    hyp: Hyp | None = None,
     augment: bool = False,
     cache: str | None = None,
     pad: float = 0.0,
     rect: bool = False,
-    local_rank: int = -1,
     world_size: int = 1,
     global_rank: int = 0,
     workers: int = 8,
@@ -85,13 +104,14 @@ def create_dataloader(
     nc: int | None = None,
     close_mosaic_epoch: int | None = None,
     prefix: str = "",
+    label_set: LabelSet | None = None,
 ) -> tuple[DataLoader | EpochStreamLoader, YoloDataset]:
     """A loader over this rank's shard and the dataset; ``batch_size`` is per rank.
 
     Call ``loader.sampler.set_epoch(epoch)`` before each epoch: it picks the epoch's order and its
-    augmentation draws. Training loaders (``shuffle``) pad shards to equal length and are an
+    augmentation draws. Training loaders (``augment``) pad shards to equal length and are an
     EpochStreamLoader; others give each sample to exactly one rank and are a plain DataLoader.
-    ``local_rank`` orders the label-cache build (-1 when not distributed).
+    ``label_set`` (already loaded labels) replaces reading them from ``path``.
     """
     if rect and shuffle:
         LOGGER.warning(f"{prefix}WARNING rect batches are incompatible with shuffle: shuffle disabled")
@@ -102,7 +122,7 @@ def create_dataloader(
     decode_threads = 1 if loader_workers else max(1, min(4, cpus // max(1, world_size)))
     dataset = YoloDataset(path, imgsz, batch_size, augment=augment, hyp=hyp, rect=rect, cache=cache,
                           single_cls=single_cls, stride=stride, pad=pad, nc=nc, seed=seed,
-                          close_mosaic_epoch=close_mosaic_epoch, local_rank=local_rank, workers=workers,
+                          close_mosaic_epoch=close_mosaic_epoch, workers=workers, label_set=label_set,
                           decode_threads=decode_threads, prefix=prefix)
     batch_size = min(batch_size, len(dataset))
     sampler = ShardedSampler(len(dataset), world_size=world_size, rank=global_rank, shuffle=shuffle, seed=seed,
@@ -111,16 +131,17 @@ def create_dataloader(
     common: dict[str, Any] = dict(num_workers=loader_workers, pin_memory=torch.cuda.is_available(),
                                   collate_fn=YoloDataset.collate_fn, persistent_workers=loader_workers > 0,
                                   worker_init_fn=_worker_init if loader_workers > 0 else None)
-    if not shuffle:
+    if not augment:  # validation: one pass, each sample once
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=False, **common), dataset
     stream = EpochStreamBatchSampler(sampler, batch_size)
     ring = None
     if loader_workers > 0:
         common["prefetch_factor"] = PREFETCH_BATCHES
-        # Training samples are all imgsz x imgsz (mosaic or letterbox; rect training never comes here).
+    if loader_workers > 0 and not rect:
+        # Training samples are all imgsz x imgsz here (mosaic or letterbox; rect batches vary).
         shape_hwc = (imgsz, imgsz, 3)
         slots = PREFETCH_BATCHES + 1  # one more than a worker can have in flight: see BatchRing
         if shared_memory_fits(BatchRing.nbytes(loader_workers, slots, batch_size, shape_hwc)):
             ring = BatchRing(loader_workers, slots, batch_size, shape_hwc)
             common["collate_fn"] = partial(YoloDataset.collate_fn, ring=ring)
-    return EpochStreamLoader(DataLoader(dataset, batch_sampler=stream, **common), stream, ring), dataset
+    return EpochStreamLoader(dataset, stream, common, ring), dataset

@@ -80,18 +80,18 @@ class EpochStreamBatchSampler:
 
     Used as a DataLoader ``batch_sampler`` so that its workers keep working across epoch ends. Batches are
     cut per epoch, so none mixes two epochs; each epoch's batches equal ``epoch_batches`` for that epoch.
-    ``start_epoch`` is read when an iteration starts.
+    ``start_epoch`` and ``start_batch`` (where a resumed epoch goes on) are read when an iteration starts.
     """
 
     def __init__(self, sampler: ShardedSampler, batch_size: int):
         if batch_size < 1:
             raise ValueError(f"batch size {batch_size} must be at least 1")
-        self.sampler, self.batch_size, self.start_epoch = sampler, batch_size, 0
+        self.sampler, self.batch_size, self.start_epoch, self.start_batch = sampler, batch_size, 0, 0
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        return self._stream(self.start_epoch)
+        return self._stream(self.start_epoch, self.start_batch)
 
-    def _stream(self, epoch: int) -> Iterator[list[tuple[int, int]]]:
+    def _stream(self, epoch: int, skip: int) -> Iterator[list[tuple[int, int]]]:
         while batches := epoch_batches(self.sampler, self.batch_size, epoch):
-            yield from batches
-            epoch += 1
+            yield from batches[skip:]
+            epoch, skip = epoch + 1, 0
