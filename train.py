@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import shlex
@@ -200,6 +201,7 @@ class Training:
     schedule: LrSchedule
     save_mid_epoch: object = None  # callable(epoch, next_batch, tally) on rank 0, or None
     steps_done: int = 0
+    skipped_in_row: int = 0  # optimizer steps skipped for non-finite gradients, across epochs
     last_save: float = field(default_factory=time.monotonic)
 
 
@@ -287,8 +289,9 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
         restore_training_state(ckpt, optimizer, scaler, ema)
         schedule, start_epoch, start_batch, tally = resumed_position(ckpt, opt, hyp, info)
         best_fitness, best_epoch = float(ckpt["best_fitness"]), int(ckpt.get("best_epoch", -1))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=schedule)
-    scheduler.last_epoch = start_epoch  # the optimizer already holds this epoch's learning rates
+    # Made at start_epoch - 1 and stepped once on creation, the scheduler sets this epoch's rates (a fresh
+    # LambdaLR would restart a resumed run at lr0 * schedule(0)).
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=schedule, last_epoch=start_epoch - 1)
     if info.is_distributed:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     t = Training(model, optimizer, scaler, ema, ComputeLoss(model, scaled_loss_gains(hyp, model, opt.imgsz),
@@ -318,12 +321,11 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
     LOGGER.info(f"Image sizes {opt.imgsz} train, {opt.imgsz} val; {opt.workers} dataloader workers per rank; "
                 f"logging to {colorstr(str(save_dir))}\nStarting training for {opt.epochs} epochs...")
     t_start, results, epoch = time.time(), (0.0,) * 7, start_epoch
-    for epoch in range(start_epoch, 10**9):
-        if epoch >= opt.epochs:
-            break
+    for epoch in itertools.count(start_epoch):  # --time may change opt.epochs on the way
         t_epoch = time.perf_counter()
         tally = train_one_epoch(t, train_loader, epoch, start_batch, tally, plots_dir=None if opt.noplots or
                                 epoch != start_epoch or not info.is_main else save_dir)
+        lrs = [g["lr"] for g in optimizer.param_groups]  # the epoch's own rates, for results.csv
         scheduler.step()
         decision: dict = {}
         if info.is_main:
@@ -334,7 +336,6 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
                                         compute_loss=t.compute_loss, plots=final and not opt.noplots,
                                         verbose=final and nc < 50, save_dir=save_dir, autocast_dtype=precision.dtype)
                 results = r.as_row()
-            lrs = [g["lr"] for g in optimizer.param_groups]
             decision["stop"] = record.end_epoch(epoch, tally.means(), results if not opt.noval or
                                                 final else None, lrs, checkpoint(epoch, None), final)
             if opt.time:
@@ -343,7 +344,7 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
         decision = json.loads(rank_zero_decides(info, json.dumps(decision)))  # the others wait on the store
         if decision.get("epochs"):
             refit_schedule(t, scheduler, train_loader, opt, decision["epochs"])
-        if decision.get("stop"):
+        if decision.get("stop") or epoch + 1 >= opt.epochs:
             break
         start_batch, tally = 0, LossTally()
 
@@ -387,7 +388,7 @@ def train_one_epoch(t: Training, loader, epoch: int, start_batch: int, tally: Lo
                     f"{'Instances':>11}{'Size':>11}")
         batches = tqdm(batches, total=n_batches, initial=start_batch, bar_format="{l_bar}{bar:10}{r_bar}")
     pending = torch.zeros(4, device=t.device)  # this rank's loss items and finite micro-batches since the last sync
-    skipped_in_row, t0, data_wait, t_ready = 0, time.perf_counter(), 0.0, time.perf_counter()
+    t0, data_wait, t_ready = time.perf_counter(), 0.0, time.perf_counter()
     for window in accumulation_windows(batches, t.accumulate, n_batches):
         data_wait += time.perf_counter() - t_ready
         first = window[0][0]
@@ -404,21 +405,23 @@ def train_one_epoch(t: Training, loader, epoch: int, start_batch: int, tally: Lo
         iteration = window[-1][0] + n_batches * epoch
         if iteration <= t.n_warmup:
             apply_warmup(t.optimizer, iteration, t.n_warmup, t.schedule(epoch), t.hyp, t.momentum)
+        step_items = torch.zeros(3, device=t.device)
         for k, ((imgs, targets), positives) in enumerate(zip(micro, counts)):
             with gradient_sync(model, k == len(micro) - 1), autocast(t.device, t.precision):
                 loss, items = t.compute_loss(model(imgs), targets, LossNorm(positives, imgs.shape[0] * world))
             t.scaler.scale(loss * world).backward()  # DDP averages gradients over ranks; the loss sums over them
+            step_items += items
             if torch.isfinite(items).all():
                 pending += torch.cat((items, items.new_ones(1)))
         if optimizer_step(t):
-            skipped_in_row = 0
+            t.skipped_in_row = 0
         else:
             tally.skipped_steps += 1
-            skipped_in_row += 1
+            t.skipped_in_row += 1
             LOGGER.warning(f"WARNING epoch {epoch} batch {window[-1][0]}: non-finite gradients (losses box, obj, cls "
-                           f"{', '.join(f'{x:.4g}' for x in items.tolist())}): step skipped")
-            if skipped_in_row >= MAX_NONFINITE_STEPS:
-                raise UserError(f"epoch {epoch} batch {window[-1][0]}: {skipped_in_row} optimizer steps in a row had "
+                           f"{', '.join(f'{x:.4g}' for x in step_items.tolist())} on this rank): step skipped")
+            if t.skipped_in_row >= MAX_NONFINITE_STEPS:
+                raise UserError(f"epoch {epoch} batch {window[-1][0]}: {t.skipped_in_row} optimizer steps in a row had "
                                 "non-finite gradients: training diverged (lower lr0, or check the data)")
         t.steps_done += 1
         if info.is_main:
@@ -530,6 +533,8 @@ def refit_schedule(t: Training, scheduler, loader, opt: argparse.Namespace, epoc
     opt.epochs = epochs
     t.schedule = LrSchedule.for_run(epochs, t.hyp.lrf, opt.cos_lr)
     scheduler.lr_lambdas = [t.schedule] * len(scheduler.lr_lambdas)
+    for group, base_lr in zip(t.optimizer.param_groups, scheduler.base_lrs):  # the next epoch's, already set
+        group["lr"] = base_lr * t.schedule(scheduler.last_epoch)
     loader.update_dataset(close_mosaic_epoch=close_mosaic_epoch(epochs, opt.close_mosaic))
 
 

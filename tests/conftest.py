@@ -13,26 +13,35 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-def write_rectangles_dataset(root: Path, n_train: int = 16, n_val: int = 8, size: int = 96, seed: int = 0) -> Path:
-    """A tiny YOLO-format dataset of coloured rectangles (2 classes) and its data YAML; returns the YAML path."""
+COLOURS = [(40, 40, 220), (220, 160, 40), (40, 200, 40), (200, 40, 200), (20, 220, 220)]  # BGR, one per class
+
+
+def write_rectangles_dataset(root: Path, n_train: int = 16, n_val: int = 8, size: int = 96, seed: int = 0,
+                             n_classes: int = 2, width: int | None = None) -> Path:
+    """A tiny YOLO-format dataset of coloured rectangles and its data YAML; returns the YAML path.
+
+    Images are ``size`` high and ``width`` (default ``size``) wide; up to 5 classes, one colour each.
+    """
     rng = np.random.default_rng(seed)
-    colours = [(40, 40, 220), (220, 160, 40)]  # BGR, one per class
+    colours = COLOURS[:n_classes]
+    width = width or size
     for split, n in (("train", n_train), ("val", n_val)):
         (root / "images" / split).mkdir(parents=True, exist_ok=True)
         (root / "labels" / split).mkdir(parents=True, exist_ok=True)
         for i in range(n):
-            img = np.full((size, size, 3), rng.integers(90, 160), np.uint8)
+            img = np.full((size, width, 3), rng.integers(90, 160), np.uint8)
             rows = []
             for _ in range(int(rng.integers(1, 4))):
-                cls = int(rng.integers(0, 2))
-                w, h = (int(v) for v in rng.integers(size // 6, size // 2, 2))
-                x1, y1 = int(rng.integers(0, size - w)), int(rng.integers(0, size - h))
+                cls = int(rng.integers(0, n_classes))
+                w, h = int(rng.integers(width // 6, width // 2)), int(rng.integers(size // 6, size // 2))
+                x1, y1 = int(rng.integers(0, width - w)), int(rng.integers(0, size - h))
                 cv2.rectangle(img, (x1, y1), (x1 + w - 1, y1 + h - 1), colours[cls], -1)
-                rows.append(f"{cls} {(x1 + w / 2) / size:.6f} {(y1 + h / 2) / size:.6f} {w / size:.6f} {h / size:.6f}")
+                rows.append(f"{cls} {(x1 + w / 2) / width:.6f} {(y1 + h / 2) / size:.6f} {w / width:.6f} {h / size:.6f}")
             cv2.imwrite(str(root / "images" / split / f"{i:04d}.jpg"), img)
             (root / "labels" / split / f"{i:04d}.txt").write_text("\n".join(rows) + "\n")
     yaml_file = root / "rectangles.yaml"
-    yaml_file.write_text(f"path: {root}\ntrain: images/train\nval: images/val\nnames:\n  0: red\n  1: blue\n")
+    names = "".join(f"  {k}: {name}\n" for k, name in enumerate(["red", "blue", "green", "magenta", "yellow"][:n_classes]))
+    yaml_file.write_text(f"path: {root}\ntrain: images/train\nval: images/val\nnames:\n{names}")
     return yaml_file
 
 

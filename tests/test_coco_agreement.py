@@ -8,10 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytest.importorskip("pycocotools")
-
-from utils.coco_json import coco_eval, coco_map, write_json  # noqa: E402
-from utils.metrics import ap_per_class, match_detections, mean_metrics  # noqa: E402
+from utils.coco_json import coco_eval, coco_map, write_json
+from utils.metrics import ap_per_class, match_detections, mean_metrics
 
 TOLERANCE = 0.001
 

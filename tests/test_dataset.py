@@ -184,7 +184,7 @@ def test_ram_cache_refused_when_memory_is_short(data_root: Path, monkeypatch, ca
 
 def test_dataset_builds_label_cache_once_per_split(data_root: Path) -> None:
     _, dataset = _train(data_root)
-    assert dataset.cache_file == str(data_root / "labels" / "train.cache")
+    assert dataset.cache_file == str(data_root / "labels" / "train.yolo-train.cache")
     assert dataset.label_counts["labelled"] + dataset.label_counts["empty"] + dataset.label_counts["background"] == 12
 
 

@@ -185,7 +185,7 @@ def test_cache_reused_then_rebuilt_when_stale(tmp_path: Path, monkeypatch) -> No
     files = list_image_files(str(images))
     calls = _scan_counter(monkeypatch)
     first = load_label_set(files, nc=NC, source=str(images))
-    assert first.cache_file == str(tmp_path / "labels" / "val.cache") and len(calls) == 1
+    assert first.cache_file == str(tmp_path / "labels" / "val.yolo-train.cache") and len(calls) == 1
     second = load_label_set(files, nc=NC, source=str(images))
     assert len(calls) == 1 and second.counts == first.counts
     label = tmp_path / "labels" / "val" / "0.txt"
@@ -228,7 +228,7 @@ class _Exploit:
 def test_foreign_pickle_cache_is_never_executed(tmp_path: Path, monkeypatch) -> None:
     images = _small_dataset(tmp_path)
     marker = tmp_path / "pwned"
-    cache = tmp_path / "labels" / "val.cache"
+    cache = tmp_path / "labels" / "val.yolo-train.cache"
     cache.write_bytes(pickle.dumps({"hash": _Exploit(marker)}))
     assert read_cache(cache, "anything") is None
     np.save(tmp_path / "obj.npy", np.array([_Exploit(marker)], dtype=object), allow_pickle=True)
@@ -241,7 +241,7 @@ def test_foreign_pickle_cache_is_never_executed(tmp_path: Path, monkeypatch) -> 
 
 def test_read_only_labels_fall_back_to_user_cache(tmp_path: Path, monkeypatch) -> None:
     images = _small_dataset(tmp_path)
-    primary = tmp_path / "labels" / "val.cache"
+    primary = tmp_path / "labels" / "val.yolo-train.cache"
     real_write = label_cache.write_cache
 
     def refuse_primary(path: Path, arrays) -> None:
@@ -278,3 +278,13 @@ def test_no_usable_image_is_a_user_error(tmp_path: Path) -> None:
     (images / "a.jpg").write_bytes(b"not an image")
     with pytest.raises(UserError, match="no usable images"):
         load_label_set(list_image_files(str(images)), nc=NC, source=str(images))
+
+
+def test_our_cache_has_its_own_name_beside_yolov5s(tmp_path: Path) -> None:
+    images = _small_dataset(tmp_path)
+    yolov5_cache = tmp_path / "labels" / "val.cache"  # where YOLOv5 keeps its own, differently formatted cache
+    yolov5_cache.write_bytes(b"YOLOv5's cache, not ours")
+    before = yolov5_cache.stat().st_mtime_ns
+    label_set = load_label_set(list_image_files(str(images)), nc=NC, source=str(images))
+    assert Path(label_set.cache_file).name == "val.yolo-train.cache" and Path(label_set.cache_file).is_file()
+    assert yolov5_cache.read_bytes() == b"YOLOv5's cache, not ours" and yolov5_cache.stat().st_mtime_ns == before

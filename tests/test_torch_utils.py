@@ -53,6 +53,23 @@ def test_select_device_picks_the_gpu_of_the_local_rank(monkeypatch) -> None:
         select_device("2,3", local_rank=0, local_world_size=4)
 
 
+def test_a_node_of_a_multi_node_run_checks_devices_against_its_own_ranks(monkeypatch) -> None:
+    # What torch.distributed.run sets on the second node of `--nnodes 2 --nproc_per_node 4`.
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "6")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    info = dist_info()
+    assert (info.rank, info.local_rank, info.world_size, info.local_world_size) == (6, 2, 8, 4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"name": "fake", "total_memory": 1})())
+    device = select_device("0,1,2,3", local_rank=info.local_rank, local_world_size=info.local_world_size)
+    assert device == torch.device("cuda", 2)  # 4 GPUs for the node's 4 ranks, not for all 8
+
+
 def test_init_torch_seeds_repeats_random_streams() -> None:
     init_torch_seeds(7, deterministic=True)
     a = torch.rand(3)

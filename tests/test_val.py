@@ -113,7 +113,6 @@ def test_oracle_scores_perfect_and_writes_outputs(dataset, tmp_path):
     assert np.trace(r.confusion[:2, :2]) == r.n_instances and r.confusion.sum() == r.n_instances
 
     # the COCO files load in pycocotools and COCOeval agrees with our figures (< 100 dets per image)
-    pytest.importorskip("pycocotools")
     from pycocotools.coco import COCO
 
     gt = COCO(str(save_dir / "ground_truth.json"))

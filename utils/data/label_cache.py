@@ -30,6 +30,7 @@ CACHE_VERSION = 1
 COORD_TOLERANCE = 1e-3  # label coordinates this far outside [0, 1] are clipped; farther is an error
 MIN_POOL_SIZE = 512  # below this many images a process pool costs more than it saves
 MAX_LOGGED_WARNINGS = 100
+CACHE_SUFFIX = ".yolo-train.cache"
 FALLBACK_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "yolo-train" / "labels"
 
 # Per-image status codes stored in the cache.
@@ -155,20 +156,24 @@ def files_hash(im_files: list[str], label_files: list[str], nc: int | None) -> s
 
 
 def cache_path_for(source: str | list[str], label_files: list[str]) -> Path:
-    """Where the cache of a split lives: ``labels/<split>.cache``, or ``<list>.cache`` for a .txt list."""
+    """Where the cache of a split lives: ``labels/<split>.yolo-train.cache``, or ``<list>.yolo-train.cache``.
+
+    The name is our own: YOLOv5 keeps a differently formatted ``labels/<split>.cache`` beside it, and users
+    switch between the two on one dataset without either rebuilding over the other's file.
+    """
     if isinstance(source, str) and source.lower().endswith(".txt") and os.path.isfile(source):
-        return Path(source).with_suffix(".cache")
+        return Path(source).with_suffix(CACHE_SUFFIX)
     base = Path(label_files[0]).parent
     if isinstance(source, (list, tuple)) and len(source) > 1:
         tag = hashlib.sha256("\n".join(map(str, source)).encode()).hexdigest()[:8]
-        return base.with_name(f"{base.name}.{tag}.cache")
-    return base.with_suffix(".cache")
+        return base.with_name(f"{base.name}.{tag}{CACHE_SUFFIX}")
+    return base.with_name(base.name + CACHE_SUFFIX)
 
 
 def fallback_cache_path(primary: Path) -> Path:
     """A user-writable place for the cache of a read-only dataset, keyed by the primary location."""
     key = hashlib.sha256(str(primary.resolve()).encode()).hexdigest()[:16]
-    return FALLBACK_CACHE_DIR / f"{primary.stem}-{key}.cache"
+    return FALLBACK_CACHE_DIR / f"{primary.name.split('.')[0]}-{key}{CACHE_SUFFIX}"
 
 
 def _join(strings: list[str]) -> np.ndarray:

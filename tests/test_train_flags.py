@@ -1,0 +1,397 @@
+"""train.py flags and start-up rules, run in this process on tiny generated data (seconds each).
+
+Each test asserts what the flag does (classes seen, batch shapes, learning rates, files written, where images
+were read from), not only that the run ends.
+"""
+from __future__ import annotations
+
+import csv
+import logging
+import math
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+import train
+import utils.data.dataset as dataset_module
+import utils.run_record as run_record_module
+from tests.conftest import write_rectangles_dataset
+from utils.checkpoint import load_checkpoint, save_checkpoint, strip_training_state
+from utils.log import LOGGER
+from utils.loss import ComputeLoss
+from utils.run_record import RunRecord
+
+TINY = ["--imgsz", "64", "--batch-size", "8", "--workers", "0", "--noautoanchor", "--device", "cpu", "--noplots"]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def train_here(monkeypatch):
+    """``go(*args) -> (exit status, log text)``: train.py's main in this process, with the TINY settings."""
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT",
+                 "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    handler = _Lines()
+    LOGGER.addHandler(handler)
+    threads = torch.get_num_threads()
+
+    def go(*args: str) -> tuple[int, str]:
+        handler.lines.clear()
+        status = train.main([*TINY, *map(str, args)])
+        return status, "\n".join(handler.lines)
+
+    yield go
+    LOGGER.removeHandler(handler)
+    torch.use_deterministic_algorithms(False)
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def five_classes(tmp_path_factory) -> Path:
+    return write_rectangles_dataset(tmp_path_factory.mktemp("five"), n_classes=5)
+
+
+def results(run_dir: Path) -> list[dict[str, float]]:
+    with open(run_dir / "results.csv") as f:
+        return [{k.strip(): float(v) for k, v in row.items()} for row in csv.DictReader(f, skipinitialspace=True)]
+
+
+def record_calls(monkeypatch, owner, name: str, record) -> None:
+    """Wrap ``owner.name`` so that ``record(args, result)`` sees every call."""
+    original = getattr(owner, name)
+
+    def wrapped(*args, **kwargs):
+        result = original(*args, **kwargs)
+        record(args, result)
+        return result
+
+    monkeypatch.setattr(owner, name, wrapped)
+
+
+# ---- classes and devices ---------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_single_cls_keeps_every_image_and_trains_one_class(train_here, five_classes, tmp_path, monkeypatch) -> None:
+    classes_seen: set[int] = set()
+    record_calls(monkeypatch, ComputeLoss, "__call__",
+                 lambda args, _: classes_seen.update(args[2][:, 1].long().tolist()))
+    # --local_rank is what torch.distributed.launch passes; it is accepted and LOCAL_RANK is what counts.
+    status, log = train_here("--data", five_classes, "--project", tmp_path, "--epochs", "1", "--single-cls",
+                             "--local_rank", "0")
+    assert status == 0, log
+    summaries = [line for line in log.splitlines() if " corrupt, " in line]
+    assert len(summaries) == 2 and all("16 images: 16 labelled" in summaries[0] and ", 0 corrupt, " in line
+                                       for line in summaries), summaries  # train and val, nothing dropped
+    assert classes_seen == {0}  # training (and validation's loss) saw one class
+    ckpt = load_checkpoint(tmp_path / "exp/weights/last.pt")
+    assert ckpt["model_cfg"]["nc"] == 1 and ckpt["names"] == ["item"]
+    assert ckpt["model"]["model.24.m.0.weight"].shape[0] == 3 * (5 + 1)  # one class output per anchor
+
+
+def test_local_rank_flags_are_accepted_in_both_spellings() -> None:
+    for argv in (["--local-rank", "1"], ["--local_rank=2"]):
+        opt, explicit = train.parse_opt(argv)
+        assert opt.local_rank in (1, 2) and "local_rank" in explicit
+
+
+def test_a_gpu_list_without_a_launcher_is_refused_with_the_command(train_here, rectangles_yaml, tmp_path) -> None:
+    status, log = train_here("--data", rectangles_yaml, "--project", tmp_path, "--epochs", "1", "--device", "0,1")
+    assert status == 1
+    line = log.splitlines()[-1]
+    assert line.startswith("ERROR --device 0,1 names 2 GPUs")
+    assert "`python -m torch.distributed.run --nproc_per_node 2 train.py " in line and "--device 0,1" in line
+    assert not tmp_path.joinpath("exp").exists()
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--weights", "missing.pt", "missing.pt: checkpoint not found"),
+    ("--data", "nowhere.yaml", "nowhere.yaml"),
+    ("--cfg", "models/nothing.yaml", "nothing.yaml"),
+])
+def test_a_failed_start_leaves_no_run_folder(train_here, rectangles_yaml, tmp_path, flag, value, message) -> None:
+    args = ["--data", rectangles_yaml, "--project", tmp_path / "runs", "--epochs", "1", flag, value]
+    status, log = train_here(*args)
+    assert status == 1 and message in log.splitlines()[-1] and log.splitlines()[-1].startswith("ERROR ")
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+# ---- early stopping, validation, saving ------------------------------------------------------------------
+
+def _record(tmp_path: Path, **kwargs) -> RunRecord:
+    options = dict(patience=2, noval=False, nosave=True, save_period=-1)
+    return RunRecord(tmp_path, **{**options, **kwargs})
+
+
+def _stop_epoch(record: RunRecord, fitnesses: list[float | None]) -> int | None:
+    """The epoch at which ``record`` asks to stop, given each epoch's mAP50-95 (None: not validated)."""
+    for epoch, fit in enumerate(fitnesses):
+        row = None if fit is None else (0.0, 0.0, 0.0, fit, 0.0, 0.0, 0.0)
+        if record.end_epoch(epoch, np.zeros(3), row, [0.01] * 3, {}, final=False):
+            return epoch
+    return None
+
+
+def test_patience_counts_epochs_without_improvement_and_zero_turns_it_off(tmp_path) -> None:
+    flat = [0.5, 0.4, 0.4, 0.3, 0.2, 0.1]
+    assert _stop_epoch(_record(tmp_path / "a", patience=2), flat) == 2  # best at 0, two epochs without
+    assert _stop_epoch(_record(tmp_path / "b", patience=3), [0.1, 0.2, 0.2, 0.2, 0.3, 0.1, 0.1, 0.1]) == 7
+    assert _stop_epoch(_record(tmp_path / "c", patience=0), flat) is None  # YOLOv5's reading of 0
+    assert _stop_epoch(_record(tmp_path / "d", patience=1, noval=True), [None] * 6) is None
+
+
+@pytest.mark.slow
+def test_noval_trains_every_epoch_validates_the_last_and_writes_best(train_here, rectangles_yaml, tmp_path) -> None:
+    status, log = train_here("--data", rectangles_yaml, "--project", tmp_path, "--epochs", "3", "--noval",
+                             "--patience", "1")
+    assert status == 0, log
+    rows = results(tmp_path / "exp")
+    assert [int(r["epoch"]) for r in rows] == [0, 1, 2]
+    assert [r["metrics/mAP_0.5"] for r in rows[:2]] == [0.0, 0.0] and rows[2]["val/obj_loss"] > 0
+    assert (tmp_path / "exp/weights/best.pt").is_file()
+    assert load_checkpoint(tmp_path / "exp/weights/best.pt")["best_epoch"] == 2
+
+
+@pytest.mark.slow
+def test_nosave_writes_only_the_final_checkpoint(train_here, rectangles_yaml, tmp_path, monkeypatch) -> None:
+    written: list[str] = []
+    record_calls(monkeypatch, run_record_module, "save_checkpoint", lambda args, _: written.append(Path(args[1]).name))
+    status, log = train_here("--data", rectangles_yaml, "--project", tmp_path / "nosave", "--epochs", "3", "--nosave")
+    assert status == 0, log
+    assert written.count("last.pt") == 1 and set(written) <= {"last.pt", "best.pt"}
+    written.clear()
+    status, log = train_here("--data", rectangles_yaml, "--project", tmp_path / "save", "--epochs", "3")
+    assert status == 0, log
+    assert written.count("last.pt") == 3  # one per epoch
+
+
+# ---- what the flags change in training -------------------------------------------------------------------
+
+def _batch_shapes(monkeypatch) -> list[tuple[int, int]]:
+    shapes: list[tuple[int, int]] = []
+    record_calls(monkeypatch, train, "prepare_images", lambda args, imgs: shapes.append(tuple(imgs.shape[2:])))
+    return shapes
+
+
+@pytest.mark.slow
+def test_rect_batches_keep_the_aspect_ratio(train_here, tmp_path, monkeypatch) -> None:
+    wide = write_rectangles_dataset(tmp_path / "wide", size=48, width=96)  # 2:1 images
+    shapes = _batch_shapes(monkeypatch)
+    status, log = train_here("--data", wide, "--project", tmp_path, "--epochs", "1", "--rect")
+    assert status == 0, log
+    assert shapes and set(shapes) == {(32, 64)}  # letterboxed to the 2:1 batch shape, stride-aligned
+    shapes.clear()
+    status, log = train_here("--data", wide, "--project", tmp_path, "--epochs", "1")
+    assert status == 0, log
+    assert set(shapes) == {(64, 64)}
+
+
+@pytest.mark.slow
+def test_multi_scale_draws_stride_aligned_sizes_per_step(train_here, rectangles_yaml, tmp_path, monkeypatch) -> None:
+    shapes = _batch_shapes(monkeypatch)
+    status, log = train_here("--data", rectangles_yaml, "--project", tmp_path, "--epochs", "3", "--multi-scale")
+    assert status == 0, log
+    sizes = [h for h, w in shapes]
+    assert all(h == w and h % 32 == 0 and 32 <= h <= 96 + 32 for h, w in shapes), shapes
+    assert len(set(sizes)) > 1  # 6 batches, 3 possible sizes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cosine", [False, True])
+def test_lr_curve_is_linear_or_cosine(train_here, rectangles_yaml, tmp_path, cosine) -> None:
+    hyp = yaml.safe_load((ROOT / "data/hyps/hyp.scratch-low.yaml").read_text())
+    hyp.update(warmup_epochs=0, lr0=0.01, lrf=0.1)
+    (tmp_path / "hyp.yaml").write_text(yaml.safe_dump(hyp))
+    flags = ["--cos-lr"] if cosine else []
+    status, log = train_here("--data", rectangles_yaml, "--project", tmp_path, "--epochs", "4", "--noval",
+                             "--optimizer", "SGD", "--hyp", tmp_path / "hyp.yaml", *flags)
+    assert status == 0, log
+    for row in results(tmp_path / "exp"):
+        t = row["epoch"] / 4
+        ramp = (1 - math.cos(math.pi * t)) / 2 if cosine else t
+        expected = 0.01 * (1 + (0.1 - 1) * ramp)
+        assert [row[f"x/lr{j}"] for j in range(3)] == pytest.approx([expected] * 3, rel=1e-5), row  # csv keeps 6 digits
+
+
+def _reads_per_image(monkeypatch) -> Counter:
+    reads: Counter = Counter()
+    for name in ("read_image", "read_image_region"):
+        record_calls(monkeypatch, dataset_module, name, lambda args, _: reads.update([f"{Path(args[0]).parent.name}/{Path(args[0]).name}"]))
+    return reads
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["off", "ram", "disk"])
+def test_cache_decides_where_images_are_read_from(train_here, tmp_path, monkeypatch, mode) -> None:
+    data = write_rectangles_dataset(tmp_path / "data", n_train=8, n_val=4)
+    reads = _reads_per_image(monkeypatch)
+    status, log = train_here("--data", data, "--project", tmp_path, "--epochs", "2", "--noval", "--cache", mode)
+    assert status == 0, log
+    train_files = {f"train/{i:04d}.jpg" for i in range(8)}
+    train_reads = {name: n for name, n in reads.items() if name in train_files}
+    npy = sorted((tmp_path / "data/images/train").glob("*.npy"))
+    if mode == "off":  # read from the JPEG file every epoch (2 epochs: close-mosaic leaves one image per sample)
+        assert train_reads == dict.fromkeys(train_files, 2) and not npy
+    elif mode == "ram":  # one read each, to fill the cache
+        assert train_reads == dict.fromkeys(train_files, 1) and not npy
+    else:  # one read each, to write the .npy file; training reads those
+        assert train_reads == dict.fromkeys(train_files, 1) and len(npy) == len(train_files)
+
+
+# ---- non-finite losses -----------------------------------------------------------------------------------
+
+def _poison_loss(monkeypatch, bad_calls: set[int]) -> None:
+    """Make ComputeLoss return a NaN loss on the given calls (0-based, training and validation alike)."""
+    original, calls = ComputeLoss.__call__, [0]
+
+    def poisoned(self, preds, targets, norm=None):
+        loss, items = original(self, preds, targets, norm)
+        calls[0] += 1
+        if calls[0] - 1 in bad_calls:
+            return loss * float("nan"), items * float("nan")
+        return loss, items
+
+    monkeypatch.setattr(ComputeLoss, "__call__", poisoned)
+
+
+@pytest.mark.slow
+def test_a_nan_loss_skips_the_step_and_counts_it(train_here, rectangles_yaml, tmp_path, monkeypatch) -> None:
+    _poison_loss(monkeypatch, {0})  # the first micro-batch of the first step
+    status, log = train_here("--data", rectangles_yaml, "--project", tmp_path, "--epochs", "2", "--noval")
+    assert status == 0, log
+    assert "WARNING epoch 0 batch 1: non-finite gradients (losses box, obj, cls nan" in log
+    assert "1 steps skipped (non-finite gradients)" in log
+    ckpt = load_checkpoint(tmp_path / "exp/weights/last.pt")
+    assert all(torch.isfinite(v).all() for v in ckpt["model"].values() if v.is_floating_point())
+
+
+@pytest.mark.slow
+def test_diverged_training_stops_with_one_line_and_keeps_the_good_checkpoint(train_here, rectangles_yaml, tmp_path,
+                                                                             monkeypatch) -> None:
+    status, log = train_here("--data", rectangles_yaml, "--project", tmp_path, "--epochs", "1", "--noval")
+    assert status == 0, log
+    last = tmp_path / "exp/weights/last.pt"
+    good = load_checkpoint(last)
+    monkeypatch.setattr(train, "MAX_NONFINITE_STEPS", 2)
+    _poison_loss(monkeypatch, set(range(1000)))
+    status, log = train_here("--resume", last, "--epochs", "4")
+    assert status == 1
+    assert log.splitlines()[-1].startswith("ERROR epoch 2 batch 1: 2 optimizer steps in a row had non-finite")
+    # Epoch 1 ended with its one step skipped and was saved: finite, and the EMA (what --weights and val use)
+    # is the good one, untouched by the skipped steps.
+    kept = load_checkpoint(last)
+    assert kept["epoch"] == 1 and all(torch.isfinite(v).all() for v in kept["model"].values())
+    assert all(torch.equal(kept["ema"][k], v) for k, v in good["ema"].items())
+
+
+def test_non_finite_weights_never_replace_a_checkpoint(tmp_path) -> None:
+    record = _record(tmp_path, nosave=False)
+    good = {"model": {"w": torch.ones(2)}, "ema": {"w": torch.ones(2)}}
+    record.end_epoch(0, np.zeros(3), (0.0, 0.0, 0.0, 0.1, 0.0, 0.0, 0.0), [0.01] * 3, good, final=False)
+    record.close()
+    before = (record.last.read_bytes(), record.best.read_bytes())
+    bad = {"model": {"w": torch.tensor([1.0, float("inf")])}, "ema": {"w": torch.ones(2)}}
+    record.end_epoch(1, np.zeros(3), (0.0, 0.0, 0.0, 0.2, 0.0, 0.0, 0.0), [0.01] * 3, bad, final=True)
+    record.close()
+    assert (record.last.read_bytes(), record.best.read_bytes()) == before
+
+
+# ---- resume ----------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_resume_with_more_epochs_extends_a_finished_run_in_its_folder(train_here, rectangles_yaml, tmp_path) -> None:
+    hyp = yaml.safe_load((ROOT / "data/hyps/hyp.scratch-low.yaml").read_text())
+    hyp.update(warmup_epochs=0, lr0=0.01, lrf=0.1)
+    (tmp_path / "hyp.yaml").write_text(yaml.safe_dump(hyp))
+    status, log = train_here("--data", rectangles_yaml, "--project", tmp_path, "--epochs", "2", "--noval",
+                             "--optimizer", "SGD", "--hyp", tmp_path / "hyp.yaml")
+    assert status == 0, log
+    last = tmp_path / "exp/weights/last.pt"
+    status, log = train_here("--resume", last)
+    assert status == 0 and "already finished its 2 epochs" in log  # nothing to do without --epochs
+    status, log = train_here("--resume", last, "--epochs", "4")
+    assert status == 0, log
+    assert "the learning rate goes on from" in log
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp", "hyp.yaml"]  # the same run folder
+    rows = results(tmp_path / "exp")
+    assert [int(r["epoch"]) for r in rows] == [0, 1, 2, 3]
+    # Epochs 0-1 ran the 2-epoch schedule (1 -> 0.1 at epoch 2); the extension goes on from where that schedule
+    # stood at epoch 2 (0.1) to lrf (0.1) at the new end: a finished run continues at lr0 * lrf.
+    lrs = [r["x/lr0"] for r in rows]
+    assert lrs == pytest.approx([0.01, 0.01 * (1 - 0.9 / 2), 0.001, 0.001], rel=1e-5)
+    assert load_checkpoint(last)["opt"]["epochs"] == 4
+
+
+def test_an_unfinished_run_extended_continues_its_lr_without_a_jump() -> None:
+    from utils.lr_schedule import LrSchedule
+
+    schedule = LrSchedule.for_run(10, 0.01)
+    longer = schedule.extended(4, 20, 0.01)
+    assert [longer(e) for e in range(5)] == pytest.approx([schedule(e) for e in range(5)])
+    assert longer(19) == pytest.approx(0.01 + (schedule(4) - 0.01) / 16)  # linear from epoch 4 to lrf at 20
+    assert longer(20) == pytest.approx(0.01)
+    shorter = schedule.extended(4, 6, 0.01)
+    assert shorter(6) == pytest.approx(0.01) and shorter(5) == pytest.approx((schedule(4) + 0.01) / 2)
+
+
+@pytest.mark.slow
+def test_resume_refuses_a_flag_it_cannot_change_and_names_it(train_here, rectangles_yaml, tmp_path) -> None:
+    status, log = train_here("--data", rectangles_yaml, "--project", tmp_path, "--epochs", "1", "--noval")
+    assert status == 0, log
+    last = tmp_path / "exp/weights/last.pt"
+    for flag, value in (("--imgsz", "96"), ("--cfg", "models/yolov5s.yaml"), ("--single-cls", None)):
+        status, log = train_here("--resume", last, flag, *([value] if value else []))
+        assert status == 1, log
+        line = log.splitlines()[-1]
+        assert line.startswith("ERROR ") and flag in line and "cannot change when resuming" in line, line
+
+    stripped = tmp_path / "stripped.pt"
+    save_checkpoint(load_checkpoint(last), stripped)
+    strip_training_state(stripped)
+    status, log = train_here("--resume", stripped)
+    assert status == 1
+    line = log.splitlines()[-1]
+    assert line.startswith(f"ERROR {stripped}: ") and "last.pt" in line and "\n" not in line
+
+
+# ---- --time ----------------------------------------------------------------------------------------------
+
+def test_time_budget_gives_the_number_of_epochs_after_the_first() -> None:
+    opt = train.parse_opt(["--time", "0.5", "--close-mosaic", "10"])[0]  # 1800 s
+    assert train.fit_to_time(opt, epoch=0, start_epoch=0, elapsed=70.0, epoch_seconds=60.0) == {"epochs": 30}
+    assert train.fit_to_time(opt, epoch=5, start_epoch=0, elapsed=600.0, epoch_seconds=60.0) == {}
+    assert train.fit_to_time(opt, epoch=29, start_epoch=0, elapsed=1750.0, epoch_seconds=60.0) == {"stop": True}
+
+
+@pytest.mark.slow
+def test_time_refits_the_schedule_and_close_mosaic(train_here, rectangles_yaml, tmp_path, monkeypatch) -> None:
+    # The measured epoch time decides the number of epochs; here that decision is fixed at 3 epochs.
+    monkeypatch.setattr(train, "fit_to_time", lambda opt, epoch, *_: {"epochs": 3} if epoch == 0 else {})
+    mosaic_epochs: list[bool] = []
+    record_calls(monkeypatch, dataset_module.YoloDataset, "mosaic_enabled",
+                 lambda args, enabled: mosaic_epochs.append((args[1], enabled)))
+    hyp = yaml.safe_load((ROOT / "data/hyps/hyp.scratch-low.yaml").read_text())
+    hyp.update(warmup_epochs=0, lr0=0.01, lrf=0.1)
+    (tmp_path / "hyp.yaml").write_text(yaml.safe_dump(hyp))
+    status, log = train_here("--data", rectangles_yaml, "--project", tmp_path, "--epochs", "300", "--time", "1",
+                             "--close-mosaic", "1", "--noval", "--optimizer", "SGD", "--hyp", tmp_path / "hyp.yaml")
+    assert status == 0, log
+    rows = results(tmp_path / "exp")
+    assert [int(r["epoch"]) for r in rows] == [0, 1, 2]  # not 300
+    # Epoch 0 ran the 300-epoch schedule; from epoch 1 on, the 3-epoch one: 1 -> 0.1 over 3 epochs.
+    assert [r["x/lr0"] for r in rows] == pytest.approx([0.01, 0.01 * (1 - 0.9 / 3), 0.01 * (1 - 0.9 * 2 / 3)],
+                                                       rel=1e-5)
+    assert {e for e, enabled in mosaic_epochs if enabled} == {0, 1} and {e for e, on in mosaic_epochs if not on} == {2}
+    assert "1 epochs completed" not in log and "3 epochs completed" in log
