@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from utils.checkpoint import load_checkpoint
 
