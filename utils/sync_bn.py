@@ -10,8 +10,8 @@ import torch.nn as nn
 class CpuSyncBatchNorm(nn.BatchNorm2d):
     """BatchNorm2d whose training statistics are the whole global batch's, summed over ranks.
 
-    torch.nn.SyncBatchNorm only runs on accelerators; this one all-reduces per-channel sums with an
-    autograd-aware collective, so gradients also flow through the other ranks' statistics.
+    torch.nn.SyncBatchNorm only runs on accelerators; this one gathers per-channel means and squared
+    deviations with an autograd-aware collective, so gradients also flow through the other ranks' statistics.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -19,12 +19,17 @@ class CpuSyncBatchNorm(nn.BatchNorm2d):
             return super().forward(x)
         channels = x.shape[1]
         xf = x.float()
+        # Each rank's count, mean and sum of squared deviations, combined exactly (Chan et al.): unlike
+        # E[x^2] - mean^2 this does not cancel, so the statistics equal one process's up to rounding.
         count = torch.full((1,), xf.numel() / channels, dtype=torch.float32, device=x.device)
-        packed = torch.cat((xf.sum((0, 2, 3)), (xf * xf).sum((0, 2, 3)), count))
-        packed = dist_fn.all_reduce(packed, op=dist.ReduceOp.SUM)
-        n = packed[-1]
-        mean = packed[:channels] / n
-        var = (packed[channels:2 * channels] / n - mean * mean).clamp(min=0)
+        local_mean = xf.mean((0, 2, 3))
+        local_m2 = (xf - local_mean.view(1, -1, 1, 1)).square().sum((0, 2, 3))
+        gathered = torch.stack(dist_fn.all_gather(torch.cat((local_mean, local_m2, count))))
+        counts = gathered[:, -1:]
+        n = counts.sum()
+        mean = (gathered[:, :channels] * counts).sum(0) / n
+        m2 = gathered[:, channels:2 * channels].sum(0) + ((gathered[:, :channels] - mean).square() * counts).sum(0)
+        var = m2 / n
         if self.track_running_stats:
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
