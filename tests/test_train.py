@@ -192,38 +192,6 @@ def test_a_killed_rank_makes_the_others_exit(rectangles_yaml, tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_fine_tune_with_optional_flags(rectangles_yaml, tmp_path) -> None:
-    base = run(train_cmd(rectangles_yaml, tmp_path / "base", "--epochs", "1", "--noplots"))
-    assert base.returncode == 0, base.stderr[-3000:]
-    start = tmp_path / "base/exp/weights/last.pt"
-    flags = ("--weights", str(start), "--epochs", "2", "--single-cls", "--multi-scale", "--rect", "--freeze", "2",
-             "--cos-lr", "--label-smoothing", "0.1", "--save-period", "1", "--optimizer", "SGD", "--noplots")
-    tuned = run(train_cmd(rectangles_yaml, tmp_path / "tuned", *flags))
-    out = tuned.stdout + tuned.stderr
-    assert tuned.returncode == 0, out[-3000:]
-    assert "Transferred" in out and "optimizer: SGD" in out
-    run_dir = tmp_path / "tuned/exp"
-    assert (run_dir / "weights/epoch0.pt").exists() and (run_dir / "weights/epoch1.pt").exists()
-    before, after = load_checkpoint(start)["ema"], weights(run_dir / "weights/last.pt")  # --weights starts from EMA
-    assert after["model.24.m.0.weight"].shape[0] == 3 * (1 + 5)  # one class: a new head
-    for frozen in ("model.0.conv.weight", "model.1.conv.weight"):
-        assert torch.equal(before[frozen], after[frozen]), frozen
-    assert not torch.equal(before["model.2.cv1.conv.weight"], after["model.2.cv1.conv.weight"])
-
-
-def test_bad_inputs_are_one_line_errors(rectangles_yaml, tmp_path) -> None:
-    missing = run([sys.executable, "train.py", "--data", str(tmp_path / "nope.yaml"), *TINY])
-    assert missing.returncode == 1 and "nope.yaml" in missing.stdout + missing.stderr
-    assert "Traceback" not in missing.stderr
-    not_ours = tmp_path / "foreign.pt"
-    torch.save({"state": torch.zeros(1)}, not_ours)
-    foreign = run(train_cmd(rectangles_yaml, tmp_path, "--weights", str(not_ours), "--epochs", "1"))
-    assert foreign.returncode == 1 and "not a checkpoint of this project" in foreign.stdout + foreign.stderr
-    no_runs = run([sys.executable, "train.py", "--resume", "--project", str(tmp_path / "empty")])
-    assert no_runs.returncode == 1 and "no last.pt to resume" in no_runs.stdout + no_runs.stderr
-
-
-@pytest.mark.slow
 def test_resume_under_ddp_with_the_same_world_size(rectangles_yaml, tmp_path) -> None:
     cmd = train_cmd(rectangles_yaml, tmp_path, "--epochs", "3", "--noplots", "--batch-size", "4", nproc=2)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -243,3 +211,23 @@ def test_resume_under_ddp_with_the_same_world_size(rectangles_yaml, tmp_path) ->
     assert load_checkpoint(last)["epoch"] == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exp"]
     assert [int(r["epoch"]) for r in results_rows(tmp_path / "exp")][-1] == 2
+
+
+@pytest.mark.slow
+def test_a_launcher_restart_resumes_the_run_by_itself(rectangles_yaml, tmp_path) -> None:
+    cmd = train_cmd(rectangles_yaml, tmp_path, "--epochs", "6", "--noplots", "--noval", nproc=2)
+    cmd.insert(cmd.index("--standalone"), "--max-restarts=1")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    _wait_for(tmp_path / "exp/weights/last.pt", proc)
+    workers = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "train.py"], capture_output=True, text=True)
+    os.kill(int(workers.stdout.split()[1]), signal.SIGKILL)
+    try:
+        output = proc.communicate(timeout=240)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, output[-3000:]
+    assert "restart 1 of launcher run" in output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp"]  # the same run folder, no exp2
+    assert [int(r["epoch"]) for r in results_rows(tmp_path / "exp")] == list(range(6))

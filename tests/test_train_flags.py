@@ -128,6 +128,37 @@ def test_a_failed_start_leaves_no_run_folder(train_here, rectangles_yaml, tmp_pa
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
 
 
+def test_bad_inputs_are_one_line_errors(train_here, rectangles_yaml, tmp_path) -> None:
+    status, log = train_here("--data", tmp_path / "nope.yaml", "--project", tmp_path)
+    assert status == 1 and "nope.yaml" in log.splitlines()[-1]
+    not_ours = tmp_path / "foreign.pt"
+    torch.save({"state": torch.zeros(1)}, not_ours)
+    status, log = train_here("--data", rectangles_yaml, "--project", tmp_path, "--weights", not_ours)
+    assert status == 1 and "not a checkpoint of this project" in log.splitlines()[-1]
+    status, log = train_here("--resume", "--project", tmp_path / "empty")
+    assert status == 1 and "no last.pt to resume" in log.splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_fine_tune_with_optional_flags(train_here, rectangles_yaml, tmp_path) -> None:
+    status, log = train_here("--data", rectangles_yaml, "--project", tmp_path / "base", "--epochs", "1")
+    assert status == 0, log
+    start = tmp_path / "base/exp/weights/last.pt"
+    status, log = train_here("--data", rectangles_yaml, "--project", tmp_path / "tuned", "--weights", start,
+                             "--epochs", "2", "--single-cls", "--multi-scale", "--rect", "--freeze", "2", "--cos-lr",
+                             "--label-smoothing", "0.1", "--save-period", "1", "--optimizer", "SGD")
+    assert status == 0, log
+    assert "Transferred" in log and "optimizer: SGD" in log
+    run_dir = tmp_path / "tuned/exp"
+    assert (run_dir / "weights/epoch0.pt").exists() and (run_dir / "weights/epoch1.pt").exists()
+    before = load_checkpoint(start)["ema"]  # --weights starts from the EMA
+    after = load_checkpoint(run_dir / "weights/last.pt")["model"]
+    assert after["model.24.m.0.weight"].shape[0] == 3 * (1 + 5)  # one class: a new head
+    for frozen in ("model.0.conv.weight", "model.1.conv.weight"):
+        assert torch.equal(before[frozen], after[frozen]), frozen
+    assert not torch.equal(before["model.2.cv1.conv.weight"], after["model.2.cv1.conv.weight"])
+
+
 # ---- early stopping, validation, saving ------------------------------------------------------------------
 
 def _record(tmp_path: Path, **kwargs) -> RunRecord:

@@ -1,6 +1,7 @@
 """val.py end to end on a generated dataset: an oracle model, a real random model, and user errors."""
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from utils.hyp import Hyp
 from utils.checkpoint import model_state, save_checkpoint
 from utils.data.loader import create_dataloader
 from utils.errors import UserError
+from utils.log import LOGGER
 
 ROOT = Path(__file__).resolve().parents[1]
 # class 0 red, class 1 green (RGB) rectangles on black
@@ -209,7 +211,18 @@ def test_cli_errors_are_one_line_and_exit_non_zero(dataset, tmp_path):
         (["--weights", str(good), "--task", "test"], "data.yaml"),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    for args, named_file in cases:
+    # One case as a real process (no traceback reaches the terminal); the others in this process.
+    for args, named_file in cases[1:]:
+        lines: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda record: lines.append(record.getMessage())
+        LOGGER.addHandler(handler)
+        try:
+            status = val.main(["--data", str(dataset), "--device", "cpu", "--project", str(tmp_path / "r"), *args])
+        finally:
+            LOGGER.removeHandler(handler)
+        assert status == 1 and lines[-1].startswith("ERROR") and named_file in lines[-1], lines
+    for args, named_file in cases[:1]:
         proc = subprocess.run(
             [sys.executable, "val.py", "--data", str(dataset), "--device", "cpu", "--project", str(tmp_path / "r"),
              *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
