@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from conftest import write_rectangles_dataset
 
 import train
 import utils.data.dataset as dataset_module
 import utils.run_record as run_record_module
-from tests.conftest import write_rectangles_dataset
 from utils.checkpoint import load_checkpoint, save_checkpoint, strip_training_state
 from utils.log import LOGGER
 from utils.loss import ComputeLoss
