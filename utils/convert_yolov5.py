@@ -24,9 +24,8 @@ def convert(src: str | Path, dst: str | Path) -> Path:
     if dst.resolve() == src.resolve():
         raise UserError(f"{dst}: the output must not overwrite the input")
     ckpt = load_checkpoint(src)
-    if ckpt.get("source") != "yolov5":
+    if "format_version" in ckpt:  # only files written by save_checkpoint carry it
         raise UserError(f"{src}: already a checkpoint of this project; nothing to convert")
-    ckpt.pop("format_version", None)
     save_checkpoint(ckpt, dst)
     LOGGER.info(f"{dst}: written ({len(ckpt['model'])} tensors, {len(ckpt['names'])} classes); "
                 "it loads with torch.load(weights_only=True)")
