@@ -164,14 +164,12 @@ def run_options(opt: argparse.Namespace) -> DetectResults:
             t0 = time_synchronized()
             im = torch.from_numpy(np.stack([b[1] for b in batch])[..., ::-1].transpose(0, 3, 1, 2).copy())
             im = im.to(device).float() / 255
-            if meta.batch is not None and len(batch) < meta.batch:  # a fixed-batch file: fill with blank images
-                im = torch.cat([im, im.new_zeros(meta.batch - len(batch), *im.shape[1:])])
             t1 = time_synchronized()
             with torch.no_grad():
                 pred = predictions(model(im))
             t2 = time_synchronized()
             dets = non_max_suppression(pred.float(), opt.conf_thres, opt.iou_thres, classes=opt.classes,
-                                       agnostic=opt.agnostic_nms, max_det=opt.max_det)[:len(batch)]
+                                       agnostic=opt.agnostic_nms, max_det=opt.max_det)
             t3 = time_synchronized()
             times += (t1 - t0, t2 - t1, t3 - t2)
             per_image_ms = (t3 - t0) * 1e3 / len(batch)

@@ -110,6 +110,23 @@ class TorchScriptModel(nn.Module):
         return self.module(x)
 
 
+class FixedBatch(nn.Module):
+    """Run a file exported for batch ``size`` on any batch: split larger ones, pad the last with blank images."""
+
+    def __init__(self, runner: nn.Module, size: int):
+        super().__init__()
+        self.runner, self.size = runner, size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outputs = []
+        for chunk in x.split(self.size):
+            n = len(chunk)
+            if n < self.size:
+                chunk = torch.cat([chunk, chunk.new_zeros(self.size - n, *chunk.shape[1:])])
+            outputs.append(self.runner(chunk)[:n])
+        return torch.cat(outputs)
+
+
 def load_for_inference(weights: str | Path, device: torch.device | str = "cpu",
                        fuse: bool = True) -> tuple[nn.Module, ModelMeta]:
     """The model behind ``weights`` in eval mode and its metadata. PyTorch models keep returning (pred, raw)."""
@@ -123,12 +140,13 @@ def load_for_inference(weights: str | Path, device: torch.device | str = "cpu",
             raise UserError(f"{path}: no class names in its metadata; export it with export.py")
         meta = ModelMeta.from_json(json.dumps({k: json.loads(v) for k, v in model.metadata.items()
                                                if k in ("names", "stride", "imgsz", "batch")}), "onnx", path)
-        return model.eval(), meta
+        return (FixedBatch(model, meta.batch) if meta.batch else model).eval(), meta
     if suffix == ".torchscript":
         model = TorchScriptModel(path, device)
         if not model.metadata:
             raise UserError(f"{path}: no metadata ({METADATA_FILE}) in it; export it with export.py")
-        return model.eval(), ModelMeta.from_json(model.metadata, "torchscript", path)
+        meta = ModelMeta.from_json(model.metadata, "torchscript", path)
+        return (FixedBatch(model, meta.batch) if meta.batch else model).eval(), meta
     if suffix != ".pt":
         raise UserError(f"{path}: unknown weights format (expected {', '.join(SUFFIXES)})")
     from models.yolo import load_model
