@@ -29,6 +29,7 @@ def test_coco_names_map_to_coco_category_ids() -> None:
     assert category_ids(["red", "green"]) == [0, 1] and not is_coco_classes(COCO_NAMES[:79])
 
 
+@pytest.mark.slow
 def test_predictions_json_scores_against_the_dataset_annotations(tmp_path, capsys) -> None:
     pytest.importorskip("pycocotools")
     yaml_file = make_dataset(tmp_path / "data")

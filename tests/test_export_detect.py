@@ -118,6 +118,7 @@ def test_detect_on_a_video(tmp_path, weights) -> None:
     out.release()
 
 
+@pytest.mark.slow
 def test_detect_reports_a_missing_source_in_one_line(tmp_path, weights) -> None:
     done = subprocess.run([sys.executable, "detect.py", "--weights", str(weights), "--source", str(tmp_path / "nothing"),
                            "--project", str(tmp_path / "runs")], capture_output=True, text=True, cwd=ROOT, timeout=120)
