@@ -80,6 +80,7 @@ def validate(
     save_conf: bool = False,
     half: bool = False,
     autocast_dtype: torch.dtype | None = None,
+    annotations_json: str | Path | None = None,
 ) -> ValResults:
     """Run ``model`` over ``dataloader`` (letterboxed batches with shapes entries) and measure it.
 
@@ -87,6 +88,8 @@ def validate(
     autocast, so the caller's weights (such as training's EMA) are never converted; a model already in
     fp16 gets fp16 images. ``autocast_dtype`` (e.g. bf16 on a CPU, as training uses) runs inference under
     autocast of that type; NMS and metrics stay in fp32. Outputs (plots, labels/, JSON files) go to ``save_dir``.
+    ``model`` may also be an exported file's runner (models/backends.py), which returns predictions only.
+    With ``save_json``, ``annotations_json`` (COCO's instances_val2017.json) is scored too, beside our figures.
     """
     device = torch.device(device)
     wants_files = plots or save_json or save_txt
@@ -95,10 +98,11 @@ def validate(
     save_dir = Path(save_dir) if save_dir is not None else None
     half = half and device.type == "cuda"
     model.eval()
-    first_weight = next(model.parameters())
-    fp16_weights = first_weight.dtype == torch.float16
+    first_weight = next(model.parameters(), None)  # None for an ONNX runner
+    fp16_weights = first_weight is not None and first_weight.dtype == torch.float16
     # Feed images in the layout the convolutions already use, so no conversion runs per layer.
-    channels_last = first_weight.dim() == 4 and first_weight.is_contiguous(memory_format=torch.channels_last)
+    channels_last = first_weight is not None and first_weight.dim() == 4 and \
+        first_weight.is_contiguous(memory_format=torch.channels_last)
     if half and not fp16_weights:
         autocast_dtype = torch.float16
     names = list(names)
@@ -116,7 +120,13 @@ def validate(
     images_per_class = np.zeros(nc, dtype=np.int64)
     confusion = np.zeros((nc + 1, nc + 1), dtype=np.int64)
     json_results: list[dict] = []
-    json_images: list[tuple[np.ndarray, tuple[int, int], str]] = []  # (labels, (h, w), file) per image id
+    json_images: list[tuple[np.ndarray, tuple[int, int], str]] = []  # (labels, (h, w), file) per image
+    if save_json:
+        from utils.coco_json import category_ids, image_ids_for
+
+        class_map = category_ids(names)
+        dataset_files = getattr(getattr(dataloader, "dataset", None), "im_files", None)
+        file_ids = dict(zip(dataset_files, image_ids_for(dataset_files))) if dataset_files else {}
 
     for batch_i, (imgs, targets, paths, shapes) in enumerate(dataloader):
         t0 = time_synchronized()
@@ -129,9 +139,10 @@ def validate(
 
         with torch.autocast(device_type=device.type, dtype=autocast_dtype or torch.float32,
                             enabled=autocast_dtype is not None):
-            pred, raw = model(imgs)
+            out = model(imgs)
+        pred, raw = out if isinstance(out, (tuple, list)) else (out, None)  # exported files give predictions only
         t2 = time_synchronized()
-        if compute_loss is not None:
+        if compute_loss is not None and raw is not None:
             loss_sum += compute_loss([x.float() for x in raw], targets.to(device))[1].detach()
         n_batches += 1
 
@@ -146,7 +157,6 @@ def validate(
             labels = targets[targets[:, 0] == si, 1:]
             original_shape, ratio_pad = shapes[si] if shapes[si] is not None else ((height, width), None)
             h0, w0 = int(original_shape[0]), int(original_shape[1])
-            image_id = seen
             seen += 1
 
             det_px = det.clone()
@@ -169,10 +179,13 @@ def validate(
             if save_json:
                 from utils.coco_json import detections_to_results
 
-                json_results.extend(detections_to_results(det_np, image_id))
+                image_id = file_ids.get(paths[si])
+                if image_id is None:  # a loader without the dataset's file list: ids from this file's name
+                    image_id = image_ids_for([paths[si]])[0]
+                json_results.extend(detections_to_results(det_np, image_id, class_map))
                 labels_n = np.concatenate([gt_cls[:, None], xyxy2xywhn(gt_np, w0, h0)], 1) if len(gt_np) else \
                     np.zeros((0, 5))
-                json_images.append((labels_n, (h0, w0), str(paths[si])))
+                json_images.append((labels_n, (h0, w0), str(paths[si]), image_id))
 
         if plots and batch_i < N_PLOTTED_BATCHES:
             from utils.plots import output_to_target, plot_images
@@ -205,7 +218,8 @@ def validate(
     if plots:
         _plot_metrics(metrics, confusion, names, save_dir)
     if save_json:
-        results.coco_stats = _coco_evaluation(json_results, json_images, names, save_dir)
+        results.coco_stats = _coco_evaluation(json_results, json_images, names, save_dir, class_map, annotations_json,
+                                              map50_95)
     if save_txt:
         n_files = len(list((save_dir / "labels").glob("*.txt")))
         LOGGER.info(f"{n_files} label files saved to {save_dir / 'labels'}")
@@ -253,15 +267,19 @@ def _plot_metrics(metrics: ClassMetrics, confusion: np.ndarray, names: list[str]
 
 
 def _coco_evaluation(
-    json_results: list[dict], json_images: list[tuple[np.ndarray, tuple[int, int], str]], names: list[str],
-    save_dir: Path,
+    json_results: list[dict], json_images: list[tuple[np.ndarray, tuple[int, int], str, int | str]],
+    names: list[str], save_dir: Path, class_map: list[int], annotations_json: str | Path | None, our_map: float,
 ) -> np.ndarray | None:
-    """Write predictions.json and a ground truth made from the labels, then run COCOeval when available."""
+    """Write predictions.json and a ground truth made from the labels, then run COCOeval when available.
+
+    With ``annotations_json`` (the dataset's own COCO annotations) the predictions are scored against it too,
+    on the images evaluated, as YOLOv5 does; its mAP50-95 is printed beside ours.
+    """
     from utils.coco_json import coco_eval, format_coco_stats, ground_truth_dict, write_json
 
     pred_json = write_json(json_results, save_dir / "predictions.json")
-    labels, shapes, files = zip(*json_images) if json_images else ((), (), ())
-    gt = ground_truth_dict(labels, shapes, range(len(labels)), files, names)
+    labels, shapes, files, ids = zip(*json_images) if json_images else ((), (), (), ())
+    gt = ground_truth_dict(labels, shapes, ids, files, names, class_map)
     gt_json = write_json(gt, save_dir / "ground_truth.json")
     LOGGER.info(f"COCO results saved to {pred_json} (ground truth from the labels: {gt_json})")
     try:
@@ -272,8 +290,18 @@ def _coco_evaluation(
     if not gt["annotations"] or not json_results:
         LOGGER.warning(f"COCO evaluation skipped: no {'ground-truth boxes' if json_results else 'detections'}")
         return None
-    stats, _ = coco_eval(gt_json, json_results, image_ids=range(len(labels)))
+    stats, _ = coco_eval(gt_json, json_results, image_ids=ids)
     LOGGER.info(f"COCOeval (bbox, maxDets=100 per image and class):\n{format_coco_stats(stats)}")
+    if annotations_json is not None:
+        try:
+            official, _ = coco_eval(annotations_json, json_results, image_ids=ids)
+        except AssertionError:  # pycocotools' loadRes asserts that every result's image is in the file
+            LOGGER.warning(f"WARNING {annotations_json}: does not hold these images (ids from the file names); "
+                           "not scored against it")
+            return stats
+        LOGGER.info(f"COCOeval against {annotations_json}:\n{format_coco_stats(official)}")
+        print(f"mAP50-95: {our_map:.4f} (this project) | {official[0]:.4f} (pycocotools, {Path(annotations_json).name})"
+              f"   mAP50: {official[1]:.4f} (pycocotools)")
     return stats
 
 
@@ -283,7 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     """val.py's options and their defaults (the only place they are declared; ``run`` takes the same names)."""
     parser = argparse.ArgumentParser(description="Validate a detector checkpoint on a dataset split")
     parser.add_argument("--data", type=str, required=True, help="dataset YAML")
-    parser.add_argument("--weights", type=str, required=True, help="checkpoint saved by this project")
+    parser.add_argument("--weights", type=str, required=True,
+                        help="checkpoint (this project's or YOLOv5's .pt), or .onnx / .torchscript from export.py")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--imgsz", "--img", type=int, default=640, help="inference size (pixels, long side)")
     parser.add_argument("--conf-thres", type=float, default=0.001)
@@ -320,7 +349,7 @@ def run(**options: Any) -> ValResults:
 
 def run_options(opt: argparse.Namespace) -> ValResults:
     """Load a checkpoint and a dataset split, validate, and save the outputs in a new run folder."""
-    from models.yolo import load_model
+    from models.backends import load_for_inference
     from utils.data.config import load_data_config
     from utils.data.loader import create_dataloader
 
@@ -337,18 +366,24 @@ def run_options(opt: argparse.Namespace) -> ValResults:
     if opt.half and device.type != "cuda":
         LOGGER.warning("--half needs a CUDA device: running in fp32")
     half = opt.half and device.type == "cuda"
-    model, _ = load_model(opt.weights, device)
-    model = model.float()
-    if hasattr(model, "fuse"):
-        model.fuse()
-    if half:
+    model, meta = load_for_inference(opt.weights, device)
+    if half and meta.kind == "pytorch":
         model.half()
+    half = half and meta.kind == "pytorch"
     nc = int(data_cfg["nc"])
-    if not opt.single_cls and getattr(model, "nc", nc) != nc:
-        raise UserError(f"{opt.weights}: the model predicts {model.nc} classes but {opt.data} has {nc}; "
+    if not opt.single_cls and meta.nc != nc:
+        raise UserError(f"{opt.weights}: the model predicts {meta.nc} classes but {opt.data} has {nc}; "
                         "use matching weights or --single-cls")
-    stride = int(model.stride.max())
-    imgsz = opt.imgsz
+    stride = meta.stride
+    imgsz, batch_size, rect = opt.imgsz, opt.batch_size, True
+    if meta.imgsz is not None:  # an exported file takes one input shape: square letterboxes of its size
+        if meta.imgsz[0] != meta.imgsz[1]:
+            raise UserError(f"{opt.weights}: exported for {meta.imgsz[0]}x{meta.imgsz[1]} input; val.py needs a "
+                            "square one (export with a single --imgsz)")
+        if imgsz != meta.imgsz[0]:
+            LOGGER.info(f"{opt.weights}: exported for {meta.imgsz[0]}x{meta.imgsz[1]} input; using that size")
+        imgsz, rect = meta.imgsz[0], False
+        batch_size = meta.batch or batch_size
     if imgsz % stride:
         imgsz = (imgsz // stride + 1) * stride
         LOGGER.warning(f"--imgsz {opt.imgsz} is not a multiple of the stride {stride}: using {imgsz}")
@@ -357,7 +392,8 @@ def run_options(opt: argparse.Namespace) -> ValResults:
         conf_thres, iou_thres, save_json = 0.25, 0.45, False
 
     save_dir = increment_path(Path(opt.project) / opt.name, exist_ok=opt.exist_ok, mkdir=True)
-    loader, _ = create_dataloader(data_cfg[split], imgsz, opt.batch_size, stride, augment=False, rect=True, pad=0.5,
+    loader, _ = create_dataloader(data_cfg[split], imgsz, batch_size, stride, augment=False, rect=rect,
+                                  pad=0.5 if rect else 0.0,
                                   workers=opt.workers, single_cls=opt.single_cls, nc=nc,
                                   prefix=colorstr(f"{split}: "))
     if device.type == "cuda":  # the first CUDA call pays for context and kernel set-up: keep it out of the timings
@@ -367,6 +403,7 @@ def run_options(opt: argparse.Namespace) -> ValResults:
         model, loader, names=data_cfg["names"], device=device, conf_thres=conf_thres, iou_thres=iou_thres,
         max_det=opt.max_det, single_cls=opt.single_cls, save_dir=save_dir, plots=not opt.noplots,
         verbose=opt.verbose, save_json=save_json, save_txt=opt.save_txt, save_conf=opt.save_conf, half=half,
+        annotations_json=data_cfg.get("annotations") if split == "val" else None,
     )
     LOGGER.info(f"Results saved to {colorstr(str(save_dir))}")
     return results

@@ -62,17 +62,21 @@ def save_checkpoint(ckpt: dict[str, Any], path: str | Path) -> None:
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Open a checkpoint safely; a file that needs arbitrary unpickling is refused, never executed."""
+    """Open a checkpoint safely; a file that needs arbitrary unpickling is refused, never executed.
+
+    A YOLOv5 v6+ ``.pt`` is imported without running anything from it and returned in this project's format.
+    """
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: checkpoint not found")
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise UserError(
-            f"{path}: refused: this checkpoint needs arbitrary unpickling (a pickled object or a foreign format); "
-            "only checkpoints saved by this project load"
-        ) from e
+    except pickle.UnpicklingError:
+        # Not our format: a YOLOv5 checkpoint is read by an allow-list unpickler (utils/yolov5_compat.py),
+        # anything else is refused there with the global it named.
+        from utils.yolov5_compat import load_yolov5_checkpoint
+
+        return load_yolov5_checkpoint(path)
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as e:
         raise UserError(f"{path}: not a readable checkpoint ({e.__class__.__name__}: {str(e).splitlines()[0]})") from e
     if not isinstance(ckpt, dict) or "model_cfg" not in ckpt or "model" not in ckpt:

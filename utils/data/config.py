@@ -179,4 +179,19 @@ def load_data_config(path: str | Path) -> dict[str, Any]:
     for key in SPLITS:
         if raw.get(key) not in (None, "", []):
             config[key] = _resolve_split(raw[key], root, yaml_file, key)
+    annotations = _annotations_file(raw.get("annotations"), root, yaml_file)
+    if annotations is not None:
+        config["annotations"] = annotations
     return config
+
+
+def _annotations_file(value: Any, root: Path, yaml_file: Path) -> str | None:
+    """COCO annotations of the val split: the YAML's 'annotations', else root/annotations/instances_val2017.json."""
+    if value in (None, ""):
+        default = root / "annotations" / "instances_val2017.json"
+        return str(default) if default.is_file() else None
+    path = Path(str(value))
+    path = path if path.is_absolute() else root / path
+    if not path.is_file():
+        raise UserError(f"{yaml_file}: 'annotations' {value!r} does not exist (tried {path})")
+    return str(path)

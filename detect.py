@@ -1,0 +1,267 @@
+"""Run a detector on images, folders, globs, .txt lists, videos or a webcam, as YOLOv5's detect.py does.
+
+Usage:
+    python detect.py --weights yolov5s.pt --source data/images --imgsz 640
+    python detect.py --weights best.onnx --source video.mp4 --save-txt --save-conf
+    python detect.py --weights best.torchscript --source 0          # webcam 0
+
+Results go to runs/detect/exp (then exp2, ...): annotated images and videos, ``labels/*.txt`` in YOLO format
+(``cls x y w h [conf]`` normalised; video frames as ``<stem>_<frame>.txt``), ``crops/<class>/`` with
+--save-crop. Weights: a .pt (ours or YOLOv5's), or a .onnx / .torchscript written by export.py. Inputs that
+cannot be read are reported and skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import cv2
+import numpy as np
+import torch
+
+from utils.errors import UserError, run_reporting_errors
+from utils.log import LOGGER, colorstr, setup_logging
+from utils.run_dir import increment_path
+from utils.torch_utils import select_device, time_synchronized
+
+
+@dataclass
+class DetectResults:
+    """What a detect run did: per input frame its detections (n, 6) in original pixels, and where files went."""
+
+    save_dir: Path
+    detections: dict[str, np.ndarray] = field(default_factory=dict)  # key: path, or path:frame for videos
+    skipped: list[str] = field(default_factory=list)
+    speed: tuple[float, float, float] = (0.0, 0.0, 0.0)  # pre-process, inference, NMS: ms per image
+
+
+def draw_detection(img: np.ndarray, box: np.ndarray, label: str, colour: tuple[int, int, int]) -> None:
+    """A box and its label on a BGR image, in place, with line width scaled to the image."""
+    line = max(round(sum(img.shape[:2]) / 2 * 0.003), 1)
+    p1, p2 = (int(box[0]), int(box[1])), (int(box[2]), int(box[3]))
+    cv2.rectangle(img, p1, p2, colour, line, cv2.LINE_AA)
+    if label:
+        font = line / 3
+        (tw, th), _ = cv2.getTextSize(label, cv2.FONT_HERSHEY_SIMPLEX, font, max(line - 1, 1))
+        above = p1[1] - th - 3 >= 0
+        q2 = (p1[0] + tw, p1[1] - th - 3 if above else p1[1] + th + 3)
+        cv2.rectangle(img, p1, q2, colour, -1, cv2.LINE_AA)
+        cv2.putText(img, label, (p1[0], p1[1] - 2 if above else p1[1] + th + 2), cv2.FONT_HERSHEY_SIMPLEX, font,
+                    (255, 255, 255), max(line - 1, 1), cv2.LINE_AA)
+
+
+def save_crop(img: np.ndarray, box: np.ndarray, path: Path, gain: float = 1.02, pad: int = 10) -> None:
+    """Save the region of ``box`` (slightly enlarged, as YOLOv5 crops) from the original image."""
+    cx, cy, w, h = (box[0] + box[2]) / 2, (box[1] + box[3]) / 2, box[2] - box[0], box[3] - box[1]
+    w, h = w * gain + pad, h * gain + pad
+    x1, y1 = int(max(cx - w / 2, 0)), int(max(cy - h / 2, 0))
+    x2, y2 = int(min(cx + w / 2, img.shape[1])), int(min(cy + h / 2, img.shape[0]))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cv2.imwrite(str(increment_path(path)), img[y1:y2, x1:x2])
+
+
+def label_lines(det: np.ndarray, shape: tuple[int, int], save_conf: bool) -> list[str]:
+    """YOLO-format rows for detections (n, 6) in pixels of an image of ``shape`` (h, w)."""
+    from utils.boxes import xyxy2xywhn
+
+    h, w = shape
+    rows = []
+    for (x, y, bw, bh), conf, cls in zip(xyxy2xywhn(det[:, :4], w, h), det[:, 4], det[:, 5]):
+        values = (int(cls), x, y, bw, bh, conf) if save_conf else (int(cls), x, y, bw, bh)
+        rows.append(("%g " * len(values)).rstrip() % values)
+    return rows
+
+
+def _display_available() -> bool:
+    return sys.platform in ("win32", "darwin") or bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+
+
+class _Writers:
+    """Annotated outputs: images written at once, one video writer per video (opened at its first frame)."""
+
+    def __init__(self, save_dir: Path):
+        self.save_dir = save_dir
+        self.videos: dict[str, cv2.VideoWriter] = {}
+
+    def write(self, frame: Any, img: np.ndarray) -> None:
+        if frame.kind == "image":
+            cv2.imwrite(str(self.save_dir / Path(frame.path).name), img)
+            return
+        if frame.path not in self.videos:
+            for writer in self.videos.values():  # videos are read one after the other
+                writer.release()
+            out = self.save_dir / f"{Path(frame.path).stem}.mp4"
+            h, w = img.shape[:2]
+            self.videos = {frame.path: cv2.VideoWriter(str(out), cv2.VideoWriter_fourcc(*"mp4v"), frame.fps, (w, h))}
+        self.videos[frame.path].write(img)
+
+    def close(self) -> None:
+        for writer in self.videos.values():
+            writer.release()
+        self.videos = {}
+
+
+def _batches(frames, meta, imgsz: int, batch_size: int, skipped: list[str]):
+    """Letterboxed batches of same-shape frames: (frames, array (b, 3, h, w), ratio_pads). Bad frames are skipped."""
+    from utils.data.augmentations import letterbox
+
+    fixed = meta.imgsz is not None
+    shape = meta.imgsz if fixed else (imgsz, imgsz)
+    pending: list[tuple[Any, np.ndarray, tuple]] = []
+    for frame in frames:
+        if frame.image is None:
+            LOGGER.warning(f"WARNING {frame.path}: skipped ({frame.error})")
+            skipped.append(frame.path)
+            continue
+        # PyTorch models take any multiple of the stride: pad only that far, as YOLOv5 does for .pt files.
+        img, ratio, pad = letterbox(frame.image, shape, auto=not fixed, stride=meta.stride)
+        if pending and pending[0][1].shape != img.shape:
+            yield pending
+            pending = []
+        pending.append((frame, img, ((ratio[1], ratio[0]), pad)))
+        if len(pending) == batch_size:
+            yield pending
+            pending = []
+    if pending:
+        yield pending
+
+
+def run_options(opt: argparse.Namespace) -> DetectResults:
+    from models.backends import load_for_inference, predictions
+    from utils.boxes import scale_boxes
+    from utils.data.sources import iter_source
+    from utils.nms import non_max_suppression
+    from utils.plots import class_colour
+
+    device = select_device(opt.device)
+    model, meta = load_for_inference(opt.weights, device)
+    imgsz = opt.imgsz
+    if imgsz % meta.stride:
+        imgsz = (imgsz // meta.stride + 1) * meta.stride
+        LOGGER.warning(f"--imgsz {opt.imgsz} is not a multiple of the stride {meta.stride}: using {imgsz}")
+    if meta.imgsz is not None and meta.imgsz != (imgsz, imgsz):
+        LOGGER.info(f"{opt.weights}: exported for {meta.imgsz[0]}x{meta.imgsz[1]} input; using that size")
+    batch_size = meta.batch or max(opt.batch_size, 1)
+    if opt.classes and max(opt.classes) >= meta.nc:
+        raise UserError(f"--classes {' '.join(map(str, opt.classes))}: the model has classes 0..{meta.nc - 1}")
+    view = opt.view_img and _display_available()
+    if opt.view_img and not view:
+        LOGGER.warning("WARNING --view-img: no display available, images are not shown")
+
+    save_dir = increment_path(Path(opt.project) / opt.name, exist_ok=opt.exist_ok, mkdir=True)
+    if opt.save_txt:
+        (save_dir / "labels").mkdir(exist_ok=True)
+    results = DetectResults(save_dir)
+    writers = _Writers(save_dir)
+    times, seen = np.zeros(3), 0
+    try:
+        for batch in _batches(iter_source(opt.source), meta, imgsz, batch_size, results.skipped):
+            t0 = time_synchronized()
+            im = torch.from_numpy(np.stack([b[1] for b in batch])[..., ::-1].transpose(0, 3, 1, 2).copy())
+            im = im.to(device).float() / 255
+            t1 = time_synchronized()
+            with torch.no_grad():
+                pred = predictions(model(im))
+            t2 = time_synchronized()
+            dets = non_max_suppression(pred.float(), opt.conf_thres, opt.iou_thres, classes=opt.classes,
+                                       agnostic=opt.agnostic_nms, max_det=opt.max_det)
+            t3 = time_synchronized()
+            times += (t1 - t0, t2 - t1, t3 - t2)
+            per_image_ms = (t3 - t0) * 1e3 / len(batch)
+            for (frame, _, ratio_pad), det in zip(batch, dets):
+                seen += 1
+                det = det.cpu()
+                scale_boxes(tuple(im.shape[2:]), det[:, :4], frame.image.shape[:2], ratio_pad)
+                det = det.numpy()
+                _handle_frame(frame, det, meta.names, opt, save_dir, writers, view, results, class_colour)
+                counts = Counter(meta.names[int(c)] for c in det[:, 5])
+                found = ", ".join(f"{n} {name}{'s' if n > 1 else ''}" for name, n in counts.items()) or "no detections"
+                where = f"video {frame.index + 1}/{frame.n_frames}" if frame.kind == "video" else frame.kind
+                print(f"{where} {frame.path}: {im.shape[2]}x{im.shape[3]} {found}, {per_image_ms:.1f}ms")
+    finally:
+        writers.close()
+        if view:
+            cv2.destroyAllWindows()
+
+    results.speed = tuple(float(t) for t in times / max(seen, 1) * 1e3)
+    print(f"Speed: %.1fms pre-process, %.1fms inference, %.1fms NMS per image ({seen} images, batch {batch_size})"
+          % results.speed)
+    if results.skipped:
+        print(f"{len(results.skipped)} input(s) skipped: {', '.join(results.skipped)}")
+    n_labels = len(list((save_dir / "labels").glob("*.txt"))) if opt.save_txt else 0
+    print(f"Results saved to {colorstr(str(save_dir))}" + (f", {n_labels} label files in labels/" if opt.save_txt else ""))
+    return results
+
+
+def _handle_frame(frame: Any, det: np.ndarray, names: list[str], opt: argparse.Namespace, save_dir: Path,
+                  writers: _Writers, view: bool, results: DetectResults, class_colour) -> None:
+    """Labels, crops, annotated image and display for one frame's detections (n, 6) in original pixels."""
+    stem = Path(frame.path).stem + (f"_{frame.index}" if frame.kind != "image" else "")
+    results.detections[frame.path if frame.kind == "image" else f"{frame.path}:{frame.index}"] = det
+    if opt.save_txt and len(det):  # as in YOLOv5, a frame without detections gets no label file
+        lines = label_lines(det, frame.image.shape[:2], opt.save_conf)
+        (save_dir / "labels" / f"{stem}.txt").write_text("".join(f"{line}\n" for line in lines))
+    original = frame.image.copy() if opt.save_crop else None
+    annotated = frame.image
+    for *box, conf, cls in det:
+        name = names[int(cls)]
+        if not opt.nosave or view:
+            label = "" if opt.hide_labels else (name if opt.hide_conf else f"{name} {conf:.2f}")
+            draw_detection(annotated, np.array(box), label, class_colour(int(cls), bgr=True))
+        if opt.save_crop:
+            save_crop(original, np.array(box), save_dir / "crops" / name / f"{stem}.jpg")
+    if not opt.nosave:
+        writers.write(frame, annotated)
+    if view:
+        cv2.imshow(str(frame.path), annotated)
+        cv2.waitKey(1)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="Detect objects in images, videos or a webcam stream")
+    parser.add_argument("--weights", type=str, required=True, help=".pt (ours or YOLOv5's), .onnx or .torchscript")
+    parser.add_argument("--source", type=str, default="data/images",
+                        help="image, folder, glob, .txt list, video file or webcam index (0)")
+    parser.add_argument("--imgsz", "--img", type=int, default=640, help="inference size (pixels, long side)")
+    parser.add_argument("--conf-thres", type=float, default=0.25)
+    parser.add_argument("--iou-thres", type=float, default=0.45, help="NMS IoU threshold")
+    parser.add_argument("--max-det", type=int, default=1000, help="detections kept per image")
+    parser.add_argument("--batch-size", type=int, default=1, help="images per forward pass")
+    parser.add_argument("--device", default="", help="cuda device (0) or cpu")
+    parser.add_argument("--view-img", action="store_true", help="show results (needs a display)")
+    parser.add_argument("--save-txt", action="store_true", help="save labels in YOLO format")
+    parser.add_argument("--save-conf", action="store_true", help="with --save-txt: add the confidence")
+    parser.add_argument("--save-crop", action="store_true", help="save each detection's crop")
+    parser.add_argument("--nosave", action="store_true", help="do not save annotated images or videos")
+    parser.add_argument("--classes", nargs="+", type=int, help="keep only these classes: --classes 0 2")
+    parser.add_argument("--agnostic-nms", action="store_true", help="NMS across classes")
+    parser.add_argument("--project", default="runs/detect")
+    parser.add_argument("--name", default="exp")
+    parser.add_argument("--exist-ok", action="store_true", help="reuse an existing run folder")
+    parser.add_argument("--hide-labels", action="store_true")
+    parser.add_argument("--hide-conf", action="store_true")
+    return parser
+
+
+def run(**options: Any) -> DetectResults:
+    """``python detect.py`` from Python: the same option names and defaults."""
+    defaults = vars(build_parser().parse_args(["--weights", ""]))
+    unknown = sorted(set(options) - set(defaults))
+    if unknown:
+        raise TypeError(f"run() got unknown option(s): {', '.join(unknown)}")
+    return run_options(argparse.Namespace(**{**defaults, **options}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    opt = build_parser().parse_args(argv)
+    setup_logging()
+    return run_reporting_errors(lambda: run_options(opt) and None)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Export a checkpoint (ours or YOLOv5's) to ONNX and TorchScript, next to the weights as YOLOv5 does.
+
+Usage:
+    python export.py --weights runs/train/exp/weights/best.pt --include onnx torchscript --imgsz 640
+
+Writes ``best.onnx`` and ``best.torchscript``. Each file's output is compared with the PyTorch model's on the
+same input before it is kept (the largest absolute difference is printed); a file that disagrees is deleted and
+reported. Both carry their metadata (class names, stride, input shape), which detect.py and val.py read.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from models.backends import METADATA_FILE, ModelMeta, OnnxRuntimeModel, PredictionsOnly, TorchScriptModel
+from utils.errors import UserError, run_reporting_errors
+from utils.log import LOGGER, colorstr, setup_logging
+from utils.torch_utils import select_device
+
+FORMATS = ("onnx", "torchscript")
+# The torch.onnx TorchScript-based exporter used here writes opsets up to 20; onnxruntime 1.16+ runs opset 20.
+DEFAULT_OPSET = 20
+# An exported file is kept when it agrees with PyTorch within these (fp32 predictions in pixels and scores).
+CHECK_RTOL, CHECK_ATOL = 1e-4, 1e-3
+
+
+def _check(kind: str, path: Path, out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Compare an exported file's output with PyTorch's; delete the file and raise when they disagree."""
+    diff = float((out.float() - ref).abs().max()) if out.shape == ref.shape else float("inf")
+    if out.shape != ref.shape or not torch.allclose(out.float(), ref, rtol=CHECK_RTOL, atol=CHECK_ATOL):
+        path.unlink(missing_ok=True)
+        raise UserError(f"{path}: {kind} output differs from PyTorch's (shape {tuple(out.shape)} vs "
+                        f"{tuple(ref.shape)}, max abs difference {diff:.3g}); file removed")
+    return diff
+
+
+def export_torchscript(model: torch.nn.Module, im: torch.Tensor, path: Path, meta: ModelMeta) -> Path:
+    """Trace the model (fixed input shape) and save it with its metadata as an extra file."""
+    with warnings.catch_warnings():  # tracing is deprecated in favour of torch.export, but is what TorchScript needs
+        warnings.simplefilter("ignore", FutureWarning)
+        traced = torch.jit.trace(model, im, strict=False, check_trace=False)
+    traced.save(str(path), _extra_files={METADATA_FILE: meta.to_json()})
+    return path
+
+
+def _simplify(path: Path) -> str:
+    """Simplify the ONNX graph in place with onnxslim when it is installed; say what happened."""
+    try:
+        import onnxslim
+    except ImportError:
+        return "not simplified (pip install onnxslim to simplify)"
+    import onnx
+
+    slim = onnxslim.slim(onnx.load(str(path)))
+    onnx.save(slim, str(path))
+    return f"simplified by onnxslim {getattr(onnxslim, '__version__', '')}".rstrip()
+
+
+def export_onnx(model: torch.nn.Module, im: torch.Tensor, path: Path, meta: ModelMeta, opset: int, dynamic: bool,
+                simplify: bool) -> tuple[Path, str]:
+    """Export with torch.onnx (TorchScript-based exporter), optionally simplify, then store the metadata."""
+    try:
+        import onnx
+    except ImportError as e:
+        raise UserError("ONNX export needs the onnx package (pip install onnx onnxruntime)") from e
+    dynamic_axes = {"images": {0: "batch"}, "output0": {0: "batch"}} if dynamic else None
+    with warnings.catch_warnings():  # the TorchScript-based exporter is deprecated, not removed; it needs no onnxscript
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.onnx.export(model, (im,), str(path), dynamo=False, opset_version=opset, do_constant_folding=True,
+                          input_names=["images"], output_names=["output0"], dynamic_axes=dynamic_axes)
+    note = _simplify(path) if simplify else "not simplified (--no-simplify)"
+    proto = onnx.load(str(path))
+    onnx.checker.check_model(proto)
+    for key, value in json.loads(meta.to_json()).items():
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = key, json.dumps(value)
+    onnx.save(proto, str(path))
+    return path, note
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="Export a detector checkpoint to ONNX and TorchScript")
+    parser.add_argument("--weights", type=str, required=True, help="checkpoint (this project's or YOLOv5's .pt)")
+    parser.add_argument("--imgsz", "--img", nargs="+", type=int, default=[640], help="input size: one value or h w")
+    parser.add_argument("--batch-size", type=int, default=1, help="batch size of the exported input")
+    parser.add_argument("--include", nargs="+", default=list(FORMATS), help=f"formats: {', '.join(FORMATS)}")
+    parser.add_argument("--device", default="cpu", help="cuda device (0) or cpu")
+    parser.add_argument("--dynamic", action="store_true", help="ONNX: any batch size")
+    parser.add_argument("--opset", type=int, default=DEFAULT_OPSET, help="ONNX opset")
+    parser.add_argument("--no-simplify", dest="simplify", action="store_false", help="ONNX: keep the graph as traced")
+    return parser
+
+
+def run(**options: Any) -> list[Path]:
+    """``python export.py`` from Python: the same option names and defaults; returns the files written."""
+    defaults = vars(build_parser().parse_args(["--weights", ""]))
+    unknown = sorted(set(options) - set(defaults))
+    if unknown:
+        raise TypeError(f"run() got unknown option(s): {', '.join(unknown)}")
+    return run_options(argparse.Namespace(**{**defaults, **options}))
+
+
+def run_options(opt: argparse.Namespace) -> list[Path]:
+    from models.backends import load_for_inference
+
+    include = [f.lower() for f in opt.include]
+    unknown = sorted(set(include) - set(FORMATS))
+    if unknown:
+        raise UserError(f"--include {' '.join(unknown)}: unknown format; choose from {', '.join(FORMATS)}")
+    weights = Path(opt.weights)
+    if weights.suffix != ".pt":
+        raise UserError(f"{weights}: export starts from a .pt checkpoint")
+    device = select_device(opt.device)
+    model, meta = load_for_inference(weights, device)
+    imgsz = list(opt.imgsz) * 2 if len(opt.imgsz) == 1 else list(opt.imgsz)
+    if len(imgsz) != 2 or any(s % meta.stride for s in imgsz):
+        raise UserError(f"--imgsz {' '.join(map(str, opt.imgsz))}: give one or two multiples of the stride {meta.stride}")
+    if opt.batch_size < 1:
+        raise UserError(f"--batch-size {opt.batch_size}: must be at least 1")
+    meta.imgsz, meta.batch = (imgsz[0], imgsz[1]), None if opt.dynamic and "onnx" in include else opt.batch_size
+    wrapped = PredictionsOnly(model).eval()
+    for p in wrapped.parameters():
+        p.requires_grad_(False)
+    # A reproducible input in [0, 1] like a real image; zeros would leave most activations untested.
+    im = torch.rand(opt.batch_size, 3, *imgsz, generator=torch.Generator().manual_seed(0)).to(device)
+    with torch.no_grad():
+        ref = wrapped(im).float()
+    LOGGER.info(f"{colorstr('export:')} {weights} input {tuple(im.shape)}, output {tuple(ref.shape)}, "
+                f"{meta.nc} classes, stride {meta.stride}")
+
+    written = []
+    for kind in include:
+        t0 = time.time()
+        if kind == "torchscript":
+            ts_meta = ModelMeta(**{**vars(meta), "batch": opt.batch_size})
+            path = export_torchscript(wrapped, im, weights.with_suffix(".torchscript"), ts_meta)
+            note = "traced"
+            loaded = TorchScriptModel(path, device)
+        else:
+            path, note = export_onnx(wrapped, im, weights.with_suffix(".onnx"), meta, opset=opt.opset,
+                                     dynamic=opt.dynamic, simplify=opt.simplify)
+            note = f"opset {opt.opset}{', dynamic batch' if opt.dynamic else ''}, {note}"
+            loaded = OnnxRuntimeModel(path, device)
+        with torch.no_grad():
+            diff = _check(kind, path, loaded(im), ref)
+        size_mb = path.stat().st_size / 1e6
+        print(f"{kind}: {path} ({size_mb:.1f} MB, {note}, {time.time() - t0:.1f}s); "
+              f"max abs difference from PyTorch {diff:.3g}")
+        written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    opt = build_parser().parse_args(argv)
+    setup_logging()
+    return run_reporting_errors(lambda: run_options(opt) and None)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""export.py (ONNX, TorchScript) and detect.py (folders with a broken image, videos, exported files)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import torch
+
+import detect
+import export
+from models.backends import load_for_inference, predictions
+from models.yolo import Model
+from utils.checkpoint import model_state, save_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory) -> Path:
+    """An untrained yolov5n made to detect: BN statistics spread and the head scaled up, so scores pass 0.5."""
+    torch.manual_seed(0)
+    model = Model("models/yolov5n.yaml", nc=2)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_mean.normal_(0, 0.2)
+                m.running_var.uniform_(0.5, 1.5)
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.normal_(0, 0.5)
+        for conv in model.model[-1].m:
+            conv.weight *= 30
+            conv.bias.view(3, -1)[:, 4:] = 0
+    model.names = ["red", "blue"]
+    path = tmp_path_factory.mktemp("weights") / "tiny.pt"
+    save_checkpoint(model_state(model), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def exported(weights) -> dict[str, Path]:
+    files = export.run(weights=str(weights), imgsz=[64], include=["onnx", "torchscript"], dynamic=True)
+    return {p.suffix: p for p in files}
+
+
+def _images(folder: Path, n: int = 3, size: int = 64) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        img = rng.integers(0, 255, (size, size, 3), dtype=np.uint8)
+        cv2.rectangle(img, (8, 8), (40, 50), (40, 40, 220), -1)
+        cv2.imwrite(str(folder / f"{i:03d}.jpg"), img)
+    return folder
+
+
+@pytest.mark.slow
+def test_exported_files_agree_with_pytorch_and_carry_metadata(weights, exported) -> None:
+    assert set(exported) == {".onnx", ".torchscript"}
+    assert all(p.parent == weights.parent and p.stem == weights.stem for p in exported.values())
+    x = torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    model, _ = load_for_inference(weights)
+    with torch.no_grad():
+        ref = predictions(model(x))
+    for suffix, path in exported.items():
+        runner, meta = load_for_inference(path)
+        assert meta.names == ["red", "blue"] and meta.stride == 32 and meta.imgsz == (64, 64)
+        with torch.no_grad():
+            out = runner(x)  # batch 2: dynamic for ONNX, split into the traced batch of 1 for TorchScript
+        assert out.shape == ref.shape
+        assert torch.allclose(out, ref, rtol=1e-4, atol=1e-3), (suffix, (out - ref).abs().max())
+
+
+@pytest.mark.slow
+def test_detect_skips_a_broken_image_and_agrees_across_formats(tmp_path, weights, exported, capsys) -> None:
+    source = _images(tmp_path / "images")
+    (source / "broken.jpg").write_bytes(b"not a jpeg")
+    results = {}
+    for path in (weights, exported[".onnx"], exported[".torchscript"]):
+        results[path.suffix] = detect.run(weights=str(path), source=str(source), imgsz=64, conf_thres=0.5,
+                                          save_txt=True, save_conf=True, save_crop=True, batch_size=2,
+                                          project=str(tmp_path / "runs"), name=path.suffix[1:])
+    out = capsys.readouterr().out
+    assert "1 input(s) skipped" in out and "broken.jpg" in out and "Speed:" in out
+    ref = results[".pt"]
+    assert ref.skipped == [str(source / "broken.jpg")] and len(ref.detections) == 3
+    assert sum(len(d) for d in ref.detections.values()) > 0
+    for suffix in (".onnx", ".torchscript"):
+        for key, det in ref.detections.items():
+            other = results[suffix].detections[key]
+            assert other.shape == det.shape, (suffix, key)
+            # Rows are matched regardless of order: near-equal scores may sort differently.
+            gaps = np.abs(det[:, None, :] - other[None, :, :]).max(-1)
+            assert (gaps.min(1) < 1e-2).all() and (gaps.min(0) < 1e-2).all(), (suffix, key)
+    save_dir = ref.save_dir
+    assert sorted(p.name for p in save_dir.glob("*.jpg")) == ["000.jpg", "001.jpg", "002.jpg"]
+    label_file = next((save_dir / "labels").glob("*.txt"))
+    rows = np.loadtxt(label_file, ndmin=2)
+    assert rows.shape[1] == 6 and (rows[:, 1:5] >= 0).all() and (rows[:, 1:5] <= 1).all()
+    assert any((save_dir / "crops").rglob("*.jpg"))
+
+
+def test_detect_on_a_video(tmp_path, weights) -> None:
+    video = tmp_path / "clip.mp4"
+    writer = cv2.VideoWriter(str(video), cv2.VideoWriter_fourcc(*"mp4v"), 10, (96, 64))
+    for i in range(4):
+        frame = np.full((64, 96, 3), 120, np.uint8)
+        cv2.rectangle(frame, (5 + 6 * i, 10), (45 + 6 * i, 50), (40, 40, 220), -1)
+        writer.write(frame)
+    writer.release()
+    result = detect.run(weights=str(weights), source=str(video), imgsz=64, conf_thres=0.5, save_txt=True,
+                        project=str(tmp_path / "runs"))
+    assert sorted(result.detections) == [f"{video}:{i}" for i in range(4)]
+    out = cv2.VideoCapture(str(result.save_dir / "clip.mp4"))
+    assert out.isOpened() and int(out.get(cv2.CAP_PROP_FRAME_COUNT)) == 4
+    out.release()
+
+
+@pytest.mark.slow
+def test_detect_reports_a_missing_source_in_one_line(tmp_path, weights) -> None:
+    done = subprocess.run([sys.executable, "detect.py", "--weights", str(weights), "--source", str(tmp_path / "nothing"),
+                           "--project", str(tmp_path / "runs")], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 1
+    errors = [line for line in done.stdout.splitlines() if line.startswith("ERROR")]
+    assert len(errors) == 1 and "nothing: source not found" in errors[0] and "Traceback" not in done.stderr
