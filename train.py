@@ -393,7 +393,8 @@ def train_one_epoch(t: Training, loader, epoch: int, start_batch: int, tally: Lo
         data_wait += time.perf_counter() - t_ready
         first = window[0][0]
         micro = [(prepare_images(b[0], t, epoch, i), b[1].to(t.device, non_blocking=True)) for i, b in window]
-        counts = torch.stack([t.compute_loss.positives(targets, imgs.shape[2:]) for imgs, targets in micro])
+        assigned = [t.compute_loss.assign(targets, imgs.shape[2:]) for imgs, targets in micro]
+        counts = torch.stack([t.compute_loss.count_positives(a) for a in assigned])
         save_now = t.save_mid_epoch is not None and first > start_batch and wants_save(t)
         synced = all_reduce_sum(torch.cat((counts.flatten(), pending, torch.tensor([float(save_now)], device=t.device))))
         counts, done = synced[:counts.numel()].view_as(counts), synced[counts.numel():]
@@ -406,9 +407,10 @@ def train_one_epoch(t: Training, loader, epoch: int, start_batch: int, tally: Lo
         if iteration <= t.n_warmup:
             apply_warmup(t.optimizer, iteration, t.n_warmup, t.schedule(epoch), t.hyp, t.momentum)
         step_items = torch.zeros(3, device=t.device)
-        for k, ((imgs, targets), positives) in enumerate(zip(micro, counts)):
+        for k, ((imgs, targets), positives, assignment) in enumerate(zip(micro, counts, assigned)):
             with gradient_sync(model, k == len(micro) - 1), autocast(t.device, t.precision):
-                loss, items = t.compute_loss(model(imgs), targets, LossNorm(positives, imgs.shape[0] * world))
+                loss, items = t.compute_loss(model(imgs), targets, LossNorm(positives, imgs.shape[0] * world),
+                                             assignment)
             t.scaler.scale(loss * world).backward()  # DDP averages gradients over ranks; the loss sums over them
             step_items += items
             if torch.isfinite(items).all():

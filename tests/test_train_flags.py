@@ -287,8 +287,8 @@ def _poison_loss(monkeypatch, bad_calls: set[int]) -> None:
     """Make ComputeLoss return a NaN loss on the given calls (0-based, training and validation alike)."""
     original, calls = ComputeLoss.__call__, [0]
 
-    def poisoned(self, preds, targets, norm=None):
-        loss, items = original(self, preds, targets, norm)
+    def poisoned(self, preds, targets, norm=None, assigned=None):
+        loss, items = original(self, preds, targets, norm, assigned)
         calls[0] += 1
         if calls[0] - 1 in bad_calls:
             return loss * float("nan"), items * float("nan")

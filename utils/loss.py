@@ -99,14 +99,23 @@ class ComputeLoss:
         self.cls_positive, self.cls_negative = smooth_bce_targets(label_smoothing)
         self.balance = LEVEL_BALANCE.get(self.nl, LEVEL_BALANCE_FALLBACK[: self.nl])
 
+    def assign(self, targets: torch.Tensor, image_hw: tuple[int, int]) -> list[LevelTargets]:
+        """The target assignments of a batch of images of size ``image_hw``, before any forward pass."""
+        grids = [(image_hw[0] // int(s), image_hw[1] // int(s)) for s in self.detect.stride]
+        return self.build_targets(grids, targets.to(dtype=torch.float32))
+
+    @staticmethod
+    def count_positives(assigned: list[LevelTargets]) -> torch.Tensor:
+        """(nl,) float: the positive assignments per level."""
+        return torch.stack([lt.valid.sum() for lt in assigned]).float()
+
     def positives(self, targets: torch.Tensor, image_hw: tuple[int, int]) -> torch.Tensor:
         """(nl,) float: the positive assignments per level of ``targets`` in images of size ``image_hw``."""
-        grids = [(image_hw[0] // int(s), image_hw[1] // int(s)) for s in self.detect.stride]
-        targets = targets.to(dtype=torch.float32)
-        return torch.stack([lt.valid.sum() for lt in self.build_targets(grids, targets)]).float()
+        return self.count_positives(self.assign(targets, image_hw))
 
-    def __call__(self, preds: list[torch.Tensor], targets: torch.Tensor,
-                 norm: LossNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, preds: list[torch.Tensor], targets: torch.Tensor, norm: LossNorm | None = None,
+                 assigned: list[LevelTargets] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Loss and its (box, obj, cls) items; ``assigned`` (from ``assign``, same targets) saves redoing it."""
         preds = [p.float() for p in preds]
         device = preds[0].device
         targets = targets.to(device=device, dtype=torch.float32)
@@ -119,7 +128,9 @@ class ComputeLoss:
         lobj = torch.zeros((), device=device)
         lcls = torch.zeros((), device=device)
         grids = [(p.shape[2], p.shape[3]) for p in preds]
-        for level, (pi, lt) in enumerate(zip(preds, self.build_targets(grids, targets))):
+        if assigned is None:
+            assigned = self.build_targets(grids, targets)
+        for level, (pi, lt) in enumerate(zip(preds, assigned)):
             tobj = torch.zeros(pi.shape[:4], device=device)
             if lt.valid.numel():
                 weight = lt.valid.float()
