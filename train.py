@@ -229,6 +229,8 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
     # ---- options, data, model -------------------------------------------------------------------------
     if opt.epochs < 1 or opt.batch_size < 1:
         raise UserError(f"--epochs {opt.epochs} and --batch-size {opt.batch_size} must be at least 1")
+    if opt.time is not None and not opt.time > 0:
+        raise UserError(f"--time {opt.time}: give the training time in hours, more than 0 (e.g. --time 0.5)")
     if opt.batch_size % info.world_size and ckpt is not None:  # resumed on another number of ranks
         kept = max(opt.batch_size // info.world_size, 1) * info.world_size
         LOGGER.warning(f"WARNING the global batch {opt.batch_size} cannot be split over {info.world_size} ranks: "

@@ -137,6 +137,9 @@ def test_bad_inputs_are_one_line_errors(train_here, rectangles_yaml, tmp_path) -
     assert status == 1 and "not a checkpoint of this project" in log.splitlines()[-1]
     status, log = train_here("--resume", "--project", tmp_path / "empty")
     assert status == 1 and "no last.pt to resume" in log.splitlines()[-1]
+    status, log = train_here("--data", rectangles_yaml, "--project", tmp_path, "--time", "0")
+    assert status == 1 and log.splitlines()[-1].startswith("ERROR --time 0.0: ")
+    assert not (tmp_path / "exp").exists()
 
 
 @pytest.mark.slow
