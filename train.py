@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import logging
 import math
 import shlex
 import sys
@@ -30,14 +31,30 @@ import val as validation
 from models.yolo import build_model
 from utils.amp import Precision, autocast, choose_precision
 from utils.autoanchor import check_anchors
-from utils.checkpoint import (latest_last_checkpoint, load_checkpoint, model_weights,
-                              restore_training_state, resumed_options, run_folder_of, strip_training_state,
-                              training_checkpoint)
+from utils.checkpoint import (
+    latest_last_checkpoint,
+    load_checkpoint,
+    model_weights,
+    restore_training_state,
+    resumed_options,
+    run_folder_of,
+    strip_training_state,
+    training_checkpoint,
+)
 from utils.data.config import load_data_config
 from utils.data.label_cache import load_split
 from utils.data.loader import create_dataloader
-from utils.distributed import (DistInfo, all_reduce_sum, broadcast_object, de_parallel, describe_failure,
-                               destroy_process_group, dist_info, init_process_group, rank_zero_decides)
+from utils.distributed import (
+    DistInfo,
+    all_reduce_sum,
+    broadcast_object,
+    de_parallel,
+    describe_failure,
+    destroy_process_group,
+    dist_info,
+    init_process_group,
+    rank_zero_decides,
+)
 from utils.ema import ModelEMA
 from utils.errors import UserError, run_reporting_errors
 from utils.hyp import Hyp
@@ -48,7 +65,11 @@ from utils.optimizer import build_optimizer, choose_optimizer, optimizer_steps
 from utils.run_dir import increment_path
 from utils.run_record import RunRecord
 from utils.sync_bn import convert_sync_batchnorm
-from utils.torch_utils import init_torch_seeds, select_device, torch_distributed_zero_first
+from utils.torch_utils import (
+    init_torch_seeds,
+    select_device,
+    torch_distributed_zero_first,
+)
 
 ROOT = Path(__file__).resolve().parent
 NOMINAL_BATCH = 64  # gradients are accumulated up to this many images per optimizer step
@@ -80,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", default="auto", choices=["auto", "SGD", "Adam", "AdamW"],
                    help="auto: AdamW for short runs, SGD for long ones (see utils/optimizer.py)")
     p.add_argument("--close-mosaic", type=int, default=10, help="train the last N epochs without mosaic and mixup")
-    p.add_argument("--sync-bn", action="store_true", help="synchronised BatchNorm across ranks (DDP only)")
+    p.add_argument("--sync-bn", action="store_true", help="synchronised BatchNorm across ranks (DDP; on one CPU process: exact two-pass statistics)")
     p.add_argument("--workers", type=int, default=2, help="dataloader workers per rank")
     p.add_argument("--project", default=str(ROOT / "runs/train"), help="runs are saved to project/name")
     p.add_argument("--name", default="exp", help="runs are saved to project/name")
@@ -250,7 +271,9 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
     nc, names = (1, ["item"]) if opt.single_cls else (data["nc"], data["names"])
     model = create_model(opt, nc, names, hyp, ckpt).to(device, memory_format=torch.channels_last)
     freeze_layers(model, opt.freeze)
-    if opt.sync_bn and info.is_distributed:  # before the optimizer and the EMA take the parameters
+    # Before the optimizer and the EMA take the parameters. On one CPU process --sync-bn still swaps in the CPU
+    # SyncBN for its exact statistics, so that the run equals a W-rank --sync-bn run up to rounding.
+    if opt.sync_bn and (info.is_distributed or device.type == "cpu"):
         model = convert_sync_batchnorm(model, device)
     grid = max(int(model.stride.max()), 32)
     if opt.imgsz % grid:
@@ -394,6 +417,9 @@ def train_one_epoch(t: Training, loader, epoch: int, start_batch: int, tally: Lo
     for window in accumulation_windows(batches, t.accumulate, n_batches):
         data_wait += time.perf_counter() - t_ready
         first = window[0][0]
+        if LOGGER.isEnabledFor(logging.DEBUG):
+            for i, b in window:
+                LOGGER.debug(f"rank {max(info.rank, 0)} epoch {epoch} batch {i}: {' '.join(Path(f).name for f in b[2])}")
         micro = [(prepare_images(b[0], t, epoch, i), b[1].to(t.device, non_blocking=True)) for i, b in window]
         assigned = [t.compute_loss.assign(targets, imgs.shape[2:]) for imgs, targets in micro]
         counts = torch.stack([t.compute_loss.count_positives(a) for a in assigned])

@@ -1,8 +1,11 @@
 """train.py end to end on generated data: single process, DDP on CPU (gloo), resume, failures."""
 from __future__ import annotations
 
+import contextlib
 import csv
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -12,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import write_rectangles_dataset
 
 from utils.checkpoint import load_checkpoint
 
@@ -78,15 +82,6 @@ def test_two_epochs_single_process(rectangles_yaml, tmp_path) -> None:
     assert ckpt["epoch"] == 2 and ckpt["optimizer"] is not None and ckpt["ema"] is not None
 
 
-@pytest.mark.slow
-def test_ddp_two_ranks_on_cpu_writes_files_from_rank_0_only(rectangles_yaml, tmp_path) -> None:
-    proc = run(train_cmd(rectangles_yaml, tmp_path, "--epochs", "2", "--noplots", nproc=2))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp"]  # rank 1 made no exp2
-    assert [int(r["epoch"]) for r in results_rows(tmp_path / "exp")] == [0, 1]
-    assert (tmp_path / "exp/weights/last.pt").exists()
-
-
 def relative_l2(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """||a - b|| / ||b|| over the trainable tensors (weights and biases, not BN statistics)."""
     names = [k for k in b if k.endswith((".weight", ".bias"))]
@@ -101,7 +96,7 @@ def test_sync_bn_ddp_matches_single_process_with_same_global_batch(rectangles_ya
     # spread 1-3 boxes per image, so the ranks' positives differ in every step.
     common = ("--epochs", "2", "--noplots", "--noval", "--deterministic", "--no-amp", "--optimizer", "SGD",
               "--seed", "3")
-    single = run(train_cmd(rectangles_yaml, tmp_path / "single", *common))
+    single = run(train_cmd(rectangles_yaml, tmp_path / "single", *common, "--sync-bn"))  # exact BN statistics
     assert single.returncode == 0, single.stderr[-3000:]
     synced = run(train_cmd(rectangles_yaml, tmp_path / "synced", *common, "--sync-bn", nproc=2))
     assert synced.returncode == 0, synced.stdout[-3000:] + synced.stderr[-3000:]
@@ -128,6 +123,37 @@ def test_two_nodes_on_loopback_train_together(rectangles_yaml, tmp_path) -> None
     assert [p.returncode for p in procs] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
     assert "world size 2" in outputs[0]
     assert (tmp_path / "exp/weights/last.pt").exists()
+
+
+@pytest.mark.slow
+def test_a_frozen_node_makes_the_other_exit_within_the_timeout_naming_the_rank(rectangles_yaml, tmp_path) -> None:
+    # A frozen node keeps its sockets open, so nothing fails fast: only the collective timeout can end the wait.
+    port = _free_port()
+    common = ("--epochs", "50", "--noplots", "--noval", "--dist-timeout", "0.25")
+    procs = [subprocess.Popen(train_cmd(rectangles_yaml, tmp_path, *common, nproc=1, nnodes=2, node_rank=r, port=port),
+                              cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True) for r in (0, 1)]
+    frozen = []
+    try:
+        _wait_for(tmp_path / "exp/weights/last.pt", procs[0])
+        worker = subprocess.run(["pgrep", "-f", "-P", str(procs[1].pid), "train.py"], capture_output=True, text=True)
+        frozen = [procs[1].pid, *map(int, worker.stdout.split())]
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        t_frozen = time.time()
+        output = procs[0].communicate(timeout=120)[0]
+        waited = time.time() - t_frozen
+    finally:
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    assert procs[0].returncode != 0
+    assert waited < 15 + 60, waited  # the 15 s timeout, the heartbeat check and the launcher's own shutdown
+    assert "rank 0: a collective failed" in output and "rank(s) 1 stopped answering" in output, output[-3000:]
 
 
 @pytest.mark.slow
@@ -188,35 +214,85 @@ def test_a_killed_rank_makes_the_others_exit(rectangles_yaml, tmp_path) -> None:
     assert all(not Path(f"/proc/{p}").exists() for p in pids)
 
 
-@pytest.mark.slow
-def test_resume_under_ddp_with_the_same_world_size(rectangles_yaml, tmp_path) -> None:
-    cmd = train_cmd(rectangles_yaml, tmp_path, "--epochs", "3", "--noplots", "--batch-size", "4", nproc=2)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    last = tmp_path / "exp/weights/last.pt"
-    _wait_for(last, proc)
+BATCH_LINE = re.compile(r"^rank (\d+) epoch (\d+) batch (\d+): (.*)$", re.MULTILINE)
+
+
+def files_trained_on(output: str, epoch: int, batches: range | None = None) -> list[str]:
+    """The image files of ``epoch``'s batches (all ranks) in a YOLO_LOG_LEVEL=DEBUG log."""
+    return [name for _, e, b, names in BATCH_LINE.findall(output) if int(e) == epoch
+            and (batches is None or int(b) in batches) for name in names.split()]
+
+
+def kill_run(proc: subprocess.Popen) -> None:
+    """SIGKILL a launcher started with start_new_session and its ranks (which run in sessions of their own)."""
     ranks = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "train.py"], capture_output=True, text=True)
-    for pid in [int(p) for p in ranks.stdout.split()]:  # the ranks run in sessions of their own
+    for pid in [int(p) for p in ranks.stdout.split()]:
         os.kill(pid, signal.SIGKILL)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
-    assert load_checkpoint(last)["epoch"] < 2
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone"]
-    resumed = run([*launcher, "train.py", "--resume", str(last)])
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "Resuming training at epoch" in resumed.stdout + resumed.stderr
-    assert load_checkpoint(last)["epoch"] == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp"]
-    assert [int(r["epoch"]) for r in results_rows(tmp_path / "exp")][-1] == 2
 
 
 @pytest.mark.slow
-def test_a_launcher_restart_resumes_the_run_by_itself(rectangles_yaml, tmp_path) -> None:
-    cmd = train_cmd(rectangles_yaml, tmp_path, "--epochs", "6", "--noplots", "--noval", nproc=2)
+def test_a_2_rank_run_cut_mid_epoch_resumes_on_1_and_on_4_ranks_with_the_unseen_samples(tmp_path) -> None:
+    # Global batch 32 on 96 images: 3 batches per epoch, 2 per optimizer step (nominal batch 64), so there is a
+    # step boundary inside each epoch; --save-steps 1 writes a checkpoint there.
+    rectangles_yaml = write_rectangles_dataset(tmp_path / "data", n_train=96, n_val=4, size=64)
+    common = ("--epochs", "2", "--noplots", "--noval", "--batch-size", "32", "--save-steps", "1")
+    env = dict(_env(), YOLO_LOG_LEVEL="DEBUG")
+    log = tmp_path / "cut.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(train_cmd(rectangles_yaml, tmp_path / "cut", *common, nproc=2), cwd=ROOT, env=env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        last, snapshot = tmp_path / "cut/exp/weights/last.pt", tmp_path / "snapshot.pt"
+        try:
+            deadline = time.time() + 240
+            while True:  # the first checkpoint written inside an epoch; copied at once (later ones replace it)
+                assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+                if last.exists():
+                    shutil.copy(last, snapshot)
+                    if load_checkpoint(snapshot)["mid_epoch"]:
+                        break
+                time.sleep(0.02)
+        finally:
+            kill_run(proc)
+    mid = load_checkpoint(snapshot)["mid_epoch"]
+    epoch, cut = int(mid["epoch"]), int(mid["batch"])
+    assert cut == 2
+    seen_before_cut = files_trained_on(log.read_text(), epoch, range(cut))
+    assert len(seen_before_cut) == 32 * cut
+
+    launchers = {1: [sys.executable], 4: [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
+                                          "--standalone"]}
+    for ranks, launcher in launchers.items():
+        resumed_last = tmp_path / f"on{ranks}/exp/weights/last.pt"
+        resumed_last.parent.mkdir(parents=True)
+        shutil.copy(snapshot, resumed_last)
+        resumed = subprocess.run([*launcher, "train.py", "--resume", str(resumed_last)], cwd=ROOT, env=env,
+                                 capture_output=True, text=True, timeout=300)
+        output = resumed.stdout + resumed.stderr
+        assert resumed.returncode == 0, output[-3000:]
+        assert f"Resuming training at batch {cut} of epoch {epoch}" in output
+        assert {int(r) for r, *_ in BATCH_LINE.findall(output)} == set(range(ranks))
+        # The rest of the cut epoch is exactly the samples not yet seen: every image once over the epoch.
+        epoch_files = seen_before_cut + files_trained_on(output, epoch)
+        assert sorted(epoch_files) == sorted(p.name for p in (rectangles_yaml.parent / "images/train").iterdir())
+        assert load_checkpoint(resumed_last)["epoch"] == 1
+        assert sorted(p.name for p in resumed_last.parents[2].iterdir()) == ["exp"]
+
+
+@pytest.mark.slow
+def test_a_launcher_restart_resumes_the_run_by_itself_and_ends_as_an_uninterrupted_run(rectangles_yaml,
+                                                                                       tmp_path) -> None:
+    common = ("--epochs", "6", "--noplots", "--noval", "--deterministic")
+    straight = run(train_cmd(rectangles_yaml, tmp_path / "straight", *common, nproc=2))
+    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "straight").iterdir()) == ["exp"]  # rank 1 made no exp2
+
+    cmd = train_cmd(rectangles_yaml, tmp_path / "restarted", *common, nproc=2)
     cmd.insert(cmd.index("--standalone"), "--max-restarts=1")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    _wait_for(tmp_path / "exp/weights/last.pt", proc)
+    _wait_for(tmp_path / "restarted/exp/weights/last.pt", proc)
     workers = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "train.py"], capture_output=True, text=True)
     os.kill(int(workers.stdout.split()[1]), signal.SIGKILL)
     try:
@@ -226,5 +302,7 @@ def test_a_launcher_restart_resumes_the_run_by_itself(rectangles_yaml, tmp_path)
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, output[-3000:]
     assert "restart 1 of launcher run" in output
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp"]  # the same run folder, no exp2
-    assert [int(r["epoch"]) for r in results_rows(tmp_path / "exp")] == list(range(6))
+    assert sorted(p.name for p in (tmp_path / "restarted").iterdir()) == ["exp"]  # the same run folder, no exp2
+    assert [int(r["epoch"]) for r in results_rows(tmp_path / "restarted/exp")] == list(range(6))
+    assert max_difference(weights(tmp_path / "restarted/exp/weights/last.pt"),
+                          weights(tmp_path / "straight/exp/weights/last.pt")) == 0.0

@@ -196,6 +196,8 @@ def resumed_options(opt: argparse.Namespace, explicit: set[str], path: Path,
                             f"start a new run with --weights {path} instead")
     restored.resume = str(path)
     restored.weights = str(path)
+    if path.parent.name == "weights":  # the run folder is where its checkpoint lies now (moved, or mounted elsewhere)
+        restored.save_dir = str(path.parent.parent)
     return restored
 
 

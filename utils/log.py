@@ -2,20 +2,29 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 LOGGER = logging.getLogger("yolo")
 
 
 def setup_logging(rank: int = -1, verbose: bool = True) -> None:
-    """Log INFO to stdout on the main process (rank -1 or 0); only warnings and errors elsewhere."""
+    """Log INFO to stdout on the main process (rank -1 or 0); only warnings and errors elsewhere.
+
+    ``YOLO_LOG_LEVEL`` (e.g. ``DEBUG``) sets the level of every rank instead; at DEBUG training logs the files of
+    each batch it trains on, which shows what every rank saw (a bad batch, a resume, a sharding question).
+    """
     level = logging.INFO if verbose and rank in (-1, 0) else logging.WARNING
-    LOGGER.setLevel(level)
+    asked = os.environ.get("YOLO_LOG_LEVEL", "").upper()
+    known = isinstance(logging.getLevelName(asked), int)
+    LOGGER.setLevel(logging.getLevelName(asked) if known else level)
     if not LOGGER.handlers:
         handler = logging.StreamHandler(sys.stdout)
         handler.setFormatter(logging.Formatter("%(message)s"))
         LOGGER.addHandler(handler)
     LOGGER.propagate = False
+    if asked and not known:
+        LOGGER.warning(f"WARNING YOLO_LOG_LEVEL={asked} is not a logging level (DEBUG, INFO, WARNING, ERROR): ignored")
 
 
 def colorstr(text: str, colour: str = "bold") -> str:
