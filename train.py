@@ -31,30 +31,14 @@ import val as validation
 from models.yolo import build_model
 from utils.amp import Precision, autocast, choose_precision
 from utils.autoanchor import check_anchors
-from utils.checkpoint import (
-    latest_last_checkpoint,
-    load_checkpoint,
-    model_weights,
-    restore_training_state,
-    resumed_options,
-    run_folder_of,
-    strip_training_state,
-    training_checkpoint,
-)
+from utils.checkpoint import (latest_last_checkpoint, load_checkpoint, model_weights,
+                              restore_training_state, resumed_options, run_folder_of, strip_training_state,
+                              training_checkpoint)
 from utils.data.config import load_data_config
 from utils.data.label_cache import load_split
 from utils.data.loader import create_dataloader
-from utils.distributed import (
-    DistInfo,
-    all_reduce_sum,
-    broadcast_object,
-    de_parallel,
-    describe_failure,
-    destroy_process_group,
-    dist_info,
-    init_process_group,
-    rank_zero_decides,
-)
+from utils.distributed import (DistInfo, all_reduce_sum, broadcast_object, de_parallel, describe_failure,
+                               destroy_process_group, dist_info, init_process_group, rank_zero_decides)
 from utils.ema import ModelEMA
 from utils.errors import UserError, run_reporting_errors
 from utils.hyp import Hyp
@@ -65,11 +49,7 @@ from utils.optimizer import build_optimizer, choose_optimizer, optimizer_steps
 from utils.run_dir import increment_path
 from utils.run_record import RunRecord
 from utils.sync_bn import convert_sync_batchnorm
-from utils.torch_utils import (
-    init_torch_seeds,
-    select_device,
-    torch_distributed_zero_first,
-)
+from utils.torch_utils import init_torch_seeds, select_device, torch_distributed_zero_first
 
 ROOT = Path(__file__).resolve().parent
 NOMINAL_BATCH = 64  # gradients are accumulated up to this many images per optimizer step
@@ -101,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", default="auto", choices=["auto", "SGD", "Adam", "AdamW"],
                    help="auto: AdamW for short runs, SGD for long ones (see utils/optimizer.py)")
     p.add_argument("--close-mosaic", type=int, default=10, help="train the last N epochs without mosaic and mixup")
-    p.add_argument("--sync-bn", action="store_true", help="synchronised BatchNorm across ranks (DDP; on one CPU process: exact two-pass statistics)")
+    p.add_argument("--sync-bn", action="store_true",
+                   help="synchronised BatchNorm across ranks (DDP); on one CPU process: exact two-pass statistics")
     p.add_argument("--workers", type=int, default=2, help="dataloader workers per rank")
     p.add_argument("--project", default=str(ROOT / "runs/train"), help="runs are saved to project/name")
     p.add_argument("--name", default="exp", help="runs are saved to project/name")
