@@ -169,7 +169,7 @@ def resume_point(opt: argparse.Namespace, explicit: set[str],
     if opt.resume:
         path = latest_last_checkpoint(opt.project) if opt.resume is True else Path(opt.resume)
     elif info.restart_count > 0 and info.is_main:
-        folder = run_folder_of(info.run_id, opt.project)
+        folder = run_folder_of(info.run_id, opt.project, info.launcher_started)
         if folder is not None and (folder / "weights/last.pt").is_file():
             path = folder / "weights/last.pt"
             LOGGER.info(f"restart {info.restart_count} of launcher run {info.run_id}: continuing {folder}")
@@ -478,7 +478,8 @@ def create_model(opt: argparse.Namespace, nc: int, names: list[str], hyp: Hyp, c
 
 def run_folder(opt: argparse.Namespace, info: DistInfo, hyp: Hyp) -> Path:
     """The run's folder: a resumed run keeps its own; rank 0 makes a new one and writes the options into it."""
-    restarted = run_folder_of(info.run_id, opt.project) if info.restart_count > 0 and info.is_main else None
+    restarted = (run_folder_of(info.run_id, opt.project, info.launcher_started)
+                 if info.restart_count > 0 and info.is_main else None)
     if opt.resume:
         save_dir = Path(opt.save_dir)
     elif restarted is not None:  # the launcher restarted the group before the run's first checkpoint

@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import logging
 import math
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -366,6 +367,23 @@ def test_resume_with_more_epochs_extends_a_finished_run_in_its_folder(train_here
     lrs = [r["x/lr0"] for r in rows]
     assert lrs == pytest.approx([0.01, 0.01 * (1 - 0.9 / 2), 0.001, 0.001], rel=1e-5)
     assert load_checkpoint(last)["opt"]["epochs"] == 4
+
+
+def test_a_launcher_job_continues_only_its_own_run_folder(train_here, rectangles_yaml, tmp_path, monkeypatch) -> None:
+    # Scripts often fix the launcher's run id (--rdzv-id), so an old job's folder can carry the same id.
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "nightly")
+    args = ("--data", rectangles_yaml, "--project", tmp_path, "--epochs", "1", "--noval", "--noplots")
+    assert train_here(*args)[0] == 0
+    os.utime(tmp_path / "exp/run_id", (0, 0))  # made by an earlier job: before this launcher started
+    status, log = train_here(*args)  # a fresh start (restart count 0) never resumes anything
+    assert status == 0 and "Resuming" not in log and (tmp_path / "exp2/weights/last.pt").exists()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a restart of this job finds this job's folder
+    status, log = train_here(*args)
+    assert status == 0 and f"continuing {tmp_path / 'exp2'}" in log, log
+    os.utime(tmp_path / "exp2/run_id", (0, 0))  # now no folder is this job's: the restart starts a new one
+    status, log = train_here(*args)
+    assert status == 0 and "continuing" not in log
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp", "exp2", "exp3"]
 
 
 def test_an_unfinished_run_extended_continues_its_lr_without_a_jump() -> None:

@@ -153,14 +153,18 @@ def latest_last_checkpoint(search_dir: str | Path) -> Path:
     return candidates[-1]
 
 
-def run_folder_of(run_id: str, project: str | Path) -> Path | None:
-    """The run folder under ``project`` that a launcher job with ``run_id`` created (restarts find it so)."""
+def run_folder_of(run_id: str, project: str | Path, not_before: float | None = None) -> Path | None:
+    """The run folder under ``project`` that a launcher job with ``run_id`` created (restarts find it so).
+
+    The newest such folder, and none marked before ``not_before`` (when this job's launcher started): an
+    earlier job that used the same run id is never continued by accident.
+    """
     if not run_id:
         return None
-    for marker in sorted(Path(project).glob("*/run_id")):
-        if marker.read_text(encoding="utf-8").strip() == run_id:
-            return marker.parent
-    return None
+    mine = [(marker.stat().st_mtime, marker.parent) for marker in Path(project).glob("*/run_id")
+            if marker.read_text(encoding="utf-8").strip() == run_id]
+    mine = [(when, folder) for when, folder in mine if not_before is None or when >= not_before]
+    return max(mine)[1] if mine else None
 
 
 def _not_resumable(path: Path, ckpt: dict[str, Any]) -> UserError:

@@ -33,6 +33,7 @@ class DistInfo:
     local_world_size: int = 1  # processes on this machine
     restart_count: int = 0  # how often torch.distributed.run has restarted the group
     run_id: str = ""  # the launcher's id of this job (the same across its restarts)
+    launcher_started: float | None = None  # when the launcher's agent (this process's parent) started, epoch seconds
 
     @property
     def is_distributed(self) -> bool:
@@ -52,9 +53,11 @@ def dist_info() -> DistInfo:
     env = os.environ
     restart_count = int(env.get("TORCHELASTIC_RESTART_COUNT", 0))
     run_id = env.get("TORCHELASTIC_RUN_ID", "")
+    started = _parent_start_time() if run_id else None
     world_size = int(env.get("WORLD_SIZE", 1))
     if world_size <= 1:
-        return DistInfo(rank=-1, local_rank=-1, world_size=1, restart_count=restart_count, run_id=run_id)
+        return DistInfo(rank=-1, local_rank=-1, world_size=1, restart_count=restart_count, run_id=run_id,
+                        launcher_started=started)
     local_rank = int(env.get("LOCAL_RANK", 0))
     return DistInfo(
         rank=int(env.get("RANK", 0)),
@@ -63,7 +66,24 @@ def dist_info() -> DistInfo:
         local_world_size=int(env.get("LOCAL_WORLD_SIZE", world_size)),
         restart_count=restart_count,
         run_id=run_id,
+        launcher_started=started,
     )
+
+
+def _parent_start_time() -> float | None:
+    """When this process's parent started, in seconds since the epoch (Linux /proc); None where unknown.
+
+    Under torch.distributed.run the parent is the launcher's agent: a run folder marked with this job's run id
+    before that moment belongs to an earlier job that reused the id (``--rdzv-id`` is often fixed in scripts).
+    """
+    try:
+        with open(f"/proc/{os.getppid()}/stat", encoding="ascii") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks after boot
+        with open("/proc/stat", encoding="ascii") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 # ---- the process group --------------------------------------------------------------------------------
