@@ -34,6 +34,8 @@ from utils.checkpoint import (latest_last_checkpoint, load_checkpoint, model_wei
                               restore_training_state, resumed_options, run_folder_of, strip_training_state,
                               training_checkpoint)
 from utils.data.config import load_data_config
+from utils.data.image_weights import (class_weights_from_maps, draw_digest, labels_to_class_weights,
+                                      labels_to_image_weights)
 from utils.data.label_cache import load_split
 from utils.data.loader import create_dataloader
 from utils.distributed import (DistInfo, all_reduce_sum, broadcast_object, de_parallel, describe_failure,
@@ -67,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=16, help="total batch size over all ranks")
     p.add_argument("--imgsz", "--img", "--img-size", type=int, default=256, help="train and val image size (px)")
     p.add_argument("--rect", action="store_true", help="rectangular training batches (no mosaic)")
+    p.add_argument("--image-weights", action="store_true",
+                   help="draw each epoch's images weighted by their classes' difficulty (last validation's mAP)")
+    p.add_argument("--quad", action="store_true", help="merge every 4 training images into one at 2x size")
     p.add_argument("--resume", nargs="?", const=True, default=False, help="resume the latest run, or PATH/last.pt")
     p.add_argument("--nosave", action="store_true", help="only save the final checkpoint")
     p.add_argument("--noval", action="store_true", help="only validate after the final epoch (no early stopping)")
@@ -236,6 +241,12 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
         LOGGER.warning(f"WARNING the global batch {opt.batch_size} cannot be split over {info.world_size} ranks: "
                        f"continuing with {kept} from the next epoch boundary")
         opt.batch_size = kept
+    for flag in ("image_weights", "quad"):
+        if getattr(opt, flag) and opt.rect:
+            raise UserError(f"--{flag.replace('_', '-')} needs shuffled square batches: drop --rect")
+    if opt.quad and opt.batch_size // info.world_size < 4:
+        raise UserError(f"--quad merges 4 images into one: --batch-size {opt.batch_size} must give every rank at "
+                        f"least 4 (it gives {opt.batch_size // info.world_size})")
     if opt.batch_size % info.world_size:
         raise UserError(f"--batch-size {opt.batch_size} must be a multiple of WORLD_SIZE {info.world_size}")
     hyp = Hyp.from_dict(ckpt["hyp"], f"{opt.resume} (hyp)") if ckpt else Hyp.from_yaml(opt.hyp)
@@ -263,7 +274,8 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
         None, opt.imgsz, batch_per_rank, grid, hyp=hyp, augment=True, cache=image_cache(opt.cache),
         rect=opt.rect, global_rank=max(info.rank, 0), world_size=info.world_size, workers=opt.workers, shuffle=True,
         seed=opt.seed, single_cls=opt.single_cls, prefix=colorstr("train: "), label_set=train_labels,
-        close_mosaic_epoch=close_mosaic_epoch(opt.epochs, opt.close_mosaic))
+        close_mosaic_epoch=close_mosaic_epoch(opt.epochs, opt.close_mosaic), image_weights=opt.image_weights,
+        quad=opt.quad)
     val_loader = None
     if info.is_main:
         val_loader, _ = create_dataloader(
@@ -299,6 +311,10 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
     t = Training(model, optimizer, scaler, ema, ComputeLoss(model, scaled_loss_gains(hyp, model, opt.imgsz),
                  opt.label_smoothing), precision, device, info, opt, hyp, choice.momentum, grid, accumulate,
                  warmup_iterations(hyp.warmup_epochs, len(train_loader)), schedule)
+    # --image-weights: the class weights of the next epoch's draw (on every rank; rank 0 updates them).
+    base_class_weights = labels_to_class_weights(dataset.labels, nc)
+    class_weights = np.array(ckpt["class_weights"]) if ckpt and ckpt.get("class_weights") is not None else \
+        base_class_weights
     record = None
     if info.is_main:
         record = RunRecord(save_dir, patience=opt.patience, noval=opt.noval, nosave=opt.nosave,
@@ -306,10 +322,13 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
                            start_epoch=start_epoch + (start_batch > 0))
 
         def checkpoint(epoch: int, mid_epoch: dict | None) -> dict:
-            return training_checkpoint(model, ema, optimizer, scaler, epoch=epoch, mid_epoch=mid_epoch,
-                                       best_fitness=record.best_fitness, best_epoch=record.best_epoch,
-                                       lr_schedule=t.schedule.segments, opt=opt, hyp=hyp.to_dict(),
-                                       world_size=info.world_size, run_id=info.run_id)
+            ckpt_now = training_checkpoint(model, ema, optimizer, scaler, epoch=epoch, mid_epoch=mid_epoch,
+                                           best_fitness=record.best_fitness, best_epoch=record.best_epoch,
+                                           lr_schedule=t.schedule.segments, opt=opt, hyp=hyp.to_dict(),
+                                           world_size=info.world_size, run_id=info.run_id)
+            # The weights of the epoch after `epoch` (the one a resume draws next), set before this is called.
+            ckpt_now["class_weights"] = [float(w) for w in class_weights] if opt.image_weights else None
+            return ckpt_now
 
         t.save_mid_epoch = lambda epoch, batch, so_far: record.save_mid_epoch(
             checkpoint(epoch - 1, {"epoch": epoch, "batch": batch, **so_far.state()}))
@@ -325,6 +344,9 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
     t_start, results, epoch = time.time(), (0.0,) * 7, start_epoch
     for epoch in itertools.count(start_epoch):  # --time may change opt.epochs on the way
         t_epoch = time.perf_counter()
+        if opt.image_weights:
+            train_loader.set_image_weights(labels_to_image_weights(dataset.labels, class_weights))
+            check_same_draw(info, train_loader.sampler.global_draw(epoch), epoch)
         tally = train_one_epoch(t, train_loader, epoch, start_batch, tally, plots_dir=None if opt.noplots or
                                 epoch != start_epoch or not info.is_main else save_dir)
         lrs = [g["lr"] for g in optimizer.param_groups]  # the epoch's own rates, for results.csv
@@ -338,12 +360,17 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
                                         compute_loss=t.compute_loss, plots=final and not opt.noplots,
                                         verbose=final and nc < 50, save_dir=save_dir, autocast_dtype=precision.dtype)
                 results = r.as_row()
+                if opt.image_weights:
+                    class_weights = class_weights_from_maps(base_class_weights, r.maps)
+                    decision["class_weights"] = [float(w) for w in class_weights]  # repr round-trips exactly
             decision["stop"] = record.end_epoch(epoch, tally.means(), results if not opt.noval or
                                                 final else None, lrs, checkpoint(epoch, None), final)
             if opt.time:
                 decision.update(fit_to_time(opt, epoch, start_epoch, time.time() - t_start,
                                             time.perf_counter() - t_epoch))
         decision = json.loads(rank_zero_decides(info, json.dumps(decision)))  # the others wait on the store
+        if decision.get("class_weights") is not None:
+            class_weights = np.array(decision["class_weights"], dtype=np.float64)
         if decision.get("epochs"):
             refit_schedule(t, scheduler, train_loader, opt, decision["epochs"])
         if decision.get("stop") or epoch + 1 >= opt.epochs:
@@ -413,6 +440,8 @@ def train_one_epoch(t: Training, loader, epoch: int, start_batch: int, tally: Lo
             with gradient_sync(model, k == len(micro) - 1), autocast(t.device, t.precision):
                 loss, items = t.compute_loss(model(imgs), targets, LossNorm(positives, imgs.shape[0] * world),
                                              assignment)
+            if t.opt.quad:  # as YOLOv5: a quad image stands for 4 images of the batch the gradient scale is set for
+                loss = loss * 4
             t.scaler.scale(loss * world).backward()  # DDP averages gradients over ranks; the loss sums over them
             step_items += items
             if torch.isfinite(items).all():
@@ -609,6 +638,18 @@ def optimizer_step(t: Training) -> bool:
     if finite and t.ema is not None:
         t.ema.update(t.model)
     return finite
+
+
+def check_same_draw(info: DistInfo, draw: list[int], epoch: int) -> None:
+    """--image-weights under DDP: stop when the ranks' global draws of ``epoch`` differ (their shards would overlap)."""
+    if not info.is_distributed:
+        return
+    digest = float(draw_digest(np.array(draw)))  # < 2**32: exact in float64
+    seen = all_reduce_sum(torch.tensor([digest, digest * digest], dtype=torch.float64))
+    world = info.world_size
+    if seen[0] * seen[0] != world * seen[1]:  # equality of sum^2 and n * sum of squares: all equal
+        raise RuntimeError(f"--image-weights: the ranks drew different image lists for epoch {epoch}")
+    LOGGER.info(f"image weights: epoch {epoch} draw {int(digest):08x} is the same on all {world} ranks")
 
 
 def _is_collective_failure(error: BaseException) -> bool:
