@@ -44,7 +44,10 @@ from utils.ema import ModelEMA
 from utils.errors import UserError, run_reporting_errors
 from utils.hyp import Hyp
 from utils.log import LOGGER, colorstr, setup_logging
+from utils.loggers import NullLogger, RunLogger, make_logger
 from utils.loss import ComputeLoss, LossNorm
+from utils.metrics import RECALL_POINTS
+from utils.results_log import RESULT_COLUMNS
 from utils.lr_schedule import LrSchedule, apply_warmup, warmup_iterations
 from utils.optimizer import build_optimizer, choose_optimizer, optimizer_steps
 from utils.run_dir import increment_path
@@ -205,6 +208,7 @@ class Training:
     n_warmup: int
     schedule: LrSchedule
     save_mid_epoch: object = None  # callable(epoch, next_batch, tally) on rank 0, or None
+    logger: RunLogger = field(default_factory=NullLogger)  # TensorBoard on rank 0 (utils/loggers.py)
     steps_done: int = 0
     skipped_in_row: int = 0  # optimizer steps skipped for non-finite gradients, across epochs
     last_save: float = field(default_factory=time.monotonic)
@@ -330,6 +334,7 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
             ckpt_now["class_weights"] = [float(w) for w in class_weights] if opt.image_weights else None
             return ckpt_now
 
+        t.logger = make_logger(save_dir, info.is_main)
         t.save_mid_epoch = lambda epoch, batch, so_far: record.save_mid_epoch(
             checkpoint(epoch - 1, {"epoch": epoch, "batch": batch, **so_far.state()}))
         if not ckpt and not opt.noplots:
@@ -342,6 +347,7 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
     LOGGER.info(f"Image sizes {opt.imgsz} train, {opt.imgsz} val; {opt.workers} dataloader workers per rank; "
                 f"logging to {colorstr(str(save_dir))}\nStarting training for {opt.epochs} epochs...")
     t_start, results, epoch = time.time(), (0.0,) * 7, start_epoch
+    r = None  # the last validation's ValResults
     for epoch in itertools.count(start_epoch):  # --time may change opt.epochs on the way
         t_epoch = time.perf_counter()
         if opt.image_weights:
@@ -365,6 +371,7 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
                     decision["class_weights"] = [float(w) for w in class_weights]  # repr round-trips exactly
             decision["stop"] = record.end_epoch(epoch, tally.means(), results if not opt.noval or
                                                 final else None, lrs, checkpoint(epoch, None), final)
+            t.logger.log_epoch(epoch, dict(zip(RESULT_COLUMNS[1:], [*tally.means().tolist(), *results, *lrs])))
             if opt.time:
                 decision.update(fit_to_time(opt, epoch, start_epoch, time.time() - t_start,
                                             time.perf_counter() - t_epoch))
@@ -391,6 +398,9 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
                                     names=names, device=device, plots=not opt.noplots, save_dir=save_dir,
                                     verbose=nc < 50, compute_loss=t.compute_loss, autocast_dtype=precision.dtype)
             results = r.as_row()
+        if r is not None and r.class_metrics is not None and len(r.class_metrics.pr_curve):
+            t.logger.log_pr_curve(r.class_metrics.pr_curve.mean(0), RECALL_POINTS, epoch)
+        t.logger.close()
         if not opt.noplots:
             from utils.plots import plot_results
 
@@ -459,6 +469,8 @@ def train_one_epoch(t: Training, loader, epoch: int, start_batch: int, tally: Lo
         t.steps_done += 1
         if info.is_main:
             batches.set_description(progress_line(epoch, t.opt.epochs, t.device, tally.means(), micro))
+            if first == 0:
+                t.logger.log_batch(window[0][1][0], epoch)
             if plots_dir is not None and first < 3:
                 from utils.plots import plot_images
 
