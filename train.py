@@ -42,11 +42,13 @@ from utils.distributed import (DistInfo, all_reduce_sum, broadcast_object, de_pa
                                destroy_process_group, dist_info, init_process_group, rank_zero_decides)
 from utils.ema import ModelEMA
 from utils.errors import UserError, run_reporting_errors
+from utils.evolve import RESULT_KEYS, append_evolve_row, evolved_keys, next_hyp, plot_evolve, read_evolve_csv, \
+    write_best_hyp
 from utils.hyp import Hyp
 from utils.log import LOGGER, colorstr, setup_logging
 from utils.loggers import NullLogger, RunLogger, make_logger
 from utils.loss import ComputeLoss, LossNorm
-from utils.metrics import RECALL_POINTS
+from utils.metrics import RECALL_POINTS, fitness
 from utils.results_log import RESULT_COLUMNS
 from utils.lr_schedule import LrSchedule, apply_warmup, warmup_iterations
 from utils.optimizer import build_optimizer, choose_optimizer, optimizer_steps
@@ -106,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deterministic", action="store_true", help="bit-for-bit repeatable kernels (slower)")
     p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=True,
                    help="mixed precision where it helps: fp16 on CUDA, bf16 on CPUs with native bf16")
+    p.add_argument("--evolve", type=int, nargs="?", const=300, default=None, metavar="N",
+                   help="evolve hyper-parameters for N generations (default 300) in runs/evolve/exp")
+    p.add_argument("--resume-evolve", "--resume_evolve", default=None, metavar="CSV",
+                   help="with --evolve N: continue this evolve.csv up to N generations in total")
     p.add_argument("--dist-timeout", type=float, default=10.0,
                    help="minutes a collective may wait for a rank before the run stops (DDP)")
     # torch.distributed.launch and older scripts pass these; LOCAL_RANK from the environment is what counts.
@@ -135,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
 def run(opt: argparse.Namespace, explicit: set[str], info: DistInfo) -> int:
     device = setup_device(opt, info)
     try:
+        if opt.evolve is not None or opt.resume_evolve:
+            evolve(opt, explicit, device, info)
+            return 0
         opt, ckpt = resume_point(opt, explicit, info)
         if ckpt is not None and ckpt["mid_epoch"] is None and ckpt["epoch"] + 1 >= opt.epochs:
             LOGGER.info(f"{opt.resume}: this run already finished its {opt.epochs} epochs; nothing to resume "
@@ -234,7 +243,9 @@ class LossTally:
         return {"sums": self.sums.tolist(), "micro_batches": self.micro_batches, "skipped_steps": self.skipped_steps}
 
 
-def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: dict | None) -> dict:
+def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: dict | None,
+          hyp: Hyp | None = None) -> dict:
+    """One training run; ``hyp`` (an --evolve generation's) replaces reading --hyp."""
     # ---- options, data, model -------------------------------------------------------------------------
     if opt.epochs < 1 or opt.batch_size < 1:
         raise UserError(f"--epochs {opt.epochs} and --batch-size {opt.batch_size} must be at least 1")
@@ -253,7 +264,10 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
                         f"least 4 (it gives {opt.batch_size // info.world_size})")
     if opt.batch_size % info.world_size:
         raise UserError(f"--batch-size {opt.batch_size} must be a multiple of WORLD_SIZE {info.world_size}")
-    hyp = Hyp.from_dict(ckpt["hyp"], f"{opt.resume} (hyp)") if ckpt else Hyp.from_yaml(opt.hyp)
+    if ckpt:
+        hyp = Hyp.from_dict(ckpt["hyp"], f"{opt.resume} (hyp)")
+    elif hyp is None:
+        hyp = Hyp.from_yaml(opt.hyp)
     init_torch_seeds(opt.seed, opt.deterministic)
     with torch_distributed_zero_first(info.local_rank):  # local rank 0 makes built-in data and label caches first
         data = load_data_config(opt.data)
@@ -485,6 +499,59 @@ def train_one_epoch(t: Training, loader, epoch: int, start_batch: int, tally: Lo
     LOGGER.info(f"epoch {epoch}: {(n_batches - start_batch) * t.opt.batch_size / elapsed:.1f} images/s, "
                 f"{100 * data_wait / elapsed:.0f}% of the time waiting for data{gpu}{skipped}")
     return tally
+
+
+def evolve(opt: argparse.Namespace, explicit: set[str], device: torch.device, info: DistInfo) -> Path:
+    """--evolve N: train generations until evolve.csv holds N (see utils/evolve.py); returns the folder.
+
+    Each generation is a normal run (validated after its last epoch only, final weights only) in
+    ``<folder>/gen<i>``; every rank of a distributed launch trains it together. Rank 0 keeps the record and
+    decides each generation's hyper-parameters, drawn from ``(seed, generation)`` and the csv so far.
+    """
+    if opt.evolve is None or opt.evolve < 1:
+        raise UserError(f"--evolve {opt.evolve}: give the number of generations, at least 1 (e.g. --evolve 10)")
+    if opt.resume:
+        raise UserError("--evolve trains new runs and cannot --resume one; continue an evolution with "
+                        "--resume-evolve path/to/evolve.csv")
+    base = Hyp.from_yaml(opt.hyp)
+    keys = evolved_keys(base)
+    if opt.resume_evolve:
+        csv_file = Path(opt.resume_evolve)
+        if not csv_file.is_file():
+            raise UserError(f"--resume-evolve {csv_file}: file not found")
+        folder = csv_file.parent
+    else:
+        project = Path(opt.project) if "project" in explicit else ROOT / "runs/evolve"
+        folder = Path(broadcast_object(str(increment_path(project / opt.name, opt.exist_ok)), info))
+        csv_file = folder / "evolve.csv"
+    rows = np.zeros((0, len(RESULT_KEYS) + len(keys)))
+    if info.is_main:
+        folder.mkdir(parents=True, exist_ok=True)
+        if csv_file.exists():
+            rows = read_evolve_csv(csv_file, keys)
+    rows = broadcast_object(rows, info)
+    if len(rows) >= opt.evolve:
+        LOGGER.info(f"{csv_file} already holds {len(rows)} generations (--evolve {opt.evolve}): nothing to do")
+        return folder
+    LOGGER.info(f"Evolving hyper-parameters: generations {len(rows)} to {opt.evolve - 1} in {colorstr(str(folder))}")
+    for generation in range(len(rows), opt.evolve):
+        hyp = next_hyp(base, rows, keys, np.random.default_rng([opt.seed, generation]))
+        hyp = Hyp.from_dict(broadcast_object(hyp.to_dict(), info), f"generation {generation}")
+        run_opt = argparse.Namespace(**{**vars(opt), "project": str(folder), "name": f"gen{generation}",
+                                        "exist_ok": True, "noval": True, "nosave": True, "noplots": True,
+                                        "evolve": None, "resume_evolve": None})
+        out = train(run_opt, device, info, None, hyp=hyp)
+        if info.is_main:
+            append_evolve_row(csv_file, out["results"], hyp, keys)
+            rows = read_evolve_csv(csv_file, keys)  # the rounded values, as a resumed evolution reads them
+            write_best_hyp(rows, keys, base, folder / "hyp_evolve.yaml")
+            LOGGER.info(f"generation {generation}: fitness {float(fitness(np.array(out['results'][:4]))):.5g}; "
+                        f"best so far in {folder / 'hyp_evolve.yaml'}")
+        rows = broadcast_object(rows, info)
+    if info.is_main:  # once at the end: a figure of every hyper-parameter costs seconds
+        plot_evolve(rows, keys, folder / "evolve.png")
+    LOGGER.info(f"Evolution done: {csv_file}, {folder / 'hyp_evolve.yaml'}, {folder / 'evolve.png'}")
+    return folder
 
 
 # ---- helpers of train() ----------------------------------------------------------------------------------
