@@ -366,7 +366,7 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
         t_epoch = time.perf_counter()
         if opt.image_weights:
             train_loader.set_image_weights(labels_to_image_weights(dataset.labels, class_weights))
-            check_same_draw(info, train_loader.sampler.global_draw(epoch), epoch)
+            check_same_draw(info, train_loader.sampler.global_draw(epoch), epoch, device)
         tally = train_one_epoch(t, train_loader, epoch, start_batch, tally, plots_dir=None if opt.noplots or
                                 epoch != start_epoch or not info.is_main else save_dir)
         lrs = [g["lr"] for g in optimizer.param_groups]  # the epoch's own rates, for results.csv
@@ -508,7 +508,9 @@ def evolve(opt: argparse.Namespace, explicit: set[str], device: torch.device, in
     ``<folder>/gen<i>``; every rank of a distributed launch trains it together. Rank 0 keeps the record and
     decides each generation's hyper-parameters, drawn from ``(seed, generation)`` and the csv so far.
     """
-    if opt.evolve is None or opt.evolve < 1:
+    if opt.evolve is None:
+        raise UserError(f"--resume-evolve {opt.resume_evolve} needs --evolve N, the number of generations in total")
+    if opt.evolve < 1:
         raise UserError(f"--evolve {opt.evolve}: give the number of generations, at least 1 (e.g. --evolve 10)")
     if opt.resume:
         raise UserError("--evolve trains new runs and cannot --resume one; continue an evolution with "
@@ -719,16 +721,16 @@ def optimizer_step(t: Training) -> bool:
     return finite
 
 
-def check_same_draw(info: DistInfo, draw: list[int], epoch: int) -> None:
+def check_same_draw(info: DistInfo, draw: list[int], epoch: int, device: torch.device) -> None:
     """--image-weights under DDP: stop when the ranks' global draws of ``epoch`` differ (their shards would overlap)."""
     if not info.is_distributed:
         return
-    digest = float(draw_digest(np.array(draw)))  # < 2**32: exact in float64
-    seen = all_reduce_sum(torch.tensor([digest, digest * digest], dtype=torch.float64))
-    world = info.world_size
-    if seen[0] * seen[0] != world * seen[1]:  # equality of sum^2 and n * sum of squares: all equal
+    digest = draw_digest(np.array(draw))
+    extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)  # the largest and (negated) the smallest digest
+    if int(extremes[0]) != -int(extremes[1]):
         raise RuntimeError(f"--image-weights: the ranks drew different image lists for epoch {epoch}")
-    LOGGER.info(f"image weights: epoch {epoch} draw {int(digest):08x} is the same on all {world} ranks")
+    LOGGER.info(f"image weights: epoch {epoch} draw {digest:08x} is the same on all {info.world_size} ranks")
 
 
 def _is_collective_failure(error: BaseException) -> bool:
