@@ -160,3 +160,4 @@ def test_image_weights_and_quad_under_two_rank_ddp(small_yaml, tmp_path) -> None
     for epoch in (0, 1):  # every rank's draw was compared (an all-reduce of its checksum) before the epoch
         assert f"image weights: epoch {epoch} draw" in out and "is the same on all 2 ranks" in out
     assert len(load_checkpoint(tmp_path / "exp/weights/last.pt")["class_weights"]) == 2
+    assert len(list((tmp_path / "exp").glob("events.out.tfevents.*"))) == 1  # TensorBoard: global rank 0 only
