@@ -137,9 +137,13 @@ def run_options(opt: argparse.Namespace) -> DetectResults:
     from utils.data.sources import iter_source
     from utils.nms import non_max_suppression
     from utils.plots import class_colour
+    from utils.tta import tta_predict
 
     device = select_device(opt.device)
     model, meta = load_for_inference(opt.weights, device)
+    if opt.augment and meta.kind != "pytorch":
+        raise UserError(f"--augment needs a PyTorch .pt model (its passes change the input size); {opt.weights} is "
+                        f"{meta.kind}")
     imgsz = opt.imgsz
     if imgsz % meta.stride:
         imgsz = (imgsz // meta.stride + 1) * meta.stride
@@ -166,7 +170,7 @@ def run_options(opt: argparse.Namespace) -> DetectResults:
             im = im.to(device).float() / 255
             t1 = time_synchronized()
             with torch.no_grad():
-                pred = predictions(model(im))
+                pred = tta_predict(model, im, meta.stride) if opt.augment else predictions(model(im))
             t2 = time_synchronized()
             dets = non_max_suppression(pred.float(), opt.conf_thres, opt.iou_thres, classes=opt.classes,
                                        agnostic=opt.agnostic_nms, max_det=opt.max_det)
@@ -245,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--exist-ok", action="store_true", help="reuse an existing run folder")
     parser.add_argument("--hide-labels", action="store_true")
     parser.add_argument("--hide-conf", action="store_true")
+    parser.add_argument("--augment", action="store_true", help="test-time augmentation (scales and flips)")
     return parser
 
 

@@ -48,6 +48,7 @@ class ValResults:
     coco_stats: np.ndarray | None = None  # COCOeval's 12 figures with --save-json
     save_dir: Path | None = None
     names: list[str] = field(default_factory=list)
+    plain: ValResults | None = None  # with --augment: the same data without test-time augmentation
 
     @property
     def fitness(self) -> float:
@@ -81,6 +82,7 @@ def validate(
     half: bool = False,
     autocast_dtype: torch.dtype | None = None,
     annotations_json: str | Path | None = None,
+    augment: bool = False,
 ) -> ValResults:
     """Run ``model`` over ``dataloader`` (letterboxed batches with shapes entries) and measure it.
 
@@ -90,6 +92,7 @@ def validate(
     autocast of that type; NMS and metrics stay in fp32. Outputs (plots, labels/, JSON files) go to ``save_dir``.
     ``model`` may also be an exported file's runner (models/backends.py), which returns predictions only.
     With ``save_json``, ``annotations_json`` (COCO's instances_val2017.json) is scored too, beside our figures.
+    ``augment``: test-time augmentation (utils/tta.py; PyTorch models only, no losses).
     """
     device = torch.device(device)
     wants_files = plots or save_json or save_txt
@@ -139,7 +142,12 @@ def validate(
 
         with torch.autocast(device_type=device.type, dtype=autocast_dtype or torch.float32,
                             enabled=autocast_dtype is not None):
-            out = model(imgs)
+            if augment:
+                from utils.tta import tta_predict
+
+                out = (tta_predict(model, imgs, int(model.stride.max())), None)
+            else:
+                out = model(imgs)
         pred, raw = out if isinstance(out, (tuple, list)) else (out, None)  # exported files give predictions only
         t2 = time_synchronized()
         if compute_loss is not None and raw is not None:
@@ -224,6 +232,15 @@ def validate(
         n_files = len(list((save_dir / "labels").glob("*.txt")))
         LOGGER.info(f"{n_files} label files saved to {save_dir / 'labels'}")
     return results
+
+
+def tta_comparison(plain: ValResults, augmented: ValResults) -> str:
+    """One line: mAP and time per image of the --augment pass beside the plain one."""
+    t_plain, t_aug = sum(plain.speed), sum(augmented.speed)
+    factor = t_aug / t_plain if t_plain > 0 else float("nan")
+    return (f"--augment: mAP50 {augmented.map50:.4f} (plain {plain.map50:.4f}, {augmented.map50 - plain.map50:+.4f}), "
+            f"mAP50-95 {augmented.map:.4f} (plain {plain.map:.4f}, {augmented.map - plain.map:+.4f}); "
+            f"{t_aug:.1f} ms per image (plain {t_plain:.1f} ms, x{factor:.2f})")
 
 
 def _write_txt(path: Path, det: np.ndarray, original_hw: tuple[int, int], save_conf: bool) -> None:
@@ -331,6 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--exist-ok", action="store_true", help="reuse an existing run folder")
     parser.add_argument("--half", action="store_true", help="fp16 inference (CUDA only)")
     parser.add_argument("--noplots", action="store_true")
+    parser.add_argument("--augment", action="store_true",
+                        help="test-time augmentation (scales and flips); also runs and reports the plain pass")
     return parser
 
 
@@ -367,6 +386,9 @@ def run_options(opt: argparse.Namespace) -> ValResults:
         LOGGER.warning("--half needs a CUDA device: running in fp32")
     half = opt.half and device.type == "cuda"
     model, meta = load_for_inference(opt.weights, device)
+    if opt.augment and meta.kind != "pytorch":
+        raise UserError(f"--augment needs a PyTorch .pt model (its passes change the input size); {opt.weights} is "
+                        f"{meta.kind}")
     if half and meta.kind == "pytorch":
         model.half()
     half = half and meta.kind == "pytorch"
@@ -399,12 +421,21 @@ def run_options(opt: argparse.Namespace) -> ValResults:
     if device.type == "cuda":  # the first CUDA call pays for context and kernel set-up: keep it out of the timings
         model(torch.zeros(1, 3, imgsz, imgsz, device=device, dtype=torch.float16 if half else torch.float32))
 
+    plain = None
+    if opt.augment:  # the plain pass first, on the same loader, for the comparison
+        LOGGER.info("Plain pass (for comparison with --augment):")
+        plain = validate(model, loader, names=data_cfg["names"], device=device, conf_thres=conf_thres,
+                         iou_thres=iou_thres, max_det=opt.max_det, single_cls=opt.single_cls, half=half)
+        LOGGER.info("Test-time augmentation pass:")
     results = validate(
         model, loader, names=data_cfg["names"], device=device, conf_thres=conf_thres, iou_thres=iou_thres,
         max_det=opt.max_det, single_cls=opt.single_cls, save_dir=save_dir, plots=not opt.noplots,
         verbose=opt.verbose, save_json=save_json, save_txt=opt.save_txt, save_conf=opt.save_conf, half=half,
-        annotations_json=data_cfg.get("annotations") if split == "val" else None,
+        annotations_json=data_cfg.get("annotations") if split == "val" else None, augment=opt.augment,
     )
+    if plain is not None:
+        results.plain = plain
+        LOGGER.info(tta_comparison(plain, results))
     LOGGER.info(f"Results saved to {colorstr(str(save_dir))}")
     return results
 

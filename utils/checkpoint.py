@@ -8,7 +8,8 @@ checkpoint is the models' job (``models.yolo.build_model``); this module only ha
 Training state (what ``--resume`` and launcher restarts need): ``optimizer``, ``scaler``, ``ema``/``updates``,
 ``epoch`` (the last completed epoch, -1 before the first), ``mid_epoch`` (None, or where a checkpoint written
 inside an epoch stands: the epoch, the batches done and the epoch's loss sums so far), ``best_fitness``,
-``best_epoch``, ``lr_schedule`` (see utils/lr_schedule.py), ``opt``, ``hyp``, ``world_size`` and ``run_id``.
+``best_epoch``, ``lr_schedule`` (see utils/lr_schedule.py), ``opt``, ``hyp``, ``world_size`` and ``run_id``;
+train.py adds ``class_weights`` (--image-weights: the class weights of the next epoch's draw, or None).
 """
 from __future__ import annotations
 

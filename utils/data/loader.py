@@ -11,6 +11,7 @@ from functools import partial
 from typing import Any
 
 import cv2
+import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
@@ -19,7 +20,8 @@ from utils.data.dataset import YoloDataset
 from utils.data.label_cache import LabelSet
 from utils.hyp import Hyp
 from utils.log import LOGGER
-from utils.data.samplers import EpochStreamBatchSampler, ShardedSampler, epoch_batches
+from utils.data.quad import QuadCollate
+from utils.data.samplers import EpochStreamBatchSampler, ShardedSampler, WeightedShardedSampler, epoch_batches
 
 
 PREFETCH_BATCHES = 2  # per worker (DataLoader's prefetch_factor); BatchRing's slot count follows from it
@@ -53,6 +55,16 @@ class EpochStreamLoader:
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         self.sampler.set_epoch(epoch)
         self.start_batch = start_batch
+
+    def set_image_weights(self, weights: np.ndarray | None) -> None:
+        """--image-weights: the per-image weights of the next epochs' draws (a WeightedShardedSampler only).
+
+        Batches the stream prefetched were drawn with the old weights, so new weights restart it.
+        """
+        if not isinstance(self.sampler, WeightedShardedSampler):
+            raise TypeError("image weights need a loader made with image_weights=True")
+        if self.sampler.set_weights(weights):
+            self._batches = None
 
     def update_dataset(self, **attributes: Any) -> None:
         """Set dataset attributes (such as ``close_mosaic_epoch``) for the batches not made yet.
@@ -105,6 +117,8 @@ def create_dataloader(
     close_mosaic_epoch: int | None = None,
     prefix: str = "",
     label_set: LabelSet | None = None,
+    image_weights: bool = False,
+    quad: bool = False,
 ) -> tuple[DataLoader | EpochStreamLoader, YoloDataset]:
     """A loader over this rank's shard and the dataset; ``batch_size`` is per rank.
 
@@ -112,6 +126,8 @@ def create_dataloader(
     augmentation draws. Training loaders (``augment``) pad shards to equal length and are an
     EpochStreamLoader; others give each sample to exactly one rank and are a plain DataLoader.
     ``label_set`` (already loaded labels) replaces reading them from ``path``.
+    ``image_weights`` (training): each epoch is a weighted draw, see ``EpochStreamLoader.set_image_weights``.
+    ``quad`` (training, not rect): batches of four merged samples at twice the size (utils/data/quad.py).
     """
     if rect and shuffle:
         LOGGER.warning(f"{prefix}WARNING rect batches are incompatible with shuffle: shuffle disabled")
@@ -125,8 +141,12 @@ def create_dataloader(
                           close_mosaic_epoch=close_mosaic_epoch, workers=workers, label_set=label_set,
                           decode_threads=decode_threads, prefix=prefix)
     batch_size = min(batch_size, len(dataset))
-    sampler = ShardedSampler(len(dataset), world_size=world_size, rank=global_rank, shuffle=shuffle, seed=seed,
-                             pad=shuffle or augment, block=batch_size if rect else 1)
+    if image_weights and augment and not rect:
+        sampler: ShardedSampler = WeightedShardedSampler(len(dataset), world_size=world_size, rank=global_rank,
+                                                         seed=seed)
+    else:
+        sampler = ShardedSampler(len(dataset), world_size=world_size, rank=global_rank, shuffle=shuffle, seed=seed,
+                                 pad=shuffle or augment, block=batch_size if rect else 1)
     loader_workers = min(loader_workers, batch_size)
     common: dict[str, Any] = dict(num_workers=loader_workers, pin_memory=torch.cuda.is_available(),
                                   collate_fn=YoloDataset.collate_fn, persistent_workers=loader_workers > 0,
@@ -137,7 +157,9 @@ def create_dataloader(
     ring = None
     if loader_workers > 0:
         common["prefetch_factor"] = PREFETCH_BATCHES
-    if loader_workers > 0 and not rect:
+    if quad and augment and not rect:
+        common["collate_fn"] = QuadCollate(seed)  # images change size: no BatchRing
+    elif loader_workers > 0 and not rect:
         # Training samples are all imgsz x imgsz here (mosaic or letterbox; rect batches vary).
         shape_hwc = (imgsz, imgsz, 3)
         slots = PREFETCH_BATCHES + 1  # one more than a worker can have in flight: see BatchRing

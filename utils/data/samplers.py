@@ -95,3 +95,36 @@ class EpochStreamBatchSampler:
         while batches := epoch_batches(self.sampler, self.batch_size, epoch):
             yield from batches[skip:]
             epoch, skip = epoch + 1, 0
+
+
+class WeightedShardedSampler(ShardedSampler):
+    """``ShardedSampler`` for --image-weights: each epoch's global index list is a weighted draw.
+
+    The draw (``utils.data.image_weights.weighted_draw``) depends only on (seed, epoch, weights), so every rank
+    makes the same list and is dealt its disjoint, equally long part of it, as ``ShardedSampler`` deals a
+    shuffled order. Without weights (``set_weights(None)``) it is a plain shuffling ``ShardedSampler``.
+    """
+
+    def __init__(self, n: int, world_size: int = 1, rank: int = 0, seed: int = 0):
+        super().__init__(n, world_size=world_size, rank=rank, shuffle=True, seed=seed, pad=True, block=1)
+        self.weights: np.ndarray | None = None
+
+    def set_weights(self, weights: np.ndarray | None) -> bool:
+        """Use ``weights`` (one per index) from the next draw on; True when they differ from the current ones."""
+        new = None if weights is None else np.asarray(weights, dtype=np.float64).copy()
+        if new is not None and len(new) != self.n:
+            raise ValueError(f"{len(new)} image weights for {self.n} images")
+        changed = (new is None) != (self.weights is None) or (new is not None and not np.array_equal(new, self.weights))
+        self.weights = new
+        return changed
+
+    def global_draw(self, epoch: int) -> list[int]:
+        """Every rank's indices of ``epoch`` together, before dealing."""
+        return [i for b in self._blocks(epoch) for i in b]
+
+    def _blocks(self, epoch: int) -> list[list[int]]:
+        if self.weights is None:
+            return super()._blocks(epoch)
+        from utils.data.image_weights import weighted_draw
+
+        return [[int(i)] for i in weighted_draw(self.weights, self.seed, epoch)]

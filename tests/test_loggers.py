@@ -1,0 +1,61 @@
+"""TensorBoard logging: event files that TensorBoard's own reader understands, and runs without tensorboard."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import write_rectangles_dataset
+
+from test_train_flags import train_here  # noqa: F401  (fixture)
+from utils.loggers import NullLogger, TensorBoardLogger, make_logger
+from utils.results_log import RESULT_COLUMNS
+
+
+def _events(folder: Path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+@pytest.mark.slow
+def test_training_writes_scalars_for_every_epoch_a_mosaic_and_the_pr_curve(train_here, tmp_path) -> None:  # noqa: F811
+    data = write_rectangles_dataset(tmp_path / "data", n_train=8, n_val=4)
+    status, log = train_here("--data", data, "--project", tmp_path / "runs", "--epochs", "2")
+    assert status == 0, log
+    acc = _events(tmp_path / "runs/exp")
+    tags = acc.Tags()
+    assert set(RESULT_COLUMNS[1:]) <= set(tags["scalars"])
+    for tag in RESULT_COLUMNS[1:]:
+        assert [e.step for e in acc.Scalars(tag)] == [0, 1], tag
+    csv_rows = (tmp_path / "runs/exp/results.csv").read_text().splitlines()[1:]
+    lr0 = [float(row.split(",")[RESULT_COLUMNS.index("x/lr0")]) for row in csv_rows]
+    assert np.allclose([e.value for e in acc.Scalars("x/lr0")], lr0, rtol=1e-4)  # the same values as results.csv
+    assert tags["images"] == ["train/batch_mosaic"]
+    assert tags["tensors"] == ["val/PR_curve"]
+
+
+def test_no_tensorboard_or_another_rank_means_a_silent_logger(tmp_path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
+    logger = make_logger(tmp_path, is_main=True)
+    assert isinstance(logger, NullLogger)
+    logger.log_epoch(0, {"x": 1.0})
+    logger.log_batch(torch.zeros(1, 3, 8, 8, dtype=torch.uint8), 0)
+    logger.close()
+    assert isinstance(make_logger(tmp_path, is_main=False), NullLogger)
+    assert not list(tmp_path.iterdir())
+
+
+def test_tensorboard_logger_writes_what_it_is_given(tmp_path) -> None:
+    logger = TensorBoardLogger(tmp_path)
+    for epoch in range(3):
+        logger.log_epoch(epoch, {"metrics/mAP_0.5": 0.1 * epoch})
+    logger.log_pr_curve(np.linspace(1, 0, 101), np.linspace(0, 1, 101), 2)
+    logger.close()
+    acc = _events(tmp_path)
+    assert [round(e.value, 6) for e in acc.Scalars("metrics/mAP_0.5")] == [0.0, 0.1, 0.2]
+    assert acc.Tensors("val/PR_curve")[0].step == 2
