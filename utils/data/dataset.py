@@ -215,9 +215,13 @@ class YoloDataset(Dataset):
     def mosaic_enabled(self, epoch: int) -> bool:
         return self.close_mosaic_epoch is None or epoch < self.close_mosaic_epoch
 
-    def _mosaic(self, index: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    def partners(self, epoch: int, index: int, k: int, rng: np.random.Generator) -> list[int]:
+        """``k`` mosaic or mixup partners of sample ``index``: any sample here (shards draw from a window)."""
+        return rng.integers(0, self.n, k).tolist()
+
+    def _mosaic(self, index: int, rng: np.random.Generator, epoch: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """A 4-image mosaic warped to imgsz x imgsz; labels [cls, x1, y1, x2, y2] in pixels."""
-        indices = [index, *rng.integers(0, self.n, 3).tolist()]
+        indices = [index, *self.partners(epoch, index, 3, rng)]
         # Tile shapes come from the label cache, so tiles the warp never shows are not even decoded.
         shapes_hw = [long_side_shape(int(self.shapes[i][1]), int(self.shapes[i][0]), self.imgsz) for i in indices]
 
@@ -243,7 +247,7 @@ class YoloDataset(Dataset):
         """``_load_tile`` from a partial JPEG decode; False where that cannot be done (the caller decodes it whole)."""
         h0, w0 = int(self.shapes[i][1]), int(self.shapes[i][0])
         if (h0, w0) == shape_hw:
-            return read_image_region(self.im_files[i], shape_hw, region, out, self.jpeg_decoder) is not None
+            return self._region(i, shape_hw, region, out) is not None
         if not self.augment:  # load_image shrinks with INTER_AREA then, which reads wider than a linear resize
             return False
         # Decode the source pixels the region is interpolated from into a full-size frame, then resize it
@@ -252,11 +256,15 @@ class YoloDataset(Dataset):
         sx1, sx2 = linear_resize_source_span(x1, x2, w0, shape_hw[1])
         sy1, sy2 = linear_resize_source_span(y1, y2, h0, shape_hw[0])
         frame = np.empty((h0, w0, 3), dtype=np.uint8)
-        if read_image_region(self.im_files[i], (h0, w0), (sx1, sy1, sx2, sy2), frame[sy1:sy2, sx1:sx2],
-                             self.jpeg_decoder) is None:
+        if self._region(i, (h0, w0), (sx1, sy1, sx2, sy2), frame[sy1:sy2, sx1:sx2]) is None:
             return False
         paste_region(resize_to_long_side(frame, self.imgsz, self.augment)[0], region, out)
         return True
+
+    def _region(self, i: int, shape_hw: tuple[int, int], region: tuple[int, int, int, int],
+                out: np.ndarray) -> np.ndarray | None:
+        """Part of image ``i`` decoded alone (None where that cannot be done): the file version."""
+        return read_image_region(self.im_files[i], shape_hw, region, out, self.jpeg_decoder)
 
     def _tile_map(self) -> Callable:
         """``map`` over mosaic tiles: a thread pool when ``decode_threads`` > 1 (cv2 decodes without the GIL)."""
@@ -288,9 +296,9 @@ class YoloDataset(Dataset):
         mosaic_on = self.augment and not self.rect and self.mosaic_enabled(epoch)  # rect batches need letterboxes
         shapes: tuple | None = None
         if mosaic_on and rng.random() < hy.mosaic:
-            img, labels = self._mosaic(index, rng)
+            img, labels = self._mosaic(index, rng, epoch)
             if rng.random() < hy.mixup:
-                img2, labels2 = self._mosaic(int(rng.integers(0, self.n)), rng)
+                img2, labels2 = self._mosaic(self.partners(epoch, index, 1, rng)[0], rng, epoch)
                 img, labels = mixup(img, labels, img2, labels2, rng)
         else:
             img, labels, shapes = self._letterboxed(index, rng)

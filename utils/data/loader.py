@@ -19,7 +19,9 @@ from utils.data.dataset import YoloDataset
 from utils.data.label_cache import LabelSet
 from utils.hyp import Hyp
 from utils.log import LOGGER
-from utils.data.samplers import EpochStreamBatchSampler, ShardedSampler, epoch_batches
+from utils.data.samplers import EpochStreamBatchSampler, ShardedSampler, ShardPlan, ShardPlanSampler, epoch_batches
+from utils.data.shard_dataset import DEFAULT_WINDOW, ShardDataset
+from utils.data.webshards import ShardLabelSet, ShardSet, load_shard_index
 
 
 PREFETCH_BATCHES = 2  # per worker (DataLoader's prefetch_factor); BatchRing's slot count follows from it
@@ -53,6 +55,10 @@ class EpochStreamLoader:
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         self.sampler.set_epoch(epoch)
         self.start_batch = start_batch
+        reader = getattr(self.dataset, "reader", None)
+        if reader is not None and isinstance(self.sampler, ShardPlanSampler):
+            # Remote shards of this epoch, in the order this rank reads them, downloaded while it trains.
+            reader.cache.prefetch(reader.shards_in_order(self.sampler.shard(epoch)[start_batch * self.batch_sampler.batch_size:]))
 
     def update_dataset(self, **attributes: Any) -> None:
         """Set dataset attributes (such as ``close_mosaic_epoch``) for the batches not made yet.
@@ -105,6 +111,8 @@ def create_dataloader(
     close_mosaic_epoch: int | None = None,
     prefix: str = "",
     label_set: LabelSet | None = None,
+    shard_window: int = DEFAULT_WINDOW,
+    resampled: bool = False,
 ) -> tuple[DataLoader | EpochStreamLoader, YoloDataset]:
     """A loader over this rank's shard and the dataset; ``batch_size`` is per rank.
 
@@ -112,6 +120,10 @@ def create_dataloader(
     augmentation draws. Training loaders (``augment``) pad shards to equal length and are an
     EpochStreamLoader; others give each sample to exactly one rank and are a plain DataLoader.
     ``label_set`` (already loaded labels) replaces reading them from ``path``.
+
+    Shards (``path`` a ShardSet, or ``label_set`` a ShardLabelSet): training follows a ShardPlan (exact epochs,
+    shard order and a window of ``shard_window`` samples shuffled; ``resampled`` for WebDataset-style approximate
+    epochs); validation gives each rank a disjoint part, as for files.
     """
     if rect and shuffle:
         LOGGER.warning(f"{prefix}WARNING rect batches are incompatible with shuffle: shuffle disabled")
@@ -120,13 +132,26 @@ def create_dataloader(
     loader_workers = max(0, min(workers, cpus, batch_size))
     # Without worker processes the mosaic tiles are decoded in threads of this process, sharing its cores.
     decode_threads = 1 if loader_workers else max(1, min(4, cpus // max(1, world_size)))
-    dataset = YoloDataset(path, imgsz, batch_size, augment=augment, hyp=hyp, rect=rect, cache=cache,
-                          single_cls=single_cls, stride=stride, pad=pad, nc=nc, seed=seed,
-                          close_mosaic_epoch=close_mosaic_epoch, workers=workers, label_set=label_set,
-                          decode_threads=decode_threads, prefix=prefix)
+    if isinstance(path, ShardSet) and label_set is None:
+        label_set = load_shard_index(path, nc=nc, workers=workers, prefix=prefix)
+    options: dict[str, Any] = dict(augment=augment, hyp=hyp, rect=rect, cache=cache, single_cls=single_cls,
+                                   stride=stride, pad=pad, nc=nc, seed=seed, close_mosaic_epoch=close_mosaic_epoch,
+                                   workers=workers, label_set=label_set, decode_threads=decode_threads, prefix=prefix)
+    plan = None
+    if isinstance(label_set, ShardLabelSet):
+        if augment and not rect:
+            plan = ShardPlan(label_set.shard_counts, seed=seed, window=shard_window, shuffle=shuffle,
+                             resampled=resampled)
+        dataset: YoloDataset = ShardDataset(imgsz, batch_size, plan=plan, **options)
+    else:
+        dataset = YoloDataset(path, imgsz, batch_size, **options)
     batch_size = min(batch_size, len(dataset))
-    sampler = ShardedSampler(len(dataset), world_size=world_size, rank=global_rank, shuffle=shuffle, seed=seed,
-                             pad=shuffle or augment, block=batch_size if rect else 1)
+    sampler: ShardedSampler | ShardPlanSampler
+    if plan is not None:
+        sampler = ShardPlanSampler(plan, world_size=world_size, rank=global_rank)
+    else:
+        sampler = ShardedSampler(len(dataset), world_size=world_size, rank=global_rank, shuffle=shuffle, seed=seed,
+                                 pad=shuffle or augment, block=batch_size if rect else 1)
     loader_workers = min(loader_workers, batch_size)
     common: dict[str, Any] = dict(num_workers=loader_workers, pin_memory=torch.cuda.is_available(),
                                   collate_fn=YoloDataset.collate_fn, persistent_workers=loader_workers > 0,
