@@ -95,6 +95,8 @@ class YoloDataset(Dataset):
 
         if label_set is None:
             label_set = load_split(path, nc=nc, workers=workers, prefix=prefix, verbose=verbose)
+        if getattr(label_set, "shard_urls", None) and not hasattr(self, "reader"):
+            raise TypeError("samples of tar shards are read by ShardDataset (utils/data/shard_dataset.py)")
         self.label_counts = label_set.counts
         self.cache_file = label_set.cache_file
         self.im_files: list[str] = label_set.im_files
@@ -131,21 +133,35 @@ class YoloDataset(Dataset):
         ratio = self.imgsz / self.shapes.max(1)
         return int((np.round(self.shapes[:, 0] * ratio) * np.round(self.shapes[:, 1] * ratio) * 3).sum())
 
+    def _ram_decision(self, mode: str) -> bool:
+        """Whether the decoded images go to RAM for ``mode`` 'ram' or 'auto' (a warning says why not)."""
+        gib = 1 << 30
+        need, have = self._resized_bytes(), available_memory_bytes()
+        if mode == "auto":
+            return need <= min(AUTO_CACHE_MAX_BYTES, AUTO_CACHE_MAX_SHARE * have)
+        if need * MEMORY_HEADROOM > have:
+            LOGGER.warning(f"{self.prefix}WARNING --cache ram needs {need / gib:.1f} GiB (x{MEMORY_HEADROOM} "
+                           f"headroom) but {have / gib:.1f} GiB is available: not caching images")
+            return False
+        return True
+
     def _fill_cache(self, mode: str, workers: int) -> None:
         gib = 1 << 30
-        if mode == "auto":
-            need, have = self._resized_bytes(), available_memory_bytes()
-            if need > min(AUTO_CACHE_MAX_BYTES, AUTO_CACHE_MAX_SHARE * have):
+        threads = max(1, min(8, workers, os.cpu_count() or 1))
+        if mode in ("ram", "auto"):
+            node = self._node_info()
+            ok = self._ram_decision(mode) if node is None or node.local_rank == 0 else False
+            if node is not None:  # local rank 0 decides for its node: every rank must take the same branch
+                from utils.distributed import node_decides
+
+                ok = node_decides(node, "ram-cache", "ram" if ok else "") == "ram"
+            if not ok:
                 self.cache = None
                 return
             mode = self.cache = "ram"
-        if mode == "ram":
-            need, have = self._resized_bytes(), available_memory_bytes()
-            if need * MEMORY_HEADROOM > have:
-                LOGGER.warning(f"{self.prefix}WARNING --cache ram needs {need / gib:.1f} GiB (x{MEMORY_HEADROOM} "
-                               f"headroom) but {have / gib:.1f} GiB is available: not caching images")
-                self.cache = None
+            if node is not None and self._fill_node_cache(node, threads):
                 return
+            need = self._resized_bytes()
         else:
             need = int((self.shapes.prod(1) * 3 + 128).sum())
             have = shutil.disk_usage(Path(self.im_files[0]).parent).free
@@ -155,13 +171,44 @@ class YoloDataset(Dataset):
                 self.cache = None
                 return
         fill = self._cache_one_ram if mode == "ram" else self._cache_one_disk
-        threads = max(1, min(8, workers, os.cpu_count() or 1))
         with ThreadPoolExecutor(threads) as pool:  # cv2 decoding releases the GIL
             failures = [err for err in pool.map(fill, range(self.n)) if err]
         if failures:  # e.g. a read-only image folder: one warning, not one per image
             LOGGER.warning(f"{self.prefix}WARNING --cache disk: {len(failures)} of {self.n} .npy files could not "
                            f"be written (first: {failures[0]}); those images are decoded each time")
         LOGGER.info(f"{self.prefix}Cached {self.n - len(failures)} images ({need / gib:.2f} GiB, {mode})")
+
+    @staticmethod
+    def _node_info():
+        """This rank's DistInfo when it shares its machine with other ranks of a process group, else None."""
+        from utils.distributed import dist_info
+
+        info = dist_info()
+        shared = info.is_distributed and info.local_world_size > 1 and torch.distributed.is_initialized()
+        return info if shared else None
+
+    def _fill_node_cache(self, info, threads: int) -> bool:
+        """Under DDP with several ranks on this machine: one shared-memory copy for all of them (shm_cache.py)."""
+        from utils.data.shm_cache import build_node_cache
+
+        shapes_hw = [long_side_shape(int(h), int(w), self.imgsz) for w, h in self.shapes]
+        key = f"{self.prefix}|{self.imgsz}|{self.augment}|{self.n}|{self.im_files[0]}|{self.im_files[-1]}"
+
+        def fill(i: int, out: np.ndarray) -> None:
+            img = resize_to_long_side(self._decode(i), self.imgsz, self.augment)[0]
+            if img.shape == out.shape:
+                out[:] = img
+            else:  # the file changed size since it was verified: keep boxes aligned with the verified size
+                out[:] = cv2.resize(img, out.shape[1::-1], interpolation=cv2.INTER_LINEAR)
+
+        cache = build_node_cache(info, key, shapes_hw, fill, threads, self.prefix)
+        if cache is None:
+            return False
+        self.node_cache = cache
+        self.ram_images = list(cache.views)
+        LOGGER.info(f"{self.prefix}Cached {self.n} images ({cache.nbytes / (1 << 30):.2f} GiB, ram, one copy shared "
+                    f"by the {info.local_world_size} ranks of this node)")
+        return True
 
     def _cache_one_ram(self, i: int) -> str:
         img = self._decode(i)

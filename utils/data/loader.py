@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from utils.data.batch_ring import BatchRing, RingSlot, shared_memory_fits
 from utils.data.dataset import YoloDataset
-from utils.data.label_cache import LabelSet
+from utils.data.label_cache import LabelSet, load_split
 from utils.hyp import Hyp
 from utils.log import LOGGER
 from utils.data.samplers import EpochStreamBatchSampler, ShardedSampler, ShardPlan, ShardPlanSampler, epoch_batches
@@ -88,6 +88,14 @@ class EpochStreamLoader:
                 batch = (images, *batch[1:])
             yield batch
         self._next_epoch = epoch + 1
+
+
+def load_labels(source: str | list[str] | ShardSet, nc: int | None = None, workers: int = 8, prefix: str = "",
+                verbose: bool = True) -> LabelSet:
+    """A split's verified samples: the label cache of loose files, or the index of a shard set."""
+    if isinstance(source, ShardSet):
+        return load_shard_index(source, nc=nc, workers=workers, prefix=prefix, verbose=verbose)
+    return load_split(source, nc=nc, workers=workers, prefix=prefix, verbose=verbose)
 
 
 def create_dataloader(
