@@ -46,16 +46,29 @@ def training_keys(labels, info, workers: int) -> dict[str, list]:
     return out
 
 
+def _figures(r) -> dict:
+    cm = r.class_metrics
+    return {"figures": [r.p, r.r, r.map50, r.map, r.n_images, r.n_instances, r.n_detections, r.losses.tolist()],
+            "per_class": [cm.p.tolist(), cm.r.tolist(), cm.ap50.tolist(), cm.ap50_95.tolist()]}
+
+
 def distributed_val(data: dict, info) -> dict:
+    """Distributed validation on every rank, and (rank 0) one process over the whole split, same threads."""
+    from utils.hyp import Hyp as _Hyp
+    from utils.loss import ComputeLoss
+
     torch.manual_seed(0)
     model = build_model(ROOT / "models/yolov5n.yaml", nc=2, names=["red", "blue"]).eval()
+    loss = ComputeLoss(model, _Hyp.from_yaml(ROOT / "data/hyps/hyp.scratch-low.yaml"))
     with torch_distributed_zero_first(info.local_rank):
         loader, _ = create_dataloader(data["val"], IMGSZ, 2, 32, rect=True, pad=0.5, workers=0,
                                       world_size=info.world_size, global_rank=info.rank, nc=2)
-    r = validate(model, loader, names=["red", "blue"], device="cpu", gather=True, main=info.rank == 0)
-    cm = r.class_metrics
-    return {"figures": [r.p, r.r, r.map50, r.map, r.n_images, r.n_instances, r.n_detections],
-            "per_class": [cm.p.tolist(), cm.r.tolist(), cm.ap50.tolist(), cm.ap50_95.tolist()]}
+    out = {"gathered": _figures(validate(model, loader, names=["red", "blue"], device="cpu", compute_loss=loss,
+                                         gather=True, main=info.rank == 0))}
+    if info.rank == 0:
+        whole, _ = create_dataloader(data["val"], IMGSZ, 2, 32, rect=True, pad=0.5, workers=0, nc=2)
+        out["single"] = _figures(validate(model, whole, names=["red", "blue"], device="cpu", compute_loss=loss))
+    return out
 
 
 def shm_check(labels, out_dir: Path) -> dict:
