@@ -100,8 +100,8 @@ def validate(
     written by the rank that saw the image.
     """
     device = torch.device(device)
-    plots, save_json = plots and main, save_json and main
-    wants_files = plots or save_json or save_txt
+    plots = plots and main  # every rank gathers JSON results; only main writes them
+    wants_files = plots or (save_json and main) or save_txt
     if wants_files and save_dir is None:
         raise ValueError("validate: plots, save_json and save_txt need a save_dir")
     save_dir = Path(save_dir) if save_dir is not None else None
@@ -234,7 +234,7 @@ def validate(
     )
     if plots:
         _plot_metrics(metrics, confusion, names, save_dir)
-    if save_json:
+    if save_json and main:
         results.coco_stats = _coco_evaluation(json_results, json_images, names, save_dir, class_map, annotations_json,
                                               map50_95)
     if save_txt and main:
