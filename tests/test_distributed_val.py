@@ -31,8 +31,8 @@ def test_val_py_on_two_ranks_equals_one_process(tmp_path) -> None:
     args = ["val.py", "--data", str(data), "--weights", str(weights), "--imgsz", "64", "--batch-size", "2",
             "--device", "cpu", "--workers", "0", "--verbose", "--save-json", "--noplots", "--exist-ok"]
     runs = {}
-    for name, launcher in (("single", [sys.executable]),
-                           ("ddp", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"])):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    for name, launcher in (("single", [sys.executable]), ("ddp", torchrun)):
         proc = subprocess.run([*launcher, *args, "--project", str(tmp_path / name)], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=240)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -2,8 +2,8 @@
 
 A YAML written for YOLOv5 works unchanged: ``path`` (dataset root), ``train``/``val``/``test`` (a folder
 of images, a ``.txt`` list of image paths, or a list of those) and ``names`` (a list or an
-``{index: name}`` mapping). ``download`` is accepted and ignored: it is never executed. Splits may also name WebDataset tar shards
-(``utils.data.webshards``): they resolve to a ShardSet. ``builtin: shapes``
+``{index: name}`` mapping). ``download`` is accepted and ignored: it is never executed. Splits may also
+name WebDataset tar shards (``utils.data.webshards``): they resolve to a ShardSet. ``builtin: shapes``
 asks for the synthetic dataset of ``utils.data.shapes``, generated on first use.
 """
 from __future__ import annotations

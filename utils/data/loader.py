@@ -58,7 +58,8 @@ class EpochStreamLoader:
         reader = getattr(self.dataset, "reader", None)
         if reader is not None and isinstance(self.sampler, ShardPlanSampler):
             # Remote shards of this epoch, in the order this rank reads them, downloaded while it trains.
-            reader.cache.prefetch(reader.shards_in_order(self.sampler.shard(epoch)[start_batch * self.batch_sampler.batch_size:]))
+            upcoming = self.sampler.shard(epoch)[start_batch * self.batch_sampler.batch_size :]
+            reader.cache.prefetch(reader.shards_in_order(upcoming))
 
     def update_dataset(self, **attributes: Any) -> None:
         """Set dataset attributes (such as ``close_mosaic_epoch``) for the batches not made yet.

@@ -93,7 +93,8 @@ class ShardCache:
         except Exception as e:  # gopen raises whatever its transport raises (IOError, ValueError, ...)
             with contextlib.suppress(OSError):
                 tmp.unlink()
-            raise FetchError(f"{url}: cannot fetch shard ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from e
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise FetchError(f"{url}: cannot fetch shard ({why})") from e
 
     def _evict(self, keep: Path) -> None:
         """Delete least recently used copies until the cache fits ``max_bytes``."""

@@ -27,7 +27,8 @@ PREFIX = "yolo-train-cache-"
 
 def segment_path(info: DistInfo, key: str) -> Path:
     """A name every rank of the node derives alike: the launcher's job, restart round, node and dataset."""
-    job = os.environ.get("TORCHELASTIC_RUN_ID") or f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
+    env = os.environ
+    job = env.get("TORCHELASTIC_RUN_ID") or f"{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}"
     digest = hashlib.sha256(f"{job}/{info.restart_count}/{node_index(info)}/{key}".encode()).hexdigest()[:20]
     return SHM_DIR / f"{PREFIX}{digest}"
 
@@ -71,7 +72,8 @@ def _map(path: Path, nbytes: int) -> mmap.mmap:
 
 
 def build_node_cache(info: DistInfo, key: str, shapes_hw: list[tuple[int, int]],
-                     fill_one: Callable[[int, np.ndarray], None], threads: int, prefix: str = "") -> NodeImageCache | None:
+                     fill_one: Callable[[int, np.ndarray], None], threads: int,
+                     prefix: str = "") -> NodeImageCache | None:
     """Create (local rank 0), map (every local rank), unlink, fill in parallel; None where /dev/shm cannot hold it
     (every rank of the node then gets None and falls back to its own cache)."""
     from concurrent.futures import ThreadPoolExecutor
