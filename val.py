@@ -382,7 +382,7 @@ def run_options(opt: argparse.Namespace) -> ValResults:
     """Load a checkpoint and a dataset split, validate, and save the outputs in a new run folder."""
     from models.backends import load_for_inference
     from utils.data.config import load_data_config
-    from utils.data.loader import create_dataloader
+    from utils.data.loader import create_dataloader, load_labels
     from utils.distributed import broadcast_object, dist_info, init_process_group
     from utils.torch_utils import torch_distributed_zero_first
 
@@ -431,10 +431,11 @@ def run_options(opt: argparse.Namespace) -> ValResults:
         if info.is_main else None
     save_dir = Path(broadcast_object(str(save_dir), info))  # one run folder, named by rank 0
     with torch_distributed_zero_first(info.local_rank):  # local rank 0 builds label caches and shard indexes
-        loader, _ = create_dataloader(data_cfg[split], imgsz, batch_size, stride, augment=False, rect=rect,
-                                      pad=0.5 if rect else 0.0, world_size=info.world_size,
-                                      global_rank=max(info.rank, 0), workers=opt.workers, single_cls=opt.single_cls,
-                                      nc=nc, prefix=colorstr(f"{split}: "))
+        labels = load_labels(data_cfg[split], nc=nc, workers=opt.workers, prefix=colorstr(f"{split}: "),
+                             verbose=info.is_local_main)
+    loader, _ = create_dataloader(None, imgsz, batch_size, stride, augment=False, rect=rect, pad=0.5 if rect else 0.0,
+                                  world_size=info.world_size, global_rank=max(info.rank, 0), workers=opt.workers,
+                                  single_cls=opt.single_cls, nc=nc, prefix=colorstr(f"{split}: "), label_set=labels)
     if device.type == "cuda":  # the first CUDA call pays for context and kernel set-up: keep it out of the timings
         model(torch.zeros(1, 3, imgsz, imgsz, device=device, dtype=torch.float16 if half else torch.float32))
 

@@ -237,3 +237,20 @@ def test_two_gloo_ranks_exact_epochs_distributed_val_and_node_cache(converted, t
         assert shm["node_cache"] and shm["mapped"] and not shm["exists"] and shm["pixels_equal"]
     assert ranks[0]["shm"]["path"] == ranks[1]["shm"]["path"]
     assert not Path(ranks[0]["shm"]["path"]).exists()
+
+
+@pytest.mark.slow
+def test_train_py_on_two_ranks_from_shards(converted, tmp_path) -> None:
+    _, shard_yaml = converted
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+           "--data", str(shard_yaml), "--project", str(tmp_path), "--name", "exp", "--imgsz", "64", "--batch-size",
+           "8", "--workers", "1", "--noautoanchor", "--device", "cpu", "--epochs", "1", "--noplots", "--cache", "ram",
+           "--shard-window", "8"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "one copy shared by the 2 ranks of this node" in proc.stdout
+    rows = (tmp_path / "exp" / "results.csv").read_text().strip().splitlines()
+    assert len(rows) == 2 and (tmp_path / "exp" / "weights" / "best.pt").is_file()
+    assert not list(Path("/dev/shm").glob("yolo-train-cache-*"))

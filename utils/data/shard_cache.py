@@ -55,6 +55,11 @@ class ShardCache:
         self.fetched = 0  # shards this process downloaded (the others were found in the cache)
         self._queue: queue.Queue[str | None] | None = None
 
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_queue"] = None  # the prefetch thread stays with the process that started it
+        return state
+
     def path_for(self, url: str) -> Path:
         """Where a remote URL's copy lives: a hash of the URL plus its base name, for people reading the folder."""
         tail = "".join(c if c.isalnum() or c in "-_." else "_" for c in url.rstrip("/").rsplit("/", 1)[-1])[-60:]
