@@ -99,6 +99,14 @@ def load_labels(source: str | list[str] | ShardSet, nc: int | None = None, worke
     return load_split(source, nc=nc, workers=workers, prefix=prefix, verbose=verbose)
 
 
+def build_dataset(label_set: LabelSet, imgsz: int, batch_size: int, plan: ShardPlan | None = None,
+                  **options: Any) -> YoloDataset:
+    """The dataset of a verified split: a ShardDataset for shards, else a YoloDataset (``options`` as theirs)."""
+    if isinstance(label_set, ShardLabelSet):
+        return ShardDataset(imgsz, batch_size, plan=plan, label_set=label_set, **options)
+    return YoloDataset(None, imgsz, batch_size, label_set=label_set, **options)
+
+
 def create_dataloader(
     path: str | list[str],
     imgsz: int,
@@ -143,17 +151,15 @@ def create_dataloader(
     decode_threads = 1 if loader_workers else max(1, min(4, cpus // max(1, world_size)))
     if isinstance(path, ShardSet) and label_set is None:
         label_set = load_shard_index(path, nc=nc, workers=workers, prefix=prefix)
-    options: dict[str, Any] = dict(augment=augment, hyp=hyp, rect=rect, cache=cache, single_cls=single_cls,
-                                   stride=stride, pad=pad, nc=nc, seed=seed, close_mosaic_epoch=close_mosaic_epoch,
-                                   workers=workers, label_set=label_set, decode_threads=decode_threads, prefix=prefix)
+    if label_set is None:
+        label_set = load_split(path, nc=nc, workers=workers, prefix=prefix)
     plan = None
-    if isinstance(label_set, ShardLabelSet):
-        if augment and not rect:
-            plan = ShardPlan(label_set.shard_counts, seed=seed, window=shard_window, shuffle=shuffle,
-                             resampled=resampled)
-        dataset: YoloDataset = ShardDataset(imgsz, batch_size, plan=plan, **options)
-    else:
-        dataset = YoloDataset(path, imgsz, batch_size, **options)
+    if isinstance(label_set, ShardLabelSet) and augment and not rect:
+        plan = ShardPlan(label_set.shard_counts, seed=seed, window=shard_window, shuffle=shuffle, resampled=resampled)
+    dataset = build_dataset(label_set, imgsz, batch_size, plan=plan, augment=augment, hyp=hyp, rect=rect, cache=cache,
+                            single_cls=single_cls, stride=stride, pad=pad, nc=nc, seed=seed,
+                            close_mosaic_epoch=close_mosaic_epoch, workers=workers, decode_threads=decode_threads,
+                            prefix=prefix)
     batch_size = min(batch_size, len(dataset))
     sampler: ShardedSampler | ShardPlanSampler
     if plan is not None:
