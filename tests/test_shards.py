@@ -126,7 +126,8 @@ def test_bad_shards_and_members_are_skipped_and_counted(converted, tmp_path, cap
     members = _tar_members(good)
     jpg = next(v for k, v in members.items() if k.endswith(".jpg"))
     _write_tar(tmp_path / "a-000002.tar", {"ok.jpg": jpg, "ok.txt": b"0 0.5 0.5 0.2 0.2\n", "bad.jpg": b"garbage",
-                                           "bad.txt": b"", "nolabel.jpg": jpg, "orphan.txt": b"1 0.5 0.5 0.1 0.1\n"})
+                                           "bad.txt": b"", "nolabel.jpg": jpg, "orphan.txt": b"1 0.5 0.5 0.1 0.1\n",
+                                           f"sub/{'x' * 120}.jpg": jpg})  # a PAX long name in a folder
     shards = ShardSet(tuple(str(tmp_path / f"a-00000{i}.tar") for i in range(3)), "test")
     LOGGER.addHandler(caplog.handler)
     try:
@@ -134,7 +135,7 @@ def test_bad_shards_and_members_are_skipped_and_counted(converted, tmp_path, cap
     finally:
         LOGGER.removeHandler(caplog.handler)
     assert labels.counts["bad_shards"] == 1 and labels.counts["corrupt"] == 2  # bad.jpg, orphan (no image)
-    assert list(labels.shard_counts) == [6, 0, 2] and labels.counts["background"] == 1
+    assert list(labels.shard_counts) == [6, 0, 3] and labels.counts["background"] == 2
     text = caplog.text
     assert f"{tmp_path / 'a-000001.tar'}: unreadable or truncated shard" in text
     assert f"{tmp_path / 'a-000002.tar'}/bad.jpg: corrupt image" in text
@@ -142,7 +143,11 @@ def test_bad_shards_and_members_are_skipped_and_counted(converted, tmp_path, cap
     loader, _ = create_dataloader(None, 64, 4, 32, augment=True, shuffle=True, workers=0, label_set=labels,
                                   shard_window=4)
     loader.set_epoch(0)
-    assert sum(len(b[2]) for b in loader) == 8
+    assert sum(len(b[2]) for b in loader) == 9
+    long_name = next(i for i, f in enumerate(labels.im_files) if f.endswith("x" * 120 + ".jpg"))
+    ds = loader.dataset
+    img = ds.load_image(long_name)[0]
+    assert img.std() > 0 and np.array_equal(img, ds.load_image(long_name - 1)[0])  # the bytes of nolabel.jpg
 
 
 def test_missing_shard_is_a_one_line_error(converted, tmp_path) -> None:

@@ -158,6 +158,13 @@ def _member_offsets(local_path: str) -> dict[str, tuple[int, int]]:
         tar.close()
 
 
+def _pax_offsets(local_path: str) -> dict[str, tuple[int, int]]:
+    """name -> (offset, size) from the standard library's reader, which follows PAX and GNU long-name headers
+    (wids reads the 100-character name field only); used only for names wids did not give."""
+    with tarfile.open(local_path, "r:") as tar:
+        return {m.name: (m.offset_data, m.size) for m in tar.getmembers() if m.isfile()}
+
+
 def _verify_sample(url: str, image: tuple[str, bytes] | None, label: bytes | None, nc: int | None,
                    scan: _ShardScan, offsets: dict[str, tuple[int, int]], key: str) -> None:
     empty = np.zeros((0, 5), np.float32)
@@ -210,6 +217,8 @@ def scan_shard(url: str, cache: ShardCache, nc: int | None) -> _ShardScan:
     try:
         members = _read_members(local)
         offsets = _member_offsets(local)
+        if any(name not in offsets for name, _ in members):
+            offsets.update(_pax_offsets(local))
     except (tarfile.TarError, OSError, EOFError, ValueError, UnicodeDecodeError) as e:
         scan.bad_shard = True
         scan.messages.append(f"{url}: unreadable or truncated shard, skipped ({type(e).__name__}: "
