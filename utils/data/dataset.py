@@ -11,6 +11,7 @@ import shutil
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import cv2
 import numpy as np
@@ -28,6 +29,9 @@ from utils.data.image_io import read_image, read_image_region
 from utils.data.jpeg_region import load_decoder
 from utils.data.label_cache import LabelSet, load_split
 from utils.log import LOGGER
+
+if TYPE_CHECKING:
+    from utils.distributed import DistInfo
 
 CACHE_MODES = (None, "ram", "disk", "auto")
 MEMORY_HEADROOM = 1.5  # the RAM cache must fit this many times over in the available memory
@@ -179,7 +183,7 @@ class YoloDataset(Dataset):
         LOGGER.info(f"{self.prefix}Cached {self.n - len(failures)} images ({need / gib:.2f} GiB, {mode})")
 
     @staticmethod
-    def _node_info():
+    def _node_info() -> DistInfo | None:
         """This rank's DistInfo when it shares its machine with other ranks of a process group, else None."""
         from utils.distributed import dist_info
 
@@ -187,7 +191,7 @@ class YoloDataset(Dataset):
         shared = info.is_distributed and info.local_world_size > 1 and torch.distributed.is_initialized()
         return info if shared else None
 
-    def _fill_node_cache(self, info, threads: int) -> bool:
+    def _fill_node_cache(self, info: DistInfo, threads: int) -> bool:
         """Under DDP with several ranks on this machine: one shared-memory copy for all of them (shm_cache.py)."""
         from utils.data.shm_cache import build_node_cache
 
