@@ -259,3 +259,23 @@ def test_train_py_on_two_ranks_from_shards(converted, tmp_path) -> None:
     rows = (tmp_path / "exp" / "results.csv").read_text().strip().splitlines()
     assert len(rows) == 2 and (tmp_path / "exp" / "weights" / "best.pt").is_file()
     assert not list(Path("/dev/shm").glob("yolo-train-cache-*"))
+
+
+def test_data_yaml_names_shards_in_every_form(converted, tmp_path) -> None:
+    sh = converted[1].parent
+    folder = tmp_path / "only-train"
+    folder.mkdir()
+    for i in range(4):
+        shutil.copy(sh / f"train-00000{i}.tar", folder)
+    (tmp_path / "list.txt").write_text(f"# shards\n{sh}/train-{{000000..000001}}.tar\nonly-train/train-000002.tar\n")
+    want = [str(sh / f"train-00000{i}.tar") for i in range(4)]
+    forms = {"folder": ("only-train", [str(folder / f"train-00000{i}.tar") for i in range(4)]),
+             "txt": ("list.txt", [*want[:2], str(folder / "train-000002.tar")]),
+             "list": (f"['{sh}/train-000000.tar', '{sh}/train-{{000001..000003}}.tar']", want)}
+    for name, (spec, urls) in forms.items():
+        yaml_file = tmp_path / f"{name}.yaml"
+        yaml_file.write_text(f"path: {tmp_path}\ntrain: {spec}\nval: {sh}/val-000000.tar\nnames: [red, blue]\n")
+        assert list(load_data_config(yaml_file)["train"].urls) == urls, name
+    (folder / "stray.jpg").write_bytes(b"")  # a folder with images is a folder of images, whatever else it holds
+    yaml_file.write_text(f"path: {tmp_path}\ntrain: only-train\nval: {sh}/val-000000.tar\nnames: [red, blue]\n")
+    assert isinstance(load_data_config(yaml_file)["train"], str)

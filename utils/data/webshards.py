@@ -73,8 +73,10 @@ def is_shard_entry(entry: str, base: Path) -> bool:
     if is_remote(entry) or ".tar" in entry and ("{" in entry or entry.endswith(".tar")):
         return True
     path = Path(_local(entry, base))
-    if path.is_dir():
-        return bool(_tar_folder(path))
+    if path.is_dir():  # a folder of images that happens to hold a .tar stays a folder of images
+        from utils.data.config import is_image_file
+
+        return bool(_tar_folder(path)) and not any(is_image_file(p.name) for p in path.iterdir())
     if path.is_file() and path.suffix.lower() == ".txt":
         first = next(iter(_txt_entries(path)), "")
         return is_remote(first) or first.endswith(".tar") or (".tar" in first and "{" in first)
