@@ -390,7 +390,6 @@ class ShardReader:
         self.sample_shard, self.offsets, self.sizes = label_set.sample_shard, label_set.offsets, label_set.sizes
         self.cache = cache or ShardCache()
         self._fds: dict[int, int] = {}
-        self._pid = os.getpid()
         self.failures = 0
 
     def __getstate__(self) -> dict:
@@ -399,8 +398,6 @@ class ShardReader:
         return state
 
     def _fd(self, shard: int) -> int:
-        if self._pid != os.getpid():  # a forked worker: keep the inherited ones, they stay valid
-            self._pid = os.getpid()
         fd = self._fds.get(shard)
         if fd is None:
             if len(self._fds) >= self.MAX_OPEN:
