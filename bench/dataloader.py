@@ -52,6 +52,30 @@ def bench_augmented(workers: int, cache: str | None, epochs: int, imgsz: int = 6
     return count / (time.perf_counter() - start)
 
 
+def bench_read_path(shard_yaml: Path, passes: int = 7) -> None:
+    """Whole-image read + decode per image, files against shard members, alternating passes (no augmentation)."""
+    from utils.data.image_io import decode_image, read_image
+    from utils.data.loader import load_labels
+    from utils.data.webshards import ShardReader
+
+    files = load_labels(load_data_config(COCO128)["train"], verbose=False)
+    shards = load_labels(load_data_config(shard_yaml)["train"], verbose=False)
+    reader = ShardReader(shards)
+    times: dict[str, list[float]] = {"files": [], "shards": []}
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        for f in files.im_files:
+            read_image(f)
+        times["files"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for i in range(len(shards.im_files)):
+            decode_image(reader.read(i))
+        times["shards"].append(time.perf_counter() - t0)
+    n = len(files.im_files)
+    print(f"read + decode per image, median of {passes} alternating passes over {n} images: files "
+          f"{np.median(times['files']) / n * 1e3:.2f} ms, shards {np.median(times['shards']) / n * 1e3:.2f} ms")
+
+
 def bench_shards(caches: list[str], repeats: int, epochs: int) -> None:
     """Samples/s from COCO128 as shards against the same images as loose files, 0 and 2 workers, alternating."""
     from shards import convert
@@ -59,6 +83,7 @@ def bench_shards(caches: list[str], repeats: int, epochs: int) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench_shards_"))
     try:
         shard_yaml = convert(str(COCO128), tmp / "shards", max_size_mb=2.0)  # several shards, as a real set has
+        bench_read_path(shard_yaml)
         for cache in caches:
             for workers in (0, 2):
                 runs: dict[str, list[float]] = {"loose files": [], "shards": []}
