@@ -37,10 +37,10 @@ from utils.checkpoint import (latest_last_checkpoint, load_checkpoint, model_wei
 from utils.data.config import load_data_config
 from utils.data.image_weights import (class_weights_from_maps, draw_digest, labels_to_class_weights,
                                       labels_to_image_weights)
-from utils.data.label_cache import load_split
-from utils.data.loader import create_dataloader
+from utils.data.loader import create_dataloader, load_labels
 from utils.distributed import (DistInfo, all_reduce_sum, broadcast_object, de_parallel, describe_failure,
-                               destroy_process_group, dist_info, init_process_group, rank_zero_decides)
+                               destroy_process_group, dist_info, init_process_group,
+                               rank_zero_decides)
 from utils.ema import ModelEMA
 from utils.errors import UserError, run_reporting_errors
 from utils.evolve import RESULT_KEYS, append_evolve_row, evolved_keys, next_hyp, plot_evolve, read_evolve_csv, \
@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sync-bn", action="store_true",
                    help="synchronised BatchNorm across ranks (DDP); on one CPU process: exact two-pass statistics")
     p.add_argument("--workers", type=int, default=2, help="dataloader workers per rank")
+    p.add_argument("--shard-window", type=int, default=1000,
+                   help="tar shards: samples shuffled together (and mosaic partners drawn from) within an epoch")
+    p.add_argument("--resampled", action="store_true",
+                   help="tar shards: draw shards with replacement (WebDataset's resampled mode; approximate epochs)")
     p.add_argument("--project", default=str(ROOT / "runs/train"), help="runs are saved to project/name")
     p.add_argument("--name", default="exp", help="runs are saved to project/name")
     p.add_argument("--exist-ok", action="store_true", help="reuse project/name instead of incrementing it")
@@ -273,10 +277,10 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
     init_torch_seeds(opt.seed, opt.deterministic)
     with torch_distributed_zero_first(info.local_rank):  # local rank 0 makes built-in data and label caches first
         data = load_data_config(opt.data)
-        train_labels = load_split(data["train"], nc=data["nc"], workers=opt.workers, prefix=colorstr("train: "),
-                                  verbose=info.is_local_main)
-        val_labels = load_split(data["val"], nc=data["nc"], workers=opt.workers, prefix=colorstr("val: "),
-                                verbose=info.is_local_main) if info.is_main else None
+        train_labels = load_labels(data["train"], nc=data["nc"], workers=opt.workers, prefix=colorstr("train: "),
+                                   verbose=info.is_local_main)
+        val_labels = load_labels(data["val"], nc=data["nc"], workers=opt.workers, prefix=colorstr("val: "),
+                                 verbose=info.is_local_main)
     # Labels were checked against the data YAML's classes above; --single-cls folds them into one afterwards.
     nc, names = (1, ["item"]) if opt.single_cls else (data["nc"], data["names"])
     model = create_model(opt, nc, names, hyp, ckpt).to(device, memory_format=torch.channels_last)
@@ -297,12 +301,12 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
         rect=opt.rect, global_rank=max(info.rank, 0), world_size=info.world_size, workers=opt.workers, shuffle=True,
         seed=opt.seed, single_cls=opt.single_cls, prefix=colorstr("train: "), label_set=train_labels,
         close_mosaic_epoch=close_mosaic_epoch(opt.epochs, opt.close_mosaic), image_weights=opt.image_weights,
-        quad=opt.quad)
-    val_loader = None
-    if info.is_main:
-        val_loader, _ = create_dataloader(
-            None, opt.imgsz, batch_per_rank * 2, grid, hyp=hyp, cache=image_cache(opt.cache), rect=True, pad=0.5,
-            workers=opt.workers, single_cls=opt.single_cls, prefix=colorstr("val: "), label_set=val_labels)
+        quad=opt.quad, shard_window=getattr(opt, "shard_window", 1000), resampled=getattr(opt, "resampled", False))
+    # Every rank validates its own part of the split; the results are gathered (val.validate(gather=True)).
+    val_loader, _ = create_dataloader(
+        None, opt.imgsz, batch_per_rank * 2, grid, hyp=hyp, cache=image_cache(opt.cache), rect=True, pad=0.5,
+        workers=opt.workers, single_cls=opt.single_cls, prefix=colorstr("val: "), label_set=val_labels,
+        world_size=info.world_size, global_rank=max(info.rank, 0))
     if not ckpt and not opt.noautoanchor:
         check_anchors(dataset, model, thr=hyp.anchor_t, imgsz=opt.imgsz)
 
@@ -317,7 +321,7 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
     decay = hyp.weight_decay * opt.batch_size * accumulate / NOMINAL_BATCH
     optimizer = build_optimizer(model, choice.name, choice.lr0, choice.momentum, decay)
     schedule = LrSchedule.for_run(opt.epochs, hyp.lrf, opt.cos_lr)
-    ema = ModelEMA(model) if info.is_main else None
+    ema = ModelEMA(model)  # on every rank: each validates its part with the same EMA weights
     scaler = torch.amp.GradScaler(device.type, enabled=precision.needs_scaler)
     start_epoch, start_batch, tally = 0, 0, LossTally()
     best_fitness, best_epoch = 0.0, -1
@@ -376,17 +380,17 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
         lrs = [g["lr"] for g in optimizer.param_groups]  # the epoch's own rates, for results.csv
         scheduler.step()
         decision: dict = {}
+        final = epoch + 1 == opt.epochs
+        ema.update_attributes(model)
+        if not opt.noval or final:
+            r = validation.validate(ema.ema, val_loader, names=names, device=device, compute_loss=t.compute_loss,
+                                    plots=final and not opt.noplots, verbose=final and nc < 50, save_dir=save_dir,
+                                    autocast_dtype=precision.dtype, gather=info.is_distributed, main=info.is_main)
+            results = r.as_row()
         if info.is_main:
-            final = epoch + 1 == opt.epochs
-            ema.update_attributes(model)
-            if not opt.noval or final:
-                r = validation.validate(ema.ema, val_loader, names=names, device=device,
-                                        compute_loss=t.compute_loss, plots=final and not opt.noplots,
-                                        verbose=final and nc < 50, save_dir=save_dir, autocast_dtype=precision.dtype)
-                results = r.as_row()
-                if opt.image_weights:
-                    class_weights = class_weights_from_maps(base_class_weights, r.maps)
-                    decision["class_weights"] = [float(w) for w in class_weights]  # repr round-trips exactly
+            if opt.image_weights and (not opt.noval or final):
+                class_weights = class_weights_from_maps(base_class_weights, r.maps)
+                decision["class_weights"] = [float(w) for w in class_weights]  # repr round-trips exactly
             decision["stop"] = record.end_epoch(epoch, tally.means(), results if not opt.noval or
                                                 final else None, lrs, checkpoint(epoch, None), final)
             t.logger.log_epoch(epoch, dict(zip(RESULT_COLUMNS[1:], [*tally.means().tolist(), *results, *lrs])))
@@ -403,19 +407,25 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
         start_batch, tally = 0, LossTally()
 
     # ---- final validation --------------------------------------------------------------------------------
+    del train_loader  # ends the training workers before the last validation
+    best: tuple | None = None
     if info.is_main:
         LOGGER.info(f"\n{epoch - start_epoch + 1} epochs completed in {(time.time() - t_start) / 3600:.3f} hours.")
-        del train_loader  # ends the training workers before the last validation
         record.close()
         strip_training_state(record.best)
         if record.best.exists() and record.best_epoch != epoch:  # the last epoch's report was not for the best weights
             best_ckpt = load_checkpoint(record.best)
-            final_model = build_model(best_ckpt["model_cfg"], weights=model_weights(best_ckpt), names=names)
+            best = (best_ckpt["model_cfg"], model_weights(best_ckpt))
             LOGGER.info(f"\nValidating {record.best} (epoch {record.best_epoch})...")
-            r = validation.validate(final_model.to(device, memory_format=torch.channels_last), val_loader,
-                                    names=names, device=device, plots=not opt.noplots, save_dir=save_dir,
-                                    verbose=nc < 50, compute_loss=t.compute_loss, autocast_dtype=precision.dtype)
-            results = r.as_row()
+    best = broadcast_object(best, info)  # every rank validates its part of the split with rank 0's best weights
+    if best is not None:
+        final_model = build_model(best[0], weights=best[1], names=names)
+        r = validation.validate(final_model.to(device, memory_format=torch.channels_last), val_loader,
+                                names=names, device=device, plots=not opt.noplots, save_dir=save_dir,
+                                verbose=nc < 50, compute_loss=t.compute_loss, autocast_dtype=precision.dtype,
+                                gather=info.is_distributed, main=info.is_main)
+        results = r.as_row()
+    if info.is_main:
         if r is not None and r.class_metrics is not None and len(r.class_metrics.pr_curve):
             t.logger.log_pr_curve(r.class_metrics.pr_curve.mean(0), RECALL_POINTS, epoch)
         t.logger.close()

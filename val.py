@@ -83,6 +83,8 @@ def validate(
     autocast_dtype: torch.dtype | None = None,
     annotations_json: str | Path | None = None,
     augment: bool = False,
+    gather: bool = False,
+    main: bool = True,
 ) -> ValResults:
     """Run ``model`` over ``dataloader`` (letterboxed batches with shapes entries) and measure it.
 
@@ -93,9 +95,16 @@ def validate(
     ``model`` may also be an exported file's runner (models/backends.py), which returns predictions only.
     With ``save_json``, ``annotations_json`` (COCO's instances_val2017.json) is scored too, beside our figures.
     ``augment``: test-time augmentation (utils/tta.py; PyTorch models only, no losses).
+
+    Distributed (``gather``): each rank passes a loader over its own disjoint, contiguous part of the split
+    (``create_dataloader(..., world_size, global_rank)``); per-image results are gathered from every rank in
+    rank order, which is the split's order, so every rank computes exactly the figures of one process over the
+    whole split (with the same batch size). Only ``main`` logs, plots and writes JSON; ``save_txt`` files are
+    written by the rank that saw the image.
     """
     device = torch.device(device)
-    wants_files = plots or save_json or save_txt
+    plots = plots and main  # every rank gathers JSON results; only main writes them
+    wants_files = plots or (save_json and main) or save_txt
     if wants_files and save_dir is None:
         raise ValueError("validate: plots, save_json and save_txt need a save_dir")
     save_dir = Path(save_dir) if save_dir is not None else None
@@ -117,7 +126,7 @@ def validate(
 
     seen = 0
     times = np.zeros(3)  # pre-process, inference, NMS (seconds)
-    loss_sum = torch.zeros(3, device=device)
+    batch_losses: list[torch.Tensor] = []  # summed in batch order at the end, whichever rank ran a batch
     n_batches = 0
     stats: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
     images_per_class = np.zeros(nc, dtype=np.int64)
@@ -151,7 +160,7 @@ def validate(
         pred, raw = out if isinstance(out, (tuple, list)) else (out, None)  # exported files give predictions only
         t2 = time_synchronized()
         if compute_loss is not None and raw is not None:
-            loss_sum += compute_loss([x.float() for x in raw], targets.to(device))[1].detach()
+            batch_losses.append(compute_loss([x.float() for x in raw], targets.to(device))[1].detach().cpu())
         n_batches += 1
 
         detections = non_max_suppression(pred.float(), conf_thres, iou_thres, multi_label=True,
@@ -195,7 +204,7 @@ def validate(
                     np.zeros((0, 5))
                 json_images.append((labels_n, (h0, w0), str(paths[si]), image_id))
 
-        if plots and batch_i < N_PLOTTED_BATCHES:
+        if plots and batch_i < N_PLOTTED_BATCHES:  # rank 0 holds the split's first batches
             from utils.plots import output_to_target, plot_images
 
             uint8_imgs = (imgs.float() * 255).round().byte().cpu()
@@ -203,6 +212,13 @@ def validate(
             plot_images(uint8_imgs, output_to_target(detections, max_det=15 * 16), paths,
                         save_dir / f"val_batch{batch_i}_pred.jpg", names)
 
+    if gather:
+        seen, n_batches, stats, images_per_class, confusion, times, batch_losses, json_results, json_images = \
+            _gather_results(seen, n_batches, stats, images_per_class, confusion, times, batch_losses, json_results,
+                            json_images)
+    loss_sum = torch.zeros(3)
+    for batch_loss in batch_losses:
+        loss_sum += batch_loss
     correct, conf, pred_cls, target_cls = (
         np.concatenate([s[k] for s in stats]) if stats else np.zeros((0, 10) if k == 0 else 0) for k in range(4)
     )
@@ -214,8 +230,9 @@ def validate(
     n_instances = int(len(target_cls))
     speed = tuple(float(t) for t in times / max(seen, 1) * 1e3)
 
-    _log_table(names, seen, n_instances, (p, r, map50, map50_95), metrics, images_per_class, verbose, nc)
-    if seen:
+    if main:
+        _log_table(names, seen, n_instances, (p, r, map50, map50_95), metrics, images_per_class, verbose, nc)
+    if seen and main:
         LOGGER.info("Speed: %.1fms pre-process, %.1fms inference, %.1fms NMS per image" % speed)
 
     results = ValResults(
@@ -225,10 +242,10 @@ def validate(
     )
     if plots:
         _plot_metrics(metrics, confusion, names, save_dir)
-    if save_json:
+    if save_json and main:
         results.coco_stats = _coco_evaluation(json_results, json_images, names, save_dir, class_map, annotations_json,
                                               map50_95)
-    if save_txt:
+    if save_txt and main:
         n_files = len(list((save_dir / "labels").glob("*.txt")))
         LOGGER.info(f"{n_files} label files saved to {save_dir / 'labels'}")
     return results
@@ -241,6 +258,20 @@ def tta_comparison(plain: ValResults, augmented: ValResults) -> str:
     return (f"--augment: mAP50 {augmented.map50:.4f} (plain {plain.map50:.4f}, {augmented.map50 - plain.map50:+.4f}), "
             f"mAP50-95 {augmented.map:.4f} (plain {plain.map:.4f}, {augmented.map - plain.map:+.4f}); "
             f"{t_aug:.1f} ms per image (plain {t_plain:.1f} ms, x{factor:.2f})")
+
+
+def _gather_results(seen: int, n_batches: int, stats: list, images_per_class: np.ndarray, confusion: np.ndarray,
+                    times: np.ndarray, batch_losses: list, json_results: list, json_images: list) -> tuple:
+    """Every rank's results on every rank: counts summed, per-image lists concatenated in rank order."""
+    import torch.distributed as dist
+
+    mine = (seen, n_batches, stats, images_per_class, confusion, times, batch_losses, json_results, json_images)
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)  # pickled between our own processes only
+    return (sum(p[0] for p in parts), sum(p[1] for p in parts), [s for p in parts for s in p[2]],
+            sum(p[3] for p in parts), sum(p[4] for p in parts), sum(p[5] for p in parts),
+            [b for p in parts for b in p[6]], [j for p in parts for j in p[7]],
+            [j for p in parts for j in p[8]])
 
 
 def _write_txt(path: Path, det: np.ndarray, original_hw: tuple[int, int], save_conf: bool) -> None:
@@ -370,18 +401,23 @@ def run_options(opt: argparse.Namespace) -> ValResults:
     """Load a checkpoint and a dataset split, validate, and save the outputs in a new run folder."""
     from models.backends import load_for_inference
     from utils.data.config import load_data_config
-    from utils.data.loader import create_dataloader
+    from utils.data.loader import create_dataloader, load_labels
+    from utils.distributed import broadcast_object, dist_info, init_process_group
+    from utils.torch_utils import torch_distributed_zero_first
 
     if opt.task not in TASKS:
         raise UserError(f"--task {opt.task!r}: expected one of {', '.join(TASKS)}")
     if not Path(opt.weights).is_file():
         raise UserError(f"{opt.weights}: weights file not found")
+    info = dist_info()  # under torch.distributed.run every rank validates its part of the split
+    device = select_device(opt.device, local_rank=info.local_rank, local_world_size=info.local_world_size)
+    if info.is_distributed:
+        init_process_group(device, info)
     data_cfg = load_data_config(opt.data)
     split = "test" if opt.task == "test" else "val"
     if not data_cfg.get(split):
         raise UserError(f"{data_cfg.get('yaml_file', opt.data)}: no '{split}' split to validate on")
 
-    device = select_device(opt.device)
     if opt.half and device.type != "cuda":
         LOGGER.warning("--half needs a CUDA device: running in fp32")
     half = opt.half and device.type == "cuda"
@@ -413,11 +449,15 @@ def run_options(opt: argparse.Namespace) -> ValResults:
     if opt.task == "speed":  # timing at deployment thresholds, not the mAP sweep
         conf_thres, iou_thres, save_json = 0.25, 0.45, False
 
-    save_dir = increment_path(Path(opt.project) / opt.name, exist_ok=opt.exist_ok, mkdir=True)
-    loader, _ = create_dataloader(data_cfg[split], imgsz, batch_size, stride, augment=False, rect=rect,
-                                  pad=0.5 if rect else 0.0,
-                                  workers=opt.workers, single_cls=opt.single_cls, nc=nc,
-                                  prefix=colorstr(f"{split}: "))
+    save_dir = increment_path(Path(opt.project) / opt.name, exist_ok=opt.exist_ok, mkdir=True) \
+        if info.is_main else None
+    save_dir = Path(broadcast_object(str(save_dir), info))  # one run folder, named by rank 0
+    with torch_distributed_zero_first(info.local_rank):  # local rank 0 builds label caches and shard indexes
+        labels = load_labels(data_cfg[split], nc=nc, workers=opt.workers, prefix=colorstr(f"{split}: "),
+                             verbose=info.is_local_main)
+    loader, _ = create_dataloader(None, imgsz, batch_size, stride, augment=False, rect=rect, pad=0.5 if rect else 0.0,
+                                  world_size=info.world_size, global_rank=max(info.rank, 0), workers=opt.workers,
+                                  single_cls=opt.single_cls, nc=nc, prefix=colorstr(f"{split}: "), label_set=labels)
     if device.type == "cuda":  # the first CUDA call pays for context and kernel set-up: keep it out of the timings
         model(torch.zeros(1, 3, imgsz, imgsz, device=device, dtype=torch.float16 if half else torch.float32))
 
@@ -425,13 +465,15 @@ def run_options(opt: argparse.Namespace) -> ValResults:
     if opt.augment:  # the plain pass first, on the same loader, for the comparison
         LOGGER.info("Plain pass (for comparison with --augment):")
         plain = validate(model, loader, names=data_cfg["names"], device=device, conf_thres=conf_thres,
-                         iou_thres=iou_thres, max_det=opt.max_det, single_cls=opt.single_cls, half=half)
+                         iou_thres=iou_thres, max_det=opt.max_det, single_cls=opt.single_cls, half=half,
+                         gather=info.is_distributed, main=info.is_main)
         LOGGER.info("Test-time augmentation pass:")
     results = validate(
         model, loader, names=data_cfg["names"], device=device, conf_thres=conf_thres, iou_thres=iou_thres,
         max_det=opt.max_det, single_cls=opt.single_cls, save_dir=save_dir, plots=not opt.noplots,
         verbose=opt.verbose, save_json=save_json, save_txt=opt.save_txt, save_conf=opt.save_conf, half=half,
         annotations_json=data_cfg.get("annotations") if split == "val" else None, augment=opt.augment,
+        gather=info.is_distributed, main=info.is_main,
     )
     if plain is not None:
         results.plain = plain
@@ -441,9 +483,14 @@ def run_options(opt: argparse.Namespace) -> ValResults:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from utils.distributed import destroy_process_group, dist_info
+
     opt = parse_opt(argv)
-    setup_logging()
-    return run_reporting_errors(lambda: run_options(opt) and None)
+    setup_logging(dist_info().rank)
+    try:
+        return run_reporting_errors(lambda: run_options(opt) and None)
+    finally:
+        destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 Run by hand from the repo root: ``python bench/dataloader.py [--images 20000] [--skip-coco] [--cache none ram]
 [--repeats 5]``.
+Shards against loose files on the same data (COCO128 converted with shards.py into a temporary folder):
+``python bench/dataloader.py --shards [--repeats 5] [--cache none ram] --images 0``.
 Side by side with a YOLOv5 checkout (its own create_dataloader / LoadImagesAndLabels, same settings, same
 generated images): ``python bench/dataloader.py --yolov5 /path/to/yolov5 --yolov5-python /path/to/python``.
 """
@@ -32,9 +34,10 @@ from utils.log import setup_logging  # noqa: E402
 COCO128 = ROOT.parent / "shared" / "datasets" / "coco128.yaml"
 
 
-def bench_augmented(workers: int, cache: str | None, epochs: int, imgsz: int = 640, batch_size: int = 16) -> float:
-    """Augmented (mosaic) training samples per second over COCO128's train split."""
-    cfg = load_data_config(COCO128)
+def bench_augmented(workers: int, cache: str | None, epochs: int, imgsz: int = 640, batch_size: int = 16,
+                    data: Path = COCO128) -> float:
+    """Augmented (mosaic) training samples per second over the train split of ``data`` (COCO128 by default)."""
+    cfg = load_data_config(data)
     hyp = Hyp.from_yaml(ROOT / "data" / "hyps" / "hyp.scratch-low.yaml")
     loader, dataset = create_dataloader(cfg["train"], imgsz, batch_size, 32, hyp=hyp, augment=True, shuffle=True,
                                         workers=workers, nc=cfg["nc"], cache=cache)
@@ -47,6 +50,53 @@ def bench_augmented(workers: int, cache: str | None, epochs: int, imgsz: int = 6
         for imgs, *_ in loader:
             count += len(imgs)
     return count / (time.perf_counter() - start)
+
+
+def bench_read_path(shard_yaml: Path, passes: int = 7) -> None:
+    """Whole-image read + decode per image, files against shard members, alternating passes (no augmentation)."""
+    from utils.data.image_io import decode_image, read_image
+    from utils.data.loader import load_labels
+    from utils.data.webshards import ShardReader
+
+    files = load_labels(load_data_config(COCO128)["train"], verbose=False)
+    shards = load_labels(load_data_config(shard_yaml)["train"], verbose=False)
+    reader = ShardReader(shards)
+    times: dict[str, list[float]] = {"files": [], "shards": []}
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        for f in files.im_files:
+            read_image(f)
+        times["files"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for i in range(len(shards.im_files)):
+            decode_image(reader.read(i))
+        times["shards"].append(time.perf_counter() - t0)
+    n = len(files.im_files)
+    print(f"read + decode per image, median of {passes} alternating passes over {n} images: files "
+          f"{np.median(times['files']) / n * 1e3:.2f} ms, shards {np.median(times['shards']) / n * 1e3:.2f} ms")
+
+
+def bench_shards(caches: list[str], repeats: int, epochs: int) -> None:
+    """Samples/s from COCO128 as shards against the same images as loose files, 0 and 2 workers, alternating."""
+    from shards import convert
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench_shards_"))
+    try:
+        shard_yaml = convert(str(COCO128), tmp / "shards", max_size_mb=2.0)  # several shards, as a real set has
+        bench_read_path(shard_yaml)
+        for cache in caches:
+            for workers in (0, 2):
+                runs: dict[str, list[float]] = {"loose files": [], "shards": []}
+                for _ in range(repeats):  # alternating: this machine's speed drifts from minute to minute
+                    for name, data in (("loose files", COCO128), ("shards", shard_yaml)):
+                        runs[name].append(bench_augmented(workers, None if cache == "none" else cache, epochs,
+                                                          data=data))
+                loose, sharded = (float(np.median(runs[k])) for k in ("loose files", "shards"))
+                print(f"COCO128 imgsz 640 mosaic, cache {cache}, workers={workers}: shards {sharded:.1f} samples/s "
+                      f"({', '.join(f'{v:.1f}' for v in runs['shards'])}), loose files {loose:.1f} "
+                      f"({', '.join(f'{v:.1f}' for v in runs['loose files'])}): {sharded / loose:.2f}x")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def make_tiny_dataset(root: Path, n: int) -> Path:
@@ -162,10 +212,14 @@ def main() -> None:
                         help="throughput runs per setting, alternating with YOLOv5's; medians are compared")
     parser.add_argument("--cache", nargs="+", default=["none"], choices=["none", "ram"],
                         help="image caches to measure the throughput with (both frameworks alike)")
+    parser.add_argument("--shards", action="store_true", help="only compare shards with loose files (COCO128)")
     args = parser.parse_args()
     if args.repeats < 1 or args.epochs < 1:
         parser.error("--repeats and --epochs must be at least 1")
     setup_logging(0)
+    if args.shards:
+        bench_shards(args.cache, args.repeats, args.epochs)
+        return
     if not args.skip_coco:
         if COCO128.is_file():
             hyp_file = str(ROOT / "data" / "hyps" / "hyp.scratch-low.yaml")

@@ -243,3 +243,47 @@ def broadcast_object(obj: object, info: DistInfo) -> object:
 def de_parallel(model: nn.Module) -> nn.Module:
     """The bare model inside a DataParallel/DistributedDataParallel wrapper."""
     return model.module if isinstance(model, (nn.parallel.DataParallel, nn.parallel.DistributedDataParallel)) else model
+
+
+# ---- the ranks of one node ---------------------------------------------------------------------------------
+
+class _NodeWaits:
+    count = 0  # node barriers so far; every rank of a node makes the same ones in the same order
+
+
+def node_index(info: DistInfo) -> int:
+    """This machine's number: torch.distributed.run gives each node a contiguous run of LOCAL_WORLD_SIZE ranks."""
+    return (info.rank - info.local_rank) // max(info.local_world_size, 1)
+
+
+def node_barrier(info: DistInfo, tag: str, poll_seconds: float = 0.02) -> None:
+    """Wait until every rank of this node has arrived (other nodes are not involved).
+
+    A store counter, not a collective: ranks of other nodes need not call it, and a long fill (a large image
+    cache) is not cut short by the collective timeout.
+    """
+    if not info.is_distributed or not dist.is_initialized() or info.local_world_size <= 1:
+        return
+    _NodeWaits.count += 1
+    key = f"node/{node_index(info)}/{tag}/{_NodeWaits.count}"
+    store = _store()
+    store.add(key, 1)
+    deadline = time.monotonic() + LONG_WAIT.total_seconds()
+    while store.add(key, 0) < info.local_world_size:
+        if time.monotonic() > deadline:
+            raise UserError(f"rank {info.rank}: the other ranks of this node did not reach '{tag}'")
+        time.sleep(poll_seconds)
+
+
+def node_decides(info: DistInfo, tag: str, decision: str) -> str:
+    """Local rank 0's ``decision`` on every rank of this node (so that they all take the same branch)."""
+    if not info.is_distributed or not dist.is_initialized() or info.local_world_size <= 1:
+        return decision
+    _NodeWaits.count += 1
+    key = f"node/{node_index(info)}/{tag}/{_NodeWaits.count}/decision"
+    store = _store()
+    if info.local_rank == 0:
+        store.set(key, decision)
+        return decision
+    store.wait([key], LONG_WAIT)
+    return store.get(key).decode()

@@ -2,7 +2,8 @@
 
 A YAML written for YOLOv5 works unchanged: ``path`` (dataset root), ``train``/``val``/``test`` (a folder
 of images, a ``.txt`` list of image paths, or a list of those) and ``names`` (a list or an
-``{index: name}`` mapping). ``download`` is accepted and ignored: it is never executed. ``builtin: shapes``
+``{index: name}`` mapping). ``download`` is accepted and ignored: it is never executed. Splits may also
+name WebDataset tar shards (``utils.data.webshards``): they resolve to a ShardSet. ``builtin: shapes``
 asks for the synthetic dataset of ``utils.data.shapes``, generated on first use.
 """
 from __future__ import annotations
@@ -176,8 +177,15 @@ def load_data_config(path: str | Path) -> dict[str, Any]:
         raise UserError(f"{yaml_file}: 'path' {raw.get('path')!r} does not exist (tried {root}){hint}")
 
     config: dict[str, Any] = {"path": root, "names": names, "nc": len(names), "yaml_file": str(yaml_file)}
+    from utils.data.webshards import is_shard_entry, resolve_shard_split  # imports this module
+
     for key in SPLITS:
-        if raw.get(key) not in (None, "", []):
+        if raw.get(key) in (None, "", []):
+            continue
+        entries = raw[key] if isinstance(raw[key], (list, tuple)) else [raw[key]]
+        if any(is_shard_entry(str(e), root) for e in entries):  # WebDataset tar shards (a ShardSet)
+            config[key] = resolve_shard_split(raw[key], root, yaml_file, key)
+        else:
             config[key] = _resolve_split(raw[key], root, yaml_file, key)
     annotations = _annotations_file(raw.get("annotations"), root, yaml_file)
     if annotations is not None:

@@ -11,6 +11,7 @@ import shutil
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import cv2
 import numpy as np
@@ -28,6 +29,9 @@ from utils.data.image_io import read_image, read_image_region
 from utils.data.jpeg_region import load_decoder
 from utils.data.label_cache import LabelSet, load_split
 from utils.log import LOGGER
+
+if TYPE_CHECKING:
+    from utils.distributed import DistInfo
 
 CACHE_MODES = (None, "ram", "disk", "auto")
 MEMORY_HEADROOM = 1.5  # the RAM cache must fit this many times over in the available memory
@@ -95,6 +99,8 @@ class YoloDataset(Dataset):
 
         if label_set is None:
             label_set = load_split(path, nc=nc, workers=workers, prefix=prefix, verbose=verbose)
+        if getattr(label_set, "shard_urls", None) and not hasattr(self, "reader"):
+            raise TypeError("samples of tar shards are read by ShardDataset (utils/data/shard_dataset.py)")
         self.label_counts = label_set.counts
         self.cache_file = label_set.cache_file
         self.im_files: list[str] = label_set.im_files
@@ -131,21 +137,35 @@ class YoloDataset(Dataset):
         ratio = self.imgsz / self.shapes.max(1)
         return int((np.round(self.shapes[:, 0] * ratio) * np.round(self.shapes[:, 1] * ratio) * 3).sum())
 
+    def _ram_decision(self, mode: str) -> bool:
+        """Whether the decoded images go to RAM for ``mode`` 'ram' or 'auto' (a warning says why not)."""
+        gib = 1 << 30
+        need, have = self._resized_bytes(), available_memory_bytes()
+        if mode == "auto":
+            return need <= min(AUTO_CACHE_MAX_BYTES, AUTO_CACHE_MAX_SHARE * have)
+        if need * MEMORY_HEADROOM > have:
+            LOGGER.warning(f"{self.prefix}WARNING --cache ram needs {need / gib:.1f} GiB (x{MEMORY_HEADROOM} "
+                           f"headroom) but {have / gib:.1f} GiB is available: not caching images")
+            return False
+        return True
+
     def _fill_cache(self, mode: str, workers: int) -> None:
         gib = 1 << 30
-        if mode == "auto":
-            need, have = self._resized_bytes(), available_memory_bytes()
-            if need > min(AUTO_CACHE_MAX_BYTES, AUTO_CACHE_MAX_SHARE * have):
+        threads = max(1, min(8, workers, os.cpu_count() or 1))
+        if mode in ("ram", "auto"):
+            node = self._node_info()
+            ok = self._ram_decision(mode) if node is None or node.local_rank == 0 else False
+            if node is not None:  # local rank 0 decides for its node: every rank must take the same branch
+                from utils.distributed import node_decides
+
+                ok = node_decides(node, "ram-cache", "ram" if ok else "") == "ram"
+            if not ok:
                 self.cache = None
                 return
             mode = self.cache = "ram"
-        if mode == "ram":
-            need, have = self._resized_bytes(), available_memory_bytes()
-            if need * MEMORY_HEADROOM > have:
-                LOGGER.warning(f"{self.prefix}WARNING --cache ram needs {need / gib:.1f} GiB (x{MEMORY_HEADROOM} "
-                               f"headroom) but {have / gib:.1f} GiB is available: not caching images")
-                self.cache = None
+            if node is not None and self._fill_node_cache(node, threads):
                 return
+            need = self._resized_bytes()
         else:
             need = int((self.shapes.prod(1) * 3 + 128).sum())
             have = shutil.disk_usage(Path(self.im_files[0]).parent).free
@@ -155,13 +175,44 @@ class YoloDataset(Dataset):
                 self.cache = None
                 return
         fill = self._cache_one_ram if mode == "ram" else self._cache_one_disk
-        threads = max(1, min(8, workers, os.cpu_count() or 1))
         with ThreadPoolExecutor(threads) as pool:  # cv2 decoding releases the GIL
             failures = [err for err in pool.map(fill, range(self.n)) if err]
         if failures:  # e.g. a read-only image folder: one warning, not one per image
             LOGGER.warning(f"{self.prefix}WARNING --cache disk: {len(failures)} of {self.n} .npy files could not "
                            f"be written (first: {failures[0]}); those images are decoded each time")
         LOGGER.info(f"{self.prefix}Cached {self.n - len(failures)} images ({need / gib:.2f} GiB, {mode})")
+
+    @staticmethod
+    def _node_info() -> DistInfo | None:
+        """This rank's DistInfo when it shares its machine with other ranks of a process group, else None."""
+        from utils.distributed import dist_info
+
+        info = dist_info()
+        shared = info.is_distributed and info.local_world_size > 1 and torch.distributed.is_initialized()
+        return info if shared else None
+
+    def _fill_node_cache(self, info: DistInfo, threads: int) -> bool:
+        """Under DDP with several ranks on this machine: one shared-memory copy for all of them (shm_cache.py)."""
+        from utils.data.shm_cache import build_node_cache
+
+        shapes_hw = [long_side_shape(int(h), int(w), self.imgsz) for w, h in self.shapes]
+        key = f"{self.prefix}|{self.imgsz}|{self.augment}|{self.n}|{self.im_files[0]}|{self.im_files[-1]}"
+
+        def fill(i: int, out: np.ndarray) -> None:
+            img = resize_to_long_side(self._decode(i), self.imgsz, self.augment)[0]
+            if img.shape == out.shape:
+                out[:] = img
+            else:  # the file changed size since it was verified: keep boxes aligned with the verified size
+                out[:] = cv2.resize(img, out.shape[1::-1], interpolation=cv2.INTER_LINEAR)
+
+        cache = build_node_cache(info, key, shapes_hw, fill, threads, self.prefix)
+        if cache is None:
+            return False
+        self.node_cache = cache
+        self.ram_images = list(cache.views)
+        LOGGER.info(f"{self.prefix}Cached {self.n} images ({cache.nbytes / (1 << 30):.2f} GiB, ram, one copy shared "
+                    f"by the {info.local_world_size} ranks of this node)")
+        return True
 
     def _cache_one_ram(self, i: int) -> str:
         img = self._decode(i)
@@ -215,9 +266,13 @@ class YoloDataset(Dataset):
     def mosaic_enabled(self, epoch: int) -> bool:
         return self.close_mosaic_epoch is None or epoch < self.close_mosaic_epoch
 
-    def _mosaic(self, index: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    def partners(self, epoch: int, index: int, k: int, rng: np.random.Generator) -> list[int]:
+        """``k`` mosaic or mixup partners of sample ``index``: any sample here (shards draw from a window)."""
+        return rng.integers(0, self.n, k).tolist()
+
+    def _mosaic(self, index: int, rng: np.random.Generator, epoch: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """A 4-image mosaic warped to imgsz x imgsz; labels [cls, x1, y1, x2, y2] in pixels."""
-        indices = [index, *rng.integers(0, self.n, 3).tolist()]
+        indices = [index, *self.partners(epoch, index, 3, rng)]
         # Tile shapes come from the label cache, so tiles the warp never shows are not even decoded.
         shapes_hw = [long_side_shape(int(self.shapes[i][1]), int(self.shapes[i][0]), self.imgsz) for i in indices]
 
@@ -243,7 +298,7 @@ class YoloDataset(Dataset):
         """``_load_tile`` from a partial JPEG decode; False where that cannot be done (the caller decodes it whole)."""
         h0, w0 = int(self.shapes[i][1]), int(self.shapes[i][0])
         if (h0, w0) == shape_hw:
-            return read_image_region(self.im_files[i], shape_hw, region, out, self.jpeg_decoder) is not None
+            return self._region(i, shape_hw, region, out) is not None
         if not self.augment:  # load_image shrinks with INTER_AREA then, which reads wider than a linear resize
             return False
         # Decode the source pixels the region is interpolated from into a full-size frame, then resize it
@@ -252,11 +307,15 @@ class YoloDataset(Dataset):
         sx1, sx2 = linear_resize_source_span(x1, x2, w0, shape_hw[1])
         sy1, sy2 = linear_resize_source_span(y1, y2, h0, shape_hw[0])
         frame = np.empty((h0, w0, 3), dtype=np.uint8)
-        if read_image_region(self.im_files[i], (h0, w0), (sx1, sy1, sx2, sy2), frame[sy1:sy2, sx1:sx2],
-                             self.jpeg_decoder) is None:
+        if self._region(i, (h0, w0), (sx1, sy1, sx2, sy2), frame[sy1:sy2, sx1:sx2]) is None:
             return False
         paste_region(resize_to_long_side(frame, self.imgsz, self.augment)[0], region, out)
         return True
+
+    def _region(self, i: int, shape_hw: tuple[int, int], region: tuple[int, int, int, int],
+                out: np.ndarray) -> np.ndarray | None:
+        """Part of image ``i`` decoded alone (None where that cannot be done): the file version."""
+        return read_image_region(self.im_files[i], shape_hw, region, out, self.jpeg_decoder)
 
     def _tile_map(self) -> Callable:
         """``map`` over mosaic tiles: a thread pool when ``decode_threads`` > 1 (cv2 decodes without the GIL)."""
@@ -288,9 +347,9 @@ class YoloDataset(Dataset):
         mosaic_on = self.augment and not self.rect and self.mosaic_enabled(epoch)  # rect batches need letterboxes
         shapes: tuple | None = None
         if mosaic_on and rng.random() < hy.mosaic:
-            img, labels = self._mosaic(index, rng)
+            img, labels = self._mosaic(index, rng, epoch)
             if rng.random() < hy.mixup:
-                img2, labels2 = self._mosaic(int(rng.integers(0, self.n)), rng)
+                img2, labels2 = self._mosaic(self.partners(epoch, index, 1, rng)[0], rng, epoch)
                 img, labels = mixup(img, labels, img2, labels2, rng)
         else:
             img, labels, shapes = self._letterboxed(index, rng)

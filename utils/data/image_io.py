@@ -8,6 +8,7 @@ EXIF orientation) is the project's only one.
 """
 from __future__ import annotations
 
+import io
 import struct
 from typing import BinaryIO
 
@@ -182,25 +183,37 @@ def probe_image(path: str) -> tuple[tuple[int, int], str]:
     """
     try:
         with open(path, "rb") as f:
-            head = f.read(32)
-            if head[:2] == JPEG_SOI:
-                f.seek(0)
-                width, height, orientation = _jpeg_header(_Reader(f))
-                if orientation in (5, 6, 7, 8):  # rotated by 90 degrees on display
-                    width, height = height, width
-                complete = JPEG_EOI in _tail(f)
-            elif head[:8] == PNG_SIGNATURE:
-                width, height = _png_header_size(head)
-                complete = b"IEND" in _tail(f)
-            else:
-                width = height = 0
-                complete = False
+            return _probe(f, lambda: read_bytes(path))
+    except OSError as e:
+        raise ImageError(f"cannot read ({e})") from e
+
+
+def probe_image_bytes(data: bytes) -> tuple[tuple[int, int], str]:
+    """``probe_image`` of encoded bytes (a tar member, say)."""
+    return _probe(io.BytesIO(data), lambda: np.frombuffer(data, np.uint8))
+
+
+def _probe(f: BinaryIO, read_all) -> tuple[tuple[int, int], str]:
+    try:
+        head = f.read(32)
+        if head[:2] == JPEG_SOI:
+            f.seek(0)
+            width, height, orientation = _jpeg_header(_Reader(f))
+            if orientation in (5, 6, 7, 8):  # rotated by 90 degrees on display
+                width, height = height, width
+            complete = JPEG_EOI in _tail(f)
+        elif head[:8] == PNG_SIGNATURE:
+            width, height = _png_header_size(head)
+            complete = b"IEND" in _tail(f)
+        else:
+            width = height = 0
+            complete = False
     except (OSError, struct.error) as e:
         raise ImageError(f"cannot read ({e})") from e
 
     warning = ""
     if not complete:  # unknown format or a missing end marker: decode to be sure
-        data = read_bytes(path)
+        data = read_all()
         if data is None:
             raise ImageError("cannot read")
         if data.size == 0:

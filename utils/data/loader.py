@@ -17,11 +17,14 @@ from torch.utils.data import DataLoader
 
 from utils.data.batch_ring import BatchRing, RingSlot, shared_memory_fits
 from utils.data.dataset import YoloDataset
-from utils.data.label_cache import LabelSet
+from utils.data.label_cache import LabelSet, load_split
 from utils.hyp import Hyp
 from utils.log import LOGGER
 from utils.data.quad import QuadCollate
-from utils.data.samplers import EpochStreamBatchSampler, ShardedSampler, WeightedShardedSampler, epoch_batches
+from utils.data.samplers import (EpochStreamBatchSampler, ShardedSampler, ShardPlan, ShardPlanSampler,
+                                  WeightedShardedSampler, epoch_batches)
+from utils.data.shard_dataset import DEFAULT_WINDOW, ShardDataset
+from utils.data.webshards import ShardLabelSet, ShardSet, load_shard_index
 
 
 PREFETCH_BATCHES = 2  # per worker (DataLoader's prefetch_factor); BatchRing's slot count follows from it
@@ -55,6 +58,11 @@ class EpochStreamLoader:
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         self.sampler.set_epoch(epoch)
         self.start_batch = start_batch
+        reader = getattr(self.dataset, "reader", None)
+        if reader is not None and isinstance(self.sampler, ShardPlanSampler):
+            # Remote shards of this epoch, in the order this rank reads them, downloaded while it trains.
+            upcoming = self.sampler.shard(epoch)[start_batch * self.batch_sampler.batch_size :]
+            reader.cache.prefetch(reader.shards_in_order(upcoming))
 
     def set_image_weights(self, weights: np.ndarray | None) -> None:
         """--image-weights: the per-image weights of the next epochs' draws (a WeightedShardedSampler only).
@@ -96,6 +104,22 @@ class EpochStreamLoader:
         self._next_epoch = epoch + 1
 
 
+def load_labels(source: str | list[str] | ShardSet, nc: int | None = None, workers: int = 8, prefix: str = "",
+                verbose: bool = True) -> LabelSet:
+    """A split's verified samples: the label cache of loose files, or the index of a shard set."""
+    if isinstance(source, ShardSet):
+        return load_shard_index(source, nc=nc, workers=workers, prefix=prefix, verbose=verbose)
+    return load_split(source, nc=nc, workers=workers, prefix=prefix, verbose=verbose)
+
+
+def build_dataset(label_set: LabelSet, imgsz: int, batch_size: int, plan: ShardPlan | None = None,
+                  **options: Any) -> YoloDataset:
+    """The dataset of a verified split: a ShardDataset for shards, else a YoloDataset (``options`` as theirs)."""
+    if isinstance(label_set, ShardLabelSet):
+        return ShardDataset(imgsz, batch_size, plan=plan, label_set=label_set, **options)
+    return YoloDataset(None, imgsz, batch_size, label_set=label_set, **options)
+
+
 def create_dataloader(
     path: str | list[str],
     imgsz: int,
@@ -119,6 +143,8 @@ def create_dataloader(
     label_set: LabelSet | None = None,
     image_weights: bool = False,
     quad: bool = False,
+    shard_window: int = DEFAULT_WINDOW,
+    resampled: bool = False,
 ) -> tuple[DataLoader | EpochStreamLoader, YoloDataset]:
     """A loader over this rank's shard and the dataset; ``batch_size`` is per rank.
 
@@ -128,6 +154,10 @@ def create_dataloader(
     ``label_set`` (already loaded labels) replaces reading them from ``path``.
     ``image_weights`` (training): each epoch is a weighted draw, see ``EpochStreamLoader.set_image_weights``.
     ``quad`` (training, not rect): batches of four merged samples at twice the size (utils/data/quad.py).
+
+    Shards (``path`` a ShardSet, or ``label_set`` a ShardLabelSet): training follows a ShardPlan (exact epochs,
+    shard order and a window of ``shard_window`` samples shuffled; ``resampled`` for WebDataset-style approximate
+    epochs); validation gives each rank a disjoint part, as for files.
     """
     if rect and shuffle:
         LOGGER.warning(f"{prefix}WARNING rect batches are incompatible with shuffle: shuffle disabled")
@@ -136,14 +166,25 @@ def create_dataloader(
     loader_workers = max(0, min(workers, cpus, batch_size))
     # Without worker processes the mosaic tiles are decoded in threads of this process, sharing its cores.
     decode_threads = 1 if loader_workers else max(1, min(4, cpus // max(1, world_size)))
-    dataset = YoloDataset(path, imgsz, batch_size, augment=augment, hyp=hyp, rect=rect, cache=cache,
-                          single_cls=single_cls, stride=stride, pad=pad, nc=nc, seed=seed,
-                          close_mosaic_epoch=close_mosaic_epoch, workers=workers, label_set=label_set,
-                          decode_threads=decode_threads, prefix=prefix)
+    if isinstance(path, ShardSet) and label_set is None:
+        label_set = load_shard_index(path, nc=nc, workers=workers, prefix=prefix)
+    if label_set is None:
+        label_set = load_split(path, nc=nc, workers=workers, prefix=prefix)
+    plan = None
+    if isinstance(label_set, ShardLabelSet) and augment and not rect:
+        plan = ShardPlan(label_set.shard_counts, seed=seed, window=shard_window, shuffle=shuffle, resampled=resampled)
+    dataset = build_dataset(label_set, imgsz, batch_size, plan=plan, augment=augment, hyp=hyp, rect=rect, cache=cache,
+                            single_cls=single_cls, stride=stride, pad=pad, nc=nc, seed=seed,
+                            close_mosaic_epoch=close_mosaic_epoch, workers=workers, decode_threads=decode_threads,
+                            prefix=prefix)
     batch_size = min(batch_size, len(dataset))
-    if image_weights and augment and not rect:
-        sampler: ShardedSampler = WeightedShardedSampler(len(dataset), world_size=world_size, rank=global_rank,
-                                                         seed=seed)
+    sampler: ShardedSampler | ShardPlanSampler
+    if plan is not None:
+        if image_weights:
+            raise ValueError("--image-weights draws images by index and is not available for tar shards")
+        sampler = ShardPlanSampler(plan, world_size=world_size, rank=global_rank)
+    elif image_weights and augment and not rect:
+        sampler = WeightedShardedSampler(len(dataset), world_size=world_size, rank=global_rank, seed=seed)
     else:
         sampler = ShardedSampler(len(dataset), world_size=world_size, rank=global_rank, shuffle=shuffle, seed=seed,
                                  pad=shuffle or augment, block=batch_size if rect else 1)

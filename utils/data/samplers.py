@@ -128,3 +128,110 @@ class WeightedShardedSampler(ShardedSampler):
         from utils.data.image_weights import weighted_draw
 
         return [[int(i)] for i in weighted_draw(self.weights, self.seed, epoch)]
+# ---- shards: exact epochs with mostly sequential reads ------------------------------------------------------
+
+class ShardPlan:
+    """Which samples of a shard set each rank reads in an epoch, and in which order.
+
+    Samples are numbered shard after shard (shard ``s`` holds ``counts[s]`` consecutive ids). An epoch's global
+    order shuffles the shard order, then the samples inside consecutive windows of ``window`` samples, with a
+    generator seeded from (seed, epoch) only: it is the same for every world size and number of workers.
+    Reads stay sequential at the scale of a shard while samples still mix across about ``window`` of them.
+
+    Exact mode (default): the order is padded from its start, as DistributedSampler pads, to a multiple of the
+    world size (fewer than ``world_size`` extra samples), and rank ``r`` takes the ``r``-th contiguous slice,
+    so every sample is used once per epoch and every rank has the same number of samples by construction.
+
+    Resampled mode (``resampled=True``): each rank draws shards with replacement from (seed, epoch, rank) until
+    it has its share; an approximate epoch (some samples twice, some not at all), as WebDataset's
+    ``resampled=True`` + ``with_epoch`` gives, but still with equal lengths per rank.
+    """
+
+    def __init__(self, counts: list[int] | np.ndarray, seed: int = 0, window: int = 1000, shuffle: bool = True,
+                 resampled: bool = False):
+        self.counts = np.asarray(counts, dtype=np.int64)
+        self.starts = np.concatenate(([0], np.cumsum(self.counts)))[:-1]
+        self.n = int(self.counts.sum())
+        self.seed, self.window, self.shuffle, self.resampled = seed, max(1, int(window)), shuffle, resampled
+        self._cached: tuple[int, np.ndarray] | None = None
+        self._positions: tuple[int, np.ndarray] | None = None  # (epoch, where each sample sits in the order)
+
+    def _rng(self, *keys: int) -> np.random.Generator:
+        return np.random.default_rng([self.seed, *keys])
+
+    def _windowed(self, shard_order: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        parts = [np.arange(self.starts[s], self.starts[s] + self.counts[s]) for s in shard_order]
+        order = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        if self.shuffle:
+            for w in range(0, len(order), self.window):
+                order[w : w + self.window] = rng.permutation(order[w : w + self.window])
+        return order
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The epoch's global order of sample ids (every id once; exact mode)."""
+        if self._cached is not None and self._cached[0] == epoch:
+            return self._cached[1]
+        rng = self._rng(int(epoch))
+        shard_order = rng.permutation(len(self.counts)) if self.shuffle else np.arange(len(self.counts))
+        order = self._windowed(shard_order, rng)
+        self._cached = (int(epoch), order)
+        return order
+
+    def per_rank(self, world_size: int) -> int:
+        return math.ceil(self.n / world_size) if self.n else 0
+
+    def rank_samples(self, epoch: int, rank: int = 0, world_size: int = 1) -> np.ndarray:
+        """Sample ids rank ``rank`` reads in ``epoch``: the same length on every rank."""
+        k = self.per_rank(world_size)
+        if self.resampled:
+            return self._resampled(epoch, rank, k)
+        order = self.order(epoch)
+        if not len(order):
+            return order
+        padded = np.resize(order, k * world_size)  # np.resize repeats from the start: DistributedSampler's padding
+        return padded[rank * k : (rank + 1) * k]
+
+    def _resampled(self, epoch: int, rank: int, k: int) -> np.ndarray:
+        rng = self._rng(int(epoch), 1 << 20, int(rank))  # a stream of its own per rank
+        nonempty = np.nonzero(self.counts)[0]
+        out: list[np.ndarray] = []
+        have = 0
+        while have < k:
+            shards = rng.choice(nonempty, size=max(1, math.ceil(len(nonempty) / 4)))
+            chunk = self._windowed(shards, rng)
+            out.append(chunk)
+            have += len(chunk)
+        return np.concatenate(out)[:k] if out else np.zeros(0, np.int64)
+
+    def partners(self, epoch: int, sample: int) -> np.ndarray:
+        """The window of the epoch's order that ``sample`` sits in: where its mosaic and mixup partners come from."""
+        order = self.order(epoch)
+        if self._positions is None or self._positions[0] != epoch:
+            positions = np.empty(self.n, np.int64)
+            positions[order] = np.arange(len(order))
+            self._positions = (int(epoch), positions)
+        w0 = int(self._positions[1][sample]) // self.window * self.window
+        return order[w0 : w0 + self.window]
+
+
+class ShardPlanSampler(Sampler[tuple[int, int]]):
+    """This rank's ``(epoch, sample)`` pairs of a ShardPlan: a drop-in for ShardedSampler in training loaders."""
+
+    def __init__(self, plan: ShardPlan, world_size: int = 1, rank: int = 0):
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not valid for world size {world_size}")
+        self.plan, self.world_size, self.rank, self.epoch = plan, world_size, rank, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def shard(self, epoch: int | None = None) -> list[int]:
+        e = self.epoch if epoch is None else int(epoch)
+        return self.plan.rank_samples(e, self.rank, self.world_size).tolist()
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        epoch = self.epoch
+        return iter([(epoch, i) for i in self.shard()])
+
+    def __len__(self) -> int:
+        return self.plan.per_rank(self.world_size)

@@ -1,0 +1,61 @@
+"""val.py under torch.distributed.run (2 gloo ranks) prints and writes exactly what one process does."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import val
+
+from conftest import write_rectangles_dataset
+from test_val import _random_checkpoint
+from utils.log import LOGGER
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _table(stdout: str) -> list[str]:
+    """The metric rows (class name, images, instances, P, R, mAP50, mAP50-95) of val.py's report."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["Class", "Images"])
+    return [line for line in lines[start : start + 4] if line.strip()]
+
+
+@pytest.mark.slow
+def test_val_py_on_two_ranks_equals_one_process(tmp_path, caplog) -> None:
+    data = write_rectangles_dataset(tmp_path / "data", n_train=2, n_val=9, seed=3)
+    weights = _random_checkpoint(tmp_path / "rand.pt")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("WORLD_SIZE", None)
+    args = ["--data", str(data), "--weights", str(weights), "--imgsz", "64", "--batch-size", "2", "--device", "cpu",
+            "--workers", "0", "--verbose", "--save-json", "--noplots", "--exist-ok"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "val.py"]
+    proc = subprocess.run([*torchrun, *args, "--project", str(tmp_path / "ddp")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+    # one process, in this one, with the ranks' thread count (the kernels' summation order depends on it)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    LOGGER.addHandler(caplog.handler)
+    old_level = LOGGER.level
+    LOGGER.setLevel(logging.INFO)
+    try:
+        val.main([*args, "--project", str(tmp_path / "single")])
+    finally:
+        torch.set_num_threads(threads)
+        LOGGER.removeHandler(caplog.handler)
+        LOGGER.setLevel(old_level)
+    single, ddp = _table("\n".join(r.getMessage() for r in caplog.records)), _table(proc.stdout)
+    assert single == ddp and len(single) == 4  # header, all, red, blue: to the last printed digit
+    n_boxes = sum(len(p.read_text().splitlines()) for p in (tmp_path / "data/labels/val").glob("*.txt"))
+    assert single[1].split()[1:3] == ["9", str(n_boxes)]
+    assert float(single[1].split()[-2]) > 0  # not a comparison of zeros
+    preds = [json.loads((tmp_path / name / "exp" / "predictions.json").read_text()) for name in ("single", "ddp")]
+    assert preds[0] == preds[1] and len(preds[0]) > 0  # every rank's detections, gathered in image order

@@ -1,0 +1,281 @@
+"""WebDataset tar shards: converter round trip, exact-epoch plans, bad shards, pipe:/http:// URLs, 2 gloo ranks."""
+from __future__ import annotations
+
+import functools
+import http.server
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import threading
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import torch
+
+from conftest import write_rectangles_dataset
+from utils.data.config import load_data_config
+from utils.data.label_cache import load_split, parse_label_text
+from utils.data.loader import create_dataloader, load_labels
+from utils.data.samplers import ShardPlan
+from utils.data.shard_cache import ShardCache
+from utils.data.webshards import ShardSet, load_shard_index
+from utils.errors import UserError
+from utils.log import LOGGER
+
+ROOT = Path(__file__).resolve().parents[1]
+N_GOOD_TRAIN = 19  # odd: 2 ranks need one sample of padding
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> tuple[Path, Path]:
+    """(loose-file data YAML, shard data YAML); the loose train split has one corrupt image and one bad label."""
+    root = tmp_path_factory.mktemp("shards")
+    yaml_file = write_rectangles_dataset(root / "loose", n_train=N_GOOD_TRAIN, n_val=6)
+    (root / "loose/images/train/broken.jpg").write_bytes(b"\xff\xd8 not a jpeg")
+    cv2.imwrite(str(root / "loose/images/train/badlabel.jpg"), np.full((96, 96, 3), 120, np.uint8))
+    (root / "loose/labels/train/badlabel.txt").write_text("0 0.5 0.5 0.2\n")  # 4 columns
+    from shards import main
+
+    assert main(["--data", str(yaml_file), "--out", str(root / "sh"), "--max-count", "6", "--workers", "1"]) == 0
+    return yaml_file, root / "sh" / "data.yaml"
+
+
+def _tar_members(path: Path) -> dict[str, bytes]:
+    with tarfile.open(path) as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+
+
+def test_converter_round_trip(converted) -> None:
+    loose_yaml, shard_yaml = converted
+    cfg = load_data_config(shard_yaml)
+    assert isinstance(cfg["train"], ShardSet) and len(cfg["train"].urls) == 4  # 19 samples, at most 6 per shard
+    assert "{000000..000003}" in shard_yaml.read_text()
+    members: dict[str, bytes] = {}
+    for url in cfg["train"].urls:
+        members.update(_tar_members(Path(url)))
+    loose = load_split(load_data_config(loose_yaml)["train"], nc=2, verbose=False)
+    assert loose.counts["corrupt"] == 2 and len(loose.im_files) == N_GOOD_TRAIN
+    for im_file, labels in zip(loose.im_files, loose.labels):
+        key = f"images_train_{Path(im_file).stem}"
+        assert members[f"{key}.jpg"] == Path(im_file).read_bytes()  # image bytes unchanged
+        back, _ = parse_label_text(members[f"{key}.txt"].decode(), 2)
+        np.testing.assert_array_equal(back, labels)  # every float32 digit kept
+    assert not any("broken" in k or "badlabel" in k for k in members)
+    wids_index = json.loads((shard_yaml.parent / "train-index.json").read_text())
+    assert sum(s["nsamples"] for s in wids_index["shardlist"]) == N_GOOD_TRAIN
+    shards = load_labels(cfg["train"], nc=2, verbose=False)
+    assert list(shards.shard_counts) == [6, 6, 6, 1] and shards.counts["corrupt"] == 0
+    np.testing.assert_array_equal(np.concatenate(shards.labels), np.concatenate(loose.labels))
+
+
+@pytest.mark.parametrize("n_shards, world", [(7, 1), (7, 2), (7, 3), (1, 4)])
+def test_plan_gives_exact_equal_epochs_with_sequential_reads(n_shards: int, world: int) -> None:
+    counts = np.random.default_rng(n_shards).integers(5, 40, n_shards)
+    plan = ShardPlan(counts, seed=1, window=16)
+    n = int(counts.sum())
+    for epoch in (0, 1):
+        parts = [plan.rank_samples(epoch, r, world) for r in range(world)]
+        assert len({len(p) for p in parts}) == 1  # equal per rank by construction
+        flat = np.concatenate(parts)
+        assert set(flat.tolist()) == set(range(n)) and len(flat) - n < world  # each once, padding < world size
+        # the global order does not depend on the world size: the rank slices concatenate to it
+        np.testing.assert_array_equal(flat[:n], ShardPlan(counts, seed=1, window=16).order(epoch))
+        shard_of = np.repeat(np.arange(n_shards), counts)[plan.order(epoch)]
+        for s in range(n_shards):  # a shard is read in one stretch: mixed with others only within a window
+            where = np.nonzero(shard_of == s)[0]
+            assert where.max() - where.min() < counts[s] + 2 * 16
+        for s in flat[:5]:
+            assert s in plan.partners(epoch, int(s))
+    assert not np.array_equal(plan.order(0), plan.order(1))
+    resampled = ShardPlan(counts, seed=1, window=16, resampled=True)
+    assert {len(resampled.rank_samples(0, r, world)) for r in range(world)} == {-(-n // world)}
+
+
+def test_shard_pixels_equal_loose_files(converted) -> None:
+    loose_yaml, shard_yaml = converted
+    batches = []
+    for yaml_file in (loose_yaml, shard_yaml):
+        loader, _ = create_dataloader(load_data_config(yaml_file)["val"], 64, 4, 32, rect=True, pad=0.5, workers=0,
+                                      nc=2)
+        batches.append([(b[0], b[1], [Path(p).stem for p in b[2]]) for b in loader])
+    for (im_a, t_a, names_a), (im_b, t_b, names_b) in zip(*batches, strict=True):
+        assert [f"images_val_{n}" for n in names_a] == names_b
+        assert torch.equal(im_a, im_b) and torch.equal(t_a, t_b)
+
+
+def _write_tar(path: Path, members: dict[str, bytes]) -> None:
+    with tarfile.open(path, "w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def test_bad_shards_and_members_are_skipped_and_counted(converted, tmp_path, caplog) -> None:
+    _, shard_yaml = converted
+    good = shard_yaml.parent / "train-000000.tar"
+    shutil.copy(good, tmp_path / "a-000000.tar")
+    data = good.read_bytes()
+    (tmp_path / "a-000001.tar").write_bytes(data[: len(data) // 2])  # truncated mid-member
+    members = _tar_members(good)
+    jpg = next(v for k, v in members.items() if k.endswith(".jpg"))
+    _write_tar(tmp_path / "a-000002.tar", {"ok.jpg": jpg, "ok.txt": b"0 0.5 0.5 0.2 0.2\n", "bad.jpg": b"garbage",
+                                           "bad.txt": b"", "nolabel.jpg": jpg, "orphan.txt": b"1 0.5 0.5 0.1 0.1\n",
+                                           f"sub/{'x' * 120}.jpg": jpg})  # a PAX long name in a folder
+    shards = ShardSet(tuple(str(tmp_path / f"a-00000{i}.tar") for i in range(3)), "test")
+    LOGGER.addHandler(caplog.handler)
+    try:
+        labels = load_shard_index(shards, nc=2, cache=ShardCache(tmp_path / "cache"))
+    finally:
+        LOGGER.removeHandler(caplog.handler)
+    assert labels.counts["bad_shards"] == 1 and labels.counts["corrupt"] == 2  # bad.jpg, orphan (no image)
+    assert list(labels.shard_counts) == [6, 0, 3] and labels.counts["background"] == 2
+    text = caplog.text
+    assert f"{tmp_path / 'a-000001.tar'}: unreadable or truncated shard" in text
+    assert f"{tmp_path / 'a-000002.tar'}/bad.jpg: corrupt image" in text
+    # training goes on over what is left
+    loader, _ = create_dataloader(None, 64, 4, 32, augment=True, shuffle=True, workers=0, label_set=labels,
+                                  shard_window=4)
+    loader.set_epoch(0)
+    assert sum(len(b[2]) for b in loader) == 9
+    long_name = next(i for i, f in enumerate(labels.im_files) if f.endswith("x" * 120 + ".jpg"))
+    ds = loader.dataset
+    img = ds.load_image(long_name)[0]
+    assert img.std() > 0 and np.array_equal(img, ds.load_image(long_name - 1)[0])  # the bytes of nolabel.jpg
+
+
+def test_missing_shard_is_a_one_line_error(converted, tmp_path) -> None:
+    _, shard_yaml = converted
+    bad = tmp_path / "missing.yaml"
+    bad.write_text(f"path: {shard_yaml.parent}\ntrain: train-{{000000..000009}}.tar\nval: val-000000.tar\n"
+                   "names: [red, blue]\n")
+    with pytest.raises(UserError, match=r"train-000004\.tar: shard not found") as e:
+        load_data_config(bad)
+    assert "\n" not in str(e.value)
+
+
+@pytest.fixture()
+def http_server(converted):
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(converted[1].parent))
+    handler.log_message = lambda *a: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_http_and_pipe_urls_read_like_local_shards(converted, http_server, tmp_path, monkeypatch) -> None:
+    _, shard_yaml = converted
+    monkeypatch.setenv("YOLO_TRAIN_SHARD_CACHE", str(tmp_path / "node-cache"))
+    sh = shard_yaml.parent
+    remote = tmp_path / "remote.yaml"
+    remote.write_text(f"path: {tmp_path}\ntrain: ['{http_server}/train-{{000000..000001}}.tar', "
+                      f"'pipe:cat {sh}/train-000002.tar', '{sh}/train-000003.tar']\n"
+                      f"val: pipe:cat {sh}/val-000000.tar\nnames: [red, blue]\n")
+    cfg, local_cfg = load_data_config(remote), load_data_config(shard_yaml)
+    got, want = load_labels(cfg["train"], nc=2, verbose=False), load_labels(local_cfg["train"], nc=2, verbose=False)
+    assert [Path(f).name for f in got.im_files] == [Path(f).name for f in want.im_files]
+    assert len(list((tmp_path / "node-cache").glob("*.tar"))) == 3  # fetched once into the node's cache
+    for a, b in zip(*(create_dataloader(c["val"], 64, 3, 32, rect=True, workers=0, nc=2)[0]
+                      for c in (cfg, local_cfg)), strict=True):
+        assert torch.equal(a[0], b[0])
+    with pytest.raises(UserError, match="nothere-000000.tar: cannot fetch shard"):
+        load_labels(ShardSet((f"{http_server}/nothere-000000.tar",), "test"), nc=2)
+
+
+def test_shard_cache_evicts_least_recently_used(converted, http_server, tmp_path) -> None:
+    sizes = [(converted[1].parent / f"train-00000{i}.tar").stat().st_size for i in range(3)]
+    cache = ShardCache(tmp_path / "c", max_bytes=int(max(sizes) * 1.5))
+    urls = [f"{http_server}/train-00000{i}.tar" for i in range(3)]
+    for url in urls:
+        cache.local_path(url)
+    assert cache.fetched == 3
+    assert [cache.path_for(u).is_file() for u in urls] == [False, False, True]
+    again = ShardCache(tmp_path / "c", max_bytes=cache.max_bytes)
+    assert again.local_path(urls[2]) == str(cache.path_for(urls[2])) and again.fetched == 0
+    again.prefetch(urls[:1])
+    again._queue.put(None)  # the prefetch thread ends after the queued URL
+    for _ in range(200):
+        if cache.path_for(urls[0]).is_file():
+            break
+        threading.Event().wait(0.05)
+    assert cache.path_for(urls[0]).is_file()
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_exact_epochs_distributed_val_and_node_cache(converted, tmp_path) -> None:
+    _, shard_yaml = converted
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "shard_ranks.py"), str(shard_yaml), str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    all_names = {Path(f).name for f in load_labels(load_data_config(shard_yaml)["train"], nc=2,
+                                                   verbose=False).im_files}
+    for epoch in ("0", "1"):
+        for workers in ("0", "2"):
+            names = [[Path(p).name for p in r["keys"][workers][epoch][0]] for r in ranks]
+            assert len(names[0]) == len(names[1]) == 10  # 19 samples: one of padding
+            assert ranks[0]["keys"][workers][epoch][2] == ranks[1]["keys"][workers][epoch][2] == 4  # batches
+            union = names[0] + names[1]
+            assert set(union) == all_names and len(union) == len(all_names) + 1
+        for r in ranks:  # the same samples, augmented the same, with 0 and 2 workers
+            assert r["keys"]["0"][epoch] == r["keys"]["2"][epoch]
+    assert ranks[0]["keys"]["0"]["0"] != ranks[0]["keys"]["0"]["1"]
+
+    # distributed validation equals one process over the whole split (same model, batch size and threads)
+    gathered, single = ranks[0]["val"]["gathered"], ranks[0]["val"]["single"]
+    assert gathered == ranks[1]["val"]["gathered"] == single
+    assert single["figures"][6] > 0 and single["figures"][2] > 0  # a comparison of something, not of zeros
+
+    # --cache ram: one shared mapping per node, already unlinked while the ranks run, so nothing outlives them
+    for rank in ranks:
+        shm = rank["shm"]
+        assert shm["node_cache"] and shm["mapped"] and not shm["exists"] and shm["pixels_equal"]
+    assert ranks[0]["shm"]["path"] == ranks[1]["shm"]["path"]
+    assert not Path(ranks[0]["shm"]["path"]).exists()
+
+
+@pytest.mark.slow
+def test_train_py_on_two_ranks_from_shards(converted, tmp_path) -> None:
+    _, shard_yaml = converted
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+           "--data", str(shard_yaml), "--project", str(tmp_path), "--name", "exp", "--imgsz", "64", "--batch-size",
+           "8", "--workers", "1", "--noautoanchor", "--device", "cpu", "--epochs", "1", "--noplots", "--cache", "ram",
+           "--shard-window", "8"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "one copy shared by the 2 ranks of this node" in proc.stdout
+    rows = (tmp_path / "exp" / "results.csv").read_text().strip().splitlines()
+    assert len(rows) == 2 and (tmp_path / "exp" / "weights" / "best.pt").is_file()
+    assert not list(Path("/dev/shm").glob("yolo-train-cache-*"))
+
+
+def test_data_yaml_names_shards_in_every_form(converted, tmp_path) -> None:
+    sh = converted[1].parent
+    folder = tmp_path / "only-train"
+    folder.mkdir()
+    for i in range(4):
+        shutil.copy(sh / f"train-00000{i}.tar", folder)
+    (tmp_path / "list.txt").write_text(f"# shards\n{sh}/train-{{000000..000001}}.tar\nonly-train/train-000002.tar\n")
+    want = [str(sh / f"train-00000{i}.tar") for i in range(4)]
+    forms = {"folder": ("only-train", [str(folder / f"train-00000{i}.tar") for i in range(4)]),
+             "txt": ("list.txt", [*want[:2], str(folder / "train-000002.tar")]),
+             "list": (f"['{sh}/train-000000.tar', '{sh}/train-{{000001..000003}}.tar']", want)}
+    for name, (spec, urls) in forms.items():
+        yaml_file = tmp_path / f"{name}.yaml"
+        yaml_file.write_text(f"path: {tmp_path}\ntrain: {spec}\nval: {sh}/val-000000.tar\nnames: [red, blue]\n")
+        assert list(load_data_config(yaml_file)["train"].urls) == urls, name
+    (folder / "stray.jpg").write_bytes(b"")  # a folder with images is a folder of images, whatever else it holds
+    yaml_file.write_text(f"path: {tmp_path}\ntrain: only-train\nval: {sh}/val-000000.tar\nnames: [red, blue]\n")
+    assert isinstance(load_data_config(yaml_file)["train"], str)
