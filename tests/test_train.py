@@ -214,7 +214,8 @@ def test_a_killed_rank_makes_the_others_exit(rectangles_yaml, tmp_path) -> None:
     assert all(not Path(f"/proc/{p}").exists() for p in pids)
 
 
-BATCH_LINE = re.compile(r"^rank (\d+) epoch (\d+) batch (\d+): (.*)$", re.MULTILINE)
+# Not anchored at a line start: rank 0's progress bar (stderr, carriage returns) shares the file with the log.
+BATCH_LINE = re.compile(r"rank (\d+) epoch (\d+) batch (\d+): ([^\r\n]*)")
 
 
 def files_trained_on(output: str, epoch: int, batches: range | None = None) -> list[str]:
