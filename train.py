@@ -145,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(opt: argparse.Namespace, explicit: set[str], info: DistInfo) -> int:
+    if not opt.resume:  # before joining the process group, so that every rank says so at once
+        check_global_batch(opt.batch_size, info.world_size)
     device = setup_device(opt, info)
     try:
         if opt.evolve is not None or opt.resume_evolve:
@@ -268,8 +270,7 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
     if opt.quad and opt.batch_size // info.world_size < 4:
         raise UserError(f"--quad merges 4 images into one: --batch-size {opt.batch_size} must give every rank at "
                         f"least 4 (it gives {opt.batch_size // info.world_size})")
-    if opt.batch_size % info.world_size:
-        raise UserError(f"--batch-size {opt.batch_size} must be a multiple of WORLD_SIZE {info.world_size}")
+    check_global_batch(opt.batch_size, info.world_size)
     if ckpt:
         hyp = Hyp.from_dict(ckpt["hyp"], f"{opt.resume} (hyp)")
     elif hyp is None:
@@ -574,6 +575,11 @@ def evolve(opt: argparse.Namespace, explicit: set[str], device: torch.device, in
 
 
 # ---- helpers of train() ----------------------------------------------------------------------------------
+
+def check_global_batch(batch_size: int, world_size: int) -> None:
+    if batch_size % world_size:
+        raise UserError(f"--batch-size {batch_size} must be a multiple of WORLD_SIZE {world_size}")
+
 
 def image_cache(mode: str) -> str | None:
     return None if mode == "off" else mode

@@ -67,21 +67,6 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a if a[k].is_floating_point())
 
 
-@pytest.mark.slow
-def test_two_epochs_single_process(rectangles_yaml, tmp_path) -> None:
-    proc = run(train_cmd(rectangles_yaml, tmp_path, "--epochs", "3"))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run_dir = tmp_path / "exp"
-    rows = results_rows(run_dir)
-    assert [int(r["epoch"]) for r in rows] == [0, 1, 2]
-    losses = [sum(float(r[k]) for k in ("train/box_loss", "train/obj_loss", "train/cls_loss")) for r in rows]
-    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
-    for name in ("weights/last.pt", "weights/best.pt", "opt.yaml", "hyp.yaml", "results.png", "train_batch0.jpg"):
-        assert (run_dir / name).exists(), name
-    ckpt = torch.load(run_dir / "weights/last.pt", weights_only=True)
-    assert ckpt["epoch"] == 2 and ckpt["optimizer"] is not None and ckpt["ema"] is not None
-
-
 def relative_l2(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """||a - b|| / ||b|| over the trainable tensors (weights and biases, not BN statistics)."""
     names = [k for k in b if k.endswith((".weight", ".bias"))]
@@ -100,33 +85,17 @@ def test_sync_bn_ddp_matches_single_process_with_same_global_batch(rectangles_ya
     assert single.returncode == 0, single.stderr[-3000:]
     synced = run(train_cmd(rectangles_yaml, tmp_path / "synced", *common, "--sync-bn", nproc=2))
     assert synced.returncode == 0, synced.stdout[-3000:] + synced.stderr[-3000:]
-    unsynced = run(train_cmd(rectangles_yaml, tmp_path / "unsynced", *common, nproc=2))
-    assert unsynced.returncode == 0, unsynced.stdout[-3000:] + unsynced.stderr[-3000:]
     reference = weights(tmp_path / "single/exp/weights/last.pt")
     synced_diff = relative_l2(weights(tmp_path / "synced/exp/weights/last.pt"), reference)
-    unsynced_diff = relative_l2(weights(tmp_path / "unsynced/exp/weights/last.pt"), reference)
     assert synced_diff <= 2e-5
-    assert unsynced_diff > 10 * synced_diff  # without SyncBN the BN statistics differ, and only they
     loss_columns = ("train/box_loss", "train/obj_loss", "train/cls_loss")
     for one, two in zip(results_rows(tmp_path / "single/exp"), results_rows(tmp_path / "synced/exp"), strict=True):
         assert [f"{float(one[c]):.4g}" for c in loss_columns] == [f"{float(two[c]):.4g}" for c in loss_columns]
 
 
 @pytest.mark.slow
-def test_two_nodes_on_loopback_train_together(rectangles_yaml, tmp_path) -> None:
-    port = _free_port()
-    cmds = [train_cmd(rectangles_yaml, tmp_path, "--epochs", "1", "--noplots", nproc=1, nnodes=2, node_rank=r,
-                      port=port) for r in (0, 1)]
-    procs = [subprocess.Popen(c, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for c in cmds]
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
-    assert "world size 2" in outputs[0]
-    assert (tmp_path / "exp/weights/last.pt").exists()
-
-
-@pytest.mark.slow
-def test_a_frozen_node_makes_the_other_exit_within_the_timeout_naming_the_rank(rectangles_yaml, tmp_path) -> None:
+def test_two_nodes_on_loopback_train_and_a_frozen_one_makes_the_other_exit_naming_it(rectangles_yaml,
+                                                                                      tmp_path) -> None:
     # A frozen node keeps its sockets open, so nothing fails fast: only the collective timeout can end the wait.
     port = _free_port()
     common = ("--epochs", "50", "--noplots", "--noval", "--dist-timeout", "0.25")
@@ -151,17 +120,10 @@ def test_a_frozen_node_makes_the_other_exit_within_the_timeout_naming_the_rank(r
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
+    assert "world size 2" in output  # the two nodes trained together until the freeze (epoch 0 was saved)
     assert procs[0].returncode != 0
     assert waited < 15 + 60, waited  # the 15 s timeout, the heartbeat check and the launcher's own shutdown
     assert "rank 0: a collective failed" in output and "rank(s) 1 stopped answering" in output, output[-3000:]
-
-
-@pytest.mark.slow
-def test_batch_size_not_divisible_by_world_size_is_a_clear_error(rectangles_yaml, tmp_path) -> None:
-    proc = run(train_cmd(rectangles_yaml, tmp_path, "--epochs", "1", "--batch-size", "7", nproc=2), timeout=120)
-    assert proc.returncode != 0
-    assert (proc.stdout + proc.stderr).count("--batch-size 7 must be a multiple of WORLD_SIZE 2") == 2  # each rank
-    assert not (tmp_path / "exp").exists()
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
@@ -173,12 +135,21 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
 
 
 @pytest.mark.slow
-def test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run(rectangles_yaml, tmp_path) -> None:
-    common = ("--epochs", "3", "--noplots", "--deterministic", "--batch-size", "4")
-    straight = run(train_cmd(rectangles_yaml, tmp_path / "straight", *common))
+def test_three_epochs_then_sigkill_mid_epoch_and_resume_match_the_uninterrupted_run(rectangles_yaml, tmp_path) -> None:
+    common = ("--epochs", "3", "--deterministic", "--batch-size", "4")
+    straight = run(train_cmd(rectangles_yaml, tmp_path / "straight", *common))  # with plots; the others without
     assert straight.returncode == 0, straight.stderr[-3000:]
+    run_dir = tmp_path / "straight/exp"
+    rows = results_rows(run_dir)
+    assert [int(r["epoch"]) for r in rows] == [0, 1, 2]
+    losses = [sum(float(r[k]) for k in ("train/box_loss", "train/obj_loss", "train/cls_loss")) for r in rows]
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+    for name in ("weights/last.pt", "weights/best.pt", "opt.yaml", "hyp.yaml", "results.png", "train_batch0.jpg"):
+        assert (run_dir / name).exists(), name
+    ckpt = torch.load(run_dir / "weights/last.pt", weights_only=True)
+    assert ckpt["epoch"] == 2 and ckpt["optimizer"] is not None and ckpt["ema"] is not None
 
-    cmd = train_cmd(rectangles_yaml, tmp_path / "killed", *common)
+    cmd = train_cmd(rectangles_yaml, tmp_path / "killed", *common, "--noplots")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     last = tmp_path / "killed/exp/weights/last.pt"
     _wait_for(last, proc)  # epoch 0 saved: the kill lands inside epoch 1
@@ -284,7 +255,7 @@ def test_a_2_rank_run_cut_mid_epoch_resumes_on_1_and_on_4_ranks_with_the_unseen_
 @pytest.mark.slow
 def test_a_launcher_restart_resumes_the_run_by_itself_and_ends_as_an_uninterrupted_run(rectangles_yaml,
                                                                                        tmp_path) -> None:
-    common = ("--epochs", "6", "--noplots", "--noval", "--deterministic")
+    common = ("--epochs", "4", "--noplots", "--noval", "--deterministic")
     straight = run(train_cmd(rectangles_yaml, tmp_path / "straight", *common, nproc=2))
     assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
     assert sorted(p.name for p in (tmp_path / "straight").iterdir()) == ["exp"]  # rank 1 made no exp2
@@ -304,6 +275,6 @@ def test_a_launcher_restart_resumes_the_run_by_itself_and_ends_as_an_uninterrupt
     assert proc.returncode == 0, output[-3000:]
     assert "restart 1 of launcher run" in output
     assert sorted(p.name for p in (tmp_path / "restarted").iterdir()) == ["exp"]  # the same run folder, no exp2
-    assert [int(r["epoch"]) for r in results_rows(tmp_path / "restarted/exp")] == list(range(6))
+    assert [int(r["epoch"]) for r in results_rows(tmp_path / "restarted/exp")] == list(range(4))
     assert max_difference(weights(tmp_path / "restarted/exp/weights/last.pt"),
                           weights(tmp_path / "straight/exp/weights/last.pt")) == 0.0

@@ -117,6 +117,17 @@ def test_a_gpu_list_without_a_launcher_is_refused_with_the_command(train_here, r
     assert not tmp_path.joinpath("exp").exists()
 
 
+def test_a_global_batch_that_does_not_divide_by_the_world_size_is_one_line(train_here, rectangles_yaml, tmp_path,
+                                                                           monkeypatch) -> None:
+    # Rank 0 of a 2-rank launch, as the launcher describes it: every rank checks this before joining the group.
+    for name, value in (("WORLD_SIZE", "2"), ("RANK", "0"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
+    status, log = train_here("--data", rectangles_yaml, "--project", tmp_path, "--epochs", "1", "--batch-size", "7")
+    assert status == 1
+    assert log.splitlines()[-1] == "ERROR --batch-size 7 must be a multiple of WORLD_SIZE 2"
+    assert not tmp_path.joinpath("exp").exists()
+
+
 @pytest.mark.parametrize("flag, value, message", [
     ("--weights", "missing.pt", "missing.pt: checkpoint not found"),
     ("--data", "nowhere.yaml", "nowhere.yaml"),
