@@ -39,20 +39,19 @@ from utils.data.image_weights import (class_weights_from_maps, draw_digest, labe
                                       labels_to_image_weights)
 from utils.data.loader import create_dataloader, load_labels
 from utils.distributed import (DistInfo, all_reduce_sum, broadcast_object, de_parallel, describe_failure,
-                               destroy_process_group, dist_info, init_process_group,
-                               rank_zero_decides)
+                               destroy_process_group, dist_info, init_process_group, rank_zero_decides)
 from utils.ema import ModelEMA
 from utils.errors import UserError, run_reporting_errors
-from utils.evolve import RESULT_KEYS, append_evolve_row, evolved_keys, next_hyp, plot_evolve, read_evolve_csv, \
-    write_best_hyp
+from utils.evolve import (RESULT_KEYS, append_evolve_row, evolved_keys, next_hyp, plot_evolve, read_evolve_csv,
+                          write_best_hyp)
 from utils.hyp import Hyp
 from utils.log import LOGGER, colorstr, setup_logging
 from utils.loggers import NullLogger, RunLogger, make_logger
 from utils.loss import ComputeLoss, LossNorm
-from utils.metrics import RECALL_POINTS, fitness
-from utils.results_log import RESULT_COLUMNS
 from utils.lr_schedule import LrSchedule, apply_warmup, warmup_iterations
+from utils.metrics import RECALL_POINTS, fitness
 from utils.optimizer import build_optimizer, choose_optimizer, optimizer_steps
+from utils.results_log import RESULT_COLUMNS
 from utils.run_dir import increment_path
 from utils.run_record import RunRecord
 from utils.sync_bn import convert_sync_batchnorm
