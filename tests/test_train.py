@@ -135,6 +135,29 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
 
 
 @pytest.mark.slow
+def test_a_node_whose_launcher_and_rank_die_makes_the_other_exit_at_once(rectangles_yaml, tmp_path) -> None:
+    # Node 1 dies whole (its launcher and its rank, killed -9): its sockets close, so node 0 needs no timeout.
+    port = _free_port()
+    procs = [subprocess.Popen(train_cmd(rectangles_yaml, tmp_path, "--epochs", "50", "--noplots", "--noval", nproc=1,
+                                        nnodes=2, node_rank=r, port=port),
+                              cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True) for r in (0, 1)]
+    try:
+        _wait_for(tmp_path / "exp/weights/last.pt", procs[0])
+        kill_run(procs[1])
+        t_killed = time.time()
+        output = procs[0].communicate(timeout=120)[0]
+        waited = time.time() - t_killed
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                kill_run(proc)
+    assert procs[0].returncode != 0
+    assert waited < 60, waited  # the default --dist-timeout is 10 minutes: this is no timeout
+    assert "rank 0: a collective failed" in output and "rank(s) 1 stopped answering" in output, output[-3000:]
+
+
+@pytest.mark.slow
 def test_three_epochs_then_sigkill_mid_epoch_and_resume_match_the_uninterrupted_run(rectangles_yaml, tmp_path) -> None:
     common = ("--epochs", "3", "--deterministic", "--batch-size", "4")
     straight = run(train_cmd(rectangles_yaml, tmp_path / "straight", *common))  # with plots; the others without
