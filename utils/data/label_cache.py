@@ -180,6 +180,22 @@ def _join(strings: list[str]) -> np.ndarray:
     return np.frombuffer("\n".join(strings).encode("utf-8"), dtype=np.uint8)
 
 
+def status_tally(status: np.ndarray, duplicates: int) -> dict[str, int]:
+    """How many items of each verification status, and the duplicate label rows dropped."""
+    tally = {name: int((status == code).sum()) for name, code in
+             (("labelled", LABELLED), ("background", BACKGROUND), ("empty", EMPTY), ("corrupt", CORRUPT))}
+    tally["duplicates"] = duplicates
+    return tally
+
+
+def log_problems(messages: list[str], prefix: str) -> None:
+    """The first MAX_LOGGED_WARNINGS problems found while verifying, then how many more there were."""
+    for msg in messages[:MAX_LOGGED_WARNINGS]:
+        LOGGER.warning(f"{prefix}WARNING {msg}")
+    if len(messages) > MAX_LOGGED_WARNINGS:
+        LOGGER.warning(f"{prefix}WARNING ... and {len(messages) - MAX_LOGGED_WARNINGS} more problems")
+
+
 def _split(data: np.ndarray) -> list[str]:
     text = data.tobytes().decode("utf-8")
     return text.split("\n") if text else []
@@ -294,16 +310,11 @@ def load_label_set(im_files: list[str], cache_path: Path | None = None, nc: int 
     status, shapes, counts = arrays["status"], arrays["shapes"], arrays["counts"]
     per_image = np.split(arrays["labels"], np.cumsum(counts)[:-1]) if len(counts) else []
     keep = np.nonzero(status != CORRUPT)[0]
-    tally = {name: int((status == code).sum()) for name, code in
-             (("labelled", LABELLED), ("background", BACKGROUND), ("empty", EMPTY), ("corrupt", CORRUPT))}
-    tally["duplicates"] = int(arrays["duplicates"])
+    tally = status_tally(status, int(arrays["duplicates"]))
     messages = _split(arrays["messages"])
 
     if verbose:
-        for msg in messages[:MAX_LOGGED_WARNINGS]:
-            LOGGER.warning(f"{prefix}WARNING {msg}")
-        if len(messages) > MAX_LOGGED_WARNINGS:
-            LOGGER.warning(f"{prefix}WARNING ... and {len(messages) - MAX_LOGGED_WARNINGS} more problems")
+        log_problems(messages, prefix)
         where = f"{'cache ' if reused else 'cached to '}{stored_at}" if stored_at else "not cached"
         LOGGER.info(
             f"{prefix}{len(im_files)} images: {tally['labelled']} labelled, {tally['background']} backgrounds "

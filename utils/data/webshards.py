@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from utils.data.image_io import ImageError, probe_image_bytes
-from utils.data.label_cache import (BACKGROUND, CORRUPT, EMPTY, FALLBACK_CACHE_DIR, LABELLED, MAX_LOGGED_WARNINGS,
-                                    LabelError, LabelSet, parse_label_text)
+from utils.data.label_cache import (BACKGROUND, CORRUPT, EMPTY, FALLBACK_CACHE_DIR, LABELLED, LabelError, LabelSet,
+                                    log_problems, parse_label_text, status_tally)
 from utils.data.shard_cache import ShardCache, check_local_shards, is_remote, require_fetch
 from utils.errors import UserError
 from utils.files import atomic_output
@@ -346,16 +346,11 @@ def _label_set(arrays: dict[str, np.ndarray], shards: ShardSet, prefix: str, ver
     per_sample = np.split(arrays["labels"], np.cumsum(arrays["counts"])[:-1]) if len(status) else []
     sample_shard = np.repeat(np.arange(len(urls)), arrays["shard_samples"])
     keep = np.nonzero(status != CORRUPT)[0]
-    tally = {name: int((status == code).sum()) for name, code in
-             (("labelled", LABELLED), ("background", BACKGROUND), ("empty", EMPTY), ("corrupt", CORRUPT))}
-    tally["duplicates"] = int(arrays["duplicates"])
+    tally = status_tally(status, int(arrays["duplicates"]))
     tally["bad_shards"] = int(arrays["bad_shard"].sum())
     messages = _split(arrays["messages"])
     if verbose:
-        for msg in messages[:MAX_LOGGED_WARNINGS]:
-            LOGGER.warning(f"{prefix}WARNING {msg}")
-        if len(messages) > MAX_LOGGED_WARNINGS:
-            LOGGER.warning(f"{prefix}WARNING ... and {len(messages) - MAX_LOGGED_WARNINGS} more problems")
+        log_problems(messages, prefix)
         where = f"{'index ' if reused else 'indexed to '}{stored}" if stored else "not indexed"
         LOGGER.info(f"{prefix}{len(urls)} shards ({tally['bad_shards']} unreadable, skipped), {len(status)} samples: "
                     f"{tally['labelled']} labelled, {tally['background']} backgrounds without label, {tally['empty']} "
