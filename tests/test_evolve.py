@@ -89,3 +89,28 @@ def test_evolve_three_generations_then_continue_to_five(train_here, tmp_path) ->
 
     status, log = train_here(*common, "--evolve", "5", "--resume-evolve", csv_file)
     assert status == 0 and "already holds 5 generations" in log
+
+
+@pytest.mark.slow
+def test_evolve_under_two_gloo_ranks_trains_each_generation_together(tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    data = write_rectangles_dataset(tmp_path / "data", n_train=8, n_val=4)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "train.py",
+           "--data", str(data), "--epochs", "1", "--imgsz", "64", "--batch-size", "8", "--workers", "0",
+           "--noautoanchor", "--device", "cpu", "--project", str(tmp_path / "evolve"), "--name", "ev", "--evolve", "2"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    done = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "world size 2" in done.stdout
+    assert sorted(p.name for p in (tmp_path / "evolve").iterdir()) == ["ev"]  # one folder, made by rank 0
+    rows = read_evolve_csv(tmp_path / "evolve/ev/evolve.csv", KEYS)
+    assert len(rows) == 2  # each generation recorded once, not once per rank
+    np.testing.assert_allclose(rows[0, len(RESULT_KEYS):], [BASE.to_dict()[k] for k in KEYS], rtol=1e-4)
+    expected = next_hyp(BASE, rows[:1], KEYS, np.random.default_rng([0, 1]))
+    np.testing.assert_allclose(rows[1, len(RESULT_KEYS):], [expected.to_dict()[k] for k in KEYS], rtol=1e-4)
