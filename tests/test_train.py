@@ -218,6 +218,15 @@ def files_trained_on(output: str, epoch: int, batches: range | None = None) -> l
             and (batches is None or int(b) in batches) for name in names.split()]
 
 
+def rank_pid(proc: subprocess.Popen, rank: int) -> int:
+    """The process id of global rank ``rank`` among a launcher's workers (from their environment)."""
+    workers = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "train.py"], capture_output=True, text=True)
+    for pid in map(int, workers.stdout.split()):
+        if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+            return pid
+    raise AssertionError(f"no rank {rank} among the workers of {proc.pid}")
+
+
 def kill_run(proc: subprocess.Popen) -> None:
     """SIGKILL a launcher started with start_new_session and its ranks (which run in sessions of their own)."""
     ranks = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "train.py"], capture_output=True, text=True)
@@ -248,8 +257,13 @@ def test_a_2_rank_run_cut_mid_epoch_resumes_on_1_and_on_4_ranks_with_the_unseen_
                     if load_checkpoint(snapshot)["mid_epoch"]:
                         break
                 time.sleep(0.02)
+            # Rank 1 stalls while rank 0 may be writing the next checkpoint; then the run is killed.
+            os.kill(rank_pid(proc, 1), signal.SIGSTOP)
+            time.sleep(1.0)
         finally:
             kill_run(proc)
+    left = load_checkpoint(last)  # what a killed run with a stalled rank leaves is complete, never half-written
+    assert left["optimizer"] is not None and left["model"].keys() == load_checkpoint(snapshot)["model"].keys()
     mid = load_checkpoint(snapshot)["mid_epoch"]
     epoch, cut = int(mid["epoch"]), int(mid["batch"])
     assert cut == 2

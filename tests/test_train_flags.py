@@ -397,6 +397,21 @@ def test_a_launcher_job_continues_only_its_own_run_folder(train_here, rectangles
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exp", "exp2", "exp3"]
 
 
+@pytest.mark.slow
+def test_save_minutes_writes_checkpoints_inside_an_epoch_once_the_time_has_passed(train_here, tmp_path,
+                                                                                monkeypatch) -> None:
+    # 96 images, global batch 32: 3 batches, 2 per optimizer step, so one step boundary inside each epoch.
+    data = write_rectangles_dataset(tmp_path / "data", n_train=96, n_val=4, size=64)
+    saved: list[dict] = []
+    record_calls(monkeypatch, RunRecord, "save_mid_epoch", lambda args, result: saved.append(args[1]["mid_epoch"]))
+    for minutes, expected in (("10", 0), ("0.00001", 2)):  # the default 10 minutes never pass in this short run
+        saved.clear()
+        status, log = train_here("--data", data, "--project", tmp_path / minutes, "--epochs", "2", "--noval",
+                                 "--batch-size", "32", "--save-minutes", minutes)
+        assert status == 0, log
+        assert [(m["epoch"], m["batch"]) for m in saved] == [(e, 2) for e in range(expected)]
+
+
 def test_an_unfinished_run_extended_continues_its_lr_without_a_jump() -> None:
     from utils.lr_schedule import LrSchedule
 
