@@ -297,8 +297,12 @@ def test_a_launcher_restart_resumes_the_run_by_itself_and_ends_as_an_uninterrupt
     assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
     assert sorted(p.name for p in (tmp_path / "straight").iterdir()) == ["exp"]  # rank 1 made no exp2
 
+    # The elastic form (--nnodes MIN:MAX with a c10d rendezvous), as a job on a cluster would start it.
     cmd = train_cmd(rectangles_yaml, tmp_path / "restarted", *common, nproc=2)
-    cmd.insert(cmd.index("--standalone"), "--max-restarts=1")
+    at = cmd.index("--standalone")
+    cmd[at:at + 1] = ["--max-restarts=1", "--nnodes=1:2", "--rdzv-backend=c10d",
+                      f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "--rdzv-id=elastic-job",
+                      "--rdzv-conf=last_call_timeout=1"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     _wait_for(tmp_path / "restarted/exp/weights/last.pt", proc)
@@ -310,7 +314,7 @@ def test_a_launcher_restart_resumes_the_run_by_itself_and_ends_as_an_uninterrupt
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, output[-3000:]
-    assert "restart 1 of launcher run" in output
+    assert "restart 1 of launcher run elastic-job" in output
     assert sorted(p.name for p in (tmp_path / "restarted").iterdir()) == ["exp"]  # the same run folder, no exp2
     assert [int(r["epoch"]) for r in results_rows(tmp_path / "restarted/exp")] == list(range(4))
     assert max_difference(weights(tmp_path / "restarted/exp/weights/last.pt"),
