@@ -237,7 +237,7 @@ def kill_run(proc: subprocess.Popen) -> None:
 
 
 @pytest.mark.slow
-def test_a_2_rank_run_cut_mid_epoch_resumes_on_1_and_on_4_ranks_with_the_unseen_samples(tmp_path) -> None:
+def test_a_2_rank_run_cut_mid_epoch_resumes_on_1_and_on_4_ranks_with_the_unseen_samples_and_on_3_at_the_next_epoch(tmp_path) -> None:
     # Global batch 32 on 96 images: 3 batches per epoch, 2 per optimizer step (nominal batch 64), so there is a
     # step boundary inside each epoch; --save-steps 1 writes a checkpoint there.
     rectangles_yaml = write_rectangles_dataset(tmp_path / "data", n_train=96, n_val=4, size=64)
@@ -287,6 +287,19 @@ def test_a_2_rank_run_cut_mid_epoch_resumes_on_1_and_on_4_ranks_with_the_unseen_
         assert sorted(epoch_files) == sorted(p.name for p in (rectangles_yaml.parent / "images/train").iterdir())
         assert load_checkpoint(resumed_last)["epoch"] == 1
         assert sorted(p.name for p in resumed_last.parents[2].iterdir()) == ["exp"]
+
+    # 3 ranks cannot split the global batch of 32: one line says so, the cut epoch is left, the next one trained.
+    resumed_last = tmp_path / "on3/exp/weights/last.pt"
+    resumed_last.parent.mkdir(parents=True)
+    shutil.copy(snapshot, resumed_last)
+    resumed = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3", "--standalone",
+                              "train.py", "--resume", str(resumed_last)], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=300)
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output[-3000:]
+    assert "the global batch 32 cannot be split over 3 ranks: continuing with 30 from the next epoch boundary" in output
+    assert not files_trained_on(output, epoch) and files_trained_on(output, epoch + 1)
+    assert load_checkpoint(resumed_last)["epoch"] == 1
 
 
 @pytest.mark.slow
