@@ -101,3 +101,25 @@ def test_boxes_map_back_to_original_coordinates_through_letterbox(original_hw):
     shape_entry = ((h0, w0), ((ratio_h, ratio_w), (pad_w, pad_h)))  # the dataloader's shapes entry
     mapped = scale_boxes(boxed.shape[:2], det[:, :4].clone(), shape_entry[0], shape_entry[1])
     assert mapped[0].tolist() == pytest.approx(original_box.tolist(), abs=1e-3)
+
+
+@pytest.mark.parametrize("spread", [600.0, 4.0])  # boxes scattered (few suppressed) or piled up (most suppressed)
+def test_nms_over_the_best_prefix_keeps_what_full_nms_keeps(monkeypatch, spread):
+    import torchvision
+
+    import utils.nms as nms
+
+    rng = np.random.default_rng(0)
+    n, nc = 6000, 5
+    xy = rng.uniform(0, spread, (n, 2))
+    wh = rng.uniform(30, 60, (n, 2))
+    pred = torch.tensor(np.concatenate((xy, wh, rng.uniform(0.01, 1, (n, 1)), rng.uniform(0, 1, (n, nc))), 1),
+                        dtype=torch.float32)[None]
+    calls = []
+    real_nms = torchvision.ops.batched_nms
+    monkeypatch.setattr(torchvision.ops, "batched_nms", lambda b, *a: calls.append(len(b)) or real_nms(b, *a))
+    (fast,) = non_max_suppression(pred, conf_thres=0.001, iou_thres=0.6, multi_label=True, max_det=100)
+    assert calls[0] == 1000 and (len(calls) == 1 if spread > 100 else len(calls) > 1)  # prefix, then longer ones
+    monkeypatch.setattr(nms, "NMS_PREFIX_PER_DETECTION", 10**9)  # one NMS over every candidate
+    (full,) = non_max_suppression(pred, conf_thres=0.001, iou_thres=0.6, multi_label=True, max_det=100)
+    assert len(fast) == min(100, len(full)) and len(full) > 20 and torch.equal(fast, full)

@@ -9,6 +9,7 @@ from utils.boxes import xywh2xyxy
 # Cap on the boxes one image sends to NMS: an untrained model can put tens of thousands of boxes over the
 # threshold, and NMS cost grows quadratically within a class.
 MAX_NMS_CANDIDATES = 30000
+NMS_PREFIX_PER_DETECTION = 10  # the first NMS pass looks at this many best boxes per detection kept
 
 
 def non_max_suppression(
@@ -65,9 +66,26 @@ def non_max_suppression(
             top = conf.topk(max_nms).indices
             box_index, cls_index, conf = box_index[top], cls_index[top], conf[top]
         det = torch.cat((xywh2xyxy(x[box_index, :4]), conf[:, None], cls_index[:, None].to(x.dtype)), 1)
-
-        group = torch.zeros_like(det[:, 5]) if agnostic else det[:, 5]
-        # NMS in float32: half-precision IoU is too coarse near the threshold
-        keep = torchvision.ops.batched_nms(det[:, :4].float(), det[:, 4].float(), group, iou_thres)
-        output.append(det[keep[:max_det]])
+        output.append(det[_first_kept(det, iou_thres, agnostic, max_det)])
     return output
+
+
+def _first_kept(det: torch.Tensor, iou_thres: float, agnostic: bool, max_det: int) -> torch.Tensor:
+    """Indices of the ``max_det`` best boxes greedy NMS keeps, in score order.
+
+    Whether greedy NMS keeps a box depends only on the boxes scored above it, so NMS over the best-scored
+    prefix keeps exactly the first boxes full NMS keeps; once that prefix yields ``max_det`` of them the rest
+    cannot change the answer. An untrained model sends tens of thousands of boxes and NMS time grows with
+    their square, so starting with a short prefix makes its validation many times cheaper.
+    """
+    group = torch.zeros_like(det[:, 5]) if agnostic else det[:, 5]
+    # NMS in float32: half-precision IoU is too coarse near the threshold
+    boxes, scores = det[:, :4].float(), det[:, 4].float()
+    n, prefix = det.shape[0], max(NMS_PREFIX_PER_DETECTION * max_det, 1)
+    while prefix < n:
+        top = scores.topk(prefix).indices  # sorted, best first
+        keep = torchvision.ops.batched_nms(boxes[top], scores[top], group[top], iou_thres)
+        if keep.numel() >= max_det:
+            return top[keep[:max_det]]
+        prefix *= 4  # heavy suppression: a longer prefix
+    return torchvision.ops.batched_nms(boxes, scores, group, iou_thres)[:max_det]
