@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import utils.data.dataset as dataset_module
+import utils.data.image_source as image_source_module
 from utils.boxes import scale_boxes, xywh2xyxy
 from utils.data.loader import create_dataloader
 from utils.data.dataset import YoloDataset
@@ -161,12 +162,12 @@ def test_mosaic_tiles_decoded_in_part_give_the_same_samples(which: str, data_roo
         decoded_parts.append(part is not None and part.shape[:2] != shape_hw)
         return part
 
-    monkeypatch.setattr(dataset_module, "read_image_region", counting)
+    monkeypatch.setattr(image_source_module, "read_image_region", counting)
     pairs = [(epoch, index) for epoch in (1, 2, 3) for index in range(12)]
     partial = [dataset[pair][0] for pair in pairs]
     if load_decoder() is not None:
         assert sum(decoded_parts) > 24  # most tiles came from partial decodes
-    monkeypatch.setattr(dataset_module, "read_image_region", lambda *args: None)
+    monkeypatch.setattr(image_source_module, "read_image_region", lambda *args: None)
     for pair, img in zip(pairs, partial):
         assert torch.equal(dataset[pair][0], img), pair
 

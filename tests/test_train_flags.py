@@ -20,6 +20,7 @@ from conftest import write_rectangles_dataset
 
 import train
 import utils.data.dataset as dataset_module
+import utils.data.image_source as image_source_module
 import utils.run_record as run_record_module
 from utils.checkpoint import load_checkpoint, save_checkpoint, strip_training_state
 from utils.log import LOGGER
@@ -274,7 +275,7 @@ def test_lr_curve_is_linear_or_cosine(train_here, rectangles_yaml, tmp_path, cos
 def _reads_per_image(monkeypatch) -> Counter:
     reads: Counter = Counter()
     for name in ("read_image", "read_image_region"):
-        record_calls(monkeypatch, dataset_module, name, lambda args, _: reads.update([f"{Path(args[0]).parent.name}/{Path(args[0]).name}"]))
+        record_calls(monkeypatch, image_source_module, name, lambda args, _: reads.update([f"{Path(args[0]).parent.name}/{Path(args[0]).name}"]))
     return reads
 
 

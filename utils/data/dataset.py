@@ -25,7 +25,7 @@ from utils.boxes import xywhn2xyxy, xyxy2xywhn
 from utils.errors import UserError
 from utils.files import atomic_output
 from utils.hyp import Hyp
-from utils.data.image_io import read_image, read_image_region
+from utils.data.image_source import ImageSource, open_source
 from utils.data.jpeg_region import load_decoder
 from utils.data.label_cache import LabelSet, load_split
 from utils.log import LOGGER
@@ -81,9 +81,10 @@ class YoloDataset(Dataset):
     Without ``augment`` images are only letterboxed, to per-batch rectangles when ``rect``.
     From ``close_mosaic_epoch`` on, no mosaic and no mixup.
 
-    ``cache='ram'`` keeps the decoded, resized images in memory; ``cache='disk'`` saves decoded images
-    as ``.npy`` beside the originals. When the estimate does not fit (memory or disk), a warning is
-    logged and the dataset runs without that cache: a speed option never stops a run.
+    Pixels come from ``source`` (image_source.py: the split's files or tar shards). ``cache='ram'`` keeps the
+    decoded, resized images in memory; ``cache='disk'`` saves decoded images as ``.npy`` beside the originals.
+    When the estimate does not fit (memory or disk), a warning is logged and the dataset runs without that
+    cache: a speed option never stops a run.
     """
 
     def __init__(self, path: str | list[str] | None, imgsz: int = 640, batch_size: int = 16, augment: bool = False,
@@ -99,8 +100,9 @@ class YoloDataset(Dataset):
 
         if label_set is None:
             label_set = load_split(path, nc=nc, workers=workers, prefix=prefix, verbose=verbose)
-        if getattr(label_set, "shard_urls", None) and not hasattr(self, "reader"):
-            raise TypeError("samples of tar shards are read by ShardDataset (utils/data/shard_dataset.py)")
+        # The region decoder is built (or found) and checked now, once, and logged: reads only use it.
+        self.jpeg_decoder = load_decoder() if augment else None
+        self.source: ImageSource = open_source(label_set, self.jpeg_decoder)
         self.label_counts = label_set.counts
         self.cache_file = label_set.cache_file
         self.im_files: list[str] = label_set.im_files
@@ -119,16 +121,18 @@ class YoloDataset(Dataset):
             self.label_files = [self.label_files[i] for i in order]
             self.labels = [self.labels[i] for i in order]
             self.shapes = self.shapes[order]
+            self.source.reorder(order)
             self.batch_shapes = rect_batch_shapes(self.shapes, batch_size, imgsz, stride, pad)
 
         # Loading in the main process (no workers) leaves cores idle: decode a mosaic's tiles in threads.
         self.decode_threads = max(1, decode_threads)
         self._decode_pool: ThreadPoolExecutor | None = None
+        if cache == "disk" and not self.source.disk_cacheable:
+            LOGGER.warning(f"{prefix}WARNING --cache disk does not apply to {self.source.kind}: not caching")
+            cache = None
         self.cache = cache
         self.ram_images: list[np.ndarray | None] = [None] * self.n
         self.npy_files = [Path(f).with_suffix(".npy") for f in self.im_files]
-        # Built (or found) and checked now, once, and logged: reads only use it.
-        self.jpeg_decoder = load_decoder() if augment else None
         if cache:
             self._fill_cache(cache, workers)
 
@@ -232,8 +236,8 @@ class YoloDataset(Dataset):
         return ""
 
     def _read_original(self, i: int) -> np.ndarray:
-        img = read_image(self.im_files[i])
-        if img is None:  # verified earlier, so the file changed or broke since: keep training going
+        img = self.source.read(i)
+        if img is None:  # verified earlier, so the file or shard changed or broke since: keep training going
             LOGGER.warning(f"{self.prefix}WARNING {self.im_files[i]}: cannot decode image, using a grey image")
             w, h = (int(v) for v in self.shapes[i])
             img = np.full((h, w, 3), 114, np.uint8)
@@ -247,8 +251,8 @@ class YoloDataset(Dataset):
                 pass  # a damaged .npy: fall back to the image itself
         return self._read_original(i)
 
-    def _decodes_from_file(self, i: int) -> bool:
-        """Image ``i`` comes from its file (no RAM copy, no .npy)."""
+    def _read_from_source(self, i: int) -> bool:
+        """Image ``i`` comes from its source (no RAM copy, no .npy)."""
         return self.ram_images[i] is None and not (self.cache == "disk" and self.npy_files[i].is_file())
 
     def load_image(self, i: int) -> tuple[np.ndarray, tuple[int, int], tuple[int, int]]:
@@ -286,7 +290,7 @@ class YoloDataset(Dataset):
     def _load_tile(self, i: int, shape_hw: tuple[int, int], region: tuple[int, int, int, int],
                    out: np.ndarray) -> None:
         """Write ``region`` of image ``i`` (resized to ``shape_hw``) into ``out``, decoding only what it needs."""
-        if self._decodes_from_file(i) and self._read_tile_region(i, shape_hw, region, out):
+        if self._read_from_source(i) and self._read_tile_region(i, shape_hw, region, out):
             return
         img = self.load_image(i)[0]
         if img.shape[:2] != shape_hw:  # the file changed size since it was verified: keep boxes aligned
@@ -298,7 +302,7 @@ class YoloDataset(Dataset):
         """``_load_tile`` from a partial JPEG decode; False where that cannot be done (the caller decodes it whole)."""
         h0, w0 = int(self.shapes[i][1]), int(self.shapes[i][0])
         if (h0, w0) == shape_hw:
-            return self._region(i, shape_hw, region, out) is not None
+            return self.source.read_region(i, shape_hw, region, out)
         if not self.augment:  # load_image shrinks with INTER_AREA then, which reads wider than a linear resize
             return False
         # Decode the source pixels the region is interpolated from into a full-size frame, then resize it
@@ -307,15 +311,10 @@ class YoloDataset(Dataset):
         sx1, sx2 = linear_resize_source_span(x1, x2, w0, shape_hw[1])
         sy1, sy2 = linear_resize_source_span(y1, y2, h0, shape_hw[0])
         frame = np.empty((h0, w0, 3), dtype=np.uint8)
-        if self._region(i, (h0, w0), (sx1, sy1, sx2, sy2), frame[sy1:sy2, sx1:sx2]) is None:
+        if not self.source.read_region(i, (h0, w0), (sx1, sy1, sx2, sy2), frame[sy1:sy2, sx1:sx2]):
             return False
         paste_region(resize_to_long_side(frame, self.imgsz, self.augment)[0], region, out)
         return True
-
-    def _region(self, i: int, shape_hw: tuple[int, int], region: tuple[int, int, int, int],
-                out: np.ndarray) -> np.ndarray | None:
-        """Part of image ``i`` decoded alone (None where that cannot be done): the file version."""
-        return read_image_region(self.im_files[i], shape_hw, region, out, self.jpeg_decoder)
 
     def _tile_map(self) -> Callable:
         """``map`` over mosaic tiles: a thread pool when ``decode_threads`` > 1 (cv2 decodes without the GIL)."""

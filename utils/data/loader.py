@@ -58,11 +58,10 @@ class EpochStreamLoader:
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         self.sampler.set_epoch(epoch)
         self.start_batch = start_batch
-        reader = getattr(self.dataset, "reader", None)
-        if reader is not None and isinstance(self.sampler, ShardPlanSampler):
-            # Remote shards of this epoch, in the order this rank reads them, downloaded while it trains.
+        if isinstance(self.sampler, ShardPlanSampler):
+            # This epoch's samples, in the order this rank reads them: remote shards download while it trains.
             upcoming = self.sampler.shard(epoch)[start_batch * self.batch_sampler.batch_size :]
-            reader.cache.prefetch(reader.shards_in_order(upcoming))
+            self.dataset.source.prefetch(upcoming)
 
     def set_image_weights(self, weights: np.ndarray | None) -> None:
         """--image-weights: the per-image weights of the next epochs' draws (a WeightedShardedSampler only).
