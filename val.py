@@ -26,6 +26,8 @@ from utils.run_dir import increment_path
 from utils.torch_utils import select_device, time_synchronized
 
 TASKS = ("val", "test", "speed")
+# The mAP sweep's thresholds: the defaults of both validate() (train.py's epochs) and the command line.
+CONF_THRES, IOU_THRES, MAX_DET = 0.001, 0.6, 300
 N_PLOTTED_BATCHES = 3
 
 
@@ -69,9 +71,9 @@ def validate(
     names: Sequence[str],
     device: torch.device | str,
     compute_loss: Callable | None = None,
-    conf_thres: float = 0.001,
-    iou_thres: float = 0.6,
-    max_det: int = 300,
+    conf_thres: float = CONF_THRES,
+    iou_thres: float = IOU_THRES,
+    max_det: int = MAX_DET,
     single_cls: bool = False,
     save_dir: str | Path | None = None,
     plots: bool = False,
@@ -363,9 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="checkpoint (this project's or YOLOv5's .pt), or .onnx / .torchscript from export.py")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--imgsz", "--img", type=int, default=640, help="inference size (pixels, long side)")
-    parser.add_argument("--conf-thres", type=float, default=0.001)
-    parser.add_argument("--iou-thres", type=float, default=0.6, help="NMS IoU threshold")
-    parser.add_argument("--max-det", type=int, default=300, help="detections kept per image")
+    parser.add_argument("--conf-thres", type=float, default=CONF_THRES)
+    parser.add_argument("--iou-thres", type=float, default=IOU_THRES, help="NMS IoU threshold")
+    parser.add_argument("--max-det", type=int, default=MAX_DET, help="detections kept per image")
     parser.add_argument("--task", default="val", choices=TASKS, help="split to use; speed: timing at conf 0.25")
     parser.add_argument("--device", default="", help="cuda device (0) or cpu")
     parser.add_argument("--workers", type=int, default=8, help="dataloader workers")

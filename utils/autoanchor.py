@@ -25,11 +25,6 @@ def _worst_log_ratio(log_wh: np.ndarray, log_anchors: np.ndarray) -> np.ndarray:
     return np.maximum(gap_w, gap_h)
 
 
-def ratio_fit(wh: np.ndarray, anchors: np.ndarray) -> np.ndarray:
-    """(n, k) fit of each box to each anchor: the worst side ratio min(r, 1/r) over width and height, in (0, 1]."""
-    return np.exp(-_worst_log_ratio(np.log(wh), np.log(anchors)))
-
-
 def anchor_metrics(wh: np.ndarray, anchors: np.ndarray, thr: float) -> tuple[float, float]:
     """(best possible recall, mean number of anchors above threshold per box) of pixel ``anchors`` on ``wh``."""
     above = _worst_log_ratio(np.log(wh), np.log(anchors)) < np.log(thr)

@@ -99,6 +99,20 @@ def scale_boxes(
     return clip_boxes(boxes, original_shape)
 
 
+def box_iou_exact(box1: np.ndarray, box2: np.ndarray) -> np.ndarray:
+    """Pairwise IoU of xyxy boxes (N, 4) x (M, 4) -> (N, M) in float64, as COCO computes it (0 if no union)."""
+    box1 = np.asarray(box1, dtype=np.float64).reshape(-1, 4)
+    box2 = np.asarray(box2, dtype=np.float64).reshape(-1, 4)
+    iw = np.minimum(box1[:, None, 2], box2[None, :, 2]) - np.maximum(box1[:, None, 0], box2[None, :, 0])
+    ih = np.minimum(box1[:, None, 3], box2[None, :, 3]) - np.maximum(box1[:, None, 1], box2[None, :, 1])
+    inter = np.where((iw > 0) & (ih > 0), iw * ih, 0.0)
+    area1 = (box1[:, 2] - box1[:, 0]) * (box1[:, 3] - box1[:, 1])
+    area2 = (box2[:, 2] - box2[:, 0]) * (box2[:, 3] - box2[:, 1])
+    union = area1[:, None] + area2[None, :] - inter
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(union > 0, inter / union, 0.0)
+
+
 def bbox_ciou(box1: torch.Tensor, box2: torch.Tensor, eps: float = 1e-7) -> torch.Tensor:
     """Element-wise Complete IoU of xywh boxes of shape (..., 4); returns shape (...)."""
     b1_x1, b1_x2 = box1[..., 0] - box1[..., 2] / 2, box1[..., 0] + box1[..., 2] / 2

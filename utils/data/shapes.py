@@ -15,6 +15,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 
+from utils.boxes import box_iou_exact
 from utils.log import LOGGER
 
 SHAPE_NAMES = ("circle", "rectangle", "triangle", "cross", "star")
@@ -82,7 +83,7 @@ def _draw_image(rng: np.random.Generator, imgsz: int) -> tuple[np.ndarray, list[
         x1, y1 = pts.min(0).clip(0, (w, h))
         x2, y2 = pts.max(0).clip(0, (w, h))
         box = np.array([x1, y1, x2, y2])
-        if boxes and _max_iou(box, np.array([b[1:] for b in boxes])) > 0.3:
+        if boxes and box_iou_exact(box, np.array([b[1:] for b in boxes])).max() > 0.3:
             continue  # some overlap is fine, hiding an object is not
         colour = tuple(int(v) for v in rng.integers(0, 256, 3))
         if np.abs(np.array(colour) - img[int(cy), int(cx)]).sum() < 150:  # keep contrast with the background
@@ -91,13 +92,6 @@ def _draw_image(rng: np.random.Generator, imgsz: int) -> tuple[np.ndarray, list[
         boxes.append([cls, x1, y1, min(x2 + 1, w), min(y2 + 1, h)])  # edge coordinates
     return img, [[b[0], (b[1] + b[3]) / 2 / w, (b[2] + b[4]) / 2 / h, (b[3] - b[1]) / w, (b[4] - b[2]) / h]
                  for b in boxes]
-
-
-def _max_iou(box: np.ndarray, others: np.ndarray) -> float:
-    lt, rb = np.maximum(box[:2], others[:, :2]), np.minimum(box[2:], others[:, 2:])
-    inter = np.prod((rb - lt).clip(0), 1)
-    area = np.prod(box[2:] - box[:2]) + np.prod(others[:, 2:] - others[:, :2], 1) - inter
-    return float((inter / area).max())
 
 
 def generate_shapes(root: str | Path, n_train: int = 400, n_val: int = 100, imgsz: int = 320, seed: int = 0) -> Path:

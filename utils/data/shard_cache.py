@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from utils.errors import UserError
+from utils.files import atomic_output
 from utils.log import LOGGER
 
 REMOTE_PREFIXES = ("http://", "https://", "pipe:")
@@ -85,25 +86,22 @@ class ShardCache:
     def _fetch(self, url: str, dest: Path) -> None:
         import webdataset  # imported here: only remote shards need it at this point
 
-        tmp = dest.with_name(f"{dest.name}.{os.getpid()}.part")
         try:
             stream = webdataset.gopen(url, "rb")
-            with open(tmp, "wb") as out:
-                while chunk := stream.read(CHUNK):
-                    out.write(chunk)
-            stream.close()  # a pipe's close raises when the command failed: the copy is then not kept
-            if tmp.stat().st_size == 0:
-                raise FetchError(f"{url}: empty download")
-            os.replace(tmp, dest)
+            with atomic_output(dest) as tmp:
+                with open(tmp, "wb") as out:
+                    while chunk := stream.read(CHUNK):
+                        out.write(chunk)
+                stream.close()  # a pipe's close raises when the command failed: the copy is then not kept
+                if tmp.stat().st_size == 0:
+                    raise FetchError(f"{url}: empty download")
         except Exception as e:  # gopen raises whatever its transport raises (IOError, ValueError, ...)
-            with contextlib.suppress(OSError):
-                tmp.unlink()
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise FetchError(f"{url}: cannot fetch shard ({why})") from e
 
     def _evict(self, keep: Path) -> None:
         """Delete least recently used copies until the cache fits ``max_bytes``."""
-        files = [p for p in self.directory.iterdir() if p.is_file() and not p.name.endswith((".lock", ".part"))
+        files = [p for p in self.directory.iterdir() if p.is_file() and not p.name.endswith((".lock", ".tmp"))
                  and not p.name.startswith("index-")]
         entries = []
         for p in files:
