@@ -254,22 +254,7 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
           hyp: Hyp | None = None) -> dict:
     """One training run; ``hyp`` (an --evolve generation's) replaces reading --hyp."""
     # ---- options, data, model -------------------------------------------------------------------------
-    if opt.epochs < 1 or opt.batch_size < 1:
-        raise UserError(f"--epochs {opt.epochs} and --batch-size {opt.batch_size} must be at least 1")
-    if opt.time is not None and not opt.time > 0:
-        raise UserError(f"--time {opt.time}: give the training time in hours, more than 0 (e.g. --time 0.5)")
-    if opt.batch_size % info.world_size and ckpt is not None:  # resumed on another number of ranks
-        kept = max(opt.batch_size // info.world_size, 1) * info.world_size
-        LOGGER.warning(f"WARNING the global batch {opt.batch_size} cannot be split over {info.world_size} ranks: "
-                       f"continuing with {kept} from the next epoch boundary")
-        opt.batch_size = kept
-    for flag in ("image_weights", "quad"):
-        if getattr(opt, flag) and opt.rect:
-            raise UserError(f"--{flag.replace('_', '-')} needs shuffled square batches: drop --rect")
-    if opt.quad and opt.batch_size // info.world_size < 4:
-        raise UserError(f"--quad merges 4 images into one: --batch-size {opt.batch_size} must give every rank at "
-                        f"least 4 (it gives {opt.batch_size // info.world_size})")
-    check_global_batch(opt.batch_size, info.world_size)
+    check_options(opt, info, resumed=ckpt is not None)
     if ckpt:
         hyp = Hyp.from_dict(ckpt["hyp"], f"{opt.resume} (hyp)")
     elif hyp is None:
@@ -574,6 +559,29 @@ def evolve(opt: argparse.Namespace, explicit: set[str], device: torch.device, in
 
 
 # ---- helpers of train() ----------------------------------------------------------------------------------
+
+def check_options(opt: argparse.Namespace, info: DistInfo, resumed: bool) -> None:
+    """The flags that cannot train, as one-line UserErrors, before any data is read or folder made.
+
+    A run ``resumed`` on a number of ranks that does not split its global batch keeps the nearest batch that does.
+    """
+    if opt.epochs < 1 or opt.batch_size < 1:
+        raise UserError(f"--epochs {opt.epochs} and --batch-size {opt.batch_size} must be at least 1")
+    if opt.time is not None and not opt.time > 0:
+        raise UserError(f"--time {opt.time}: give the training time in hours, more than 0 (e.g. --time 0.5)")
+    if opt.batch_size % info.world_size and resumed:
+        kept = max(opt.batch_size // info.world_size, 1) * info.world_size
+        LOGGER.warning(f"WARNING the global batch {opt.batch_size} cannot be split over {info.world_size} ranks: "
+                       f"continuing with {kept} from the next epoch boundary")
+        opt.batch_size = kept
+    for flag in ("image_weights", "quad"):
+        if getattr(opt, flag) and opt.rect:
+            raise UserError(f"--{flag.replace('_', '-')} needs shuffled square batches: drop --rect")
+    if opt.quad and opt.batch_size // info.world_size < 4:
+        raise UserError(f"--quad merges 4 images into one: --batch-size {opt.batch_size} must give every rank at "
+                        f"least 4 (it gives {opt.batch_size // info.world_size})")
+    check_global_batch(opt.batch_size, info.world_size)
+
 
 def check_global_batch(batch_size: int, world_size: int) -> None:
     if batch_size % world_size:
