@@ -50,7 +50,7 @@ from utils.loggers import NullLogger, RunLogger, make_logger
 from utils.loss import ComputeLoss, LossNorm
 from utils.lr_schedule import LrSchedule, apply_warmup, warmup_iterations
 from utils.metrics import RECALL_POINTS, fitness
-from utils.optimizer import build_optimizer, choose_optimizer, optimizer_steps
+from utils.optimizer import NOMINAL_BATCH, build_optimizer, choose_optimizer
 from utils.results_log import RESULT_COLUMNS
 from utils.run_dir import increment_path
 from utils.run_record import RunRecord
@@ -58,7 +58,6 @@ from utils.sync_bn import convert_sync_batchnorm
 from utils.torch_utils import init_torch_seeds, select_device, torch_distributed_zero_first
 
 ROOT = Path(__file__).resolve().parent
-NOMINAL_BATCH = 64  # gradients are accumulated up to this many images per optimizer step
 MAX_NONFINITE_STEPS = 25  # in a row: training has diverged
 
 
@@ -299,9 +298,8 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
     save_dir = run_folder(opt, info, hyp)
 
     # ---- optimisation ------------------------------------------------------------------------------------
-    accumulate = max(round(NOMINAL_BATCH / opt.batch_size), 1)
-    steps = optimizer_steps(opt.epochs, len(dataset), opt.batch_size, accumulate)
-    choice = choose_optimizer(opt.optimizer, steps, nc, hyp)
+    choice = choose_optimizer(opt.optimizer, opt.epochs, len(dataset), opt.batch_size, nc, hyp)
+    accumulate = choice.accumulate
     LOGGER.info(f"optimizer: {choice.name} lr0={choice.lr0} momentum={choice.momentum} ({choice.reason})")
     decay = hyp.weight_decay * opt.batch_size * accumulate / NOMINAL_BATCH
     optimizer = build_optimizer(model, choice.name, choice.lr0, choice.momentum, decay)

@@ -23,21 +23,28 @@ def test_optimizer_steps_counts_accumulated_batches() -> None:
     assert optimizer_steps(epochs=1, n_images=10, batch_size=64, accumulate=1) == 1
 
 
-def test_auto_picks_adamw_for_short_runs_and_sgd_for_long_runs() -> None:
-    short = choose_optimizer("auto", steps=260, nc=5, hyp=HYP)
+def run_of(steps: int, batch_size: int = 16) -> dict:
+    """choose_optimizer's run-length arguments for ``steps`` optimizer steps at the nominal batch of 64."""
+    return {"epochs": steps, "n_images": 64, "batch_size": batch_size}
+
+
+def test_auto_picks_adamw_stepping_every_batch_for_short_runs_and_sgd_for_long_runs() -> None:
+    short = choose_optimizer("auto", **run_of(260), nc=5, hyp=HYP)
     assert short.name == "AdamW" and short.lr0 == pytest.approx(0.05 / 9, abs=1e-6) and short.momentum == 0.9
-    assert "short" in short.reason
-    long = choose_optimizer("auto", steps=SHORT_RUN_STEPS + 1, nc=80, hyp=HYP)
-    assert (long.name, long.lr0, long.momentum) == ("SGD", HYP.lr0, HYP.momentum)
-    assert choose_optimizer("auto", steps=100, nc=80, hyp=HYP).lr0 < short.lr0  # more classes, smaller lr
-    assert choose_optimizer("auto", steps=100, nc=1, hyp=HYP).lr0 == 0.01  # capped at SGD's rate
+    assert short.accumulate == 1 and "short" in short.reason and "a step every batch (1040 steps)" in short.reason
+    long = choose_optimizer("auto", **run_of(SHORT_RUN_STEPS + 1), nc=80, hyp=HYP)
+    assert (long.name, long.lr0, long.momentum, long.accumulate) == ("SGD", HYP.lr0, HYP.momentum, 4)
+    assert choose_optimizer("auto", **run_of(100), nc=80, hyp=HYP).lr0 < short.lr0  # more classes, smaller lr
+    assert choose_optimizer("auto", **run_of(100), nc=1, hyp=HYP).lr0 == 0.01  # capped at SGD's rate
 
 
-def test_explicit_optimizer_always_wins() -> None:
+def test_explicit_optimizer_always_wins_with_yolov5s_accumulation() -> None:
     for name in ("SGD", "Adam", "AdamW"):
         for steps in (10, 10 * SHORT_RUN_STEPS):
-            choice = choose_optimizer(name, steps=steps, nc=5, hyp=HYP)
-            assert (choice.name, choice.lr0, choice.momentum) == (name, HYP.lr0, HYP.momentum)
+            for batch_size, accumulate in ((16, 4), (8, 8), (64, 1), (128, 1)):
+                choice = choose_optimizer(name, **run_of(steps, batch_size), nc=5, hyp=HYP)
+                assert (choice.name, choice.lr0, choice.momentum) == (name, HYP.lr0, HYP.momentum)
+                assert choice.accumulate == accumulate
 
 
 # ---- close-mosaic -------------------------------------------------------------------------------------------

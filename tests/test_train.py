@@ -238,10 +238,12 @@ def kill_run(proc: subprocess.Popen) -> None:
 
 @pytest.mark.slow
 def test_a_2_rank_run_cut_mid_epoch_resumes_on_1_and_on_4_ranks_with_the_unseen_samples_and_on_3_at_the_next_epoch(tmp_path) -> None:
-    # Global batch 32 on 96 images: 3 batches per epoch, 2 per optimizer step (nominal batch 64), so there is a
-    # step boundary inside each epoch; --save-steps 1 writes a checkpoint there.
+    # Global batch 32 on 96 images: 3 batches per epoch, 2 per optimizer step (an explicit optimizer accumulates
+    # up to the nominal batch of 64), so there is a step boundary inside each epoch; --save-steps 1 writes a
+    # checkpoint there.
     rectangles_yaml = write_rectangles_dataset(tmp_path / "data", n_train=96, n_val=4, size=64)
-    common = ("--epochs", "2", "--noplots", "--noval", "--batch-size", "32", "--save-steps", "1")
+    common = ("--epochs", "2", "--noplots", "--noval", "--batch-size", "32", "--save-steps", "1", "--optimizer",
+              "AdamW")
     env = dict(_env(), YOLO_LOG_LEVEL="DEBUG")
     log = tmp_path / "cut.log"
     with open(log, "w") as out:

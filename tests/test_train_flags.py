@@ -315,8 +315,9 @@ def _poison_loss(monkeypatch, bad_calls: set[int]) -> None:
 
 @pytest.mark.slow
 def test_a_nan_loss_skips_the_step_and_counts_it(train_here, rectangles_yaml, tmp_path, monkeypatch) -> None:
-    _poison_loss(monkeypatch, {0})  # the first micro-batch of the first step
-    status, log = train_here("--data", rectangles_yaml, "--project", tmp_path, "--epochs", "2", "--noval")
+    _poison_loss(monkeypatch, {0})  # the first micro-batch of the first step (an explicit optimizer accumulates)
+    status, log = train_here("--data", rectangles_yaml, "--project", tmp_path, "--epochs", "2", "--noval",
+                             "--optimizer", "AdamW")
     assert status == 0, log
     assert "WARNING epoch 0 batch 1: non-finite gradients (losses box, obj, cls nan" in log
     assert "1 steps skipped (non-finite gradients)" in log
@@ -327,7 +328,9 @@ def test_a_nan_loss_skips_the_step_and_counts_it(train_here, rectangles_yaml, tm
 @pytest.mark.slow
 def test_diverged_training_stops_with_one_line_and_keeps_the_good_checkpoint(train_here, rectangles_yaml, tmp_path,
                                                                              monkeypatch) -> None:
-    status, log = train_here("--data", rectangles_yaml, "--project", tmp_path, "--epochs", "1", "--noval")
+    # An explicit optimizer accumulates up to the nominal batch of 64: one optimizer step per epoch here.
+    status, log = train_here("--data", rectangles_yaml, "--project", tmp_path, "--epochs", "1", "--noval",
+                             "--optimizer", "AdamW")
     assert status == 0, log
     last = tmp_path / "exp/weights/last.pt"
     good = load_checkpoint(last)
@@ -401,14 +404,15 @@ def test_a_launcher_job_continues_only_its_own_run_folder(train_here, rectangles
 @pytest.mark.slow
 def test_save_minutes_writes_checkpoints_inside_an_epoch_once_the_time_has_passed(train_here, tmp_path,
                                                                                 monkeypatch) -> None:
-    # 96 images, global batch 32: 3 batches, 2 per optimizer step, so one step boundary inside each epoch.
+    # 96 images, global batch 32: 3 batches, 2 per optimizer step (an explicit optimizer accumulates up to the
+    # nominal batch of 64), so one step boundary inside each epoch.
     data = write_rectangles_dataset(tmp_path / "data", n_train=96, n_val=4, size=64)
     saved: list[dict] = []
     record_calls(monkeypatch, RunRecord, "save_mid_epoch", lambda args, result: saved.append(args[1]["mid_epoch"]))
     for minutes, expected in (("10", 0), ("0.00001", 2)):  # the default 10 minutes never pass in this short run
         saved.clear()
         status, log = train_here("--data", data, "--project", tmp_path / minutes, "--epochs", "2", "--noval",
-                                 "--batch-size", "32", "--save-minutes", minutes)
+                                 "--batch-size", "32", "--save-minutes", minutes, "--optimizer", "AdamW")
         assert status == 0, log
         assert [(m["epoch"], m["batch"]) for m in saved] == [(e, 2) for e in range(expected)]
 

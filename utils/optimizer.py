@@ -7,6 +7,11 @@ the classification head): lr0 = 0.05 / (4 + nc), at most 0.01. The constant was 
 shapes set (yolov5n, 30 epochs, imgsz 320, batch 16, mAP50-95): 0.01 / (4 + nc) gave 0.201,
 0.027 / (4 + nc) 0.241, 0.054 / (4 + nc) 0.267. Checked on a held-out shapes set generated with another seed
 (800 train / 200 val, 20 epochs, imgsz 320): the defaults reach 0.626, YOLOv5 with AdamW at 0.01 / (4 + nc) 0.443.
+
+A short run also steps the optimizer after every batch instead of accumulating gradients up to YOLOv5's
+nominal batch of 64 images: what limits it is the number of steps, not their noise. On the built-in shapes
+set (yolov5n, 40 epochs, imgsz 256, batch 16) that took mAP50 from 0.40 to 0.80. An explicit ``--optimizer``
+keeps YOLOv5's accumulation.
 """
 from __future__ import annotations
 
@@ -20,7 +25,8 @@ from utils.errors import UserError
 from utils.hyp import Hyp
 from utils.log import LOGGER
 
-# Below this many optimizer steps a run counts as short.
+NOMINAL_BATCH = 64  # YOLOv5's: gradients are accumulated up to this many images per optimizer step
+# Below this many optimizer steps (at the nominal batch) a run counts as short.
 SHORT_RUN_STEPS = 10_000
 ADAMW_LR_PER_CLASS_TERM = 0.05  # lr0 = this / (4 + nc)
 ADAMW_MAX_LR = 0.01
@@ -31,6 +37,7 @@ class OptimizerChoice:
     name: str
     lr0: float
     momentum: float
+    accumulate: int  # batches per optimizer step
     reason: str
 
 
@@ -39,16 +46,21 @@ def optimizer_steps(epochs: int, n_images: int, batch_size: int, accumulate: int
     return epochs * math.ceil(math.ceil(n_images / batch_size) / accumulate)
 
 
-def choose_optimizer(requested: str, steps: int, nc: int, hyp: Hyp) -> OptimizerChoice:
-    """The explicit --optimizer with the hyp file's lr0/momentum, or the automatic choice for ``auto``."""
+def choose_optimizer(requested: str, epochs: int, n_images: int, batch_size: int, nc: int,
+                     hyp: Hyp) -> OptimizerChoice:
+    """The explicit --optimizer with the hyp file's lr0/momentum and YOLOv5's accumulation, or the automatic
+    choice for ``auto``: the length of the run at the nominal batch decides."""
+    accumulate = max(round(NOMINAL_BATCH / batch_size), 1)
+    steps = optimizer_steps(epochs, n_images, batch_size, accumulate)
     if requested != "auto":
-        return OptimizerChoice(requested, hyp.lr0, hyp.momentum, f"--optimizer {requested}")
+        return OptimizerChoice(requested, hyp.lr0, hyp.momentum, accumulate, f"--optimizer {requested}")
     if steps > SHORT_RUN_STEPS:
         reason = f"auto: {steps} optimizer steps > {SHORT_RUN_STEPS}, a long run: SGD with the hyp file's lr0"
-        return OptimizerChoice("SGD", hyp.lr0, hyp.momentum, reason)
+        return OptimizerChoice("SGD", hyp.lr0, hyp.momentum, accumulate, reason)
     lr0 = round(min(ADAMW_LR_PER_CLASS_TERM / (4 + nc), ADAMW_MAX_LR), 6)
-    reason = f"auto: {steps} optimizer steps <= {SHORT_RUN_STEPS}, a short run: AdamW, lr0 = 0.05 / (4 + nc)"
-    return OptimizerChoice("AdamW", lr0, 0.9, reason)
+    reason = (f"auto: {steps} optimizer steps <= {SHORT_RUN_STEPS}, a short run: AdamW, lr0 = 0.05 / (4 + nc), "
+              f"a step every batch ({optimizer_steps(epochs, n_images, batch_size, 1)} steps)")
+    return OptimizerChoice("AdamW", lr0, 0.9, 1, reason)
 
 
 def parameter_groups(model: nn.Module) -> tuple[list, list, list]:
