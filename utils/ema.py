@@ -20,6 +20,9 @@ class ModelEMA:
         self.tau = tau
         for p in self.ema.parameters():
             p.requires_grad_(False)
+        self._pairs_of: nn.Module | None = None  # the model whose tensors _averaged/_current pair up
+        self._averaged: list[torch.Tensor] = []
+        self._current: list[torch.Tensor] = []
 
     def decay(self) -> float:
         return self.decay_max * (1 - math.exp(-self.updates / self.tau))
@@ -28,10 +31,14 @@ class ModelEMA:
     def update(self, model: nn.Module) -> None:
         self.updates += 1
         d = self.decay()
-        model_state = de_parallel(model).state_dict()
-        for name, value in self.ema.state_dict().items():
-            if value.dtype.is_floating_point:
-                value.mul_(d).add_(model_state[name].detach(), alpha=1 - d)
+        source = de_parallel(model)
+        if self._pairs_of is not source:  # the tensors are updated in place, so their pairing holds until then
+            model_state = source.state_dict()
+            pairs = [(v, model_state[k]) for k, v in self.ema.state_dict().items() if v.dtype.is_floating_point]
+            self._averaged, self._current = [a for a, _ in pairs], [m for _, m in pairs]
+            self._pairs_of = source
+        # One call over all tensors: a loop of small ops per tensor cost as much as a fifth of a CPU step.
+        torch._foreach_lerp_(self._averaged, self._current, 1 - d)
 
     def update_attributes(self, model: nn.Module, names: tuple[str, ...] = ("nc", "names", "hyp")) -> None:
         src = de_parallel(model)

