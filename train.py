@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default=str(ROOT / "data/shapes.yaml"), help="data YAML (default: built-in shapes)")
     p.add_argument("--hyp", default=str(ROOT / "data/hyps/hyp.scratch-low.yaml"), help="hyper-parameter YAML")
     # The defaults of --epochs and --imgsz make `python train.py` a few-minute run on the built-in data.
-    p.add_argument("--epochs", type=int, default=28, help="total training epochs (with --resume: extend the run)")
+    p.add_argument("--epochs", type=int, default=30, help="total training epochs (with --resume: extend the run)")
     p.add_argument("--time", type=float, default=None, help="train for this many hours (overrides --epochs)")
     p.add_argument("--batch-size", type=int, default=16, help="total batch size over all ranks")
     p.add_argument("--imgsz", "--img", "--img-size", type=int, default=192, help="train and val image size (px)")
