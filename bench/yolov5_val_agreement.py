@@ -66,6 +66,9 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=32)
     args = p.parse_args()
     yolov5 = Path(args.yolov5).resolve()
+    for path, what in ((Path(args.weights), "--weights"), (Path(args.data), "--data"), (yolov5 / "val.py", "--yolov5")):
+        if not path.is_file():
+            raise SystemExit(f"{path}: not found ({what})")
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
@@ -101,12 +104,15 @@ def main() -> int:
 
 def _is_ours(weights: Path) -> bool:
     """Our checkpoints load with weights_only=True; YOLOv5's hold pickled classes and do not."""
+    import pickle
+
     import torch
 
     try:
-        return "model_cfg" in torch.load(weights, map_location="cpu", weights_only=True)
-    except Exception:  # noqa: BLE001 - any refusal means it is not one of ours
+        checkpoint = torch.load(weights, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:  # YOLOv5's pickled classes: weights_only refuses them
         return False
+    return isinstance(checkpoint, dict) and "model_cfg" in checkpoint
 
 
 if __name__ == "__main__":
