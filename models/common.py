@@ -23,7 +23,8 @@ class Conv(nn.Module):
         self.conv = nn.Conv2d(c1, c2, k, s, same_padding(k, p, d), groups=g, dilation=d, bias=False)
         # BN settings of the published YOLOv5 models (eps 1e-3, momentum 0.03).
         self.bn = nn.BatchNorm2d(c2, eps=1e-3, momentum=0.03)
-        self.act = nn.SiLU(inplace=True) if act else nn.Identity()
+        # Not in place: autograd would copy the input of an in-place SiLU for its backward anyway.
+        self.act = nn.SiLU() if act else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.act(self.bn(self.conv(x)))

@@ -38,7 +38,10 @@ class Detect(nn.Module):
         outputs = []
         for i in range(self.nl):
             bs, _, ny, nx = x[i].shape
-            outputs.append(self.m[i](x[i]).view(bs, self.na, self.no, ny, nx).permute(0, 1, 3, 4, 2).contiguous())
+            # (bs, na, ny, nx, no) as a view, not a copy: on channels-last activations the memory already
+            # holds the values in that order, so neither forward nor backward copies them.
+            y = self.m[i](x[i]).permute(0, 2, 3, 1).view(bs, ny, nx, self.na, self.no)
+            outputs.append(y.permute(0, 3, 1, 2, 4))
         if self.training:
             return outputs
         decoded = [self._decode(i, p) for i, p in enumerate(outputs)]
@@ -50,7 +53,7 @@ class Detect(nn.Module):
         y = p.sigmoid()
         xy = (y[..., :2] * 2 + grid) * self.stride[level]
         wh = (y[..., 2:4] * 2) ** 2 * anchor_grid
-        return torch.cat((xy, wh, y[..., 4:]), -1).view(bs, -1, self.no)
+        return torch.cat((xy, wh, y[..., 4:]), -1).reshape(bs, -1, self.no)
 
     def _grids(self, level: int, nx: int, ny: int, device: torch.device, dtype: torch.dtype):
         # The anchors' version counter changes with every in-place edit (AutoAnchor, EMA, loading weights),
@@ -194,7 +197,6 @@ class Model(nn.Module):
         detect.stride.copy_(torch.tensor([probe_size / o.shape[-2] for o in outputs]))
         _check_anchor_order(detect)
         detect.anchors /= detect.stride.view(-1, 1, 1)
-        self._initialize_weights()
         self._initialize_detect_biases()
 
     def forward(self, x: torch.Tensor):
@@ -206,11 +208,6 @@ class Model(nn.Module):
             x = module(x)
             cache.append(x if module.layer_index in self.save else None)
         return x
-
-    def _initialize_weights(self) -> None:
-        for m in self.modules():
-            if isinstance(m, (nn.Hardswish, nn.LeakyReLU, nn.ReLU, nn.ReLU6, nn.SiLU)):
-                m.inplace = True
 
     def _initialize_detect_biases(self) -> None:
         """Start objectness near 8 objects per 640 image and classes near 0.6 / nc, so early losses are sane."""
