@@ -208,3 +208,21 @@ def test_rect_training_letterboxes_to_the_batch_shape_without_mosaic(data_root: 
     for b, (imgs, _, _, shapes) in enumerate(loader):  # rect keeps the dataset order: batch b is batch_shapes[b]
         assert tuple(imgs.shape[2:]) == tuple(dataset.batch_shapes[b])
         assert all(s is not None for s in shapes)  # letterboxed samples, no mosaic
+
+
+def test_rect_orders_equal_aspect_ratios_as_yolov5_does(tmp_path: Path) -> None:
+    # YOLOv5 sorts by aspect ratio with numpy's default (unstable) sort; equal ratios must fall in the same
+    # batches, or the same image gets another letterbox shape here than in YOLOv5's val.py.
+    (tmp_path / "images").mkdir()
+    (tmp_path / "labels").mkdir()
+    sizes = [(48, 36), (36, 48), (48, 48), (40, 30)] * 12  # many images of each ratio
+    for i, (w, h) in enumerate(sizes):
+        cv2.imwrite(str(tmp_path / "images" / f"{i:03d}.png"), np.full((h, w, 3), i * 5 % 256, np.uint8))
+        (tmp_path / "labels" / f"{i:03d}.txt").write_text("0 0.5 0.5 0.4 0.3\n")
+    files = sorted(str(p) for p in (tmp_path / "images").iterdir())
+    wh = np.array([cv2.imread(f).shape[1::-1] for f in files], dtype=np.float64)
+    ratio = wh[:, 1] / wh[:, 0]
+    yolov5_order = [files[i] for i in ratio.argsort()]
+    assert yolov5_order != [files[i] for i in np.argsort(ratio, kind="stable")]  # the ties are ordered differently
+    dataset = create_dataloader(str(tmp_path / "images"), 64, 4, 32, rect=True, pad=0.5, nc=1, workers=0)[1]
+    assert dataset.im_files == yolov5_order
