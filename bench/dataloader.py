@@ -202,7 +202,8 @@ def bench_cache(n: int, reference: bool, yolov5: str = "", yolov5_python: str = 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--images", type=int, default=20000, help="images in the generated cache benchmark")
+    parser.add_argument("--images", type=int, default=20000,
+                        help="images in the generated label-cache benchmark (0 skips it)")
     parser.add_argument("--skip-coco", action="store_true", help="skip the COCO128 throughput benchmark")
     parser.add_argument("--reference", action="store_true", help="also time a PIL-verify style scan")
     parser.add_argument("--yolov5", default="", help="a YOLOv5 checkout to measure the same way")
@@ -216,6 +217,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeats < 1 or args.epochs < 1:
         parser.error("--repeats and --epochs must be at least 1")
+    if args.images < 0:
+        parser.error("--images must be 0 (skip the label-cache benchmark) or more")
     setup_logging(0)
     if args.shards:
         bench_shards(args.cache, args.repeats, args.epochs)
@@ -252,7 +255,8 @@ def main() -> None:
                     print(line)
         else:
             print(f"{COCO128} not found: skipping the throughput benchmark")
-    bench_cache(args.images, args.reference, args.yolov5, args.yolov5_python)
+    if args.images:
+        bench_cache(args.images, args.reference, args.yolov5, args.yolov5_python)
 
 
 if __name__ == "__main__":
