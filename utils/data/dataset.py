@@ -118,7 +118,8 @@ class YoloDataset(Dataset):
         if rect:
             # numpy's default sort, as YOLOv5's: images of equal aspect ratio then fall into the same batches,
             # and so get the same letterbox shape, as in YOLOv5's val.py (a stable sort moved 6 of the shapes
-            # set's 100 validation images into a neighbouring batch of another shape).
+            # set's 100 validation images into a neighbouring batch of another shape). The order of equal ratios is
+            # numpy's: the same for both on one machine and numpy version.
             order = np.argsort(self.shapes[:, 1] / self.shapes[:, 0])
             self.im_files = [self.im_files[i] for i in order]
             self.label_files = [self.label_files[i] for i in order]
