@@ -8,6 +8,7 @@ Training calls ``validate`` each epoch with its own model and loader.
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from models.yolo import Model
+from utils.allocator import keep_freed_memory
 from utils.boxes import scale_boxes, xywh2xyxy, xyxy2xywhn
 from utils.errors import UserError, run_reporting_errors
 from utils.log import LOGGER, colorstr, setup_logging
@@ -112,6 +115,10 @@ def validate(
     save_dir = Path(save_dir) if save_dir is not None else None
     half = half and device.type == "cuda"
     model.eval()
+    if isinstance(model, Model) and any(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules()):
+        # A copy with each BatchNorm folded into its convolution, as val.py's loaded weights are: one op less
+        # per layer. A copy, since the caller's model (training's EMA) trains on.
+        model = copy.deepcopy(model).fuse()
     first_weight = next(model.parameters(), None)  # None for an ONNX runner
     fp16_weights = first_weight is not None and first_weight.dtype == torch.float16
     # Feed images in the layout the convolutions already use, so no conversion runs per layer.
@@ -489,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
 
     opt = parse_opt(argv)
     setup_logging(dist_info().rank)
+    LOGGER.info(keep_freed_memory())
     try:
         return run_reporting_errors(lambda: run_options(opt) and None)
     finally:

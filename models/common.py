@@ -89,7 +89,7 @@ class Concat(nn.Module):
 
 
 def fuse_conv_and_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> nn.Conv2d:
-    """A single Conv2d equal to ``bn(conv(x))`` in eval mode."""
+    """A single Conv2d equal to ``bn(conv(x))`` in eval mode, its weight in the memory format of ``conv``'s."""
     fused = nn.Conv2d(
         conv.in_channels,
         conv.out_channels,
@@ -101,8 +101,8 @@ def fuse_conv_and_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> nn.Conv2d:
         bias=True,
     ).to(conv.weight.device)
     scale = bn.weight.detach() / torch.sqrt(bn.running_var + bn.eps)
-    fused.weight.data.copy_(conv.weight.detach() * scale.view(-1, 1, 1, 1))
+    # An elementwise product keeps the layout of conv.weight (channels-last stays channels-last).
+    fused.weight = nn.Parameter(conv.weight.detach() * scale.view(-1, 1, 1, 1), requires_grad=False)
     conv_bias = conv.bias.detach() if conv.bias is not None else torch.zeros_like(bn.running_mean)
-    fused.bias.data.copy_(bn.bias.detach() + (conv_bias - bn.running_mean) * scale)
-    fused.requires_grad_(False)
+    fused.bias = nn.Parameter(bn.bias.detach() + (conv_bias - bn.running_mean) * scale, requires_grad=False)
     return fused

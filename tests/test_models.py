@@ -76,3 +76,17 @@ def test_yaml_strings_are_never_evaluated(tmp_path) -> None:
     cfg_text.write_text(base.replace("[64, 6, 2, 2]", "[__import__('os').getpid(), 6, 2, 2]"))
     with pytest.raises(UserError, match="layer 0 .*channel count"):
         Model(cfg_text)
+
+
+def test_folding_batchnorm_keeps_the_weights_channels_last() -> None:
+    from models.common import fuse_conv_and_bn
+
+    conv = torch.nn.Conv2d(8, 16, 3, padding=1, bias=False).to(memory_format=torch.channels_last)
+    bn = torch.nn.BatchNorm2d(16).eval()
+    bn.running_mean.uniform_(-1, 1)
+    fused = fuse_conv_and_bn(conv, bn)
+    assert fused.weight.is_contiguous(memory_format=torch.channels_last) and not fused.weight.is_contiguous()
+    x = torch.rand(2, 8, 12, 12).contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), bn(conv(x)), rtol=1e-5, atol=1e-5)
+    assert not fused.weight.requires_grad

@@ -232,3 +232,36 @@ def test_cli_errors_are_one_line_and_exit_non_zero(dataset, tmp_path):
         assert proc.returncode == 1, output
         assert len(error_lines) == 1 and named_file in error_lines[0], output
         assert "Traceback" not in output
+
+
+def test_validate_folds_batchnorm_into_a_copy_with_the_same_outputs(dataset):
+    from utils.loss import ComputeLoss
+
+    torch.manual_seed(0)
+    model = Model(ROOT / "models" / "yolov5n.yaml", nc=2)
+    for m in model.modules():  # BN statistics far from the identity, so that a wrong fold would show
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 1.5)
+            m.weight.data.uniform_(0.5, 1.5)
+    model = model.to(memory_format=torch.channels_last)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    class Opaque(nn.Module):  # not a Model: validated as it is, BatchNorm and all
+        def __init__(self, inner: nn.Module):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x)
+
+    hyp = Hyp.from_yaml(ROOT / "data" / "hyps" / "hyp.scratch-low.yaml")
+    loader, _ = create_dataloader(str(dataset.parent / "images" / "val"), 64, 3, 32, rect=True, pad=0.5, workers=0)
+    folded = val.validate(model, loader, names=["red", "green"], device="cpu", compute_loss=ComputeLoss(model, hyp))
+    as_is = val.validate(Opaque(model), loader, names=["red", "green"], device="cpu",
+                         compute_loss=ComputeLoss(model, hyp))
+    # The caller's model keeps its BatchNorms and its weights (training goes on with it).
+    assert sum(isinstance(m, nn.BatchNorm2d) for m in model.modules()) == 57
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    np.testing.assert_allclose(folded.losses, as_is.losses, rtol=1e-4)
+    assert abs(folded.map50 - as_is.map50) < 1e-3 and folded.n_images == as_is.n_images == 6

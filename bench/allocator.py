@@ -1,0 +1,88 @@
+"""What keeping freed memory (utils/allocator.py) does to a training step and to inference, in fresh processes.
+
+    python bench/allocator.py [--imgsz 320] [--batch-size 16] [--pairs 3]
+
+Each pair runs the same measurement in two new processes, glibc's default first, then with
+``keep_freed_memory()``; prints images/s of both and their ratio (the machine's speed drifts, so compare
+within a pair).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def measure(keep: bool, imgsz: int, batch_size: int, steps: int) -> dict[str, float]:
+    """In this process: images/s of yolov5n training steps and of fused inference (batch x2, as validation)."""
+    sys.path.insert(0, str(ROOT))
+    from utils.allocator import keep_freed_memory
+
+    if keep:
+        keep_freed_memory()
+    import copy
+
+    import torch
+
+    from models.yolo import Model
+    from utils.hyp import Hyp
+    from utils.loss import ComputeLoss
+
+    torch.manual_seed(0)
+    model = Model(ROOT / "models/yolov5n.yaml", nc=80).to(memory_format=torch.channels_last)
+    compute_loss = ComputeLoss(model, Hyp.from_yaml(ROOT / "data/hyps/hyp.scratch-low.yaml"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    imgs = torch.rand(batch_size, 3, imgsz, imgsz).contiguous(memory_format=torch.channels_last)
+    targets = torch.tensor([[i % batch_size, i % 80, 0.5, 0.5, 0.2, 0.3] for i in range(4 * batch_size)])
+    result = {}
+    for step in range(steps + 2):  # two warm-up steps create the kernels
+        if step == 2:
+            start = time.perf_counter()
+        loss, _ = compute_loss(model(imgs), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    result["train"] = steps * batch_size / (time.perf_counter() - start)
+    fused = copy.deepcopy(model).eval().fuse()
+    batch = torch.rand(2 * batch_size, 3, imgsz, imgsz).contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        fused(batch)
+        start = time.perf_counter()
+        for _ in range(steps):
+            fused(batch)
+    result["inference"] = steps * 2 * batch_size / (time.perf_counter() - start)
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--imgsz", type=int, default=320)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--pairs", type=int, default=3)
+    p.add_argument("--child", choices=["default", "keep"], help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.child == "keep", args.imgsz, args.batch_size, args.steps)))
+        return
+    print(f"yolov5n, batch {args.batch_size} at {args.imgsz} (inference: batch {2 * args.batch_size}, BN folded)")
+    for pair in range(args.pairs):
+        runs = {}
+        for mode in ("default", "keep"):
+            out = subprocess.run([sys.executable, __file__, "--child", mode, "--imgsz", str(args.imgsz),
+                                  "--batch-size", str(args.batch_size), "--steps", str(args.steps)],
+                                 capture_output=True, text=True, check=True).stdout
+            runs[mode] = json.loads(out.splitlines()[-1])
+        for part in ("train", "inference"):
+            a, b = runs["default"][part], runs["keep"][part]
+            print(f"pair {pair + 1} {part:>9}: glibc default {a:6.1f} images/s, freed memory kept {b:6.1f} "
+                  f"images/s, {b / a:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""keep_freed_memory: a large buffer freed and allocated again costs no new page faults."""
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HUGE_PAGES = (64 << 20) // (2 << 20)  # the probe's buffer in 2 MiB pages
+
+# Allocates, touches and frees 64 MiB, then does it again and prints the minor page faults of the second time.
+PROBE = """
+import resource, sys
+sys.path.insert(0, {root!r})
+from utils.allocator import keep_freed_memory
+message = keep_freed_memory() if {keep} else "not asked"
+import numpy as np
+def faults_of_one_buffer():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    buffer = np.ones(64 << 20, dtype=np.uint8)
+    del buffer
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+faults_of_one_buffer()
+print(faults_of_one_buffer())
+print(message)
+"""
+
+glibc_only = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
+                                reason="mallopt is glibc's")
+
+
+def second_buffer_faults(keep: bool, extra_env: dict[str, str] | None = None) -> tuple[int, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES",
+                                                                                            "LD_PRELOAD")}
+    env.update(extra_env or {})
+    out = subprocess.run([sys.executable, "-c", PROBE.format(root=str(ROOT), keep=keep)], env=env,
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    return int(out[0]), out[1]
+
+
+@glibc_only
+def test_freed_memory_is_reused_without_page_faults() -> None:
+    default_faults, _ = second_buffer_faults(keep=False)
+    kept_faults, message = second_buffer_faults(keep=True)
+    # glibc maps and unmaps such a buffer each time: a fault per page, at least per 2 MiB (numpy asks for huge
+    # pages), each on memory the kernel zeroes first.
+    assert default_faults >= HUGE_PAGES
+    assert kept_faults * 10 < default_faults, message
+    assert "kept for reuse" in message
+
+
+@glibc_only
+def test_a_malloc_setting_from_the_environment_is_left_alone() -> None:
+    faults, message = second_buffer_faults(keep=True, extra_env={"MALLOC_ARENA_MAX": "2"})
+    assert "left as the environment sets it" in message
+    assert faults >= HUGE_PAGES

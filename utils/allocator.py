@@ -1,0 +1,39 @@
+"""Keep freed memory inside the process for reuse: large tensors then cost no page faults each step.
+
+glibc gives every allocation above its mmap threshold (at most 32 MiB) its own mapping and unmaps it on free,
+so a training step or a validation batch re-maps and re-faults its large activations every time. On a 2-core
+AMD EPYC (AVX2, no bf16), yolov5n at 320 in fp32, five pairs of fresh processes (bench/allocator.py): inference
+1.36-1.54x as fast, a training step 0.97-1.16x (median 1.04x). The cost: memory the process freed stays with it
+(up to its peak) until it ends.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+
+M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
+M_MMAP_MAX = -4
+TRIM_THRESHOLD = 1 << 30  # free memory at the top of the heap beyond this still goes back to the system
+
+
+def user_tuned_malloc() -> bool:
+    """True when the environment already tunes or replaces malloc: then it is left as the user set it."""
+    return (any(name.startswith("MALLOC_") for name in os.environ) or "GLIBC_TUNABLES" in os.environ
+            or "LD_PRELOAD" in os.environ)
+
+
+def keep_freed_memory() -> str:
+    """Ask glibc to serve every allocation from its heap and keep freed memory; says what was done.
+
+    A process-wide setting, so only entry points call it (train.py, val.py, detect.py), before they allocate
+    much; forked data-loader workers inherit it.
+    """
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return f"allocator: left as it is ({platform.system()} without glibc)"
+    if user_tuned_malloc():
+        return "allocator: left as the environment sets it (MALLOC_*, GLIBC_TUNABLES or LD_PRELOAD given)"
+    libc = ctypes.CDLL("libc.so.6")
+    if libc.mallopt(M_MMAP_MAX, 0) != 1 or libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) != 1:
+        return "allocator: glibc refused the settings; left as it is"
+    return "allocator: freed memory is kept for reuse (glibc mmap off, trim threshold 1 GiB)"
