@@ -24,7 +24,7 @@ import cv2
 import numpy as np
 import torch
 
-from utils.allocator import keep_freed_memory
+from utils.process import setup_process
 from utils.errors import UserError, run_reporting_errors
 from utils.log import LOGGER, colorstr, setup_logging
 from utils.run_dir import increment_path
@@ -266,7 +266,7 @@ def run(**options: Any) -> DetectResults:
 def main(argv: list[str] | None = None) -> int:
     opt = build_parser().parse_args(argv)
     setup_logging()
-    LOGGER.info(keep_freed_memory())
+    LOGGER.info(setup_process())
     return run_reporting_errors(lambda: run_options(opt) and None)
 
 

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 import val as validation
 from models.yolo import build_model
-from utils.allocator import keep_freed_memory
+from utils.process import setup_process
 from utils.amp import Precision, autocast, choose_precision
 from utils.autoanchor import check_anchors
 from utils.checkpoint import (latest_last_checkpoint, load_checkpoint, model_weights,
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     opt, explicit = parse_opt(argv)
     info = dist_info()
     setup_logging(info.rank)
-    LOGGER.info(keep_freed_memory())
+    LOGGER.info(setup_process())
     return run_reporting_errors(lambda: run(opt, explicit, info))
 
 

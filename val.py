@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from models.yolo import Model
-from utils.allocator import keep_freed_memory
+from utils.process import setup_process
 from utils.boxes import scale_boxes, xywh2xyxy, xyxy2xywhn
 from utils.errors import UserError, run_reporting_errors
 from utils.log import LOGGER, colorstr, setup_logging
@@ -496,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
 
     opt = parse_opt(argv)
     setup_logging(dist_info().rank)
-    LOGGER.info(keep_freed_memory())
+    LOGGER.info(setup_process())
     try:
         return run_reporting_errors(lambda: run_options(opt) and None)
     finally:

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def measure(keep: bool, imgsz: int, batch_size: int, steps: int) -> dict[str, float]:
     """In this process: images/s of yolov5n training steps and of fused inference (batch x2, as validation)."""
     sys.path.insert(0, str(ROOT))
-    from utils.allocator import keep_freed_memory
+    from utils.process import keep_freed_memory
 
     if keep:
         keep_freed_memory()

@@ -1,14 +1,20 @@
-"""Keep freed memory inside the process for reuse: large tensors then cost no page faults each step.
+"""Process-wide settings the entry points (train.py, val.py, detect.py) make once, before the real work.
 
-glibc gives every allocation above its mmap threshold (at most 32 MiB) its own mapping and unmaps it on free,
+Keeping freed memory: glibc gives every allocation above its mmap threshold (at most 32 MiB) its own mapping and unmaps it on free,
 so a training step or a validation batch re-maps and re-faults its large activations every time. On a 2-core
 AMD EPYC (AVX2, no bf16), yolov5n at 320 in fp32, five pairs of fresh processes (bench/allocator.py): inference
 1.36-1.54x as fast, a training step 0.97-1.16x (median 1.04x). The cost: memory the process freed stays with it
 (up to its peak) until it ends.
+
+Freezing the imports' objects: importing torch (and torch._dynamo, which its optimizers import) leaves about
+370,000 objects that the garbage collector scans in every full collection, including the one at exit; moved
+out of its reach, a 3-epoch coco128 run at 320 spent 0.7 s less in collections and its exit took 0.7 instead
+of 2.0 s (same machine).
 """
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import platform
 
@@ -23,11 +29,25 @@ def user_tuned_malloc() -> bool:
             or "LD_PRELOAD" in os.environ)
 
 
+def setup_process() -> str:
+    """Both settings below, for an entry point's main(); says what was done."""
+    freeze_imported_objects()
+    return keep_freed_memory()
+
+
+def freeze_imported_objects() -> None:
+    """Exempt every object alive now (after the imports) from garbage collection; forked workers inherit it.
+
+    Garbage is collected first (0.2 s after train.py's imports), so that only live objects are frozen.
+    """
+    gc.collect()
+    gc.freeze()
+
+
 def keep_freed_memory() -> str:
     """Ask glibc to serve every allocation from its heap and keep freed memory; says what was done.
 
-    A process-wide setting, so only entry points call it (train.py, val.py, detect.py), before they allocate
-    much; forked data-loader workers inherit it.
+    Call it before allocating much; forked data-loader workers inherit it.
     """
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return f"allocator: left as it is ({platform.system()} without glibc)"

@@ -16,7 +16,7 @@ HUGE_PAGES = (64 << 20) // (2 << 20)  # the probe's buffer in 2 MiB pages
 PROBE = """
 import resource, sys
 sys.path.insert(0, {root!r})
-from utils.allocator import keep_freed_memory
+from utils.process import keep_freed_memory
 message = keep_freed_memory() if {keep} else "not asked"
 import numpy as np
 def faults_of_one_buffer():
@@ -58,3 +58,19 @@ def test_a_malloc_setting_from_the_environment_is_left_alone() -> None:
     faults, message = second_buffer_faults(keep=True, extra_env={"MALLOC_ARENA_MAX": "2"})
     assert "left as the environment sets it" in message
     assert faults >= HUGE_PAGES
+
+
+def test_setup_process_freezes_the_live_objects_after_collecting_garbage() -> None:
+    probe = f"""
+import gc, sys, weakref
+sys.path.insert(0, {str(ROOT)!r})
+from utils.process import setup_process
+class Node:
+    pass
+cycle = Node(); cycle.me = cycle; gone = weakref.ref(cycle); del cycle  # garbage, in a cycle
+before = len(gc.get_objects())
+setup_process()
+print(gc.get_freeze_count() > 1000, len(gc.get_objects()) < before // 10, gone() is None)
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "True", "True"]
