@@ -24,9 +24,9 @@ import cv2
 import numpy as np
 import torch
 
-from utils.process import setup_process
 from utils.errors import UserError, run_reporting_errors
 from utils.log import LOGGER, colorstr, setup_logging
+from utils.process import setup_process
 from utils.run_dir import increment_path
 from utils.torch_utils import select_device, time_synchronized
 

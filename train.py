@@ -29,7 +29,6 @@ from tqdm import tqdm
 
 import val as validation
 from models.yolo import build_model
-from utils.process import setup_process
 from utils.amp import Precision, autocast, choose_precision
 from utils.autoanchor import check_anchors
 from utils.checkpoint import (latest_last_checkpoint, load_checkpoint, model_weights,
@@ -52,6 +51,7 @@ from utils.loss import ComputeLoss, LossNorm
 from utils.lr_schedule import LrSchedule, apply_warmup, warmup_iterations
 from utils.metrics import RECALL_POINTS, fitness
 from utils.optimizer import NOMINAL_BATCH, build_optimizer, choose_optimizer
+from utils.process import setup_process
 from utils.results_log import RESULT_COLUMNS
 from utils.run_dir import increment_path
 from utils.run_record import RunRecord

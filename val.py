@@ -19,12 +19,12 @@ import numpy as np
 import torch
 
 from models.yolo import Model
-from utils.process import setup_process
 from utils.boxes import scale_boxes, xywh2xyxy, xyxy2xywhn
 from utils.errors import UserError, run_reporting_errors
 from utils.log import LOGGER, colorstr, setup_logging
 from utils.metrics import ClassMetrics, ap_per_class, confusion_matrix, fitness, match_detections, mean_metrics
 from utils.nms import non_max_suppression
+from utils.process import setup_process
 from utils.run_dir import increment_path
 from utils.torch_utils import select_device, time_synchronized
 
