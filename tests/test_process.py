@@ -1,4 +1,4 @@
-"""utils/process.py: freed memory is reused without new page faults; the imports' objects are frozen after a collection."""
+"""utils/process.py: freed memory reused without page faults; imports' objects frozen after a collection."""
 from __future__ import annotations
 
 import os
