@@ -25,33 +25,18 @@ def measure(keep: bool, imgsz: int, batch_size: int, steps: int) -> dict[str, fl
 
     if keep:
         keep_freed_memory()
-    import copy
-
     import torch
 
+    from model_step import images_per_second  # bench/model_step.py: the same training step, timed
     from models.yolo import Model
-    from utils.hyp import Hyp
-    from utils.loss import ComputeLoss
 
+    cfg = str(ROOT / "models/yolov5n.yaml")
+    result = {"train": images_per_second(cfg, imgsz, batch_size, steps, True, None, torch.device("cpu"))}
     torch.manual_seed(0)
-    model = Model(ROOT / "models/yolov5n.yaml", nc=80).to(memory_format=torch.channels_last)
-    compute_loss = ComputeLoss(model, Hyp.from_yaml(ROOT / "data/hyps/hyp.scratch-low.yaml"))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    imgs = torch.rand(batch_size, 3, imgsz, imgsz).contiguous(memory_format=torch.channels_last)
-    targets = torch.tensor([[i % batch_size, i % 80, 0.5, 0.5, 0.2, 0.3] for i in range(4 * batch_size)])
-    result = {}
-    for step in range(steps + 2):  # two warm-up steps create the kernels
-        if step == 2:
-            start = time.perf_counter()
-        loss, _ = compute_loss(model(imgs), targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    result["train"] = steps * batch_size / (time.perf_counter() - start)
-    fused = copy.deepcopy(model).eval().fuse()
+    fused = Model(cfg, nc=80).to(memory_format=torch.channels_last).eval().fuse()
     batch = torch.rand(2 * batch_size, 3, imgsz, imgsz).contiguous(memory_format=torch.channels_last)
     with torch.no_grad():
-        fused(batch)
+        fused(batch)  # creates the kernels
         start = time.perf_counter()
         for _ in range(steps):
             fused(batch)
@@ -67,6 +52,8 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--child", choices=["default", "keep"], help=argparse.SUPPRESS)
     args = p.parse_args()
+    if min(args.imgsz, args.batch_size, args.steps, args.pairs) < 1:
+        p.error("--imgsz, --batch-size, --steps and --pairs must be at least 1")
     if args.child:
         print(json.dumps(measure(args.child == "keep", args.imgsz, args.batch_size, args.steps)))
         return
