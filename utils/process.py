@@ -3,7 +3,8 @@
 Keeping freed memory: glibc gives every allocation above its mmap threshold (128 KiB, rising to at most 32 MiB)
 its own mapping and unmaps it on free, so a training step or a validation batch maps and faults in its large
 activations afresh every time. On a 2-core AMD EPYC (AVX2, no bf16), yolov5n at 320 in fp32, five pairs of
-fresh processes (bench/allocator.py): inference 1.36-1.54x as fast, a training step 0.97-1.16x (median 1.04x).
+fresh processes (bench/allocator.py): inference 1.36-1.54x as fast, a training step 0.97-1.16x (median 1.04x;
+three more pairs: 1.23-1.76x and 0.93-1.25x, so the step's gain is within the noise).
 The cost: memory the process freed stays with it (up to its peak) until it ends; the 3-epoch coco128 run's
 peak PSS was 2.71-2.81 GiB against 2.60 GiB.
 
