@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import write_rectangles_dataset
+from conftest import COLOURS, write_rectangles_dataset
 from utils.data.config import load_data_config
 from utils.data.label_cache import load_split, parse_label_text
 from utils.data.loader import create_dataloader, load_labels
@@ -279,3 +279,66 @@ def test_data_yaml_names_shards_in_every_form(converted, tmp_path) -> None:
     (folder / "stray.jpg").write_bytes(b"")  # a folder with images is a folder of images, whatever else it holds
     yaml_file.write_text(f"path: {tmp_path}\ntrain: only-train\nval: {sh}/val-000000.tar\nnames: [red, blue]\n")
     assert isinstance(load_data_config(yaml_file)["train"], str)
+
+
+def test_shards_written_by_webdataset_itself_load_and_train(tmp_path, monkeypatch) -> None:
+    # The form WebDataset's own writer makes: keys in folders, PNG/WebP/BMP beside JPEG (PIL-encoded from arrays
+    # by the writer), members this trainer does not read (.json, .cls), a background without .txt, an empty .txt.
+    import webdataset as wds
+
+    import train
+
+    rng = np.random.default_rng(0)
+    plan = [("set/a/im0", "png", 2), ("set/a/im1", "jpg", 1), ("set/b/im2", "webp", 2), ("im3", "bmp", None),
+            ("im4", "jpeg", 0)]  # (key, image type, boxes; None: no .txt member)
+    label_text: dict[str, str | None] = {}
+    shard = tmp_path / "foreign-000000.tar"
+    with wds.TarWriter(str(shard)) as sink:
+        for i, (key, ext, n_boxes) in enumerate(plan):
+            img = np.full((48, 64, 3), int(rng.integers(60, 200)), np.uint8)  # h 48, w 64
+            rows = []
+            for _ in range(n_boxes or 0):
+                cls, (x1, y1) = int(rng.integers(0, 2)), rng.integers(0, 32, 2)
+                cv2.rectangle(img, (int(x1), int(y1)), (int(x1) + 24, int(y1) + 12), COLOURS[cls], -1)
+                rows.append(f"{cls} {(x1 + 12.5) / 64:.6f} {(y1 + 6.5) / 48:.6f} {25 / 64:.6f} {13 / 48:.6f}")
+            sample = {"__key__": key, "json": {"source": "another tool", "index": i}, "cls": i % 2}
+            if ext in ("png", "jpg"):
+                sample[ext] = img[..., ::-1].copy()  # an RGB array: the writer encodes it with PIL
+            else:
+                params = [cv2.IMWRITE_WEBP_QUALITY, 101] if ext == "webp" else []  # 101: lossless WebP
+                sample[ext] = cv2.imencode(f".{ext}", img, params)[1].tobytes()
+            if n_boxes is not None:
+                sample["txt"] = "\n".join(rows)
+            label_text[key] = sample.get("txt")
+            sink.write(sample)
+    members = _tar_members(shard)
+    yaml_file = tmp_path / "foreign.yaml"
+    yaml_file.write_text(f"path: {tmp_path}\ntrain: foreign-000000.tar\nval: foreign-000000.tar\nnames: [red, blue]\n")
+
+    split = load_data_config(yaml_file)["val"]
+    assert isinstance(split, ShardSet)
+    labels = load_labels(split, nc=2, verbose=False)
+    assert labels.counts == {**labels.counts, "labelled": 3, "background": 1, "empty": 1, "corrupt": 0}
+    _, dataset = create_dataloader(split, 64, 2, 32, workers=0, nc=2)
+    assert sorted(f.rsplit(".tar/", 1)[1] for f in dataset.im_files) == sorted(
+        f"{key}.{ext}" for key, ext, _ in plan)
+    for i, im_file in enumerate(dataset.im_files):
+        member = im_file.rsplit(".tar/", 1)[1]
+        pixels, original_hw, _ = dataset.load_image(i)
+        assert original_hw == (48, 64)
+        np.testing.assert_array_equal(pixels, cv2.imdecode(np.frombuffer(members[member], np.uint8), cv2.IMREAD_COLOR))
+        text = label_text[member.rsplit(".", 1)[0]]
+        np.testing.assert_array_equal(dataset.labels[i], parse_label_text(text, 2)[0] if text else np.zeros((0, 5)))
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    threads = torch.get_num_threads()
+    try:
+        status = train.main(["--data", str(yaml_file), "--project", str(tmp_path), "--name", "exp", "--imgsz", "64",
+                             "--batch-size", "2", "--workers", "0", "--noautoanchor", "--device", "cpu", "--noplots",
+                             "--epochs", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    assert status == 0
+    rows = (tmp_path / "exp" / "results.csv").read_text().strip().splitlines()
+    assert len(rows) == 2 and (tmp_path / "exp" / "weights" / "last.pt").is_file()
