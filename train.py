@@ -39,7 +39,8 @@ from utils.data.image_weights import (class_weights_from_maps, draw_digest, labe
                                       labels_to_image_weights)
 from utils.data.loader import create_dataloader, load_labels
 from utils.distributed import (DistInfo, all_reduce_sum, broadcast_object, de_parallel, describe_failure,
-                               destroy_process_group, dist_info, init_process_group, rank_zero_decides)
+                               destroy_process_group, dist_info, end_with_launcher, init_process_group,
+                               rank_zero_decides)
 from utils.ema import ModelEMA
 from utils.errors import UserError, run_reporting_errors
 from utils.evolve import (RESULT_KEYS, append_evolve_row, evolved_keys, next_hyp, plot_evolve, read_evolve_csv,
@@ -139,6 +140,7 @@ def parse_opt(argv: list[str] | None = None) -> tuple[argparse.Namespace, set[st
 def main(argv: list[str] | None = None) -> int:
     opt, explicit = parse_opt(argv)
     info = dist_info()
+    end_with_launcher(info)
     setup_logging(info.rank)
     LOGGER.info(setup_process())
     return run_reporting_errors(lambda: run(opt, explicit, info))

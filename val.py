@@ -492,10 +492,12 @@ def run_options(opt: argparse.Namespace) -> ValResults:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from utils.distributed import destroy_process_group, dist_info
+    from utils.distributed import destroy_process_group, dist_info, end_with_launcher
 
     opt = parse_opt(argv)
-    setup_logging(dist_info().rank)
+    info = dist_info()
+    end_with_launcher(info)
+    setup_logging(info.rank)
     LOGGER.info(setup_process())
     try:
         return run_reporting_errors(lambda: run_options(opt) and None)

@@ -126,6 +126,14 @@ def test_two_nodes_on_loopback_train_and_a_frozen_one_makes_the_other_exit_namin
     assert "rank 0: a collective failed" in output and "rank(s) 1 stopped answering" in output, output[-3000:]
 
 
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie (an orphan's new parent may be slow to reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
     deadline = time.time() + timeout
     while not path.exists():
@@ -135,23 +143,34 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
 
 
 @pytest.mark.slow
-def test_a_node_whose_launcher_and_rank_die_makes_the_other_exit_at_once(rectangles_yaml, tmp_path) -> None:
-    # Node 1 dies whole (its launcher and its rank, killed -9): its sockets close, so node 0 needs no timeout.
+def test_a_node_whose_launcher_is_killed_loses_its_rank_too_and_the_other_exits_at_once(rectangles_yaml,
+                                                                                        tmp_path) -> None:
+    # Only node 1's launcher is killed -9 (as the OOM killer would): its rank must not train on unsupervised but
+    # end with it; its sockets close, so node 0 needs no timeout to notice.
     port = _free_port()
     procs = [subprocess.Popen(train_cmd(rectangles_yaml, tmp_path, "--epochs", "50", "--noplots", "--noval", nproc=1,
                                         nnodes=2, node_rank=r, port=port),
                               cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True) for r in (0, 1)]
+    orphan = None
     try:
         _wait_for(tmp_path / "exp/weights/last.pt", procs[0])
-        kill_run(procs[1])
+        orphan = rank_pid(procs[1], 1)
+        os.kill(procs[1].pid, signal.SIGKILL)
         t_killed = time.time()
         output = procs[0].communicate(timeout=120)[0]
         waited = time.time() - t_killed
+        deadline = time.time() + 10  # the kernel's SIGTERM arrives at once; the rank may take a moment to go
+        while _running(orphan):
+            assert time.time() < deadline, f"rank 1 (pid {orphan}) outlived its killed launcher"
+            time.sleep(0.1)
     finally:
+        if orphan is not None and _running(orphan):
+            os.kill(orphan, signal.SIGKILL)
         for proc in procs:
             if proc.poll() is None:
                 kill_run(proc)
+            proc.wait(timeout=30)
     assert procs[0].returncode != 0
     assert waited < 60, waited  # the default --dist-timeout is 10 minutes: this is no timeout
     assert "rank 0: a collective failed" in output and "rank(s) 1 stopped answering" in output, output[-3000:]

@@ -8,8 +8,11 @@ bumps a heartbeat counter in the store, so a rank that stops answering can be na
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import os
+import platform
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +26,7 @@ from utils.errors import UserError
 
 LONG_WAIT = datetime.timedelta(hours=12)  # for work of unknown length (a million-image label cache)
 HEARTBEAT_SECONDS = 2.0
+PR_SET_PDEATHSIG = 1  # prctl option number (linux/prctl.h)
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,20 @@ def _parent_start_time() -> float | None:
     except (OSError, ValueError, IndexError, StopIteration):
         return None
     return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def end_with_launcher(info: DistInfo) -> bool:
+    """Under torch.distributed.run, have the kernel send this rank SIGTERM when the launcher's agent dies.
+
+    A launcher stopped by SIGKILL (the OOM killer, a scheduler's hard limit, ``kill -9``) cannot stop its ranks:
+    they would train on unsupervised, holding their devices, and meet the resumed job in the same run folder.
+    Call it first thing in main(): a launcher that dies while this process is still importing is not noticed.
+    True when the request was made (Linux, under a launcher).
+    """
+    if not info.run_id or platform.system() != "Linux":
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) == 0
 
 
 # ---- the process group --------------------------------------------------------------------------------
