@@ -281,7 +281,7 @@ def test_data_yaml_names_shards_in_every_form(converted, tmp_path) -> None:
     assert isinstance(load_data_config(yaml_file)["train"], str)
 
 
-def test_shards_written_by_webdataset_itself_load_and_train(tmp_path, monkeypatch) -> None:
+def test_shards_written_by_webdataset_itself_load_and_train_also_over_pipe(tmp_path, monkeypatch) -> None:
     # The form WebDataset's own writer makes: keys in folders, PNG/WebP/BMP beside JPEG (PIL-encoded from arrays
     # by the writer), members this trainer does not read (.json, .cls), a background without .txt, an empty .txt.
     import webdataset as wds
@@ -330,6 +330,9 @@ def test_shards_written_by_webdataset_itself_load_and_train(tmp_path, monkeypatc
         text = label_text[member.rsplit(".", 1)[0]]
         np.testing.assert_array_equal(dataset.labels[i], parse_label_text(text, 2)[0] if text else np.zeros((0, 5)))
 
+    # Trained with its training split read over pipe: (the WebDataset convention for any fetch command).
+    monkeypatch.setenv("YOLO_TRAIN_SHARD_CACHE", str(tmp_path / "node-cache"))
+    yaml_file.write_text(f"path: {tmp_path}\ntrain: pipe:cat {shard}\nval: foreign-000000.tar\nnames: [red, blue]\n")
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     threads = torch.get_num_threads()
@@ -342,3 +345,4 @@ def test_shards_written_by_webdataset_itself_load_and_train(tmp_path, monkeypatc
     assert status == 0
     rows = (tmp_path / "exp" / "results.csv").read_text().strip().splitlines()
     assert len(rows) == 2 and (tmp_path / "exp" / "weights" / "last.pt").is_file()
+    assert [p.read_bytes() for p in (tmp_path / "node-cache").glob("*.tar")] == [shard.read_bytes()]
