@@ -1,12 +1,14 @@
 """Make the repository root importable; shared generated-data fixtures."""
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
 import cv2
 import numpy as np
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -48,3 +50,41 @@ def write_rectangles_dataset(root: Path, n_train: int = 16, n_val: int = 8, size
 @pytest.fixture(scope="session")
 def rectangles_yaml(tmp_path_factory) -> Path:
     return write_rectangles_dataset(tmp_path_factory.mktemp("rectangles"))
+
+
+# train.py in this process: yolov5n at 64 px, batch 8, no workers, no AutoAnchor, no plots (later flags override).
+TINY_IN_PROCESS = ["--imgsz", "64", "--batch-size", "8", "--workers", "0", "--noautoanchor", "--device", "cpu",
+                   "--noplots"]
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def train_here(monkeypatch):
+    """``go(*args) -> (exit status, log text)``: train.py's main in this process, with TINY_IN_PROCESS first."""
+    import train
+    from utils.log import LOGGER
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT",
+                 "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    handler = _Lines()
+    LOGGER.addHandler(handler)
+    threads = torch.get_num_threads()
+
+    def go(*args: str) -> tuple[int, str]:
+        handler.lines.clear()
+        status = train.main([*TINY_IN_PROCESS, *map(str, args)])
+        return status, "\n".join(handler.lines)
+
+    yield go
+    LOGGER.removeHandler(handler)
+    torch.use_deterministic_algorithms(False)
+    torch.set_num_threads(threads)

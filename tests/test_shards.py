@@ -281,12 +281,11 @@ def test_data_yaml_names_shards_in_every_form(converted, tmp_path) -> None:
     assert isinstance(load_data_config(yaml_file)["train"], str)
 
 
-def test_shards_written_by_webdataset_itself_load_and_train_also_over_pipe(tmp_path, monkeypatch) -> None:
+def test_shards_written_by_webdataset_itself_load_and_train_also_over_pipe(tmp_path, monkeypatch,
+                                                                            train_here) -> None:
     # The form WebDataset's own writer makes: keys in folders, PNG/WebP/BMP beside JPEG (PIL-encoded from arrays
     # by the writer), members this trainer does not read (.json, .cls), a background without .txt, an empty .txt.
     import webdataset as wds
-
-    import train
 
     rng = np.random.default_rng(0)
     plan = [("set/a/im0", "png", 2), ("set/a/im1", "jpg", 1), ("set/b/im2", "webp", 2), ("im3", "bmp", None),
@@ -333,15 +332,8 @@ def test_shards_written_by_webdataset_itself_load_and_train_also_over_pipe(tmp_p
     # Trained with its training split read over pipe: (the WebDataset convention for any fetch command).
     monkeypatch.setenv("YOLO_TRAIN_SHARD_CACHE", str(tmp_path / "node-cache"))
     yaml_file.write_text(f"path: {tmp_path}\ntrain: pipe:cat {shard}\nval: foreign-000000.tar\nnames: [red, blue]\n")
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
-    threads = torch.get_num_threads()
-    try:
-        status = train.main(["--data", str(yaml_file), "--project", str(tmp_path), "--name", "exp", "--imgsz", "64",
-                             "--batch-size", "2", "--workers", "0", "--noautoanchor", "--device", "cpu", "--noplots",
-                             "--epochs", "1"])
-    finally:
-        torch.set_num_threads(threads)
+    status, _ = train_here("--data", yaml_file, "--project", tmp_path, "--name", "exp", "--batch-size", "2",
+                           "--epochs", "1")
     assert status == 0
     rows = (tmp_path / "exp" / "results.csv").read_text().strip().splitlines()
     assert len(rows) == 2 and (tmp_path / "exp" / "weights" / "last.pt").is_file()

@@ -6,7 +6,6 @@ were read from), not only that the run ends.
 from __future__ import annotations
 
 import csv
-import logging
 import math
 import os
 from collections import Counter
@@ -23,42 +22,10 @@ import utils.data.dataset as dataset_module
 import utils.data.image_source as image_source_module
 import utils.run_record as run_record_module
 from utils.checkpoint import load_checkpoint, save_checkpoint, strip_training_state
-from utils.log import LOGGER
 from utils.loss import ComputeLoss
 from utils.run_record import RunRecord
 
-TINY = ["--imgsz", "64", "--batch-size", "8", "--workers", "0", "--noautoanchor", "--device", "cpu", "--noplots"]
 ROOT = Path(__file__).resolve().parents[1]
-
-
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
-@pytest.fixture
-def train_here(monkeypatch):
-    """``go(*args) -> (exit status, log text)``: train.py's main in this process, with the TINY settings."""
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT",
-                 "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(name, raising=False)
-    handler = _Lines()
-    LOGGER.addHandler(handler)
-    threads = torch.get_num_threads()
-
-    def go(*args: str) -> tuple[int, str]:
-        handler.lines.clear()
-        status = train.main([*TINY, *map(str, args)])
-        return status, "\n".join(handler.lines)
-
-    yield go
-    LOGGER.removeHandler(handler)
-    torch.use_deterministic_algorithms(False)
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
