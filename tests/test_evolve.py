@@ -6,7 +6,6 @@ import pytest
 import yaml
 from conftest import write_rectangles_dataset
 
-from test_train_flags import train_here  # noqa: F401  (fixture)
 from utils.evolve import (RESULT_KEYS, append_evolve_row, evolved_keys, mutate, next_hyp, read_evolve_csv,
                           select_parent)
 from utils.hyp import EVOLVE_LIMITS, Hyp

@@ -11,7 +11,6 @@ import torch
 import train
 from conftest import write_rectangles_dataset
 from test_train import run, train_cmd
-from test_train_flags import train_here  # noqa: F401  (fixture)
 from utils.checkpoint import load_checkpoint
 from utils.data.image_weights import (class_weights_from_maps, labels_to_class_weights, labels_to_image_weights,
                                       weighted_draw)

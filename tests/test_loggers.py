@@ -9,7 +9,6 @@ import pytest
 import torch
 from conftest import write_rectangles_dataset
 
-from test_train_flags import train_here  # noqa: F401  (fixture)
 from utils.loggers import NullLogger, TensorBoardLogger, make_logger
 from utils.results_log import RESULT_COLUMNS
 
