@@ -1,6 +1,6 @@
-"""What keeping freed memory (utils/allocator.py) does to a training step and to inference, in fresh processes.
+"""What keeping freed memory (utils/process.py) does to a training step and to inference, in fresh processes.
 
-    python bench/allocator.py [--imgsz 320] [--batch-size 16] [--pairs 3]
+    python bench/allocator.py [--imgsz 320] [--batch-size 16] [--steps 8] [--pairs 3]
 
 Each pair runs the same measurement in two new processes, glibc's default first, then with
 ``keep_freed_memory()``; prints images/s of both and their ratio (the machine's speed drifts, so compare
