@@ -3,14 +3,11 @@
 No `from __future__ import annotations` here: DDP checks the comm hook's annotations at run time.
 """
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
+from conftest import fork_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from train import gradient_sync
@@ -19,21 +16,14 @@ ACCUMULATE = 4
 STEPS = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _count_allreduces(counter: list[int], bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     counter[0] += 1
     tensor = bucket.buffer().div_(dist.get_world_size())
     return dist.all_reduce(tensor, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
-def _worker(rank: int, port: int, out_dir: str, use_no_sync: bool) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def _worker(rank: int, out_dir: str, use_no_sync: bool) -> None:
+    dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Conv2d(3, 8, 3), nn.SiLU(), nn.Conv2d(8, 4, 3)))
     counter = [0]
@@ -58,7 +48,7 @@ def _worker(rank: int, port: int, out_dir: str, use_no_sync: bool) -> None:
 @pytest.mark.slow
 def test_one_allreduce_per_optimizer_step_and_same_weights(tmp_path) -> None:
     for use_no_sync in (True, False):
-        mp.spawn(_worker, args=(_free_port(), str(tmp_path), use_no_sync), nprocs=2, join=True)
+        assert fork_ranks(_worker, 2, str(tmp_path), use_no_sync) == [0, 0]
     synced_once = [torch.load(tmp_path / f"1_{r}.pt") for r in range(2)]
     synced_always = [torch.load(tmp_path / f"0_{r}.pt") for r in range(2)]
     assert synced_once[0]["per_step"] == [1] * STEPS  # the small model fits in one bucket

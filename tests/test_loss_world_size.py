@@ -7,13 +7,10 @@ between the ranks (8 targets against 1), which is where per-rank means differ fr
 No ``from __future__ import annotations``: DDP inspects annotations at run time.
 """
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from conftest import fork_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from models.yolo import Model
@@ -22,12 +19,6 @@ from utils.loss import ComputeLoss, LossNorm
 
 IMGSZ, NC, WORLD = 64, 3, 2
 HYP = Hyp()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,10 +49,8 @@ def _gradients(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
 
-def _rank_worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    torch.set_num_threads(1)
+def _rank_worker(rank: int, out_dir: str) -> None:
+    dist.init_process_group("gloo")
     images, targets = _batch()
     mine = targets[:, 0].div(2, rounding_mode="floor") == rank
     local_images, local_targets = images[2 * rank:2 * rank + 2], targets[mine].clone()
@@ -109,7 +98,7 @@ def _compare(tmp_path) -> None:
     loss.backward()
     reference = {"loss": loss.detach(), "items": items, "grad": _gradients(model)}
 
-    mp.spawn(_rank_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    assert fork_ranks(_rank_worker, WORLD, str(tmp_path)) == [0] * WORLD
     ranks = torch.load(tmp_path / "ranks.pt", weights_only=True)
     split = ranks["global"]
     assert float(split["loss"]) == pytest.approx(float(reference["loss"]), rel=1e-6)

@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import cv2
 import numpy as np
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import yaml
+from conftest import fork_ranks
 
 from utils.hyp import Hyp
 from utils.data.loader import create_dataloader
@@ -95,9 +94,8 @@ def test_a_fresh_loader_starting_in_the_closed_epochs_has_no_mosaic(flat_colour_
     assert not any(any(v) for v in seen.values())
 
 
-def _ddp_worker(rank: int, port: int, images: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def _ddp_worker(rank: int, images: str, out: str) -> None:
+    dist.init_process_group("gloo")
     seen = _mosaic_per_epoch(images, workers=2, rank=rank, world_size=2)
     with open(f"{out}.{rank}", "w") as f:
         yaml.safe_dump({e: [bool(x) for x in v] for e, v in seen.items()}, f)
@@ -106,11 +104,8 @@ def _ddp_worker(rank: int, port: int, images: str, out: str) -> None:
 
 @pytest.mark.slow
 def test_close_mosaic_under_two_rank_ddp(flat_colour_images, tmp_path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = str(tmp_path / "seen")
-    mp.spawn(_ddp_worker, args=(port, flat_colour_images, out), nprocs=2, join=True)
+    assert fork_ranks(_ddp_worker, 2, flat_colour_images, out) == [0, 0]
     for rank in range(2):
         seen = yaml.safe_load(open(f"{out}.{rank}"))
         assert {e: all(v) if e < CLOSE_AT else any(v) for e, v in seen.items()} == _expected(range(EPOCHS))

@@ -1,21 +1,12 @@
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
+from conftest import fork_ranks
 
 from utils.sync_bn import CpuSyncBatchNorm, convert_sync_batchnorm
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor):
@@ -29,9 +20,8 @@ def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor):
     return y.detach(), x.grad, bn.weight.grad, bn.running_mean, bn.running_var
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def _worker(rank: int, out_dir: str) -> None:
+    dist.init_process_group("gloo")
     torch.manual_seed(0)
     x = torch.randn(8, 4, 5, 5) * 3 + 1
     weight, bias = torch.rand(4) + 0.5, torch.rand(4)
@@ -52,7 +42,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_cpu_sync_bn_matches_batchnorm_on_the_global_batch(tmp_path) -> None:
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    assert fork_ranks(_worker, 2, str(tmp_path)) == [0, 0]
     parts = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
     torch.manual_seed(0)
     x = torch.randn(8, 4, 5, 5) * 3 + 1

@@ -2,14 +2,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
+from conftest import fork_ranks
 
 import utils.data.label_cache as label_cache
 
@@ -114,16 +113,8 @@ def test_model_ema_ramps_decay_and_tracks_weights() -> None:
     assert ema.decay() == pytest.approx(0.9, abs=1e-6)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _zero_first_worker(rank: int, port: int, log_file: str, images: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE="2")
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def _zero_first_worker(rank: int, log_file: str, images: str) -> None:
+    dist.init_process_group("gloo")
     info = dist_info()
     events = []
     with torch_distributed_zero_first(info.local_rank):
@@ -146,7 +137,7 @@ def _zero_first_worker(rank: int, port: int, log_file: str, images: str) -> None
 def test_zero_first_makes_rank_1_wait_for_rank_0_and_reuse_its_label_cache(rectangles_yaml, tmp_path) -> None:
     log_file = str(tmp_path / "events")
     images = str(rectangles_yaml.parent / "images" / "val")
-    mp.spawn(_zero_first_worker, args=(_free_port(), log_file, images), nprocs=2, join=True)
+    assert fork_ranks(_zero_first_worker, 2, log_file, images) == [0, 0]
     rank0 = dict(json.load(open(f"{log_file}.0")))
     rank1 = dict(json.load(open(f"{log_file}.1")))
     assert rank1["enter"] >= rank0["leave"]
@@ -162,9 +153,8 @@ def test_zero_first_is_a_no_op_without_distribution() -> None:
     assert ran == [True]
 
 
-def _dies_inside_zero_first(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def _dies_inside_zero_first(rank: int, out: str) -> None:
+    dist.init_process_group("gloo")
     t0 = time.time()
     try:
         with torch_distributed_zero_first(rank):
@@ -181,14 +171,6 @@ def _dies_inside_zero_first(rank: int, port: int, out: str) -> None:
 @pytest.mark.slow
 def test_waiting_ranks_fail_fast_when_local_rank_0_dies(tmp_path) -> None:
     out = tmp_path / "rank1.json"
-    port = _free_port()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_dies_inside_zero_first, args=(r, port, str(out))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=60)
-    assert all(p.exitcode is not None for p in procs), "a rank hung"
-    assert procs[0].exitcode == 3 and procs[1].exitcode == 1
+    assert fork_ranks(_dies_inside_zero_first, 2, str(out), timeout=60) == [3, 1]
     report = json.loads(out.read_text())
     assert report["seconds"] < 30 and report["error"]
