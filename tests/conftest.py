@@ -58,39 +58,47 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _as_rank(target: Callable[..., int | None], rank: int, world_size: int, port: int, args: tuple) -> None:
+def _forked(target: Callable[..., int | None], args: tuple, env: dict[str, str]) -> None:
     # OpenMP's thread pool does not survive fork: a forked child that enters a parallel region hangs. One
-    # thread per rank is also what the launched tests give each rank (OMP_NUM_THREADS=1).
+    # thread per process is also what the launched tests give each process (OMP_NUM_THREADS=1).
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    for name in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"):
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID",
+                 "TORCHELASTIC_RESTART_COUNT"):
         os.environ.pop(name, None)
-    sys.exit(target(rank, *args) or 0)
+    os.environ.update(env)
+    sys.exit(target(*args) or 0)
 
 
-def fork_ranks(target: Callable[..., int | None], world_size: int, *args, timeout: float = 120) -> list[int]:
-    """Run ``target(rank, *args)`` in ``world_size`` forked processes set up as one world (env:// with the
-    variables torch.distributed.run sets); returns their exit codes (``target``'s return value, 1 if it raised).
+def run_forked(jobs: list[tuple[Callable[..., int | None], tuple, dict[str, str]]], timeout: float = 120) -> list[int]:
+    """Run each ``(target, args, env)`` as ``target(*args)`` in a forked process of one thread, all at once;
+    returns their exit codes (``target``'s return value, 1 if it raised).
 
-    Forked from this process, the ranks start without importing torch again: several seconds less per rank
-    than a launched process on a small machine. Tests of the launcher itself launch it.
+    Forked from this process, a job starts without importing torch again: several seconds less per process
+    than a launched one on a small machine. Tests of the launcher and of start-up launch real processes.
     """
-    port = free_port()
     context = multiprocessing.get_context("fork")
-    procs = [context.Process(target=_as_rank, args=(target, rank, world_size, port, args))
-             for rank in range(world_size)]
+    procs = [context.Process(target=_forked, args=job) for job in jobs]
     for proc in procs:
         proc.start()
     deadline = time.monotonic() + timeout
     for proc in procs:
         proc.join(max(0.0, deadline - time.monotonic()))
-    hung = [rank for rank, proc in enumerate(procs) if proc.exitcode is None]
-    for rank in hung:
-        procs[rank].kill()
-        procs[rank].join()
-    assert not hung, f"rank(s) {hung} still running after {timeout} s"
+    hung = [i for i, proc in enumerate(procs) if proc.exitcode is None]
+    for i in hung:
+        procs[i].kill()
+        procs[i].join()
+    assert not hung, f"process(es) {hung} still running after {timeout} s"
     return [proc.exitcode for proc in procs]
+
+
+def fork_ranks(target: Callable[..., int | None], world_size: int, *args, timeout: float = 120) -> list[int]:
+    """``target(rank, *args)`` on ``world_size`` forked ranks of one world (env:// with the variables
+    torch.distributed.run sets); returns their exit codes."""
+    port = str(free_port())
+    return run_forked([(target, (rank, *args), {"RANK": str(rank), "LOCAL_RANK": str(rank),
+                                                "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+                                                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+                       for rank in range(world_size)], timeout)
 
 
 @pytest.fixture(scope="session")
