@@ -101,6 +101,24 @@ def fork_ranks(target: Callable[..., int | None], world_size: int, *args, timeou
                        for rank in range(world_size)], timeout)
 
 
+def _main_writing_to(main: Callable[[list[str]], int], argv: list[str], output: str) -> int:
+    from utils.log import LOGGER
+
+    sys.stdout = sys.stderr = open(output, "w", buffering=1)  # what a launcher's log of this rank would hold
+    for handler in LOGGER.handlers[:]:  # inherited, bound to this test process's captured stdout
+        LOGGER.removeHandler(handler)
+    return main(argv)
+
+
+def main_on_ranks(main: Callable[[list[str]], int], argv: list[str], world_size: int, out_dir: Path,
+                  timeout: float = 240) -> tuple[list[int], list[str]]:
+    """A script's ``main(argv)`` (train.py's, val.py's) on ``world_size`` forked gloo ranks, as
+    ``torch.distributed.run --standalone`` would run it; returns each rank's exit code and output."""
+    outputs = [str(out_dir / f"rank{rank}.log") for rank in range(world_size)]
+    codes = fork_ranks(lambda rank: _main_writing_to(main, argv, outputs[rank]), world_size, timeout=timeout)
+    return codes, [Path(output).read_text() for output in outputs]
+
+
 @pytest.fixture(scope="session")
 def rectangles_yaml(tmp_path_factory) -> Path:
     return write_rectangles_dataset(tmp_path_factory.mktemp("rectangles"))

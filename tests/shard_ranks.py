@@ -1,4 +1,4 @@
-"""Run by tests/test_shards.py under torch.distributed.run (2 gloo ranks): one launch, several checks.
+"""Run by tests/test_shards.py on 2 gloo ranks (or by hand under torch.distributed.run): one run, several checks.
 
 Each rank writes ``OUT/rank{r}.json`` with
 * ``keys``: per worker count (0, 2) and epoch, the sample names this rank's training loader gave, and a checksum
@@ -84,8 +84,9 @@ def shm_check(labels, out_dir: Path) -> dict:
             "exists": cache.path.exists(), "pixels_equal": same, "nbytes": cache.nbytes}
 
 
-def main() -> None:
-    yaml_file, out_dir = sys.argv[1], Path(sys.argv[2])
+def main(argv: list[str] | None = None) -> None:
+    yaml_file, out_dir = argv or sys.argv[1:3]
+    out_dir = Path(out_dir)
     info = dist_info()
     init_process_group(torch.device("cpu"), info)
     data = load_data_config(yaml_file)

@@ -92,21 +92,15 @@ def test_evolve_three_generations_then_continue_to_five(train_here, tmp_path) ->
 
 @pytest.mark.slow
 def test_evolve_under_two_gloo_ranks_trains_each_generation_together(tmp_path) -> None:
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    import train
+    from conftest import main_on_ranks
 
     data = write_rectangles_dataset(tmp_path / "data", n_train=8, n_val=4)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "train.py",
-           "--data", str(data), "--epochs", "1", "--imgsz", "64", "--batch-size", "8", "--workers", "0",
-           "--noautoanchor", "--device", "cpu", "--project", str(tmp_path / "evolve"), "--name", "ev", "--evolve", "2"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("WORLD_SIZE", None)
-    done = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "world size 2" in done.stdout
+    argv = ["--data", str(data), "--epochs", "1", "--imgsz", "64", "--batch-size", "8", "--workers", "0",
+            "--noautoanchor", "--device", "cpu", "--project", str(tmp_path / "evolve"), "--name", "ev", "--evolve", "2"]
+    codes, outputs = main_on_ranks(train.main, argv, 2, tmp_path)
+    assert codes == [0, 0], "".join(outputs)[-3000:]
+    assert "world size 2" in outputs[0]
     assert sorted(p.name for p in (tmp_path / "evolve").iterdir()) == ["ev"]  # one folder, made by rank 0
     rows = read_evolve_csv(tmp_path / "evolve/ev/evolve.csv", KEYS)
     assert len(rows) == 2  # each generation recorded once, not once per rank

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import train
-from conftest import write_rectangles_dataset
-from test_train import run, train_cmd
+from conftest import main_on_ranks, write_rectangles_dataset
+from test_train import train_args
 from utils.checkpoint import load_checkpoint
 from utils.data.image_weights import (class_weights_from_maps, labels_to_class_weights, labels_to_image_weights,
                                       weighted_draw)
@@ -152,10 +152,10 @@ def test_image_weights_resume_continues_the_draw_and_quad_trains(train_here, sma
 
 @pytest.mark.slow
 def test_image_weights_and_quad_under_two_rank_ddp(small_yaml, tmp_path) -> None:
-    proc = run(train_cmd(small_yaml, tmp_path, "--epochs", "2", "--noplots", "--image-weights", "--quad",
-                         nproc=2))
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-3000:]
+    codes, outputs = main_on_ranks(train.main, train_args(small_yaml, tmp_path, "--epochs", "2", "--noplots",
+                                                          "--image-weights", "--quad"), 2, tmp_path)
+    out = "".join(outputs)
+    assert codes == [0, 0], out[-3000:]
     for epoch in (0, 1):  # every rank's draw was compared (an all-reduce of its checksum) before the epoch
         assert f"image weights: epoch {epoch} draw" in out and "is the same on all 2 ranks" in out
     assert len(load_checkpoint(tmp_path / "exp/weights/last.pt")["class_weights"]) == 2

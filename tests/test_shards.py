@@ -5,10 +5,7 @@ import functools
 import http.server
 import io
 import json
-import os
 import shutil
-import subprocess
-import sys
 import tarfile
 import threading
 from pathlib import Path
@@ -18,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import COLOURS, write_rectangles_dataset
+from conftest import COLOURS, main_on_ranks, write_rectangles_dataset
 from utils.data.config import load_data_config
 from utils.data.label_cache import load_split, parse_label_text
 from utils.data.loader import create_dataloader, load_labels
@@ -28,7 +25,6 @@ from utils.data.webshards import ShardSet, load_shard_index
 from utils.errors import UserError
 from utils.log import LOGGER
 
-ROOT = Path(__file__).resolve().parents[1]
 N_GOOD_TRAIN = 19  # odd: 2 ranks need one sample of padding
 
 
@@ -211,12 +207,10 @@ def test_shard_cache_evicts_least_recently_used(converted, http_server, tmp_path
 @pytest.mark.slow
 def test_two_gloo_ranks_exact_epochs_distributed_val_and_node_cache(converted, tmp_path) -> None:
     _, shard_yaml = converted
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("WORLD_SIZE", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "shard_ranks.py"), str(shard_yaml), str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    import shard_ranks
+
+    codes, outputs = main_on_ranks(shard_ranks.main, [str(shard_yaml), str(tmp_path)], 2, tmp_path)
+    assert codes == [0, 0], "".join(outputs)[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     all_names = {Path(f).name for f in load_labels(load_data_config(shard_yaml)["train"], nc=2,
                                                    verbose=False).im_files}
@@ -247,15 +241,14 @@ def test_two_gloo_ranks_exact_epochs_distributed_val_and_node_cache(converted, t
 @pytest.mark.slow
 def test_train_py_on_two_ranks_from_shards(converted, tmp_path) -> None:
     _, shard_yaml = converted
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("WORLD_SIZE", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-           "--data", str(shard_yaml), "--project", str(tmp_path), "--name", "exp", "--imgsz", "64", "--batch-size",
-           "8", "--workers", "1", "--noautoanchor", "--device", "cpu", "--epochs", "1", "--noplots", "--cache", "ram",
-           "--shard-window", "8"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "one copy shared by the 2 ranks of this node" in proc.stdout
+    import train
+
+    argv = ["--data", str(shard_yaml), "--project", str(tmp_path), "--name", "exp", "--imgsz", "64", "--batch-size",
+            "8", "--workers", "1", "--noautoanchor", "--device", "cpu", "--epochs", "1", "--noplots", "--cache", "ram",
+            "--shard-window", "8"]
+    codes, outputs = main_on_ranks(train.main, argv, 2, tmp_path)
+    assert codes == [0, 0], "".join(outputs)[-3000:]
+    assert "one copy shared by the 2 ranks of this node" in outputs[0]
     rows = (tmp_path / "exp" / "results.csv").read_text().strip().splitlines()
     assert len(rows) == 2 and (tmp_path / "exp" / "weights" / "best.pt").is_file()
     assert not list(Path("/dev/shm").glob("yolo-train-cache-*"))
