@@ -114,6 +114,7 @@ def main_on_ranks(main: Callable[[list[str]], int], argv: list[str], world_size:
                   timeout: float = 240) -> tuple[list[int], list[str]]:
     """A script's ``main(argv)`` (train.py's, val.py's) on ``world_size`` forked gloo ranks, as
     ``torch.distributed.run --standalone`` would run it; returns each rank's exit code and output."""
+    out_dir.mkdir(parents=True, exist_ok=True)
     outputs = [str(out_dir / f"rank{rank}.log") for rank in range(world_size)]
     codes = fork_ranks(lambda rank: _main_writing_to(main, argv, outputs[rank]), world_size, timeout=timeout)
     return codes, [Path(output).read_text() for output in outputs]
@@ -160,3 +161,9 @@ def train_here(monkeypatch):
     LOGGER.removeHandler(handler)
     torch.use_deterministic_algorithms(False)
     torch.set_num_threads(threads)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # The slow tests first: with one worker per core (pytest-xdist) the long ones then run side by side and the
+    # many short ones fill the gaps, instead of one long test running alone at the end.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -8,6 +8,7 @@ import json
 import shutil
 import tarfile
 import threading
+import time
 from pathlib import Path
 
 import cv2
@@ -243,6 +244,7 @@ def test_train_py_on_two_ranks_from_shards(converted, tmp_path) -> None:
     _, shard_yaml = converted
     import train
 
+    before = set(Path("/dev/shm").glob("yolo-train-cache-*"))  # other tests may run beside this one
     argv = ["--data", str(shard_yaml), "--project", str(tmp_path), "--name", "exp", "--imgsz", "64", "--batch-size",
             "8", "--workers", "1", "--noautoanchor", "--device", "cpu", "--epochs", "1", "--noplots", "--cache", "ram",
             "--shard-window", "8"]
@@ -251,7 +253,10 @@ def test_train_py_on_two_ranks_from_shards(converted, tmp_path) -> None:
     assert "one copy shared by the 2 ranks of this node" in outputs[0]
     rows = (tmp_path / "exp" / "results.csv").read_text().strip().splitlines()
     assert len(rows) == 2 and (tmp_path / "exp" / "weights" / "best.pt").is_file()
-    assert not list(Path("/dev/shm").glob("yolo-train-cache-*"))
+    left = set(Path("/dev/shm").glob("yolo-train-cache-*")) - before
+    if left:  # a test beside this one may hold a segment for the moment it takes to fill and unlink it
+        time.sleep(2)
+    assert not [p for p in left if p.exists()]
 
 
 def test_data_yaml_names_shards_in_every_form(converted, tmp_path) -> None:

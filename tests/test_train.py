@@ -54,10 +54,6 @@ def train_cmd(data: Path, project: Path, *extra: str, nproc: int = 0, nnodes: in
     return [*launcher, *args]
 
 
-def run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
-
-
 def results_rows(run_dir: Path) -> list[dict[str, str]]:
     with open(run_dir / "results.csv") as f:
         return [{k.strip(): v.strip() for k, v in row.items()} for row in csv.DictReader(f)]
@@ -186,8 +182,10 @@ def test_a_node_whose_launcher_is_killed_loses_its_rank_too_and_the_other_exits_
 @pytest.mark.slow
 def test_three_epochs_then_sigkill_mid_epoch_and_resume_match_the_uninterrupted_run(rectangles_yaml, tmp_path) -> None:
     common = ("--epochs", "3", "--deterministic", "--batch-size", "4")
-    straight = run(train_cmd(rectangles_yaml, tmp_path / "straight", *common))  # with plots; the others without
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    # The straight run and the resume are forked from this process; the run that is killed is launched.
+    codes, outputs = main_on_ranks(train.main, train_args(rectangles_yaml, tmp_path / "straight", *common), 1,
+                                   tmp_path / "logs")  # with plots; the others without
+    assert codes == [0], outputs[0][-3000:]
     run_dir = tmp_path / "straight/exp"
     rows = results_rows(run_dir)
     assert [int(r["epoch"]) for r in rows] == [0, 1, 2]
@@ -207,8 +205,8 @@ def test_three_epochs_then_sigkill_mid_epoch_and_resume_match_the_uninterrupted_
     proc.wait(timeout=30)
     assert load_checkpoint(last)["epoch"] < 2
 
-    resumed = run([sys.executable, "train.py", "--resume", str(last)])
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    codes, outputs = main_on_ranks(train.main, ["--resume", str(last)], 1, tmp_path / "logs")
+    assert codes == [0], outputs[0][-3000:]
     assert load_checkpoint(last)["epoch"] == 2
     assert max_difference(weights(last), weights(tmp_path / "straight/exp/weights/last.pt")) == 0.0
     assert [int(r["epoch"]) for r in results_rows(tmp_path / "killed/exp")][-1] == 2
@@ -263,7 +261,8 @@ def kill_run(proc: subprocess.Popen) -> None:
 
 
 @pytest.mark.slow
-def test_a_2_rank_run_cut_mid_epoch_resumes_on_1_and_on_4_ranks_with_the_unseen_samples_and_on_3_at_the_next_epoch(tmp_path) -> None:
+def test_a_2_rank_run_cut_mid_epoch_resumes_on_1_and_on_4_ranks_with_the_unseen_samples_and_on_3_at_the_next_epoch(
+        tmp_path, monkeypatch) -> None:
     # Global batch 32 on 96 images: 3 batches per epoch, 2 per optimizer step (an explicit optimizer accumulates
     # up to the nominal batch of 64), so there is a step boundary inside each epoch; --save-steps 1 writes a
     # checkpoint there.
@@ -298,16 +297,15 @@ def test_a_2_rank_run_cut_mid_epoch_resumes_on_1_and_on_4_ranks_with_the_unseen_
     seen_before_cut = files_trained_on(log.read_text(), epoch, range(cut))
     assert len(seen_before_cut) == 32 * cut
 
-    launchers = {1: [sys.executable], 4: [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
-                                          "--standalone"]}
-    for ranks, launcher in launchers.items():
+    # The resumed runs are forked from this process (the cut one above is the launched run).
+    monkeypatch.setenv("YOLO_LOG_LEVEL", "DEBUG")
+    for ranks in (1, 4):
         resumed_last = tmp_path / f"on{ranks}/exp/weights/last.pt"
         resumed_last.parent.mkdir(parents=True)
         shutil.copy(snapshot, resumed_last)
-        resumed = subprocess.run([*launcher, "train.py", "--resume", str(resumed_last)], cwd=ROOT, env=env,
-                                 capture_output=True, text=True, timeout=300)
-        output = resumed.stdout + resumed.stderr
-        assert resumed.returncode == 0, output[-3000:]
+        codes, outputs = main_on_ranks(train.main, ["--resume", str(resumed_last)], ranks, tmp_path / f"logs{ranks}")
+        output = "".join(outputs)
+        assert codes == [0] * ranks, output[-3000:]
         assert f"Resuming training at batch {cut} of epoch {epoch}" in output
         assert {int(r) for r, *_ in BATCH_LINE.findall(output)} == set(range(ranks))
         # The rest of the cut epoch is exactly the samples not yet seen: every image once over the epoch.
@@ -320,11 +318,9 @@ def test_a_2_rank_run_cut_mid_epoch_resumes_on_1_and_on_4_ranks_with_the_unseen_
     resumed_last = tmp_path / "on3/exp/weights/last.pt"
     resumed_last.parent.mkdir(parents=True)
     shutil.copy(snapshot, resumed_last)
-    resumed = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3", "--standalone",
-                              "train.py", "--resume", str(resumed_last)], cwd=ROOT, env=env, capture_output=True,
-                             text=True, timeout=300)
-    output = resumed.stdout + resumed.stderr
-    assert resumed.returncode == 0, output[-3000:]
+    codes, outputs = main_on_ranks(train.main, ["--resume", str(resumed_last)], 3, tmp_path / "logs3")
+    output = "".join(outputs)
+    assert codes == [0] * 3, output[-3000:]
     assert "the global batch 32 cannot be split over 3 ranks: continuing with 30 from the next epoch boundary" in output
     assert not files_trained_on(output, epoch) and files_trained_on(output, epoch + 1)
     assert load_checkpoint(resumed_last)["epoch"] == 1
@@ -334,8 +330,10 @@ def test_a_2_rank_run_cut_mid_epoch_resumes_on_1_and_on_4_ranks_with_the_unseen_
 def test_a_launcher_restart_resumes_the_run_by_itself_and_ends_as_an_uninterrupted_run(rectangles_yaml,
                                                                                        tmp_path) -> None:
     common = ("--epochs", "4", "--noplots", "--noval", "--deterministic")
-    straight = run(train_cmd(rectangles_yaml, tmp_path / "straight", *common, nproc=2))
-    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+    # The uninterrupted run is forked from this process; the restarted one is launched.
+    codes, outputs = main_on_ranks(train.main, train_args(rectangles_yaml, tmp_path / "straight", *common), 2,
+                                   tmp_path / "logs")
+    assert codes == [0, 0], "".join(outputs)[-3000:]
     assert sorted(p.name for p in (tmp_path / "straight").iterdir()) == ["exp"]  # rank 1 made no exp2
 
     # The elastic form (--nnodes MIN:MAX with a c10d rendezvous), as a job on a cluster would start it.
