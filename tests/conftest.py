@@ -163,6 +163,12 @@ def train_here(monkeypatch):
     torch.set_num_threads(threads)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:  # a worker per core: OpenMP threads beyond its share spin on cores the other workers need
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # The slow tests first: with one worker per core (pytest-xdist) the long ones then run side by side and the
     # many short ones fill the gaps, instead of one long test running alone at the end.

@@ -60,8 +60,8 @@ def test_channels_last_gives_the_same_outputs_and_gradients() -> None:
     hyp = Hyp.from_yaml(ROOT_HYP)
     out_a = nchw(imgs)
     out_b = nhwc(imgs.contiguous(memory_format=torch.channels_last))
-    for a, b in zip(out_a, out_b):
-        assert torch.allclose(a, b, atol=1e-4)
+    for a, b in zip(out_a, out_b):  # float rounding only: to 1e-4 of the outputs' scale (any thread count)
+        assert (a - b).abs().max() <= 1e-4 * a.abs().max()
     ComputeLoss(nchw, hyp)(out_a, targets)[0].backward()
     ComputeLoss(nhwc, hyp)(out_b, targets)[0].backward()
     for (name, pa), pb in zip(nchw.named_parameters(), nhwc.parameters()):
