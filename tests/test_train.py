@@ -7,7 +7,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,19 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 import train
-from conftest import main_on_ranks, run_forked, write_rectangles_dataset
+from conftest import free_port, main_on_ranks, run_forked, write_rectangles_dataset
 
 from utils.checkpoint import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 # Small and fast: yolov5n at 64 px on 16 images of 96 px, batch 8, no AutoAnchor.
 TINY = ["--imgsz", "64", "--batch-size", "8", "--workers", "0", "--noautoanchor", "--device", "cpu"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict[str, str]:
@@ -100,7 +93,7 @@ def test_sync_bn_ddp_matches_single_process_with_same_global_batch(rectangles_ya
 def test_two_nodes_on_loopback_train_and_a_frozen_one_makes_the_other_exit_naming_it(rectangles_yaml,
                                                                                       tmp_path) -> None:
     # A frozen node keeps its sockets open, so nothing fails fast: only the collective timeout can end the wait.
-    port = _free_port()
+    port = free_port()
     common = ("--epochs", "50", "--noplots", "--noval", "--dist-timeout", "0.25")
     procs = [subprocess.Popen(train_cmd(rectangles_yaml, tmp_path, *common, nproc=1, nnodes=2, node_rank=r, port=port),
                               cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -150,7 +143,7 @@ def test_a_node_whose_launcher_is_killed_loses_its_rank_too_and_the_other_exits_
                                                                                         tmp_path) -> None:
     # Only node 1's launcher is killed -9 (as the OOM killer would): its rank must not train on unsupervised but
     # end with it; its sockets close, so node 0 needs no timeout to notice.
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen(train_cmd(rectangles_yaml, tmp_path, "--epochs", "50", "--noplots", "--noval", nproc=1,
                                         nnodes=2, node_rank=r, port=port),
                               cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -340,7 +333,7 @@ def test_a_launcher_restart_resumes_the_run_by_itself_and_ends_as_an_uninterrupt
     cmd = train_cmd(rectangles_yaml, tmp_path / "restarted", *common, nproc=2)
     at = cmd.index("--standalone")
     cmd[at:at + 1] = ["--max-restarts=1", "--nnodes=1:2", "--rdzv-backend=c10d",
-                      f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "--rdzv-id=elastic-job",
+                      f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=elastic-job",
                       "--rdzv-conf=last_call_timeout=1"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
