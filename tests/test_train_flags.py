@@ -166,6 +166,20 @@ def test_patience_counts_epochs_without_improvement_and_zero_turns_it_off(tmp_pa
     assert _stop_epoch(_record(tmp_path / "d", patience=1, noval=True), [None] * 6) is None
 
 
+def test_best_pt_is_the_improving_epochs_last_pt_byte_for_byte_and_stays_through_a_worse_epoch(tmp_path) -> None:
+    record = _record(tmp_path, nosave=False)
+    for epoch, fit in enumerate([0.2, 0.1]):
+        ckpt = {"model_cfg": {}, "model": {"w": torch.full((3,), float(epoch))}, "ema": None, "epoch": epoch}
+        record.end_epoch(epoch, np.zeros(3), (0.0, 0.0, 0.0, fit, 0.0, 0.0, 0.0), [0.01] * 3, ckpt, final=False)
+        record.close()
+        if epoch == 0:
+            assert record.best.read_bytes() == record.last.read_bytes()
+    assert load_checkpoint(record.last)["epoch"] == 1
+    best = load_checkpoint(record.best)
+    assert best["epoch"] == 0 and best["best_epoch"] == 0 and torch.equal(best["model"]["w"], torch.zeros(3))
+    assert not list(record.weights_dir.glob(".*.tmp"))  # no temporary file left beside them
+
+
 @pytest.mark.slow
 def test_noval_trains_every_epoch_validates_the_last_and_writes_best(train_here, rectangles_yaml, tmp_path) -> None:
     status, log = train_here("--data", rectangles_yaml, "--project", tmp_path, "--epochs", "3", "--noval",

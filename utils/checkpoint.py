@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 import pickle
+import shutil
 import zipfile
 from datetime import datetime
 from pathlib import Path
@@ -60,6 +61,12 @@ def save_checkpoint(ckpt: dict[str, Any], path: str | Path) -> None:
     """Write ``ckpt`` atomically and durably: a temporary file in the same folder, flushed, then renamed."""
     with atomic_output(path, durable=True) as tmp:
         torch.save({"format_version": FORMAT_VERSION, **ckpt}, tmp)
+
+
+def copy_checkpoint(src: str | Path, dst: str | Path) -> None:
+    """``src``'s bytes at ``dst``, atomically and durably (best.pt as last.pt: one serialisation, not two)."""
+    with atomic_output(dst, durable=True) as tmp:
+        shutil.copyfile(src, tmp)
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:

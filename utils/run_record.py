@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from utils.checkpoint import save_checkpoint, weights_are_finite
+from utils.checkpoint import copy_checkpoint, save_checkpoint, weights_are_finite
 from utils.log import LOGGER
 from utils.metrics import fitness
 from utils.results_log import append_results_row, truncate_results
@@ -44,8 +44,10 @@ class CheckpointWriter:
 
     def _write(self, ckpt: dict[str, Any], paths: list[Path]) -> None:
         try:
-            for path in paths:
-                save_checkpoint(ckpt, path)
+            first, *others = paths
+            save_checkpoint(ckpt, first)
+            for path in others:
+                copy_checkpoint(first, path)
         except BaseException as e:  # raised again in the training thread by flush()
             self._error = e
 
