@@ -195,7 +195,8 @@ def test_noval_trains_every_epoch_validates_the_last_and_writes_best(train_here,
 @pytest.mark.slow
 def test_nosave_writes_only_the_final_checkpoint(train_here, rectangles_yaml, tmp_path, monkeypatch) -> None:
     written: list[str] = []
-    record_calls(monkeypatch, run_record_module, "save_checkpoint", lambda args, _: written.append(Path(args[1]).name))
+    for writer in ("save_checkpoint", "copy_checkpoint"):  # best.pt is a copy of last.pt
+        record_calls(monkeypatch, run_record_module, writer, lambda args, _: written.append(Path(args[1]).name))
     status, log = train_here("--data", rectangles_yaml, "--project", tmp_path / "nosave", "--epochs", "3", "--nosave")
     assert status == 0, log
     assert written.count("last.pt") == 1 and set(written) <= {"last.pt", "best.pt"}
