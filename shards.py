@@ -102,14 +102,18 @@ def convert(data: str, out: str | Path, max_size_mb: float = 1000.0, max_count: 
     return yaml_out
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Convert a YOLO dataset (data YAML) into WebDataset tar shards")
     p.add_argument("--data", required=True, help="dataset YAML of loose files")
     p.add_argument("--out", required=True, help="output folder for the shards, their index and data.yaml")
     p.add_argument("--max-size", type=float, default=1000.0, help="shard size limit in MB (default 1000)")
     p.add_argument("--max-count", type=int, default=10000, help="samples per shard at most (default 10000)")
     p.add_argument("--workers", type=int, default=8)
-    opt = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    opt = build_parser().parse_args(argv)
     setup_logging()
     return run_reporting_errors(lambda: convert(opt.data, opt.out, opt.max_size, opt.max_count, opt.workers) and None)
 
