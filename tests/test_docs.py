@@ -236,6 +236,36 @@ def test_documented_commands_use_existing_options():
     assert not problems, "\n".join(problems)
 
 
+def all_project_options() -> set[str]:
+    """Every option some script of the project (or the launcher) accepts."""
+    scripts = [*ENTRY_POINTS, *(p.relative_to(ROOT).as_posix() for p in sorted((ROOT / "bench").glob("*.py"))),
+               *(p.relative_to(ROOT).as_posix() for p in sorted((ROOT / "utils").rglob("*.py"))
+                 if "add_argument(" in p.read_text(encoding="utf-8"))]
+    names = launcher_options()
+    for script in scripts:
+        names |= script_options(script)
+    return names
+
+
+def prose_option_problems(text: str, known: set[str]) -> list[str]:
+    """Options named in inline code of prose (``--cache disk``) that no script of the project accepts."""
+    problems = []
+    for number, line in prose_lines(text):
+        for span in re.findall(r"`([^`]+)`", line):
+            for name in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", span):
+                if name not in known:
+                    problems.append(f"line {number}: {name} is no option of any script ({span})")
+    return problems
+
+
+def test_options_named_in_prose_exist():
+    known = all_project_options()
+    problems = []
+    for page in doc_pages():
+        problems += [f"{page.relative_to(ROOT)}: {p}" for p in prose_option_problems(page.read_text("utf-8"), known)]
+    assert not problems, "\n".join(problems)
+
+
 def test_entry_points_build_their_parser_without_running():
     for script in ENTRY_POINTS:
         parser = GENERATOR.load_parser(script)
@@ -290,6 +320,9 @@ def test_checker_fails_when_a_documented_flag_is_renamed():
     assert any("torch.distributed.run has no option --procs-per-node" in p for p in check_commands(bad_launcher))
     missing = SYNTHETIC_PAGE.replace("python val.py", "python valid.py")
     assert any("valid.py does not exist" in p for p in check_commands(missing))
+    known = all_project_options()
+    assert prose_option_problems(SYNTHETIC_PAGE, known) == []
+    assert len(prose_option_problems(SYNTHETIC_PAGE, known - {"--batch-size"})) == 2  # inline command and alone
     # The real pages use train.py's --batch-size, so renaming it fails the real check too.
     pages_problems = [p for page in doc_pages()
                       for p in check_commands(page.read_text(encoding="utf-8"), options_of=renamed)]
