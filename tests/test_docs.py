@@ -16,7 +16,7 @@ import ast
 import importlib.util
 import re
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -113,6 +113,16 @@ class Invocation:
     script: str  # path relative to the repository root, e.g. "train.py", "bench/x.py", "utils/convert_yolov5.py"
     options: list[str]  # the script's option names as written ("--batch-size")
     launcher_options: list[str]  # torch.distributed.run's options given before the script
+    args: list[str] = field(default_factory=list)  # the tokens after the script, as written
+
+    def value_of(self, option: str) -> str | None:
+        """The token after ``option`` (or after ``option=``), None when the option is not given."""
+        for k, token in enumerate(self.args):
+            if token == option and k + 1 < len(self.args):
+                return self.args[k + 1]
+            if token.startswith(option + "="):
+                return token.split("=", 1)[1]
+        return None
 
 
 def _options(tokens: list[str]) -> list[str]:
@@ -162,17 +172,17 @@ def _invocation(tokens: list[str]) -> list[Invocation]:
                     module_file = Path(*rest[1].split(".")).with_suffix(".py")
                     if not (ROOT / module_file).is_file():
                         return []  # python -m pytest, pip, ...: not a script of this project
-                    return [Invocation(module_file.as_posix(), _options(rest[2:]), [])]
+                    return [Invocation(module_file.as_posix(), _options(rest[2:]), [], rest[2:])]
             if not rest or not rest[0].endswith(".py"):
                 return []
-            return [Invocation(rest[0].removeprefix("./"), _options(rest[1:]), _options(launcher))]
+            return [Invocation(rest[0].removeprefix("./"), _options(rest[1:]), _options(launcher), rest[1:])]
         if name == "torchrun":
             rest = tokens[i + 1:]
             script_at = next((k for k, t in enumerate(rest) if t.endswith(".py")), None)
             if script_at is None:
                 return []
             return [Invocation(rest[script_at].removeprefix("./"), _options(rest[script_at + 1:]),
-                               _options(rest[:script_at]))]
+                               _options(rest[:script_at]), rest[script_at + 1:])]
     return []
 
 
@@ -219,6 +229,9 @@ def check_commands(text: str, options_of=script_options) -> list[str]:
             accepted = options_of(inv.script)
             problems += [f"line {number}: {inv.script} has no option {o} ({line.strip()})"
                          for o in inv.options if o not in accepted]
+            model = inv.value_of("--cfg")
+            if model and "/" not in model and not (ROOT / "models" / model).is_file():
+                problems.append(f"line {number}: --cfg {model}: no such model in models/ ({line.strip()})")
             if inv.launcher_options:
                 launcher = launcher if launcher is not None else launcher_options()
                 problems += [f"line {number}: torch.distributed.run has no option {o} ({line.strip()})"
@@ -318,6 +331,8 @@ def test_checker_fails_when_a_documented_flag_is_renamed():
     assert len(problems) == 4 and all("train.py has no option --batch-size" in p for p in problems), problems
     bad_launcher = SYNTHETIC_PAGE.replace("--nproc_per_node 4", "--procs-per-node 4")
     assert any("torch.distributed.run has no option --procs-per-node" in p for p in check_commands(bad_launcher))
+    no_model = SYNTHETIC_PAGE.replace("--batch-size 16", "--cfg yolov5q.yaml --batch-size 16")
+    assert any("--cfg yolov5q.yaml: no such model" in p for p in check_commands(no_model))
     missing = SYNTHETIC_PAGE.replace("python val.py", "python valid.py")
     assert any("valid.py does not exist" in p for p in check_commands(missing))
     known = all_project_options()
