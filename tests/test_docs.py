@@ -217,6 +217,18 @@ def launcher_options() -> set[str]:
     return set(get_args_parser()._option_string_actions)
 
 
+def model_config_problem(name: str) -> str | None:
+    """Why the model loader cannot build ``--cfg name`` (a YAML of models/ by name), None when it can."""
+    from models.yolo import load_model_config
+    from utils.errors import UserError
+
+    try:
+        load_model_config(name)
+    except UserError as e:
+        return str(e)
+    return None
+
+
 def check_commands(text: str, options_of=script_options) -> list[str]:
     """Problems with the commands of one page: a script that does not exist, an option it does not take."""
     problems = []
@@ -230,8 +242,8 @@ def check_commands(text: str, options_of=script_options) -> list[str]:
             problems += [f"line {number}: {inv.script} has no option {o} ({line.strip()})"
                          for o in inv.options if o not in accepted]
             model = inv.value_of("--cfg")
-            if model and "/" not in model and not (ROOT / "models" / model).is_file():
-                problems.append(f"line {number}: --cfg {model}: no such model in models/ ({line.strip()})")
+            if model and "/" not in model and (why := model_config_problem(model)):
+                problems.append(f"line {number}: --cfg {model}: {why} ({line.strip()})")
             if inv.launcher_options:
                 launcher = launcher if launcher is not None else launcher_options()
                 problems += [f"line {number}: torch.distributed.run has no option {o} ({line.strip()})"
@@ -332,7 +344,7 @@ def test_checker_fails_when_a_documented_flag_is_renamed():
     bad_launcher = SYNTHETIC_PAGE.replace("--nproc_per_node 4", "--procs-per-node 4")
     assert any("torch.distributed.run has no option --procs-per-node" in p for p in check_commands(bad_launcher))
     no_model = SYNTHETIC_PAGE.replace("--batch-size 16", "--cfg yolov5q.yaml --batch-size 16")
-    assert any("--cfg yolov5q.yaml: no such model" in p for p in check_commands(no_model))
+    assert any("--cfg yolov5q.yaml: " in p and "not found" in p for p in check_commands(no_model))
     missing = SYNTHETIC_PAGE.replace("python val.py", "python valid.py")
     assert any("valid.py does not exist" in p for p in check_commands(missing))
     known = all_project_options()
