@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     output.add_argument("--include", nargs="+", default=list(FORMATS), help=f"formats: {', '.join(FORMATS)}")
     output.add_argument("--dynamic", action="store_true", help="ONNX: any batch size")
     output.add_argument("--opset", type=int, default=DEFAULT_OPSET, help="ONNX opset")
-    output.add_argument("--no-simplify", dest="simplify", action="store_false", help="ONNX: keep the graph as traced (default: simplified with onnxslim when installed)")
+    output.add_argument("--no-simplify", dest="simplify", action="store_false",
+                        help="ONNX: keep the graph as traced (default: simplified with onnxslim when installed)")
     return parser
 
 

@@ -71,7 +71,8 @@ def brace_pattern(split: str, files: list[str]) -> str:
     return f"{split}-{{000000..{len(files) - 1:06d}}}.tar" if len(files) > 1 else files[0]
 
 
-def convert(data: str, out: str | Path, max_size_mb: float = 1000.0, max_count: int = 10000, workers: int = WORKERS) -> Path:
+def convert(data: str, out: str | Path, max_size_mb: float = 1000.0, max_count: int = 10000,
+            workers: int = WORKERS) -> Path:
     """Convert every split of ``data``; returns the path of the new data YAML."""
     if max_size_mb <= 0 or max_count < 1:
         raise UserError(f"--max-size {max_size_mb} and --max-count {max_count} must be positive")

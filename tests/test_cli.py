@@ -16,9 +16,9 @@ import export
 import shards
 import train
 import val
-from models.backends import ModelMeta, default_imgsz, load_for_inference
+from models.backends import ModelMeta, load_for_inference
 from models.yolo import Model
-from utils.checkpoint import model_state, resumed_options, save_checkpoint, trained_imgsz
+from utils.checkpoint import model_state, resumed_options, save_checkpoint
 from utils.log import LOGGER
 
 SCRIPTS = {"train.py": train, "val.py": val, "detect.py": detect, "export.py": export, "shards.py": shards}
@@ -51,7 +51,7 @@ def test_shared_options_have_one_spelling_alias_default_and_help_in_every_script
                 help_text = help_text.split(";")[0].replace(" (one value, or h w)", "")
             default = action.default
             if dest == "project":  # runs/<the script's task>
-                assert default == str(Path("runs") / {"train.py": "train", "val.py": "val", "detect.py": "detect"}[script])
+                assert default == str(Path("runs") / script.removesuffix(".py"))
                 default = "runs/<task>"
             if dest == "device" and script == "export.py":  # traced on the CPU unless asked, as YOLOv5 does
                 assert default == "cpu"
@@ -103,7 +103,8 @@ def test_the_demo_preset_applies_to_the_built_in_data_only(rectangles_yaml) -> N
     assert (opt.imgsz, opt.epochs) == (640, 100)
     assert "--imgsz 640 --epochs 100 (YOLOv5's" in train.preset_line(opt, explicit)
     opt, explicit = train.parse_opt(["--data", str(rectangles_yaml), "--img", "320"])  # explicit flags win
-    assert (opt.imgsz, opt.epochs) == (320, 100) and train.preset_line(opt, explicit).startswith("defaults: --epochs 100 ")
+    assert (opt.imgsz, opt.epochs) == (320, 100)
+    assert train.preset_line(opt, explicit).startswith("defaults: --epochs 100 ")
     opt, explicit = train.parse_opt(["--epochs", "3", "--imgsz", "64"])
     assert (opt.imgsz, opt.epochs) == (64, 3) and train.preset_line(opt, explicit) is None
     # The other defaults do not depend on the data.
@@ -129,6 +130,19 @@ def test_every_script_saves_runs_under_the_current_directory() -> None:
     for script, task in (("train.py", "train"), ("val.py", "val"), ("detect.py", "detect")):
         assert _actions(script)["project"].default == str(Path("runs") / task)
     assert "runs/evolve" in _actions("train.py")["evolve"].help
+
+
+def test_evolve_goes_under_the_current_directory_with_its_absolute_folder(tmp_path, monkeypatch) -> None:
+    from utils.distributed import DistInfo
+
+    trained = []
+    monkeypatch.setattr(train, "train", lambda opt, *a, **k: trained.append(opt.project) or {"results": [0.5] * 7})
+    monkeypatch.setattr(train, "plot_evolve", lambda *a: None)
+    monkeypatch.chdir(tmp_path)
+    opt, explicit = train.parse_opt(["--evolve", "1"])
+    folder = train.evolve(opt, explicit, torch.device("cpu"), DistInfo(rank=-1, local_rank=-1, world_size=1))
+    assert folder == tmp_path.resolve() / "runs/evolve/exp" and trained == [str(folder)]
+    assert (folder / "evolve.csv").is_file()
 
 
 def test_resume_without_a_path_takes_the_newest_last_pt_here_or_beside_train_py(tmp_path, monkeypatch) -> None:
@@ -199,6 +213,9 @@ def log_lines():
 
 
 def test_trained_size_is_read_from_ours_yolov5s_and_ultralytics_records() -> None:
+    from models.backends import default_imgsz
+    from utils.checkpoint import trained_imgsz
+
     assert trained_imgsz({"opt": {"imgsz": 64}}) == 64
     assert trained_imgsz({"yolov5": {"opt": {"imgsz": 320}}}) == 320
     assert trained_imgsz({"yolov5": {"opt": {"img_size": [512, 512]}}}) == 512  # older YOLOv5
