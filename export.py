@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from models.backends import METADATA_FILE, ModelMeta, OnnxRuntimeModel, PredictionsOnly, TorchScriptModel
-from utils.cli import INFERENCE_IMGSZ_HELP, add_device, add_imgsz, make_parser
+from utils.cli import INFERENCE_IMGSZ_HELP, add_device, add_half, add_imgsz, make_parser
 from utils.errors import UserError, run_reporting_errors
 from utils.log import LOGGER, colorstr, setup_logging
 from utils.torch_utils import select_device
@@ -94,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--batch-size", type=int, default=1, help="batch size of the exported input")
     # Traced on the CPU unless asked otherwise, as YOLOv5 does: the exported graph does not depend on a GPU.
     add_device(model, default="cpu")
+    add_half(model)
     output = parser.add_argument_group("output (written beside --weights)")
     output.add_argument("--include", nargs="+", default=list(FORMATS), help=f"formats: {', '.join(FORMATS)}")
     output.add_argument("--dynamic", action="store_true", help="ONNX: any batch size")
@@ -123,7 +124,12 @@ def run_options(opt: argparse.Namespace) -> list[Path]:
     if weights.suffix != ".pt":
         raise UserError(f"{weights}: export starts from a .pt checkpoint")
     device = select_device(opt.device)
+    if opt.half and device.type != "cuda":  # an fp16 file is what was asked for: no silent fp32 one instead
+        raise UserError(f"--half exports fp16 on a CUDA device; --device {opt.device or device.type} is not one "
+                        "(use --device 0)")
     model, meta = load_for_inference(weights, device)
+    if opt.half:
+        model.half()
     asked = opt.imgsz
     if asked is None:
         size, source = default_imgsz(meta)
@@ -140,6 +146,8 @@ def run_options(opt: argparse.Namespace) -> list[Path]:
         p.requires_grad_(False)
     # A reproducible input in [0, 1] like a real image; zeros would leave most activations untested.
     im = torch.rand(opt.batch_size, 3, *imgsz, generator=torch.Generator().manual_seed(0)).to(device)
+    if opt.half:
+        im = im.half()
     with torch.no_grad():
         ref = wrapped(im).float()
     LOGGER.info(f"{colorstr('export:')} {weights} input {tuple(im.shape)}, output {tuple(ref.shape)}, "

@@ -87,11 +87,12 @@ class OnnxRuntimeModel(nn.Module):
         except Exception as e:  # onnxruntime raises its own exception types for bad files  # noqa: BLE001
             raise UserError(f"{path}: onnxruntime cannot open it ({e.__class__.__name__}: {str(e).splitlines()[0]})")
         self.input_name = self.session.get_inputs()[0].name
+        self.input_dtype = np.float16 if self.session.get_inputs()[0].type == "tensor(float16)" else np.float32
         self.metadata = self.session.get_modelmeta().custom_metadata_map
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        (out,) = self.session.run(None, {self.input_name: x.detach().cpu().float().numpy()})[:1]
-        return torch.from_numpy(np.asarray(out)).to(x.device)
+        (out,) = self.session.run(None, {self.input_name: x.detach().cpu().numpy().astype(self.input_dtype)})[:1]
+        return torch.from_numpy(np.asarray(out)).float().to(x.device)  # an fp16 file (export --half) too
 
 
 class TorchScriptModel(nn.Module):

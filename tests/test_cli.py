@@ -19,6 +19,7 @@ import val
 from models.backends import ModelMeta, load_for_inference
 from models.yolo import Model
 from utils.checkpoint import model_state, resumed_options, save_checkpoint
+from utils.errors import UserError
 from utils.log import LOGGER
 
 SCRIPTS = {"train.py": train, "val.py": val, "detect.py": detect, "export.py": export, "shards.py": shards}
@@ -30,7 +31,7 @@ SHARED = {
     "project": {"train.py", "val.py", "detect.py"},
     "name": {"train.py", "val.py", "detect.py"},
     "exist_ok": {"train.py", "val.py", "detect.py"},
-    "half": {"val.py", "detect.py"},
+    "half": {"val.py", "detect.py", "export.py"},
 }
 
 
@@ -84,6 +85,11 @@ def test_help_shows_every_default_and_groups_the_options() -> None:
     titles = [g.title for g in train.build_parser()._action_groups]
     for word in ("data", "model", "schedule", "augmentation", "distributed", "output"):
         assert any(word in title for title in titles), (word, titles)
+
+
+def test_export_half_is_refused_without_cuda(trained_at_64) -> None:
+    with pytest.raises(UserError, match="--half exports fp16 on a CUDA device; --device cpu is not one"):
+        export.run(weights=str(trained_at_64), half=True, device="cpu")
 
 
 def test_detect_needs_a_source(capsys) -> None:

@@ -63,4 +63,6 @@ def add_run_folder(group, task: str) -> None:
 
 
 def add_half(group) -> None:
-    group.add_argument("--half", action="store_true", help="fp16 inference (CUDA only; fp32 elsewhere)")
+    group.add_argument("--half", action="store_true",
+                       help="fp16 half precision, CUDA devices only (val.py, detect.py: fp32 elsewhere, with a "
+                            "warning; export.py: refused elsewhere)")
