@@ -416,7 +416,8 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
                         save_dir)
 
     # ---- training loop -----------------------------------------------------------------------------------
-    LOGGER.info(f"Image sizes {opt.imgsz} train, {opt.imgsz} val; {opt.workers} dataloader workers per rank; "
+    workers = getattr(train_loader, "loader", train_loader).num_workers  # --workers capped by cores and batch
+    LOGGER.info(f"Image sizes {opt.imgsz} train, {opt.imgsz} val; {workers} dataloader workers per rank; "
                 f"logging to {colorstr(str(save_dir))}\nStarting training for {opt.epochs} epochs...")
     t_start, results, epoch = time.time(), (0.0,) * 7, start_epoch
     r = None  # the last validation's ValResults
