@@ -183,7 +183,7 @@ def training_preset(data: str | Path) -> tuple[str, dict[str, int]]:
     """The name and values of the defaults for ``--data``: the demo's for the built-in set, YOLOv5's otherwise."""
     if is_demo_data(data):
         return "the built-in demo's", DEMO_PRESET
-    return "YOLOv5's (any --data but the built-in demo)", DATASET_PRESET
+    return "YOLOv5's, for any --data but the built-in demo", DATASET_PRESET
 
 
 def preset_line(opt: argparse.Namespace, explicit: set[str]) -> str | None:
@@ -192,7 +192,7 @@ def preset_line(opt: argparse.Namespace, explicit: set[str]) -> str | None:
     taken = [f"--{k} {preset[k]}" for k in preset if k not in explicit]
     if opt.resume or not taken:
         return None
-    return f"defaults: {' '.join(taken)} ({name} preset)"
+    return f"defaults: {' '.join(taken)} (preset: {name})"
 
 
 def main(argv: list[str] | None = None) -> int:

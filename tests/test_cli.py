@@ -104,10 +104,10 @@ def test_the_demo_preset_applies_to_the_built_in_data_only(rectangles_yaml) -> N
     for argv in ([], ["--data", "shapes.yaml"], ["--data", str(train.ROOT / "data/shapes.yaml")]):
         opt, explicit = train.parse_opt(argv)
         assert (opt.imgsz, opt.epochs) == (192, 30), argv
-        assert train.preset_line(opt, explicit) == "defaults: --imgsz 192 --epochs 30 (the built-in demo's preset)"
+        assert train.preset_line(opt, explicit) == "defaults: --imgsz 192 --epochs 30 (preset: the built-in demo's)"
     opt, explicit = train.parse_opt(["--data", str(rectangles_yaml)])
     assert (opt.imgsz, opt.epochs) == (640, 100)
-    assert "--imgsz 640 --epochs 100 (YOLOv5's" in train.preset_line(opt, explicit)
+    assert "--imgsz 640 --epochs 100 (preset: YOLOv5's, for any --data but" in train.preset_line(opt, explicit)
     opt, explicit = train.parse_opt(["--data", str(rectangles_yaml), "--img", "320"])  # explicit flags win
     assert (opt.imgsz, opt.epochs) == (320, 100)
     assert train.preset_line(opt, explicit).startswith("defaults: --epochs 100 ")
