@@ -51,7 +51,7 @@ from utils.loggers import NullLogger, RunLogger, make_logger
 from utils.loss import ComputeLoss, LossNorm
 from utils.lr_schedule import LrSchedule, apply_warmup, warmup_iterations
 from utils.metrics import RECALL_POINTS, fitness
-from utils.optimizer import NOMINAL_BATCH, build_optimizer, choose_optimizer
+from utils.optimizer import NOMINAL_BATCH, build_optimizer, choose_optimizer, resumed_choice, unused_hyp_values
 from utils.process import setup_process
 from utils.results_log import RESULT_COLUMNS
 from utils.run_dir import increment_path
@@ -302,9 +302,15 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
     save_dir = run_folder(opt, info, hyp)
 
     # ---- optimisation ------------------------------------------------------------------------------------
-    choice = choose_optimizer(opt.optimizer, opt.epochs, len(dataset), opt.batch_size, nc, hyp)
+    if ckpt:  # the run's own choice, whatever --epochs or --time say now
+        choice = resumed_choice(ckpt.get("optimizer_choice"), ckpt["opt"], len(dataset), nc, hyp, ckpt["optimizer"])
+    else:
+        choice = choose_optimizer(opt.optimizer, opt.epochs, len(dataset), opt.batch_size, nc, hyp)
     accumulate = choice.accumulate
-    LOGGER.info(f"optimizer: {choice.name} lr0={choice.lr0} momentum={choice.momentum} ({choice.reason})")
+    LOGGER.info(f"optimizer: {choice.name} lr0={choice.lr0} momentum={choice.momentum} accumulate={accumulate} "
+                f"({choice.reason})")
+    if unused := unused_hyp_values(choice, hyp):
+        LOGGER.info(f"optimizer: the hyp file's {' and '.join(unused)} not used ({choice.name}'s own instead)")
     decay = hyp.weight_decay * opt.batch_size * accumulate / NOMINAL_BATCH
     optimizer = build_optimizer(model, choice.name, choice.lr0, choice.momentum, decay)
     schedule = LrSchedule.for_run(opt.epochs, hyp.lrf, opt.cos_lr)
@@ -337,7 +343,8 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
         def checkpoint(epoch: int, mid_epoch: dict | None) -> dict:
             ckpt_now = training_checkpoint(model, ema, optimizer, scaler, epoch=epoch, mid_epoch=mid_epoch,
                                            best_fitness=record.best_fitness, best_epoch=record.best_epoch,
-                                           lr_schedule=t.schedule.segments, opt=opt, hyp=hyp.to_dict(),
+                                           lr_schedule=t.schedule.segments, optimizer_choice=choice.to_dict(),
+                                           opt=opt, hyp=hyp.to_dict(),
                                            world_size=info.world_size, run_id=info.run_id)
             # The weights of the epoch after `epoch` (the one a resume draws next), set before this is called.
             ckpt_now["class_weights"] = [float(w) for w in class_weights] if opt.image_weights else None
