@@ -38,6 +38,7 @@ from utils.data.config import load_data_config
 from utils.data.image_weights import (class_weights_from_maps, draw_digest, labels_to_class_weights,
                                       labels_to_image_weights)
 from utils.data.loader import create_dataloader, load_labels
+from utils.data.webshards import ShardSet
 from utils.distributed import (DistInfo, all_reduce_sum, broadcast_object, de_parallel, describe_failure,
                                destroy_process_group, dist_info, end_with_launcher, init_process_group,
                                rank_zero_decides)
@@ -265,6 +266,7 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
     init_torch_seeds(opt.seed, opt.deterministic)
     with torch_distributed_zero_first(info.local_rank):  # local rank 0 makes built-in data and label caches first
         data = load_data_config(opt.data)
+        check_data_options(opt, data)  # before a shard index or label cache is built
         train_labels = load_labels(data["train"], nc=data["nc"], workers=opt.workers, prefix=colorstr("train: "),
                                    verbose=info.is_local_main)
         val_labels = load_labels(data["val"], nc=data["nc"], workers=opt.workers, prefix=colorstr("val: "),
@@ -590,6 +592,13 @@ def check_options(opt: argparse.Namespace, info: DistInfo, resumed: bool) -> Non
         raise UserError(f"--quad merges 4 images into one: --batch-size {opt.batch_size} must give every rank at "
                         f"least 4 (it gives {opt.batch_size // info.world_size})")
     check_global_batch(opt.batch_size, info.world_size)
+
+
+def check_data_options(opt: argparse.Namespace, data: dict) -> None:
+    """The flags that the form of the training data rules out, as one-line UserErrors, once the data YAML is read."""
+    if opt.image_weights and isinstance(data["train"], ShardSet):
+        raise UserError(f"--image-weights draws images by index and is not available for tar shards "
+                        f"({data['yaml_file']} names shards for 'train'): drop --image-weights or train on image files")
 
 
 def check_global_batch(batch_size: int, world_size: int) -> None:
