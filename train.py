@@ -39,8 +39,8 @@ from utils.data.image_weights import (class_weights_from_maps, draw_digest, labe
                                       labels_to_image_weights)
 from utils.data.loader import create_dataloader, load_labels
 from utils.data.webshards import ShardSet
-from utils.distributed import (DistInfo, all_reduce_sum, broadcast_object, de_parallel, describe_failure,
-                               destroy_process_group, dist_info, end_with_launcher, init_process_group,
+from utils.distributed import (DistInfo, all_reduce_sum, broadcast_object, collective, collective_failure,
+                               de_parallel, destroy_process_group, dist_info, end_with_launcher, init_process_group,
                                rank_zero_decides)
 from utils.ema import ModelEMA
 from utils.errors import UserError, run_reporting_errors
@@ -161,10 +161,11 @@ def run(opt: argparse.Namespace, explicit: set[str], info: DistInfo) -> int:
                         f"(add --epochs N to train it further)")
             return 0
         train(opt, device, info, ckpt)
-    except (dist.DistError, RuntimeError) as e:
-        if not (info.is_distributed and _is_collective_failure(e)):
+    except RuntimeError as e:  # dist.DistError and CollectiveError are RuntimeErrors
+        failure = collective_failure(e, info)
+        if failure is None:
             raise
-        LOGGER.error(describe_failure(e, info))
+        LOGGER.error(failure)
         return 1
     finally:
         destroy_process_group()
@@ -776,15 +777,11 @@ def check_same_draw(info: DistInfo, draw: list[int], epoch: int, device: torch.d
         return
     digest = draw_digest(np.array(draw))
     extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
-    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)  # the largest and (negated) the smallest digest
+    with collective("all_reduce"):
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)  # the largest and (negated) the smallest digest
     if int(extremes[0]) != -int(extremes[1]):
         raise RuntimeError(f"--image-weights: the ranks drew different image lists for epoch {epoch}")
     LOGGER.info(f"image weights: epoch {epoch} draw {digest:08x} is the same on all {info.world_size} ranks")
-
-
-def _is_collective_failure(error: BaseException) -> bool:
-    text = str(error).lower()
-    return isinstance(error, dist.DistError) or any(w in text for w in ("gloo", "nccl", "timed out", "connection"))
 
 
 def progress_line(epoch: int, epochs: int, device: torch.device, mean_loss: np.ndarray, micro: list) -> str:

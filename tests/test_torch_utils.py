@@ -13,7 +13,7 @@ from conftest import fork_ranks
 import utils.data.label_cache as label_cache
 
 from models.yolo import Model
-from utils.distributed import dist_info
+from utils.distributed import WaitAbandoned, dist_info
 from utils.errors import UserError
 from utils.ema import ModelEMA
 from utils.optimizer import build_optimizer
@@ -161,7 +161,7 @@ def _dies_inside_zero_first(rank: int, out: str) -> None:
             if rank == 0:
                 time.sleep(0.5)
                 os._exit(3)  # local rank 0 dies while building, say, the label cache
-    except RuntimeError as e:  # what gloo raises when a peer disappears
+    except WaitAbandoned as e:  # local rank 0 hosted the store: rank 1 says so in one line
         with open(out, "w") as f:
             json.dump({"error": str(e).splitlines()[0], "seconds": time.time() - t0}, f)
         os._exit(1)
@@ -173,4 +173,4 @@ def test_waiting_ranks_fail_fast_when_local_rank_0_dies(tmp_path) -> None:
     out = tmp_path / "rank1.json"
     assert fork_ranks(_dies_inside_zero_first, 2, str(out), timeout=60) == [3, 1]
     report = json.loads(out.read_text())
-    assert report["seconds"] < 30 and report["error"]
+    assert report["seconds"] < 30 and "the rendezvous store at 127.0.0.1:" in report["error"], report
