@@ -9,6 +9,10 @@ reported. Both carry their metadata (class names, stride, input shape), which de
 """
 from __future__ import annotations
 
+from utils.versions import require_supported_versions
+
+require_supported_versions()  # first: on an older Python or torch the imports below fail with a traceback
+
 import argparse
 import json
 import sys

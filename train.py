@@ -7,6 +7,10 @@
 """
 from __future__ import annotations
 
+from utils.versions import require_supported_versions
+
+require_supported_versions()  # first: on an older Python or torch the imports below fail with a traceback
+
 import argparse
 import contextlib
 import itertools

@@ -7,6 +7,10 @@ Training calls ``validate`` each epoch with its own model and loader.
 """
 from __future__ import annotations
 
+from utils.versions import require_supported_versions
+
+require_supported_versions()  # first: on an older Python or torch the imports below fail with a traceback
+
 import argparse
 import copy
 import sys
