@@ -270,7 +270,7 @@ def run(**options: Any) -> DetectResults:
 def main(argv: list[str] | None = None) -> int:
     opt = build_parser().parse_args(argv)
     setup_logging()
-    LOGGER.info(setup_process())
+    LOGGER.info(setup_process(opt.device))
     return run_reporting_errors(lambda: run_options(opt) and None)
 
 

@@ -26,6 +26,7 @@ import torch
 from models.backends import METADATA_FILE, ModelMeta, OnnxRuntimeModel, PredictionsOnly, TorchScriptModel
 from utils.errors import UserError, run_reporting_errors
 from utils.log import LOGGER, colorstr, setup_logging
+from utils.process import setup_process
 from utils.torch_utils import select_device
 
 FORMATS = ("onnx", "torchscript")
@@ -164,6 +165,7 @@ def run_options(opt: argparse.Namespace) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     opt = build_parser().parse_args(argv)
     setup_logging()
+    LOGGER.info(setup_process(opt.device))
     return run_reporting_errors(lambda: run_options(opt) and None)
 
 

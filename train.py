@@ -57,7 +57,7 @@ from utils.loss import ComputeLoss, LossNorm
 from utils.lr_schedule import LrSchedule, apply_warmup, warmup_iterations
 from utils.metrics import RECALL_POINTS, fitness
 from utils.optimizer import NOMINAL_BATCH, build_optimizer, choose_optimizer, resumed_choice, unused_hyp_values
-from utils.process import setup_process
+from utils.process import kernel_choice, setup_process
 from utils.results_log import RESULT_COLUMNS
 from utils.run_dir import increment_path
 from utils.run_record import RunRecord
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     info = dist_info()
     end_with_launcher(info)
     setup_logging(info.rank)
-    LOGGER.info(setup_process())
+    LOGGER.info(setup_process(opt.device, opt.deterministic))
     return run_reporting_errors(lambda: run(opt, explicit, info))
 
 
@@ -268,7 +268,9 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
         hyp = Hyp.from_dict(ckpt["hyp"], f"{opt.resume} (hyp)")
     elif hyp is None:
         hyp = Hyp.from_yaml(opt.hyp)
-    init_torch_seeds(opt.seed, opt.deterministic)
+    if ckpt and opt.deterministic != torch.backends.cudnn.deterministic:  # the resumed run's own, or given now
+        LOGGER.info(kernel_choice(opt.deterministic) or "kernels: cuDNN benchmark (the resumed run's own)")
+    init_torch_seeds(opt.seed)
     with torch_distributed_zero_first(info.local_rank):  # local rank 0 makes built-in data and label caches first
         data = load_data_config(opt.data)
         check_data_options(opt, data)  # before a shard index or label cache is built

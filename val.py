@@ -505,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     info = dist_info()
     end_with_launcher(info)
     setup_logging(info.rank)
-    LOGGER.info(setup_process())
+    LOGGER.info(setup_process(opt.device))
     try:
         return run_reporting_errors(lambda: run_options(opt) and None)
     finally:
