@@ -12,6 +12,10 @@ cannot be read are reported and skipped.
 """
 from __future__ import annotations
 
+from utils.versions import require_supported_versions
+
+require_supported_versions()  # first: on an older Python or torch the imports below fail with a traceback
+
 import argparse
 import os
 import sys
@@ -278,7 +282,7 @@ def run(**options: Any) -> DetectResults:
 def main(argv: list[str] | None = None) -> int:
     opt = build_parser().parse_args(argv)
     setup_logging()
-    LOGGER.info(setup_process())
+    LOGGER.info(setup_process(opt.device))
     return run_reporting_errors(lambda: run_options(opt) and None)
 
 

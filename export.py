@@ -9,6 +9,10 @@ reported. Both carry their metadata (class names, stride, input shape), which de
 """
 from __future__ import annotations
 
+from utils.versions import require_supported_versions
+
+require_supported_versions()  # first: on an older Python or torch the imports below fail with a traceback
+
 import argparse
 import json
 import sys
@@ -23,6 +27,7 @@ from models.backends import METADATA_FILE, ModelMeta, OnnxRuntimeModel, Predicti
 from utils.cli import INFERENCE_IMGSZ_HELP, add_device, add_half, add_imgsz, make_parser
 from utils.errors import UserError, run_reporting_errors
 from utils.log import LOGGER, colorstr, setup_logging
+from utils.process import setup_process
 from utils.torch_utils import select_device
 
 FORMATS = ("onnx", "torchscript")
@@ -178,6 +183,7 @@ def run_options(opt: argparse.Namespace) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     opt = build_parser().parse_args(argv)
     setup_logging()
+    LOGGER.info(setup_process(opt.device))
     return run_reporting_errors(lambda: run_options(opt) and None)
 
 

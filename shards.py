@@ -11,6 +11,10 @@ what is skipped is counted and reported.
 """
 from __future__ import annotations
 
+from utils.versions import require_supported_versions
+
+require_supported_versions()  # first: on an older Python or torch the imports below fail with a traceback
+
 import argparse
 import json
 import os

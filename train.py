@@ -7,6 +7,10 @@
 """
 from __future__ import annotations
 
+from utils.versions import require_supported_versions
+
+require_supported_versions()  # first: on an older Python or torch the imports below fail with a traceback
+
 import argparse
 import contextlib
 import itertools
@@ -39,8 +43,9 @@ from utils.data.config import data_yaml_path, load_data_config
 from utils.data.image_weights import (class_weights_from_maps, draw_digest, labels_to_class_weights,
                                       labels_to_image_weights)
 from utils.data.loader import create_dataloader, load_labels
-from utils.distributed import (DistInfo, all_reduce_sum, broadcast_object, de_parallel, describe_failure,
-                               destroy_process_group, dist_info, end_with_launcher, init_process_group,
+from utils.data.webshards import ShardSet
+from utils.distributed import (DistInfo, all_reduce_sum, broadcast_object, collective, collective_failure,
+                               de_parallel, destroy_process_group, dist_info, end_with_launcher, init_process_group,
                                rank_zero_decides)
 from utils.ema import ModelEMA
 from utils.errors import UserError, run_reporting_errors
@@ -52,8 +57,8 @@ from utils.loggers import NullLogger, RunLogger, make_logger
 from utils.loss import ComputeLoss, LossNorm
 from utils.lr_schedule import LrSchedule, apply_warmup, warmup_iterations
 from utils.metrics import RECALL_POINTS, fitness
-from utils.optimizer import NOMINAL_BATCH, build_optimizer, choose_optimizer
-from utils.process import setup_process
+from utils.optimizer import NOMINAL_BATCH, build_optimizer, choose_optimizer, resumed_choice, unused_hyp_values
+from utils.process import kernel_choice, setup_process
 from utils.results_log import RESULT_COLUMNS
 from utils.run_dir import increment_path
 from utils.run_record import RunRecord
@@ -200,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     info = dist_info()
     end_with_launcher(info)
     setup_logging(info.rank)
-    LOGGER.info(setup_process())
+    LOGGER.info(setup_process(opt.device, opt.deterministic))
     preset = preset_line(opt, explicit)
     if preset:
         LOGGER.info(preset)
@@ -221,10 +226,11 @@ def run(opt: argparse.Namespace, explicit: set[str], info: DistInfo) -> int:
                         f"(add --epochs N to train it further)")
             return 0
         train(opt, device, info, ckpt)
-    except (dist.DistError, RuntimeError) as e:
-        if not (info.is_distributed and _is_collective_failure(e)):
+    except RuntimeError as e:  # dist.DistError and CollectiveError are RuntimeErrors
+        failure = collective_failure(e, info)
+        if failure is None:
             raise
-        LOGGER.error(describe_failure(e, info))
+        LOGGER.error(failure)
         return 1
     finally:
         destroy_process_group()
@@ -325,9 +331,12 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
         hyp = Hyp.from_dict(ckpt["hyp"], f"{opt.resume} (hyp)")
     elif hyp is None:
         hyp = Hyp.from_yaml(opt.hyp)
-    init_torch_seeds(opt.seed, opt.deterministic)
+    if ckpt and opt.deterministic != torch.backends.cudnn.deterministic:  # the resumed run's own, or given now
+        LOGGER.info(kernel_choice(opt.deterministic) or "kernels: cuDNN benchmark (the resumed run's own)")
+    init_torch_seeds(opt.seed)
     with torch_distributed_zero_first(info.local_rank):  # local rank 0 makes built-in data and label caches first
         data = load_data_config(opt.data)
+        check_data_options(opt, data)  # before a shard index or label cache is built
         train_labels = load_labels(data["train"], nc=data["nc"], workers=opt.workers, prefix=colorstr("train: "),
                                    verbose=info.is_local_main)
         val_labels = load_labels(data["val"], nc=data["nc"], workers=opt.workers, prefix=colorstr("val: "),
@@ -365,9 +374,15 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
     save_dir = run_folder(opt, info, hyp)
 
     # ---- optimisation ------------------------------------------------------------------------------------
-    choice = choose_optimizer(opt.optimizer, opt.epochs, len(dataset), opt.batch_size, nc, hyp)
+    if ckpt:  # the run's own choice, whatever --epochs or --time say now
+        choice = resumed_choice(ckpt.get("optimizer_choice"), ckpt["opt"], len(dataset), nc, hyp, ckpt["optimizer"])
+    else:
+        choice = choose_optimizer(opt.optimizer, opt.epochs, len(dataset), opt.batch_size, nc, hyp)
     accumulate = choice.accumulate
-    LOGGER.info(f"optimizer: {choice.name} lr0={choice.lr0} momentum={choice.momentum} ({choice.reason})")
+    LOGGER.info(f"optimizer: {choice.name} lr0={choice.lr0} momentum={choice.momentum} accumulate={accumulate} "
+                f"({choice.reason})")
+    if unused := unused_hyp_values(choice, hyp):
+        LOGGER.info(f"optimizer: the hyp file's {' and '.join(unused)} not used ({choice.name}'s own instead)")
     decay = hyp.weight_decay * opt.batch_size * accumulate / NOMINAL_BATCH
     optimizer = build_optimizer(model, choice.name, choice.lr0, choice.momentum, decay)
     schedule = LrSchedule.for_run(opt.epochs, hyp.lrf, opt.cos_lr)
@@ -400,7 +415,8 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
         def checkpoint(epoch: int, mid_epoch: dict | None) -> dict:
             ckpt_now = training_checkpoint(model, ema, optimizer, scaler, epoch=epoch, mid_epoch=mid_epoch,
                                            best_fitness=record.best_fitness, best_epoch=record.best_epoch,
-                                           lr_schedule=t.schedule.segments, opt=opt, hyp=hyp.to_dict(),
+                                           lr_schedule=t.schedule.segments, optimizer_choice=choice.to_dict(),
+                                           opt=opt, hyp=hyp.to_dict(),
                                            world_size=info.world_size, run_id=info.run_id)
             # The weights of the epoch after `epoch` (the one a resume draws next), set before this is called.
             ckpt_now["class_weights"] = [float(w) for w in class_weights] if opt.image_weights else None
@@ -649,6 +665,13 @@ def check_options(opt: argparse.Namespace, info: DistInfo, resumed: bool) -> Non
     check_global_batch(opt.batch_size, info.world_size)
 
 
+def check_data_options(opt: argparse.Namespace, data: dict) -> None:
+    """The flags that the form of the training data rules out, as one-line UserErrors, once the data YAML is read."""
+    if opt.image_weights and isinstance(data["train"], ShardSet):
+        raise UserError(f"--image-weights draws images by index and is not available for tar shards "
+                        f"({data['yaml_file']} names shards for 'train'): drop --image-weights or train on image files")
+
+
 def check_global_batch(batch_size: int, world_size: int) -> None:
     if batch_size % world_size:
         raise UserError(f"--batch-size {batch_size} must be a multiple of WORLD_SIZE {world_size}")
@@ -833,15 +856,11 @@ def check_same_draw(info: DistInfo, draw: list[int], epoch: int, device: torch.d
         return
     digest = draw_digest(np.array(draw))
     extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
-    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)  # the largest and (negated) the smallest digest
+    with collective("all_reduce"):
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)  # the largest and (negated) the smallest digest
     if int(extremes[0]) != -int(extremes[1]):
         raise RuntimeError(f"--image-weights: the ranks drew different image lists for epoch {epoch}")
     LOGGER.info(f"image weights: epoch {epoch} draw {digest:08x} is the same on all {info.world_size} ranks")
-
-
-def _is_collective_failure(error: BaseException) -> bool:
-    text = str(error).lower()
-    return isinstance(error, dist.DistError) or any(w in text for w in ("gloo", "nccl", "timed out", "connection"))
 
 
 def progress_line(epoch: int, epochs: int, device: torch.device, mean_loss: np.ndarray, micro: list) -> str:

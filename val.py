@@ -7,6 +7,10 @@ Training calls ``validate`` each epoch with its own model and loader.
 """
 from __future__ import annotations
 
+from utils.versions import require_supported_versions
+
+require_supported_versions()  # first: on an older Python or torch the imports below fail with a traceback
+
 import argparse
 import copy
 import sys
@@ -276,9 +280,12 @@ def _gather_results(seen: int, n_batches: int, stats: list, images_per_class: np
     """Every rank's results on every rank: counts summed, per-image lists concatenated in rank order."""
     import torch.distributed as dist
 
+    from utils.distributed import collective
+
     mine = (seen, n_batches, stats, images_per_class, confusion, times, batch_losses, json_results, json_images)
     parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, mine)  # pickled between our own processes only
+    with collective("all_gather"):
+        dist.all_gather_object(parts, mine)  # pickled between our own processes only
     return (sum(p[0] for p in parts), sum(p[1] for p in parts), [s for p in parts for s in p[2]],
             sum(p[3] for p in parts), sum(p[4] for p in parts), sum(p[5] for p in parts),
             [b for p in parts for b in p[6]], [j for p in parts for j in p[7]],
@@ -504,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     info = dist_info()
     end_with_launcher(info)
     setup_logging(info.rank)
-    LOGGER.info(setup_process())
+    LOGGER.info(setup_process(opt.device))
     try:
         return run_reporting_errors(lambda: run_options(opt) and None)
     finally:

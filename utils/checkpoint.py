@@ -8,7 +8,8 @@ checkpoint is the models' job (``models.yolo.build_model``); this module only ha
 Training state (what ``--resume`` and launcher restarts need): ``optimizer``, ``scaler``, ``ema``/``updates``,
 ``epoch`` (the last completed epoch, -1 before the first), ``mid_epoch`` (None, or where a checkpoint written
 inside an epoch stands: the epoch, the batches done and the epoch's loss sums so far), ``best_fitness``,
-``best_epoch``, ``lr_schedule`` (see utils/lr_schedule.py), ``opt``, ``hyp``, ``world_size`` and ``run_id``;
+``best_epoch``, ``lr_schedule`` (see utils/lr_schedule.py), ``optimizer_choice`` (the optimizer, lr0, momentum
+and accumulation the run started with; see utils/optimizer.py), ``opt``, ``hyp``, ``world_size`` and ``run_id``;
 train.py adds ``class_weights`` (--image-weights: the class weights of the next epoch's draw, or None).
 """
 from __future__ import annotations
@@ -114,8 +115,8 @@ def model_weights(ckpt: dict[str, Any], prefer_ema: bool = True) -> dict[str, to
 
 def training_checkpoint(model: nn.Module, ema, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                         *, epoch: int, mid_epoch: dict[str, Any] | None, best_fitness: float, best_epoch: int,
-                        lr_schedule: list[list[float]], opt: argparse.Namespace, hyp: dict[str, float],
-                        world_size: int, run_id: str) -> dict[str, Any]:
+                        lr_schedule: list[list[float]], optimizer_choice: dict[str, Any], opt: argparse.Namespace,
+                        hyp: dict[str, float], world_size: int, run_id: str) -> dict[str, Any]:
     """Everything needed to resume, in the safe format: tensors, state_dicts and plain values only."""
     return {
         **model_state(model),
@@ -128,6 +129,7 @@ def training_checkpoint(model: nn.Module, ema, optimizer: torch.optim.Optimizer,
         "best_fitness": float(best_fitness),
         "best_epoch": best_epoch,
         "lr_schedule": lr_schedule,
+        "optimizer_choice": dict(optimizer_choice),
         "opt": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opt).items()},
         "hyp": dict(hyp),
         "world_size": world_size,
