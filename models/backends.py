@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from utils.cli import INFERENCE_IMGSZ
 from utils.errors import UserError
 
 METADATA_FILE = "config.txt"  # the TorchScript extra file holding the metadata (YOLOv5's name for it)
@@ -35,6 +36,7 @@ class ModelMeta:
     kind: str  # "pytorch", "onnx" or "torchscript"
     imgsz: tuple[int, int] | None = None  # (h, w) the file only accepts, None when any multiple of the stride fits
     batch: int | None = None  # the batch size the file only accepts, None when any
+    trained_imgsz: int | None = None  # the image size a .pt was trained at, when its checkpoint says
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -85,11 +87,12 @@ class OnnxRuntimeModel(nn.Module):
         except Exception as e:  # onnxruntime raises its own exception types for bad files  # noqa: BLE001
             raise UserError(f"{path}: onnxruntime cannot open it ({e.__class__.__name__}: {str(e).splitlines()[0]})")
         self.input_name = self.session.get_inputs()[0].name
+        self.input_dtype = np.float16 if self.session.get_inputs()[0].type == "tensor(float16)" else np.float32
         self.metadata = self.session.get_modelmeta().custom_metadata_map
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        (out,) = self.session.run(None, {self.input_name: x.detach().cpu().float().numpy()})[:1]
-        return torch.from_numpy(np.asarray(out)).to(x.device)
+        (out,) = self.session.run(None, {self.input_name: x.detach().cpu().numpy().astype(self.input_dtype)})[:1]
+        return torch.from_numpy(np.asarray(out)).float().to(x.device)  # an fp16 file (export --half) too
 
 
 class TorchScriptModel(nn.Module):
@@ -151,11 +154,23 @@ def load_for_inference(weights: str | Path, device: torch.device | str = "cpu",
         raise UserError(f"{path}: unknown weights format (expected {', '.join(SUFFIXES)})")
     from models.yolo import load_model
 
-    model, _ = load_model(path, device)
+    from utils.checkpoint import trained_imgsz
+
+    model, ckpt = load_model(path, device)
     model = model.float()
     if fuse:
         model.fuse()
-    return model.eval(), ModelMeta(names=list(model.names), stride=int(model.stride.max()), kind="pytorch")
+    return model.eval(), ModelMeta(names=list(model.names), stride=int(model.stride.max()), kind="pytorch",
+                                   trained_imgsz=trained_imgsz(ckpt))
+
+
+def default_imgsz(meta: ModelMeta) -> tuple[int, str]:
+    """The inference size when --imgsz is left out, and where it comes from (for the one log line)."""
+    if meta.imgsz is not None:
+        return max(meta.imgsz), "from the exported file"
+    if meta.trained_imgsz is not None:
+        return meta.trained_imgsz, "from the checkpoint"
+    return INFERENCE_IMGSZ, "the default; the checkpoint does not record its training size"
 
 
 def predictions(output: Any) -> torch.Tensor:
