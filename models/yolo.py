@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import sys
 from copy import deepcopy
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 import yaml
+
+if __name__ == "__main__" and __package__ in (None, ""):
+    # Run as a script (python models/yolo.py): make the repository importable, as `python -m models.yolo` does.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.anchor_free import AnchorFreeDetect
 from models.blocks import C2PSA, C2f, C3k2, DWConv
