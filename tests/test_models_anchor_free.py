@@ -19,6 +19,7 @@ from models.blocks import C3k, C3k2, PSABlock
 from models.common import SPPF
 from models.yolo import Detect, Model, family_name, load_model_config, parse_model
 from utils.errors import UserError
+from utils.log import LOGGER
 
 FIXTURES = Path(__file__).parent / "fixtures" / "ultralytics"
 
@@ -220,8 +221,13 @@ def test_scale_from_file_name_and_block_variants(caplog) -> None:
     # A checkpoint's own config dict carries its scale.
     assert family_name(cfg) == "yolo26" and family_name(load_model_config("yolov5n.yaml")) == "yolov5"
     unscaled = load_model_config("yolo11.yaml")
-    with caplog.at_level(logging.WARNING):
-        layers = layers_on_meta_from(unscaled)
+    # Captured on the project logger itself: whether it propagates depends on earlier setup_logging calls.
+    LOGGER.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger=LOGGER.name):
+            layers = layers_on_meta_from(unscaled)
+    finally:
+        LOGGER.removeHandler(caplog.handler)
     assert "no model scale" in caplog.text and sum(p.numel() for p in layers.parameters()) == ULTRALYTICS_PARAMS[
         "yolo11n"]
     bad = dict(unscaled, scale="q")
