@@ -83,9 +83,10 @@ class GroundTruth(NamedTuple):
 class HeadTargets(NamedTuple):
     """One head's decoded predictions and their assignment."""
 
-    box_logits: torch.Tensor  # (B, A, 4 * reg_max) with grad
-    cls_logits: torch.Tensor  # (B, A, nc) with grad
-    pred_boxes: torch.Tensor  # (B, A, 4) xyxy grid units, with grad
+    box_logits: torch.Tensor  # (B, 4 * reg_max, A) with grad
+    cls_logits: torch.Tensor  # (B, nc, A) with grad
+    anchor_points: torch.Tensor  # (A, 2) grid units
+    strides: torch.Tensor  # (A, 1)
     assigned: Assignment  # target boxes in pixels
     score_sum: torch.Tensor  # () this rank's sum of target scores
 
@@ -163,7 +164,7 @@ class AnchorFreeLoss:
         gt = self._ground_truth(levels, targets)
         head = self.assign(levels, gt, self.assigner)
         tss = global_sum(head.score_sum, reduce).clamp(min=1.0)
-        items = self.terms(head, levels, tss)
+        items = self.terms(head, self._image_hw(levels), tss)
         images = norm.images if norm is not None else levels[0].shape[0]
         return items.sum() * images, items.detach()
 
@@ -191,39 +192,52 @@ class AnchorFreeLoss:
         if any(p.shape[1] != channels for p in levels):
             raise ValueError(f"head outputs have {[p.shape[1] for p in levels]} channels, expected {channels} "
                              f"(4 * reg_max {self.reg_max} + nc {self.nc})")
-        flat = torch.cat([p.view(batch, channels, -1) for p in levels], 2).transpose(1, 2)  # (B, A, C)
-        box_logits, cls_logits = flat.split((4 * self.reg_max, self.nc), 2)
+        # Channels first, as the head makes them: no transposed copy of the whole output.
+        flat = torch.cat([p.view(batch, channels, -1) for p in levels], 2)  # (B, C, A)
+        box_logits, cls_logits = flat.split((4 * self.reg_max, self.nc), 1)
         anchor_points, strides = self._anchors(levels)
-        pred_boxes = _dist2bbox(self._distances(box_logits), anchor_points)  # grid units
+        with torch.no_grad():
+            if self.reg_max > 1:  # the bins' expectation, softmax along the channels: no transposed copy
+                probs = box_logits.detach().view(batch, 4, self.reg_max, -1).softmax(2)
+                bins = torch.arange(self.reg_max, device=flat.device, dtype=flat.dtype).view(-1, 1)
+                distances = (probs * bins).sum(2)  # (B, 4, A)
+            else:
+                distances = box_logits.detach()
+            pred_boxes = _dist2bbox(distances.transpose(1, 2), anchor_points) * strides
+        assigned = assigner(cls_logits.detach().transpose(1, 2), pred_boxes, anchor_points * strides, gt.labels,
+                            gt.boxes, gt.mask)
+        return HeadTargets(box_logits, cls_logits, anchor_points, strides, assigned, assigned.target_scores.sum())
 
-        assigned = assigner(cls_logits.detach().sigmoid(), pred_boxes.detach() * strides, anchor_points * strides,
-                            gt.labels, gt.boxes, gt.mask)
-        return HeadTargets(box_logits, cls_logits, pred_boxes, assigned, assigned.target_scores.sum())
-
-    def terms(self, head: HeadTargets, levels: list[torch.Tensor], tss: torch.Tensor) -> torch.Tensor:
+    def terms(self, head: HeadTargets, image_hw: tuple[int, int], tss: torch.Tensor) -> torch.Tensor:
         """(3,) gained box, cls and dfl|l1 terms of one head, this rank's sums over the global ``tss``."""
         assigned = head.assigned
-        target_scores = assigned.target_scores
-        if self.smooth_scale != 1.0:
-            target_scores = target_scores * self.smooth_scale + self.smooth_offset
-        cls = F.binary_cross_entropy_with_logits(head.cls_logits, target_scores, reduction="sum") / tss
-
-        anchor_points, strides = self._anchors(levels)
         image, anchor = assigned.fg_mask.nonzero(as_tuple=True)
-        weight = assigned.target_scores[image, anchor].sum(-1)  # (P,)
-        target_boxes = assigned.target_boxes[image, anchor] / strides[anchor]  # grid units
-        ciou = bbox_ciou_xyxy(head.pred_boxes[image, anchor], target_boxes)
+        labels = assigned.target_labels[image, anchor]
+        weight = assigned.target_scores[image, anchor].sum(-1)  # (P,) the positives' target scores
+
+        # BCE(x, t) = softplus(x) - t * x, and t is zero but on the positives' assigned class: the t * x sum is
+        # sparse (label smoothing adds eps / 2 to every t).
+        logits = head.cls_logits
+        target_dot_logit = (weight * logits[image, labels, anchor]).sum() * self.smooth_scale
+        if self.smooth_offset:
+            target_dot_logit = target_dot_logit + self.smooth_offset * logits.sum()
+        cls = (F.softplus(logits).sum() - target_dot_logit) / tss
+
+        # Box terms on the positives only.
+        strides = head.strides[anchor]  # (P, 1)
+        box_logits = head.box_logits[image, :, anchor]  # (P, 4 * reg_max)
+        anchor_points = head.anchor_points[anchor]
+        target_boxes = assigned.target_boxes[image, anchor] / strides  # grid units
+        ciou = bbox_ciou_xyxy(_dist2bbox(self._distances(box_logits), anchor_points), target_boxes)
         box = ((1.0 - ciou) * weight).sum() / tss
 
-        target_dist = _bbox2dist(anchor_points[anchor], target_boxes)  # (P, 4) strides
-        box_logits = head.box_logits[image, anchor]
+        target_dist = _bbox2dist(anchor_points, target_boxes)  # (P, 4) strides
         if self.reg_max > 1:
             side = self._dfl(box_logits.reshape(-1, self.reg_max), target_dist.reshape(-1)).view(-1, 4)
         else:
-            h, w = self._image_hw(levels)
+            h, w = image_hw
             image_wh = torch.tensor((w, h, w, h), device=strides.device, dtype=torch.float32)
-            stride = strides[anchor]
-            side = (box_logits * stride / image_wh - target_dist * stride / image_wh).abs()
+            side = (box_logits * strides / image_wh - target_dist * strides / image_wh).abs()
         dist = (side.mean(-1) * weight).sum() / tss
 
         box_gain, cls_gain, dist_gain = self.gains
@@ -234,12 +248,11 @@ class AnchorFreeLoss:
         return _make_anchors(shapes, [float(s) for s in self.head.stride], levels[0].device)
 
     def _distances(self, box_logits: torch.Tensor) -> torch.Tensor:
-        """(B, A, 4 * reg_max) -> (B, A, 4) ltrb in strides: the expectation of each side's bins (raw if reg_max 1)."""
+        """(..., 4 * reg_max) -> (..., 4) ltrb in strides: the expectation of each side's bins (raw if reg_max 1)."""
         if self.reg_max == 1:
             return box_logits
-        batch, anchors, _ = box_logits.shape
         bins = torch.arange(self.reg_max, device=box_logits.device, dtype=box_logits.dtype)
-        return box_logits.view(batch, anchors, 4, self.reg_max).softmax(3).matmul(bins)
+        return box_logits.unflatten(-1, (4, self.reg_max)).softmax(-1).matmul(bins)
 
     def _dfl(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """(S,) DFL of S side distributions (S, reg_max) against distances (S,) in strides."""
@@ -286,8 +299,9 @@ class End2EndLoss(AnchorFreeLoss):
         o2m = self.assign(o2m_levels, gt, self.assigner)
         o2o = self.assign(o2o_levels, gt, self.o2o_assigner)
         tss = global_sum(torch.stack((o2m.score_sum, o2o.score_sum)), reduce).clamp(min=1.0)  # one collective
-        o2m_items = self.terms(o2m, o2m_levels, tss[0])
-        o2o_items = self.terms(o2o, o2o_levels, tss[1])
+        image_hw = self._image_hw(o2m_levels)
+        o2m_items = self.terms(o2m, image_hw, tss[0])
+        o2o_items = self.terms(o2o, image_hw, tss[1])
         images = norm.images if norm is not None else o2m_levels[0].shape[0]
         loss = (o2m_items.sum() * self.o2m_weight + o2o_items.sum() * self.o2o_weight) * images
         return loss, o2o_items.detach()
