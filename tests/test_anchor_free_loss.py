@@ -1,4 +1,4 @@
-"""The anchor-free loss and its task-aligned assigner against Ultralytics' own (committed fixtures), and at any world size.
+"""The anchor-free loss and its task-aligned assigner: equal to Ultralytics' (committed fixtures), any world size.
 
 tests/fixtures/ultralytics/anchor_free_loss.pt is made by make_loss_fixtures.py beside it (run by hand with the
 environment that has Ultralytics). Ultralytics' loss returns the gained terms times the batch size and its trainer

@@ -53,9 +53,9 @@ class TaskAlignedAssigner:
                  gt_labels: torch.Tensor, gt_boxes: torch.Tensor, gt_mask: torch.Tensor) -> Assignment:
         """Assign a batch.
 
-        pred_logits (B, A, nc) class logits (the sigmoid is taken only where needed; any strides); pred_boxes (B, A, 4) xyxy; anchor_points
-        (A, 2) xy in the same units (pixels); gt_labels (B, M) long; gt_boxes (B, M, 4) xyxy; gt_mask (B, M) bool,
-        False on padding rows.
+        pred_logits (B, A, nc) class logits (any memory layout; the sigmoid is taken only where needed);
+        pred_boxes (B, A, 4) xyxy; anchor_points (A, 2) xy in the same units (pixels); gt_labels (B, M) long;
+        gt_boxes (B, M, 4) xyxy; gt_mask (B, M) bool, False on padding rows.
         """
         batch, num_anchors, _ = pred_logits.shape
         num_gt = gt_boxes.shape[1]
