@@ -136,11 +136,13 @@ class AnchorFreeLoss:
                  small_object_px: float | None = 16.0, label_smoothing: float = 0.0,
                  gains: tuple[float, float, float] | None = None) -> None:
         head = de_parallel(model).model[-1]
-        self.head = head  # strides are read at call time: they follow .to()
+        self.strides: list[float] = [float(s) for s in head.stride]  # fixed once the model is built
         self.nc: int = int(head.nc)
         self.reg_max: int = int(head.reg_max)
         self.item_names: tuple[str, str, str] = ("box", "cls", "dfl" if self.reg_max > 1 else "l1")
         if gains is None:
+            if not all(hasattr(hyp, key) for key in ("box", "cls", "dfl")):
+                raise ValueError("AnchorFreeLoss needs the gains box, cls and dfl: from hyp or as gains=(box, cls, dfl)")
             gains = (float(hyp.box), float(hyp.cls), float(hyp.dfl))
         self.gains = gains
         self.assigner = TaskAlignedAssigner(self.nc, tal_topk, TAL_ALPHA, TAL_BETA, topk2=tal_topk2,
@@ -178,7 +180,7 @@ class AnchorFreeLoss:
 
     def _image_hw(self, levels: list[torch.Tensor]) -> tuple[int, int]:
         """The input size, from the finest level's grid (inputs are multiples of the largest stride)."""
-        stride = float(self.head.stride[0])
+        stride = self.strides[0]
         return int(levels[0].shape[2] * stride), int(levels[0].shape[3] * stride)
 
     def _ground_truth(self, levels: list[torch.Tensor], targets: torch.Tensor) -> GroundTruth:
@@ -193,7 +195,7 @@ class AnchorFreeLoss:
             raise ValueError(f"head outputs have {[p.shape[1] for p in levels]} channels, expected {channels} "
                              f"(4 * reg_max {self.reg_max} + nc {self.nc})")
         # Channels first, as the head makes them: no transposed copy of the whole output.
-        flat = torch.cat([p.view(batch, channels, -1) for p in levels], 2)  # (B, C, A)
+        flat = torch.cat([p.reshape(batch, channels, -1) for p in levels], 2)  # (B, C, A)
         box_logits, cls_logits = flat.split((4 * self.reg_max, self.nc), 1)
         anchor_points, strides = self._anchors(levels)
         with torch.no_grad():
@@ -245,7 +247,7 @@ class AnchorFreeLoss:
 
     def _anchors(self, levels: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         shapes = [(p.shape[2], p.shape[3]) for p in levels]
-        return _make_anchors(shapes, [float(s) for s in self.head.stride], levels[0].device)
+        return _make_anchors(shapes, self.strides, levels[0].device)
 
     def _distances(self, box_logits: torch.Tensor) -> torch.Tensor:
         """(..., 4 * reg_max) -> (..., 4) ltrb in strides: the expectation of each side's bins (raw if reg_max 1)."""
