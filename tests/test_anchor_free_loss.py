@@ -259,3 +259,24 @@ def test_protocol_and_bad_inputs(cases):
         v8([p.float()[:, :-1] for p in cases["v8_random"]["levels"]], cases["v8_random"]["targets"])
     with pytest.raises(TypeError, match="one2many"):
         e2e([p.float() for p in cases["yolo26_forward"]["one2many"]], cases["yolo26_forward"]["targets"])
+
+
+@pytest.mark.parametrize("cfg", ["yolov8.yaml", "yolo26.yaml"])
+def test_trains_a_real_model_of_the_family(cases, cfg):
+    """The head's training output is what the loss takes; one step's gradient reaches every trainable parameter."""
+    from models.yolo import Model, load_model_config
+
+    config = load_model_config(cfg)
+    config["scales"], config["scale"] = {"t": [0.33, 0.125, 256]}, "t"  # narrow: quick
+    torch.manual_seed(0)
+    model = Model(config, nc=3).train()
+    end2end = cfg.startswith("yolo26")
+    loss_fn = (End2EndLoss if end2end else AnchorFreeLoss)(model, gains=GAINS)
+    loss, items = loss_fn(model(torch.rand(2, 3, 64, 64)), cases["v8_forward"]["targets"])
+    assert loss.ndim == 0 and torch.isfinite(loss) and loss > 0
+    assert items.shape == (3,) and (items > 0).all()
+    loss.backward()
+    # Every trainable parameter is in the graph (DDP needs that), the box branch of a level without positives too.
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    assert not missing, missing
+    assert model.model[0].conv.weight.grad.abs().sum() > 0

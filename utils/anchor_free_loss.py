@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models.anchor_free import bbox2dist, dist2bbox, make_anchors
 from utils.assigner import Assignment, TaskAlignedAssigner
 from utils.boxes import bbox_ciou_xyxy, xywh2xyxy
 from utils.distributed import de_parallel
@@ -41,33 +42,6 @@ TAL_BETA = 6.0  # CIoU exponent of the alignment metric
 DFL_TARGET_MARGIN = 0.01  # DFL targets stop this far below the last bin, so bin floor(d) + 1 exists
 O2M_WEIGHT_FIRST = 0.8  # YOLO26: one-to-many weight in the first epoch ...
 O2M_WEIGHT_LAST = 0.1  # ... and in the last
-
-
-# ---- anchors (private until models/anchor_free.py provides them) ---------------------------------------------
-
-def _make_anchors(shapes: Sequence[tuple[int, int]], strides: Sequence[float], device: torch.device,
-                  offset: float = 0.5) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cell centres (A, 2) xy in grid units and their strides (A, 1); levels in order, row-major within one."""
-    points, stride_rows = [], []
-    for (ny, nx), stride in zip(shapes, strides):
-        ys = torch.arange(ny, device=device, dtype=torch.float32) + offset
-        xs = torch.arange(nx, device=device, dtype=torch.float32) + offset
-        gy, gx = torch.meshgrid(ys, xs, indexing="ij")
-        points.append(torch.stack((gx, gy), -1).view(-1, 2))
-        stride_rows.append(torch.full((ny * nx, 1), float(stride), device=device))
-    return torch.cat(points), torch.cat(stride_rows)
-
-
-def _dist2bbox(distance: torch.Tensor, anchor_points: torch.Tensor) -> torch.Tensor:
-    """ltrb distances (..., 4) from anchor points (..., 2) -> xyxy boxes (..., 4)."""
-    lt, rb = distance.chunk(2, -1)
-    return torch.cat((anchor_points - lt, anchor_points + rb), -1)
-
-
-def _bbox2dist(anchor_points: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
-    """xyxy boxes (..., 4) -> ltrb distances (..., 4) from anchor points (..., 2), unclamped."""
-    x1y1, x2y2 = boxes.chunk(2, -1)
-    return torch.cat((anchor_points - x1y1, x2y2 - anchor_points), -1)
 
 
 # ---- pieces shared by both losses ------------------------------------------------------------------------------
@@ -205,7 +179,7 @@ class AnchorFreeLoss:
                 distances = (probs * bins).sum(2)  # (B, 4, A)
             else:
                 distances = box_logits.detach()
-            pred_boxes = _dist2bbox(distances.transpose(1, 2), anchor_points) * strides
+            pred_boxes = dist2bbox(distances.transpose(1, 2), anchor_points, xywh=False) * strides
         assigned = assigner(cls_logits.detach().transpose(1, 2), pred_boxes, anchor_points * strides, gt.labels,
                             gt.boxes, gt.mask)
         return HeadTargets(box_logits, cls_logits, anchor_points, strides, assigned, assigned.target_scores.sum())
@@ -230,10 +204,10 @@ class AnchorFreeLoss:
         box_logits = head.box_logits[image, :, anchor]  # (P, 4 * reg_max)
         anchor_points = head.anchor_points[anchor]
         target_boxes = assigned.target_boxes[image, anchor] / strides  # grid units
-        ciou = bbox_ciou_xyxy(_dist2bbox(self._distances(box_logits), anchor_points), target_boxes)
+        ciou = bbox_ciou_xyxy(dist2bbox(self._distances(box_logits), anchor_points, xywh=False), target_boxes)
         box = ((1.0 - ciou) * weight).sum() / tss
 
-        target_dist = _bbox2dist(anchor_points, target_boxes)  # (P, 4) strides
+        target_dist = bbox2dist(anchor_points, target_boxes)  # (P, 4) strides, unclamped (DFL clamps its own)
         if self.reg_max > 1:
             side = self._dfl(box_logits.reshape(-1, self.reg_max), target_dist.reshape(-1)).view(-1, 4)
         else:
@@ -246,8 +220,7 @@ class AnchorFreeLoss:
         return torch.stack((box * box_gain, cls * cls_gain, dist * dist_gain))
 
     def _anchors(self, levels: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        shapes = [(p.shape[2], p.shape[3]) for p in levels]
-        return _make_anchors(shapes, self.strides, levels[0].device)
+        return make_anchors(levels, self.strides)
 
     def _distances(self, box_logits: torch.Tensor) -> torch.Tensor:
         """(..., 4 * reg_max) -> (..., 4) ltrb in strides: the expectation of each side's bins (raw if reg_max 1)."""
