@@ -117,52 +117,67 @@ def test_gradients_equal_ultralytics(cases, name):
         torch.testing.assert_close(p.grad, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
 
 
-def _split(case: dict, images: int) -> list[tuple[object, torch.Tensor]]:
-    """The case's batch as two halves: (preds, targets) each, image indices renumbered."""
+def _split(case: dict, bounds: tuple[int, ...]) -> list[tuple[object, torch.Tensor]]:
+    """The whole batch, then its parts images bounds[i]:bounds[i + 1]: (preds, targets) each, images renumbered."""
     preds = _preds(case, grad=True)
     t = case["targets"]
-    halves = []
-    for lo, hi in ((0, images // 2), (images // 2, images)):
+    parts = []
+    for lo, hi in zip(bounds, bounds[1:]):
         def cut(levels):
             return [p[lo:hi].detach().clone().requires_grad_(True) for p in levels]
         part = cut(preds) if isinstance(preds, list) else {k: cut(v) for k, v in preds.items()}
         rows = t[(t[:, 0] >= lo) & (t[:, 0] < hi)].clone()
         rows[:, 0] -= lo
-        halves.append((part, rows))
-    return [(preds, t), *halves]
+        parts.append((part, rows))
+    return [(preds, t), *parts]
 
 
 def _leaves(preds) -> list[torch.Tensor]:
     return preds if isinstance(preds, list) else [*preds["one2many"], *preds["one2one"]]
 
 
-@pytest.mark.parametrize("name", ["v8_many", "yolo26_random"])
-def test_two_ranks_add_up_to_one_process(cases, name):
-    """Each half divides its sums by the global target-score sum (``reduce``): the halves add up to the whole."""
+# v8_many has 30, 0 and 25 targets in its 3 images: as 3 ranks, one has none. yolo26_random: 20, 7, 0.
+@pytest.mark.parametrize("name, bounds", [("v8_many", (0, 1, 2, 3)), ("yolo26_random", (0, 1, 3))])
+def test_ranks_add_up_to_one_process(cases, name, bounds):
+    """Each rank divides its sums by the global target-score sum (``reduce``): the ranks add up to one process."""
     case = cases[name]
-    images = _preds(case)[0].shape[0] if case["reg_max"] > 1 else case["one2many"][0].shape[0]
-    (whole, targets), *halves = _split(case, images)
+    (whole, targets), *ranks = _split(case, bounds)
     loss_fn = _loss(case)
     whole_loss, whole_items = loss_fn(whole, targets)
     whole_loss.backward()
 
     local: list[torch.Tensor] = []  # pass 1: each rank's own target-score sums
-    for preds, rows in halves:
+    for preds, rows in ranks:
         loss_fn(preds, rows, reduce=lambda t: local.append(t.clone()) or t)
-    assert len(local) == 2
-    global_sum = local[0] + local[1]
+    assert len(local) == len(ranks)  # one reduce per call, also on a rank without targets
+    global_sum = sum(local)
 
-    norm = LossNorm(positives=torch.zeros(0), images=images)
+    norm = LossNorm(positives=torch.zeros(0), images=bounds[-1])
     loss_sum, items_sum = 0.0, 0.0
-    for preds, rows in halves:
+    for preds, rows in ranks:
         loss, items = loss_fn(preds, rows, norm=norm, reduce=lambda t: global_sum.clone())
         loss.backward()
-        loss_sum, items_sum = loss_sum + loss, items_sum + items
-    assert abs(float(loss_sum.detach()) - float(whole_loss.detach())) <= 2e-5 * abs(float(whole_loss.detach()))
+        loss_sum, items_sum = loss_sum + loss.detach(), items_sum + items
+    assert abs(float(loss_sum) - float(whole_loss.detach())) <= 2e-5 * abs(float(whole_loss.detach()))
     torch.testing.assert_close(items_sum, whole_items, rtol=2e-5, atol=0)
     for i, w in enumerate(_leaves(whole)):
-        g = torch.cat([_leaves(preds)[i].grad for preds, _ in halves])
+        g = torch.cat([_leaves(preds)[i].grad for preds, _ in ranks])
         torch.testing.assert_close(g, w.grad, rtol=2e-5, atol=2e-5 * float(w.grad.abs().max()))
+
+
+def test_label_smoothing_is_bce_on_smoothed_soft_targets(cases):
+    case = cases["v8_random"]
+    eps = 0.1
+    loss = _loss(case, label_smoothing=eps)
+    levels = _preds(case)
+    head = loss.assign(levels, loss._ground_truth(levels, case["targets"]), loss.assigner)
+    tss = head.score_sum.clamp(min=1)
+    cls = loss.terms(head, (64, 64), tss)[1]
+    logits = head.cls_logits.transpose(1, 2)  # (B, A, nc) as the targets
+    targets = head.assigned.target_scores * (1 - eps) + eps / 2
+    expected = torch.nn.functional.binary_cross_entropy_with_logits(logits, targets, reduction="sum") / tss * GAINS[1]
+    assert _rel(cls, expected) < 1e-5
+    assert _rel(cls, _loss(case).terms(head, (64, 64), tss)[1]) > 1e-3  # and differs from no smoothing
 
 
 def test_end2end_weights_follow_the_epochs(cases):
