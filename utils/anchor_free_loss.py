@@ -16,9 +16,10 @@ global micro-batch's image count. A rank's terms are its own sums over the globa
 gradients add up to those of the whole global micro-batch on one process: a step is the same at any world size.
 
 YOLO26 (``End2EndLoss``) trains both heads: the one-to-many head with top-k 10 and the one-to-one head with top-k 7
-then 1 (at most one positive per gt: one, unless conflicts gave all its candidates to other gts), weighted lambda and 1 - lambda, lambda falling linearly from 0.8 in the first epoch to
-0.1 in the last (``set_epoch``). Its items are the one-to-one head's, the head used at inference (as Ultralytics
-logs them); the loss is the weighted sum of both heads'.
+then 1 (at most one positive per gt: one, unless conflicts gave all its candidates to other gts), weighted lambda
+and 1 - lambda, lambda falling linearly from 0.8 in the first epoch to 0.1 in the last (``set_epoch``). Its items are
+the one-to-one head's, the head used at inference (as Ultralytics logs them); the loss is the weighted sum of both
+heads'.
 """
 from __future__ import annotations
 
