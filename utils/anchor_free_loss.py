@@ -117,7 +117,7 @@ class AnchorFreeLoss:
         self.item_names: tuple[str, str, str] = ("box", "cls", "dfl" if self.reg_max > 1 else "l1")
         if gains is None:
             if not all(hasattr(hyp, key) for key in ("box", "cls", "dfl")):
-                raise ValueError("AnchorFreeLoss needs the gains box, cls and dfl: from hyp or as gains=(box, cls, dfl)")
+                raise ValueError("AnchorFreeLoss needs the gains box, cls and dfl: in hyp or as gains=(box, cls, dfl)")
             gains = (float(hyp.box), float(hyp.cls), float(hyp.dfl))
         self.gains = gains
         self.assigner = TaskAlignedAssigner(self.nc, tal_topk, TAL_ALPHA, TAL_BETA, topk2=tal_topk2,
