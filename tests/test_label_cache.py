@@ -111,7 +111,8 @@ def _scan_counter(monkeypatch) -> list[int]:
 
 def test_broken_dataset_counts_exact_and_good_samples_intact(broken: Path) -> None:
     label_set = load_label_set(list_image_files(str(broken)), nc=NC, source=str(broken))
-    assert label_set.counts == {"labelled": 10, "background": 1, "empty": 1, "corrupt": 10, "duplicates": 1}
+    assert label_set.counts == {"labelled": 10, "background": 1, "empty": 1, "corrupt": 10, "duplicates": 1,
+                                "label_files_unusable": 6}
     names = {Path(f).stem for f in label_set.im_files}
     assert names == {"good_a", "good_b", "truncated", "rgba", "deep", "gray", "exif", "dup", "excess", "bitmap",
                      "nolabel", "empty"}

@@ -106,7 +106,7 @@ def verify_pair(im_file: str, lb_file: str, nc: int | None) -> tuple[int, tuple[
     return (LABELLED if len(labels) else EMPTY), shape, labels, n_dup, "; ".join(notes)
 
 
-Chunk = tuple[list[int], list[tuple[int, int]], list[int], np.ndarray, int, list[str]]
+Chunk = tuple[list[int], list[tuple[int, int]], list[int], np.ndarray, int, list[str], int]
 
 
 def _verify_chunk(args: tuple[list[str], list[str], int | None]) -> Chunk:
@@ -114,9 +114,10 @@ def _verify_chunk(args: tuple[list[str], list[str], int | None]) -> Chunk:
     im_files, lb_files, nc = args
     results = [verify_pair(im, lb, nc) for im, lb in zip(im_files, lb_files)]
     labels = [r[2] for r in results if len(r[2])]
+    label_errors = sum(r[0] == CORRUPT and r[4].startswith(lb) for r, lb in zip(results, lb_files))
     return ([r[0] for r in results], [r[1] for r in results], [len(r[2]) for r in results],
             np.concatenate(labels, 0) if labels else np.zeros((0, 5), np.float32),
-            sum(r[3] for r in results), [r[4].replace("\n", " ") for r in results if r[4]])
+            sum(r[3] for r in results), [r[4].replace("\n", " ") for r in results if r[4]], label_errors)
 
 
 def cache_path_for(source: str | list[str], label_files: list[str]) -> Path:
@@ -170,10 +171,11 @@ def read_yolo_table(im_files: list[str], nc: int | None, workers: int = 8, prefi
 
     def build() -> LabelTable:
         builder = TableBuilder()
-        for chunk_files, (status, shapes, counts, rows, dups, messages) in scan(im_files, label_files, nc, workers,
+        for chunk_files, (status, shapes, counts, rows, dups, messages, label_errors) in scan(im_files, label_files, nc, workers,
                                                                                  prefix, show_progress=verbose):
             builder.add_many(chunk_files, status, shapes, counts, rows, messages)
             builder.count("duplicates", dups)
+            builder.count("label_files_unusable", label_errors)  # of the corrupt ones: the label file, not the image
         return builder.build()
 
     return cached_table(cache_path, digest, build)
