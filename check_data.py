@@ -35,23 +35,25 @@ def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-imbalance", type=float, default=t.max_imbalance,
                    help="class imbalance warning: most / least common class instances above this")
     p.add_argument("--save-dir", default="runs/check_data", help="where labels.jpg is written")
+    p.add_argument("--noplots", action="store_true", help="no labels.jpg")
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--strict", action="store_true", help="exit 1 on leaks, corrupt files or label errors")
     return p.parse_args(argv)
 
 
 def run(opt: argparse.Namespace) -> int:
-    from utils.plots import plot_labels
-
     config = load_data_config(opt.data)
     thresholds = Thresholds(opt.imgsz, opt.min_box_px, opt.max_aspect, opt.max_imbalance)
     health = check_dataset(config, thresholds, opt.workers)
     for line in report_lines(health, config["names"]):
         print(line)
-    train = health.splits[0].table
-    usable = train.labels.rows[(train.status != CORRUPT)[train.labels.image_of_row()]]
-    plot = plot_labels(np.asarray(usable), config["names"], Path(opt.save_dir))
-    print(f"class counts and box sizes: {plot}")
+    if not opt.noplots:
+        from utils.plots import plot_labels
+
+        train = health.splits[0].table
+        usable = train.labels.rows[(train.status != CORRUPT)[train.labels.image_of_row()]]
+        plot = plot_labels(np.asarray(usable), config["names"], Path(opt.save_dir))
+        print(f"class counts and box sizes: {plot}")
     if opt.strict and health.failed:
         LOGGER.error("ERROR --strict: leaks across splits, corrupt files or label errors (see above)")
         return 1

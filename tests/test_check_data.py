@@ -55,9 +55,9 @@ def test_check_data_reports_problems_and_leaks(tmp_path: Path, capsys) -> None:
     assert f"LEAK val image {tmp_path}/images/val/leak.png is a copy of train image {tmp_path}/images/train/t4.png" in out
     assert "broken.png" in out and "badrow.txt" in out  # the corrupt image and the bad row, named
     assert (tmp_path / "out" / "labels.jpg").is_file()
-    assert check_data.main([*args, "--strict"]) == 1
+    assert check_data.main([*args, "--strict", "--noplots"]) == 1
     capsys.readouterr()
-    assert check_data.main([*args, "--min-box-px", "0.1", "--max-aspect", "60", "--max-imbalance", "1.5"]) == 0
+    assert check_data.main([*args, "--noplots", "--min-box-px", "0.1", "--max-aspect", "60", "--max-imbalance", "1.5"]) == 0
     out = capsys.readouterr().out
     assert "0 tiny boxes, 0 extreme aspect ratios" in out and "class imbalance > 1.5x" in out
     assert "WARNING class imbalance in train: 3.0x" in out
@@ -76,7 +76,7 @@ def test_check_data_reads_coco_json_and_passes_a_clean_set_strictly(tmp_path: Pa
     _image(tmp_path / "val" / "v.jpg", 9)
     yaml_file = tmp_path / "coco.yaml"
     yaml_file.write_text(f"path: {tmp_path}\ntrain: annotations/instances_train.json\nval: val\n")
-    args = ["--data", str(yaml_file), "--save-dir", str(tmp_path / "out"), "--strict"]
+    args = ["--data", str(yaml_file), "--save-dir", str(tmp_path / "out"), "--strict", "--noplots"]
     assert check_data.main(args) == 1
     out = capsys.readouterr().out
     assert "train: 3 images (2 backgrounds), 1 instances; 0 corrupt images, 1 label errors" in out
