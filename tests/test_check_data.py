@@ -52,12 +52,14 @@ def test_check_data_reports_problems_and_leaks(tmp_path: Path, capsys) -> None:
     assert "c: 0 instances in 0 images" in lines and "WARNING classes without instances in train: c" in lines
     assert f"duplicate in train: {tmp_path}/images/train/t1.png has the same bytes as " \
            f"{tmp_path}/images/train/copy_of_t1.png" in out
-    assert f"LEAK val image {tmp_path}/images/val/leak.png is a copy of train image {tmp_path}/images/train/t4.png" in out
+    assert f"LEAK val image {tmp_path}/images/val/leak.png is a copy of train image " \
+           f"{tmp_path}/images/train/t4.png" in out
     assert "broken.png" in out and "badrow.txt" in out  # the corrupt image and the bad row, named
     assert (tmp_path / "out" / "labels.jpg").is_file()
     assert check_data.main([*args, "--strict", "--noplots"]) == 1
     capsys.readouterr()
-    assert check_data.main([*args, "--noplots", "--min-box-px", "0.1", "--max-aspect", "60", "--max-imbalance", "1.5"]) == 0
+    assert check_data.main([*args, "--noplots", "--min-box-px", "0.1", "--max-aspect", "60",
+                            "--max-imbalance", "1.5"]) == 0
     out = capsys.readouterr().out
     assert "0 tiny boxes, 0 extreme aspect ratios" in out and "class imbalance > 1.5x" in out
     assert "WARNING class imbalance in train: 3.0x" in out

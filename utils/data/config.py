@@ -12,7 +12,6 @@ module only says what each split names.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any

@@ -119,7 +119,6 @@ class YoloDataset(Dataset):
         self.label_counts = label_set.counts
         self.cache_file = label_set.cache_file
         self.im_files: PathList = label_set.im_files
-        self.label_files: PathList = label_set.label_files
         self.labels: LabelRows = label_set.labels  # read-only (n, 5) views per image
         self.shapes: np.ndarray = label_set.shapes  # (N, 2) original (w, h)
         self.n = len(self.im_files)

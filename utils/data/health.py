@@ -19,8 +19,9 @@ from utils.data.label_table import CORRUPT, LabelTable
 from utils.data.labels import read_table
 
 # Counts the readers keep of label problems (besides whole files skipped as corrupt).
-LABEL_ERROR_KEYS = ("label_files_unusable", "bad_boxes", "bad_annotations", "bad_images", "unknown_image_annotations",
-                    "unknown_category_annotations", "unknown_class_objects", "missing_images")
+LABEL_ERROR_KEYS = ("label_files_unusable", "bad_boxes", "bad_annotations", "bad_images",
+                    "unknown_image_annotations", "unknown_category_annotations", "unknown_class_objects",
+                    "missing_images")
 
 
 @dataclass
@@ -97,7 +98,8 @@ def split_health(name: str, table: LabelTable, nc: int, t: Thresholds) -> SplitH
     counts = table.counts
     return SplitHealth(
         name=name, table=table, instances=instances, images_with=images_with,
-        backgrounds=int(counts.get("background", 0) + counts.get("empty", 0)), corrupt=int(counts.get("corrupt", 0) - counts.get("label_files_unusable", 0)),
+        backgrounds=int(counts.get("background", 0) + counts.get("empty", 0)),
+        corrupt=int(counts.get("corrupt", 0) - counts.get("label_files_unusable", 0)),
         label_errors=int(sum(counts.get(k, 0) for k in LABEL_ERROR_KEYS)),
         tiny_boxes=int(((box_w < t.min_box_px) | (box_h < t.min_box_px)).sum()),
         extreme_aspect=int((aspect > t.max_aspect).sum()), problems=list(table.messages))

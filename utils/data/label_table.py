@@ -12,7 +12,6 @@ take the usable samples (``usable()``) and index them.
 """
 from __future__ import annotations
 
-import bisect
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, overload
@@ -167,11 +166,6 @@ class LabelTable:
         """The samples that can be trained on (not corrupt)."""
         return self.take(np.nonzero(self.status != CORRUPT)[0])
 
-    @property
-    def label_files(self) -> PathList:
-        """Where each sample's labels came from, for messages (the annotation file of COCO and VOC forms)."""
-        return self.im_files
-
     def with_single_class(self) -> LabelTable:
         rows = self.labels.rows.copy()
         rows[:, 0] = 0
@@ -273,21 +267,6 @@ def log_problems(messages: list[str], prefix: str) -> None:
         LOGGER.warning(f"{prefix}WARNING {msg}")
     if len(messages) > MAX_LOGGED_WARNINGS:
         LOGGER.warning(f"{prefix}WARNING ... and {len(messages) - MAX_LOGGED_WARNINGS} more problems")
-
-
-def sorted_by_path(table: LabelTable) -> LabelTable:
-    """The table in the order of its image paths (how label-file splits are listed)."""
-    paths = list(table.im_files)
-    order = sorted(range(len(paths)), key=paths.__getitem__)
-    if order == list(range(len(paths))):
-        return table
-    return table.take(np.array(order, dtype=np.int64))
-
-
-def find_sorted(paths: PathList, path: str) -> int:
-    """Index of ``path`` in a sorted PathList, or -1."""
-    i = bisect.bisect_left(paths, path)
-    return i if i < len(paths) and paths[i] == path else -1
 
 
 def report(table: LabelTable, prefix: str, verbose: bool, reused: bool, what: str = "images") -> None:

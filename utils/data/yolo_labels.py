@@ -171,8 +171,8 @@ def read_yolo_table(im_files: list[str], nc: int | None, workers: int = 8, prefi
 
     def build() -> LabelTable:
         builder = TableBuilder()
-        for chunk_files, (status, shapes, counts, rows, dups, messages, label_errors) in scan(im_files, label_files, nc, workers,
-                                                                                 prefix, show_progress=verbose):
+        chunks = scan(im_files, label_files, nc, workers, prefix, show_progress=verbose)
+        for chunk_files, (status, shapes, counts, rows, dups, messages, label_errors) in chunks:
             builder.add_many(chunk_files, status, shapes, counts, rows, messages)
             builder.count("duplicates", dups)
             builder.count("label_files_unusable", label_errors)  # of the corrupt ones: the label file, not the image
