@@ -229,3 +229,16 @@ def _yaml(root: Path) -> Path:
     path = root / "coco.yaml"
     path.write_text(f"path: {root}\ntrain: annotations/instances_train.json\nval: annotations/instances_val.json\n")
     return path
+
+
+def test_shards_converts_a_coco_split(coco_root: Path) -> None:
+    pytest.importorskip("webdataset")
+    from shards import main
+
+    assert main(["--data", str(_yaml(coco_root)), "--out", str(coco_root / "sh"), "--workers", "1"]) == 0
+    shard_cfg = load_data_config(coco_root / "sh" / "data.yaml")
+    assert shard_cfg["names"] == NAMES
+    coco = load_labels(load_data_config(_yaml(coco_root))["train"], verbose=False)
+    shards = load_labels(shard_cfg["train"], nc=2, verbose=False)
+    assert len(shards) == len(coco) == 8
+    np.testing.assert_array_equal(shards.labels.rows, coco.labels.rows)  # every float32 digit kept
