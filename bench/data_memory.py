@@ -166,8 +166,8 @@ print(time.perf_counter() - t, None, len(d.labels))
 """
 
 
-def _timed(code: str) -> tuple[float, str, int]:
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+def _timed(code: str, python: str = sys.executable, env: dict | None = None) -> tuple[float, str, int]:
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True, check=False, env=env)
     if out.returncode:
         raise RuntimeError(out.stderr[-3000:])
     seconds, reused, n = out.stdout.strip().splitlines()[-1].split()
@@ -178,14 +178,20 @@ def cache(opt: argparse.Namespace) -> None:
     yaml_file = generate(Path(opt.root) / f"images{opt.n}", opt.n)
     images = str(yaml_file.parent / "images" / "train")
     labels = yaml_file.parent / "labels"
-    sides = [("this project", _OURS.format(repo=str(ROOT), images=images, workers=opt.workers), "*.yolo-train.cache")]
+    sides = [("this project", _OURS.format(repo=str(ROOT), images=images, workers=opt.workers), sys.executable,
+              None, lambda p: p.name.endswith(".yolo-train.cache"))]
     if opt.yolov5:
-        sides.append(("YOLOv5", _YOLOV5.format(repo=str(Path(opt.yolov5).resolve()), images=images), "train.cache"))
-    for name, code, pattern in sides:
-        for stale in labels.glob(pattern):
-            stale.unlink()
-        built, _, n = _timed(code)
-        reloaded, _, _ = _timed(code)
+        env = {**os.environ, "YOLO_OFFLINE": "1"}
+        if opt.yolov5_pythonpath:
+            env["PYTHONPATH"] = opt.yolov5_pythonpath
+        sides.append(("YOLOv5", _YOLOV5.format(repo=str(Path(opt.yolov5).resolve()), images=images),
+                      opt.yolov5_python, env, lambda p: not p.name.endswith(".yolo-train.cache")))
+    for name, code, python, env, is_its_cache in sides:
+        for stale in labels.rglob("*.cache"):
+            if is_its_cache(stale):
+                stale.unlink()
+        built, _, n = _timed(code, python, env)
+        reloaded, _, _ = _timed(code, python, env)
         print(f"{name}: label cache of {n} images built in {built:.1f} s, reloaded in {reloaded:.2f} s", flush=True)
 
 
@@ -201,6 +207,8 @@ def main() -> None:
     c.add_argument("--n", type=int, default=1_000_000)
     c.add_argument("--workers", type=int, default=8)
     c.add_argument("--yolov5", default="", help="a YOLOv5 checkout to time the same way")
+    c.add_argument("--yolov5-python", default=sys.executable, help="the Python that runs YOLOv5 (its requirements)")
+    c.add_argument("--yolov5-pythonpath", default="", help="PYTHONPATH for that Python (e.g. where ultralytics is)")
     for s in (m, c):
         s.add_argument("--root", default=str(Path(tempfile.gettempdir()) / "yolo-train-bench-data"))
     opt = p.parse_args()
