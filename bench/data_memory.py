@@ -11,6 +11,8 @@ Run by hand from the repo root:
 from ``/proc/<pid>/smaps_rollup`` when training has run --warmup seconds and again --seconds later, then prints
 the growth per worker for each size side by side (goal: the largest set's growth within 8 MiB of the smallest's).
 Give ``--repo`` another checkout (e.g. the main branch before the flat label table) to measure it the same way.
+``--loader-only`` runs the same training loader without the model, as fast as its workers go: on a slow or shared
+machine train.py reads few samples in two minutes, and the loader alone shows what many more reads do.
 
 ``cache`` generates --n images and times building the label cache from scratch and reloading it, in a fresh
 process each; with ``--yolov5`` it times YOLOv5's own ``LoadImagesAndLabels`` cache on the same files the same
@@ -93,11 +95,39 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def measure_training(repo: Path, yaml_file: Path, warmup: float, seconds: float, workdir: Path) -> dict:
+# The training loader alone, as fast as its workers go (no model): what train.py's workers do, without waiting on
+# the model's steps, so the workers read many more samples in the same time on a slow or shared machine.
+_LOADER_ONLY = """
+import sys, time
+sys.path.insert(0, {repo!r})
+from utils.data.config import load_data_config
+from utils.data.loader import create_dataloader, load_labels
+labels = load_labels(load_data_config({data!r})["train"], nc=3, workers=2)
+loader, _ = create_dataloader(None, 64, 32, 32, augment=True, cache=None, workers=2, shuffle=True, label_set=labels)
+print("Starting training", flush=True)
+batches = 0
+for epoch in range(1000):
+    loader.set_epoch(epoch)
+    for _ in loader:
+        batches += 1
+        if batches % 10 == 0:
+            print(f"batches {{batches}}", flush=True)
+"""
+
+
+def _batches(text: str) -> int:
+    counts = [int(line.split()[1]) for line in text.splitlines() if line.startswith("batches ")]
+    return counts[-1] if counts else -1
+
+
+def measure_training(repo: Path, yaml_file: Path, warmup: float, seconds: float, workdir: Path,
+                     loader_only: bool = False) -> dict:
     """Worker memory at ``warmup`` s of training and ``seconds`` later (train.py of ``repo`` in a subprocess)."""
     cmd = [sys.executable, "train.py", "--data", str(yaml_file), "--imgsz", "64", "--batch-size", "32",
            "--workers", "2", "--cache", "off", "--epochs", "1", "--noautoanchor", "--noplots", "--device", "cpu",
            "--project", str(workdir), "--name", "run"]
+    if loader_only:
+        cmd = [sys.executable, "-c", _LOADER_ONLY.format(repo=str(repo), data=str(yaml_file))]
     log = open(workdir / f"train-{yaml_file.parent.name}.log", "w+")
     proc = subprocess.Popen(cmd, cwd=repo, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -117,15 +147,19 @@ def measure_training(repo: Path, yaml_file: Path, warmup: float, seconds: float,
         time.sleep(max(0.0, t_start + warmup - time.time()))
         workers = children(proc.pid)
         before = {w: smaps(w) for w in workers}
+        log.seek(0)
+        batches_before = _batches(log.read())
         time.sleep(seconds)
         after = {w: smaps(w) for w in workers if Path(f"/proc/{w}").exists()}
+        log.seek(0)
+        batches = _batches(log.read()) - batches_before if batches_before >= 0 else -1
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         log.close()
     mib = 1 << 20
     return {w: {"uss_before_mib": before[w]["uss"] / mib, "uss_growth_mib": (after[w]["uss"] - before[w]["uss"]) / mib,
-                "pss_growth_mib": (after[w]["pss"] - before[w]["pss"]) / mib} for w in after}
+                "pss_growth_mib": (after[w]["pss"] - before[w]["pss"]) / mib, "batches": batches} for w in after}
 
 
 def memory(opt: argparse.Namespace) -> None:
@@ -134,11 +168,12 @@ def memory(opt: argparse.Namespace) -> None:
     for n in opt.sizes:
         yaml_file = generate(Path(opt.root) / f"images{n}", n)
         with tempfile.TemporaryDirectory() as tmp:
-            per_worker = measure_training(repo, yaml_file, opt.warmup, opt.seconds, Path(tmp))
+            per_worker = measure_training(repo, yaml_file, opt.warmup, opt.seconds, Path(tmp), opt.loader_only)
         results[n] = per_worker
         for w, r in per_worker.items():
             print(f"{n:>8} images, worker {w}: USS {r['uss_before_mib']:.1f} MiB at {opt.warmup:g} s, "
-                  f"+{r['uss_growth_mib']:.1f} MiB USS, +{r['pss_growth_mib']:.1f} MiB PSS over {opt.seconds:g} s",
+                  f"{r['uss_growth_mib']:+.1f} MiB USS, {r['pss_growth_mib']:+.1f} MiB PSS over {opt.seconds:g} s"
+                  + (f" ({r['batches']} batches of 32)" if r["batches"] >= 0 else ""),
                   flush=True)
     growth = {n: max(r["uss_growth_mib"] for r in per.values()) for n, per in results.items()}
     small, large = min(growth), max(growth)
@@ -203,6 +238,8 @@ def main() -> None:
     m.add_argument("--seconds", type=float, default=120.0)
     m.add_argument("--warmup", type=float, default=20.0, help="seconds of training before the first reading")
     m.add_argument("--repo", default=str(ROOT), help="checkout whose train.py runs")
+    m.add_argument("--loader-only", action="store_true",
+                   help="run the training loader as fast as it goes instead of train.py (no model steps)")
     c = sub.add_parser("cache")
     c.add_argument("--n", type=int, default=1_000_000)
     c.add_argument("--workers", type=int, default=8)
