@@ -93,9 +93,8 @@ def _choose_folder(folders: list[Path], file_names: list[str], path: Path) -> Pa
     """The candidate folder holding most of a sample of the images; a UserError naming the places tried if none."""
     sample = file_names[:: max(1, len(file_names) // LOOKUP_SAMPLE)][:LOOKUP_SAMPLE]
     found = [sum((f / name).is_file() for name in sample) for f in folders]
-    if not sample or max(found) == 0:
-        example = sample[0] if sample else "(no images listed)"
-        raise UserError(f"{path}: image {example!r} not found in any of {', '.join(map(str, folders))}")
+    if max(found) == 0:
+        raise UserError(f"{path}: image {sample[0]!r} not found in any of {', '.join(map(str, folders))}")
     return folders[int(np.argmax(found))]
 
 
@@ -153,6 +152,8 @@ def _build(path: Path, folders: list[Path], names: list[str] | None, workers: in
         if not isinstance(im["id"], int):
             raise UserError(f"{path}: image id {im['id']!r} is not an integer")
         images[im["id"]] = im
+    if not images:
+        raise UserError(f"{path}: lists no usable images")
     folder = _choose_folder(folders, [im["file_name"] for im in images.values()], path)
 
     rows: dict[int, dict[tuple[float, ...], None]] = {i: {} for i in images}  # insertion-ordered sets
