@@ -36,9 +36,10 @@ def _dataset(root: Path, n: int) -> Path:
 
 def test_val_fraction_split_never_overlaps_train(tmp_path: Path) -> None:
     cfg = load_data_config(_dataset(tmp_path / "a", 40))
-    train = set(load_labels(cfg["train"], verbose=False).im_files)
-    val = set(load_labels(cfg["val"], verbose=False).im_files)
+    train_table, val_table = load_labels(cfg["train"], verbose=False), load_labels(cfg["val"], verbose=False)
+    train, val = set(train_table.im_files), set(val_table.im_files)
     assert train.isdisjoint(val) and len(train | val) == 40 and 3 <= len(val) <= 20
+    assert val_table.counts["labelled"] == len(val) and train_table.counts["labelled"] == len(train)
     shutil.move(tmp_path / "a", tmp_path / "b")  # the same dataset elsewhere: the same images in val
     cfg = load_data_config(tmp_path / "b" / "data.yaml")
     moved = {Path(f).name for f in load_labels(cfg["val"], verbose=False).im_files}

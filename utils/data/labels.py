@@ -17,7 +17,7 @@ import numpy as np
 
 from utils.data.coco_reader import read_coco_table
 from utils.data.image_files import list_image_files
-from utils.data.label_table import LabelRows, LabelTable, PathList, report
+from utils.data.label_table import LabelRows, LabelTable, PathList, report, status_tally
 from utils.data.shard_names import ShardSet
 from utils.data.splits import CocoSplit, FractionSplit, VocSplit
 from utils.data.voc_reader import read_voc_table
@@ -43,6 +43,7 @@ def read_table(source: Split, nc: int | None = None, workers: int = 8, prefix: s
         table, reused = read_table(source.base, nc, workers, prefix, verbose)
         in_val = fraction_mask(table.im_files, source.root, source.fraction)
         part = table.take(np.nonzero(in_val if source.part == "val" else ~in_val)[0])
+        part.counts = {**table.counts, **status_tally(part.status)}  # the reader's other counts are the whole split's
         if verbose:
             LOGGER.info(f"{prefix}{len(part)} of {len(table)} images taken as '{source.part}' "
                         f"(val: {source.fraction:g} of the train split by a hash of each path)")
