@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-ENTRY_POINTS = ("train.py", "val.py", "detect.py", "export.py", "shards.py")
+ENTRY_POINTS = ("train.py", "val.py", "detect.py", "export.py", "shards.py", "check_data.py")
 PYTHONS = {"python", "python3"}
 LAUNCHER_MODULES = {"torch.distributed.run", "torch.distributed.launch"}
 
@@ -429,27 +429,53 @@ def test_link_checker_finds_missing_files_and_anchors(tmp_path):
 DATA_KEYS = {"path", "train", "val", "test", "names", "nc", "download", "builtin", "annotations"}
 
 
+def _split_problem(key: str, value: object) -> str | None:
+    """What is wrong with one split entry, None when its form is one the loader takes."""
+    if isinstance(value, float) and not isinstance(value, bool):
+        return None if key == "val" and 0 < value < 1 else f"'{key}' {value}: only 'val' may be a fraction in (0, 1)"
+    if isinstance(value, dict):
+        if "annotations" in value:
+            ok = set(value) <= {"annotations", "images"} and all(isinstance(v, str) and v for v in value.values())
+            return None if ok else f"'{key}': a COCO split is {{annotations: <json>, images: <folder>}}"
+        if "voc" in value:
+            folders = value["voc"] if isinstance(value["voc"], list) else [value["voc"]]
+            ok = set(value) == {"voc", "set"} and isinstance(value["set"], str) and all(isinstance(f, str) for f in folders)
+            return None if ok else f"'{key}': a VOC split is {{voc: <folder or list>, set: <image set>}}"
+        return f"'{key}': a mapping must be {{annotations, images}} (COCO JSON) or {{voc, set}} (Pascal VOC)"
+    entries = value if isinstance(value, list) else [value]
+    if not all(isinstance(e, str) and e for e in entries):
+        return f"'{key}' must be a path, a pattern or URL, or a list of those"
+    return None
+
+
+def _brings_names(split: object) -> bool:
+    """COCO JSON and VOC splits bring their own class names."""
+    return isinstance(split, dict) or (isinstance(split, str) and split.lower().endswith(".json"))
+
+
 def data_yaml_problems(cfg: object) -> list[str]:
     """Form errors of a data YAML as the loader (utils/data/config.py) reads it; paths need not exist."""
     if not isinstance(cfg, dict):
         return ["not a mapping"]
     problems = [f"unknown key '{k}'" for k in cfg if k not in DATA_KEYS]
-    for key in ("train", "val", "names"):
+    for key in ("train", "val"):
         if cfg.get(key) in (None, "", [], {}):
             problems.append(f"missing key '{key}'")
     names = cfg.get("names")
+    if names in (None, "", [], {}) and not _brings_names(cfg.get("train")):
+        problems.append("missing key 'names' (only COCO JSON and VOC splits bring their own)")
     if isinstance(names, dict):
         if not all(isinstance(k, int) for k in names) or sorted(names) != list(range(len(names))):
             problems.append(f"'names' keys must be the class indices 0..{len(names) - 1}")
-    elif names is not None and not isinstance(names, list):
+    elif names not in (None, "") and not isinstance(names, list):
         problems.append("'names' must be a list or an {index: name} mapping")
-    if cfg.get("nc") is not None and isinstance(names, (list, dict)) and cfg["nc"] != len(names):
+    if cfg.get("nc") is not None and isinstance(names, (list, dict)) and names and cfg["nc"] != len(names):
         problems.append(f"'nc' is {cfg['nc']} but 'names' has {len(names)} classes")
     for key in ("train", "val", "test"):
-        value = cfg.get(key)
-        entries = value if isinstance(value, list) else [value]
-        if value is not None and not all(isinstance(e, str) and e for e in entries):
-            problems.append(f"'{key}' must be a path, a pattern or URL, or a list of those")
+        if cfg.get(key) not in (None, "", []):
+            problem = _split_problem(key, cfg[key])
+            if problem:
+                problems.append(problem)
     if cfg.get("path") is not None and not isinstance(cfg["path"], str):
         problems.append("'path' must be a string")
     return problems
@@ -479,17 +505,29 @@ def test_yaml_blocks_parse_and_data_yamls_have_the_loaders_form():
 
 
 def test_data_yaml_form_check_matches_the_loader(tmp_path):
-    """The form check above rejects what load_data_config rejects, on YAMLs whose paths exist."""
+    """The form check above accepts what load_data_config accepts and rejects what it rejects, on YAMLs whose
+    paths exist."""
     from utils.data.config import load_data_config
     from utils.errors import UserError
 
     (tmp_path / "images").mkdir()
+    (tmp_path / "VOC2007").mkdir()
+    (tmp_path / "a.json").write_text('{"images": [], "annotations": [], "categories": [{"id": 1, "name": "a"}]}')
+    base = "path: .\ntrain: images\n"
     cases = {
-        "path: .\ntrain: images\nval: images\nnames: [a, b]\n": True,
-        "path: .\ntrain: images\nval: images\nnames: {0: a, 1: b}\nnc: 2\n": True,
-        "path: .\ntrain: images\nnames: [a]\n": False,
-        "path: .\ntrain: images\nval: images\nnames: {0: a, 2: b}\n": False,
-        "path: .\ntrain: images\nval: images\nnames: [a, b]\nnc: 3\n": False,
+        base + "val: images\nnames: [a, b]\n": True,
+        base + "val: images\nnames: {0: a, 1: b}\nnc: 2\n": True,
+        base + "val: 0.1\nnames: [a]\n": True,
+        "path: .\ntrain: {annotations: a.json, images: images}\nval: a.json\n": True,
+        base + "val: {voc: VOC2007, set: val}\nnames: [a]\n": True,
+        base + "names: [a]\n": False,
+        base + "val: images\n": False,
+        base + "val: images\nnames: {0: a, 2: b}\n": False,
+        base + "val: images\nnames: [a, b]\nnc: 3\n": False,
+        base + "val: 1.5\nnames: [a]\n": False,
+        base + "val: images\ntest: 0.1\nnames: [a]\n": False,
+        base + "val: {voc: VOC2007}\nnames: [a]\n": False,
+        base + "val: {annotations: a.json, labels: x}\nnames: [a]\n": False,
     }
     for k, (text, ok) in enumerate(cases.items()):
         file = tmp_path / f"d{k}.yaml"
@@ -499,7 +537,8 @@ def test_data_yaml_form_check_matches_the_loader(tmp_path):
             loader_ok = True
         except UserError:
             loader_ok = False
-        assert loader_ok == ok and (not data_yaml_problems(yaml.safe_load(text))) == ok, text
+        assert loader_ok == ok, f"the loader {'rejects' if ok else 'accepts'}:\n{text}"
+        assert (not data_yaml_problems(yaml.safe_load(text))) == ok, f"the form check disagrees on:\n{text}"
 
 
 # ---- generated option tables -----------------------------------------------------------------------------
