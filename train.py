@@ -457,7 +457,7 @@ def train_one_epoch(t: Training, loader, epoch: int, start_batch: int, tally: Lo
                 LOGGER.debug(f"rank {max(info.rank, 0)} epoch {epoch} batch {i}: {' '.join(Path(f).name for f in b[2])}")
         micro = [(prepare_images(b[0], t, epoch, i), b[1].to(t.device, non_blocking=True)) for i, b in window]
         prepared = [t.compute_loss.prepare(targets, imgs.shape[2:]) for imgs, targets in micro]
-        counts = torch.stack([t.compute_loss.counts(p) for p in prepared])
+        counts = torch.stack([t.compute_loss.counts(p) for p in prepared]).to(t.device)
         save_now = t.save_mid_epoch is not None and first > start_batch and wants_save(t)
         synced = all_reduce_sum(torch.cat((counts.flatten(), pending, torch.tensor([float(save_now)], device=t.device))))
         counts, done = synced[:counts.numel()].view_as(counts), synced[counts.numel():]
