@@ -19,7 +19,7 @@ from utils.log import LOGGER, colorstr, setup_logging
 from utils.process import setup_process
 from utils.run_dir import increment_path
 from utils.torch_utils import select_device
-from utils.validation import CONF_THRES, IOU_THRES, MAX_DET, ValResults, tta_comparison, validate
+from utils.validation import CONF_THRES, MAX_DET, ValResults, tta_comparison, validate
 
 TASKS = ("val", "test", "speed")
 
@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--imgsz", "--img", type=int, default=640, help="inference size (pixels, long side)")
     parser.add_argument("--conf-thres", type=float, default=CONF_THRES)
-    parser.add_argument("--iou-thres", type=float, default=IOU_THRES, help="NMS IoU threshold")
+    parser.add_argument("--iou-thres", type=float, default=None,
+                        help="NMS IoU threshold (default: the model family's, 0.6 YOLOv5, 0.7 YOLOv8/11/26)")
     parser.add_argument("--max-det", type=int, default=MAX_DET, help="detections kept per image")
     parser.add_argument("--task", default="val", choices=TASKS, help="split to use; speed: timing at conf 0.25")
     parser.add_argument("--device", default="", help="cuda device (0) or cpu")

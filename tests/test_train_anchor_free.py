@@ -19,8 +19,8 @@ import val
 from utils.checkpoint import load_checkpoint
 from utils.evolve import read_evolve_csv
 
-# yolo11n at 64 px on 16 images of 96 px, batch 8; AutoAnchor left on (it must say that it does not apply).
-TINY = ["--imgsz", "64", "--batch-size", "8", "--workers", "0", "--device", "cpu", "--noplots"]
+# yolo11n at 32 px on 16 images of 96 px, batch 8; AutoAnchor left on (it must say that it does not apply).
+TINY = ["--imgsz", "32", "--batch-size", "8", "--workers", "0", "--device", "cpu", "--noplots"]
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def test_yolo11_resume_from_an_epoch_checkpoint_is_bit_exact(yolo11_run, tmp_pat
 @pytest.mark.slow
 def test_val_with_test_time_augmentation_on_an_anchor_free_model(yolo11_run, rectangles_yaml, tmp_path) -> None:
     run_dir, _ = yolo11_run
-    r = val.run(data=str(rectangles_yaml), weights=str(run_dir / "weights/last.pt"), imgsz=64, batch_size=8,
+    r = val.run(data=str(rectangles_yaml), weights=str(run_dir / "weights/last.pt"), imgsz=32, batch_size=8,
                 workers=0, device="cpu", augment=True, noplots=True, project=str(tmp_path))
     assert r.plain is not None and r.n_images == r.plain.n_images == 8
     assert r.n_detections > 0 and r.plain.n_detections > 0
