@@ -149,7 +149,7 @@ def load_for_inference(weights: str | Path, device: torch.device | str = "cpu",
         return (FixedBatch(model, meta.batch) if meta.batch else model).eval(), meta
     if suffix != ".pt":
         raise UserError(f"{path}: unknown weights format (expected {', '.join(SUFFIXES)})")
-    from models.yolo import load_model
+    from models.loading import load_model
 
     model, _ = load_model(path, device)
     model = model.float()

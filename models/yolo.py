@@ -13,7 +13,6 @@ import yaml
 
 from models.common import C3, SPPF, Bottleneck, Concat, Conv, fuse_conv_and_bn
 from models.summary import model_info
-from utils.checkpoint import load_checkpoint, model_weights
 from utils.errors import UserError
 from utils.log import LOGGER
 
@@ -265,13 +264,6 @@ def build_model(cfg: str | Path | dict, *, nc: int | None = None, weights: dict[
     if names is not None:
         model.names = list(names)
     return model
-
-
-def load_model(path: str | Path, device: torch.device | str = "cpu") -> tuple[Model, dict[str, Any]]:
-    """A checkpoint's model (EMA weights when present) in eval mode on ``device``, and the checkpoint dict."""
-    ckpt = load_checkpoint(path)
-    model = build_model(ckpt["model_cfg"], weights=model_weights(ckpt), names=ckpt.get("names"))
-    return model.to(device).eval(), ckpt
 
 
 def main() -> None:

@@ -28,6 +28,7 @@ import torch.nn as nn
 from utils.distributed import de_parallel
 from utils.errors import UserError
 from utils.files import atomic_output
+from utils.torch_utils import cpu_fp32_state
 
 FORMAT_VERSION = 1
 
@@ -39,11 +40,6 @@ RESUME_OVERRIDABLE = frozenset({
 
 
 # ---- format, save, load ----------------------------------------------------------------------------------
-
-def cpu_fp32_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """A module's state_dict on the CPU with floating-point tensors in fp32 (checkpoints stay fp32)."""
-    return {k: v.detach().float().cpu() if v.is_floating_point() else v.cpu() for k, v in module.state_dict().items()}
-
 
 def model_state(model: nn.Module) -> dict[str, Any]:
     """The entries that rebuild a model: its config, class names and fp32 weights (on the CPU)."""
