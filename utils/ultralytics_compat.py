@@ -26,8 +26,10 @@ from typing import Any
 
 import torch
 
+from models.yolo import build_model
 from utils.errors import UserError
 from utils.log import LOGGER
+from utils.torch_utils import cpu_fp32_state
 from utils.yolov5_compat import _CALLABLES as _YOLOV5_SAFE_CALLABLES  # inert numpy and pathlib readers
 from utils.yolov5_compat import ModuleRecord, plain, record_state_dict
 
@@ -207,8 +209,6 @@ def _named_records(record: ModuleRecord, prefix: str = "") -> dict[str, ModuleRe
 
 def _build_and_load(cfg: dict[str, Any], record: ModuleRecord, names: list[str], path: Path) -> torch.nn.Module:
     """Our model from the checkpoint's description with the file's tensors; every tensor must match."""
-    from models.yolo import build_model
-
     try:
         model = build_model(cfg)
     except UserError as e:
@@ -256,8 +256,6 @@ def _build_and_load(cfg: dict[str, Any], record: ModuleRecord, names: list[str],
 
 def convert_ultralytics(raw: dict[str, Any], path: str | Path) -> dict[str, Any]:
     """Our checkpoint dict (``model_cfg``, ``names``, fp32 ``model``, ``source``) from a :func:`read_ultralytics`."""
-    from utils.checkpoint import cpu_fp32_state
-
     path = Path(path)
     slot, record = _model_record(raw, path)
     cfg = _model_config(record, path)
