@@ -15,25 +15,18 @@ import pytest
 import torch
 import torch.nn as nn
 
+from tests.ultralytics_reference import (FIXTURES, assert_close_to_ultralytics, assert_same_end2end_detections,
+                                         reference)
 from utils.checkpoint import load_checkpoint, resumed_options
 from utils.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = ROOT / "tests" / "fixtures" / "ultralytics"
 CHECKPOINTS = {  # file -> (family, number of classes, the slot its weights come from)
     "yolov8-final.pt": ("yolov8", 3, "model"),
     "yolo11-final.pt": ("yolo11", 20, "model"),
     "yolo26-final.pt": ("yolo26", 5, "model"),
     "yolo26-last.pt": ("yolo26", 5, "ema"),
 }
-
-
-def reference(family: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The fixed input of a family's reference outputs (rebuilt from its seed, checked by its sum) and the outputs."""
-    ref = torch.load(FIXTURES / "reference_outputs.pt", weights_only=True)[family]
-    x = torch.rand(tuple(ref["input_shape"].tolist()), generator=torch.Generator().manual_seed(int(ref["input_seed"])))
-    assert torch.isclose(x.double().sum(), ref["input_sum"], rtol=0, atol=1e-6), "torch.rand no longer gives the input"
-    return x, ref
 
 
 # ---- fake Ultralytics module paths, to pickle objects that name them (the real package is never imported) ----
@@ -181,15 +174,13 @@ def test_ultralytics_checkpoints_import_and_compute_ultralytics_outputs(name) ->
     assert sum(p.numel() for p in model.parameters()) == int(ref["n_params"])
     assert torch.equal(model.stride.float(), ref["stride"])
     with torch.no_grad():
-        pred = model(x)[0]
-    assert pred.shape == ref["pred"].shape
-    torch.testing.assert_close(pred, ref["pred"], rtol=1e-5, atol=1e-4)
+        assert_close_to_ultralytics(model(x)[0], ref["pred"], name)  # (B, 4 + nc, A)
     if "end2end" in ref:
         model.model[-1].end2end_output = True
         with torch.no_grad():
             e2e = model(x)[0]
-        assert e2e.shape == ref["end2end"].shape == (2, 300, 6)
-        torch.testing.assert_close(e2e, ref["end2end"], rtol=1e-5, atol=1e-4)
+        assert e2e.shape == (2, 300, 6)
+        assert_same_end2end_detections(e2e, ref["end2end"], name)
 
 
 def test_resuming_an_ultralytics_checkpoint_says_fine_tune_instead() -> None:
