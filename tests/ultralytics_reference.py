@@ -26,7 +26,8 @@ def reference(family: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """A family's fixed input (rebuilt from its seed and checked by its sum) and Ultralytics' outputs on it."""
     ref = torch.load(FIXTURES / "reference_outputs.pt", weights_only=True)[family]
     x = fixed_input(tuple(ref["input_shape"].tolist()), int(ref["input_seed"]))
-    assert torch.isclose(x.double().sum(), ref["input_sum"], rtol=0, atol=1e-6), "the fixed input is no longer made alike"
+    # A changed recipe moves the sum by far more than the last bits interpolation kernels may differ in.
+    assert torch.isclose(x.double().sum(), ref["input_sum"], rtol=1e-7, atol=0), "the fixed input is no longer made alike"
     return x, ref
 
 
