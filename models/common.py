@@ -1,4 +1,7 @@
-"""Building blocks of the YOLOv5 family: Conv (Conv2d + BN + SiLU), Bottleneck, C3, SPPF, Concat; BN folding."""
+"""Building blocks shared by all families: Conv (Conv2d + BN + SiLU), Bottleneck, C3, SPPF, Concat; BN folding.
+
+The blocks only the anchor-free families use (C2f, C3k2, attention, ...) live in models/blocks.py.
+"""
 from __future__ import annotations
 
 import torch
@@ -31,13 +34,17 @@ class Conv(nn.Module):
 
 
 class Bottleneck(nn.Module):
-    """1x1 then 3x3 conv, with a residual connection when the shapes allow it."""
+    """Two convs (kernels ``k``: 1x1 then 3x3 in YOLOv5), with a residual connection when the shapes allow it.
 
-    def __init__(self, c1: int, c2: int, shortcut: bool = True, g: int = 1, e: float = 0.5):
+    The anchor-free families use 3x3 then 3x3 (``k=(3, 3)``).
+    """
+
+    def __init__(self, c1: int, c2: int, shortcut: bool = True, g: int = 1, e: float = 0.5,
+                 k: tuple[int, int] = (1, 3)):
         super().__init__()
         hidden = int(c2 * e)
-        self.cv1 = Conv(c1, hidden, 1, 1)
-        self.cv2 = Conv(hidden, c2, 3, 1, g=g)
+        self.cv1 = Conv(c1, hidden, k[0], 1)
+        self.cv2 = Conv(hidden, c2, k[1], 1, g=g)
         self.add = shortcut and c1 == c2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -61,20 +68,27 @@ class C3(nn.Module):
 
 
 class SPPF(nn.Module):
-    """Spatial pyramid pooling, fast: three chained max-pools concatenated with their input."""
+    """Spatial pyramid pooling, fast: ``n`` chained max-pools concatenated with their input.
 
-    def __init__(self, c1: int, c2: int, k: int = 5):
+    YOLOv5/v8/11 use it as (k=5, n=3) with SiLU after ``cv1``. YOLO26 leaves ``cv1`` unactivated
+    (``cv1_act=False``) and adds the block's input to its output (``shortcut``, when the widths agree).
+    """
+
+    def __init__(self, c1: int, c2: int, k: int = 5, n: int = 3, shortcut: bool = False, cv1_act: bool = True):
         super().__init__()
         hidden = c1 // 2
-        self.cv1 = Conv(c1, hidden, 1, 1)
-        self.cv2 = Conv(hidden * 4, c2, 1, 1)
+        self.cv1 = Conv(c1, hidden, 1, 1, act=cv1_act)
+        self.cv2 = Conv(hidden * (n + 1), c2, 1, 1)
         self.m = nn.MaxPool2d(kernel_size=k, stride=1, padding=k // 2)
+        self.n = n
+        self.add = shortcut and c1 == c2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.cv1(x)
-        y1 = self.m(x)
-        y2 = self.m(y1)
-        return self.cv2(torch.cat((x, y1, y2, self.m(y2)), 1))
+        pooled = [self.cv1(x)]
+        for _ in range(self.n):
+            pooled.append(self.m(pooled[-1]))
+        y = self.cv2(torch.cat(pooled, 1))
+        return x + y if self.add else y
 
 
 class Concat(nn.Module):

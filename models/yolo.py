@@ -1,8 +1,14 @@
-"""YOLOv5-family detectors built from a YAML description, through an explicit registry of blocks."""
+"""Detectors built from a YAML description, through an explicit registry of blocks.
+
+Two YAML forms are read: YOLOv5's (``depth_multiple``/``width_multiple``, ``anchors``, anchor-based ``Detect``) and
+Ultralytics' later form (a ``scales`` table of [depth, width, max_channels] per scale letter, the letter taken from
+the file name, e.g. ``yolo11n.yaml`` -> ``yolo11.yaml`` at scale n), whose ``Detect`` is the anchor-free head.
+"""
 from __future__ import annotations
 
 import argparse
 import math
+import re
 from copy import deepcopy
 from pathlib import Path
 from typing import Any
@@ -11,6 +17,8 @@ import torch
 import torch.nn as nn
 import yaml
 
+from models.anchor_free import AnchorFreeDetect
+from models.blocks import C2PSA, C2f, C3k2, DWConv
 from models.common import C3, SPPF, Bottleneck, Concat, Conv, fuse_conv_and_bn
 from models.summary import model_info
 from utils.errors import UserError
@@ -68,12 +76,17 @@ class Detect(nn.Module):
         return self._grid_cache[key]
 
 
-# Names a model YAML may use for its blocks. YAMLs are data: they are never passed to eval/exec.
+# Names a model YAML may use for its blocks. YAMLs are data: they are never passed to eval/exec. "Detect" is
+# YOLOv5's anchor head in a config with ``anchors`` and the anchor-free head otherwise.
 MODULES: dict[str, type[nn.Module]] = {
     "Conv": Conv,
+    "DWConv": DWConv,
     "Bottleneck": Bottleneck,
     "C3": C3,
+    "C2f": C2f,
+    "C3k2": C3k2,
     "SPPF": SPPF,
+    "C2PSA": C2PSA,
     "Concat": Concat,
     "Detect": Detect,
     "Upsample": nn.Upsample,
@@ -81,8 +94,11 @@ MODULES: dict[str, type[nn.Module]] = {
     "BatchNorm2d": nn.BatchNorm2d,
     "nn.BatchNorm2d": nn.BatchNorm2d,
 }
-_CHANNEL_BLOCKS = (Conv, Bottleneck, C3, SPPF)
-_REPEATED_INSIDE = (C3,)  # blocks that take the repeat count as an argument
+_CHANNEL_BLOCKS = (Conv, DWConv, Bottleneck, C3, C2f, C3k2, SPPF, C2PSA)
+_REPEATED_INSIDE = (C3, C2f, C3k2, C2PSA)  # blocks that take the repeat count as an argument
+_FORCED_C3K_SCALES = ("m", "l", "x")  # C3k2 uses C3k inner blocks at these scales whatever the YAML says
+# A scale letter after the family's number: yolov8n, yolo11s, yolo26x (not yolov5n6, a file of its own).
+_SCALED_NAME = re.compile(r"^(yolo(?:v)?\d+)([nslmx])(.*)$")
 
 
 def make_divisible(x: float, divisor: int = 8) -> int:
@@ -97,12 +113,35 @@ def _resolve_arg(arg: Any, nc: int, anchors: Any) -> Any:
     return arg
 
 
+def _scaling(cfg: dict) -> tuple[float, float, float, str | None]:
+    """(depth, width, max_channels, scale letter) of a config in either YAML form."""
+    scales = cfg.get("scales")
+    if not scales:
+        return cfg.get("depth_multiple", 1.0), cfg.get("width_multiple", 1.0), float("inf"), None
+    scale = cfg.get("scale")
+    if not scale:
+        scale = next(iter(scales))
+        LOGGER.warning(f"{cfg.get('yaml_file', 'model config')}: no model scale given (e.g. yolo11n.yaml for "
+                       f"scale n); using scale '{scale}'")
+    if scale not in scales:
+        raise UserError(f"{cfg.get('yaml_file', 'model config')}: scale '{scale}' is not among its scales "
+                        f"{', '.join(map(str, scales))}")
+    depth, width, max_channels = scales[scale]
+    return depth, width, max_channels, scale
+
+
 def parse_model(cfg: dict, ch: int) -> tuple[nn.Sequential, list[int]]:
     """Build the layers described by ``cfg`` and the sorted indices of the outputs later layers reuse."""
-    nc, anchors = cfg["nc"], cfg["anchors"]
-    depth, width = cfg.get("depth_multiple", 1.0), cfg.get("width_multiple", 1.0)
-    na = (len(anchors[0]) // 2) if isinstance(anchors, list) else anchors
-    no = na * (nc + 5)
+    nc, anchors = cfg["nc"], cfg.get("anchors")
+    depth, width, max_channels, scale = _scaling(cfg)
+    anchor_based = anchors is not None
+    if anchor_based:
+        na = (len(anchors[0]) // 2) if isinstance(anchors, list) else anchors
+        no = na * (nc + 5)
+    else:
+        no = None
+    # YOLOv8's head keeps full 3x3 convs in its class branch; configs with the newer blocks use depthwise ones.
+    legacy_head = not any(row[2] == "C3k2" for row in cfg["backbone"] + cfg["head"])
 
     channels = [ch]
     layers, save = [], []
@@ -113,6 +152,7 @@ def parse_model(cfg: dict, ch: int) -> tuple[nn.Sequential, list[int]]:
         block = MODULES[name]
         args = [_resolve_arg(a, nc, anchors) for a in args]
         repeats = max(round(repeats * depth), 1) if repeats > 1 else repeats
+        yaml_arg_count = len(args)
 
         if block in _CHANNEL_BLOCKS:
             if not args or isinstance(args[0], bool) or not isinstance(args[0], (int, float)):
@@ -120,25 +160,40 @@ def parse_model(cfg: dict, ch: int) -> tuple[nn.Sequential, list[int]]:
                                 f"got {args[0] if args else 'nothing'!r}")
             c_in, c_out = channels[source], args[0]
             if c_out != no:
-                c_out = make_divisible(c_out * width, 8)
+                c_out = make_divisible(min(c_out, max_channels) * width, 8)
             args = [c_in, c_out, *args[1:]]
             if block in _REPEATED_INSIDE:
                 args.insert(2, repeats)
                 repeats = 1
+            if block is C3k2 and scale in _FORCED_C3K_SCALES:
+                args[3:4] = [True]
+            if block is SPPF and yaml_arg_count > 2:
+                # Rows that give the pool count (YOLO26: [c2, k, n, shortcut]) have an unactivated cv1;
+                # shorter rows (YOLOv5/v8/11: [c2, k]) keep SiLU there.
+                c1, c2, k, n, *rest = args
+                args = [c1, c2, k, n, rest[0] if rest else False, False]
         elif block is nn.BatchNorm2d:
             args = [channels[source]]
             c_out = channels[source]
         elif block is Concat:
             c_out = sum(channels[s] for s in source)
-        elif block is Detect:
+        elif block is Detect and anchor_based:
             args.append([channels[s] for s in source])
             if isinstance(args[1], int):  # a number of anchors per level instead of their sizes
                 args[1] = [list(range(args[1] * 2))] * len(source)
             c_out = channels[source[-1]]
+        elif block is Detect:
+            block = AnchorFreeDetect
+            args = [args[0], cfg.get("reg_max", 16), bool(cfg.get("end2end", False)),
+                    [channels[s] for s in source], legacy_head]
+            c_out = channels[source[-1]]
         else:
             c_out = channels[source]
 
-        module = nn.Sequential(*(block(*args) for _ in range(repeats))) if repeats > 1 else block(*args)
+        try:
+            module = nn.Sequential(*(block(*args) for _ in range(repeats))) if repeats > 1 else block(*args)
+        except (TypeError, ValueError) as e:
+            raise UserError(f"model YAML layer {i} ({name}): cannot build it from arguments {args} ({e})") from e
         module.layer_index, module.source = i, source  # used by Model.forward to route inputs
         n_params = sum(p.numel() for p in module.parameters())
         LOGGER.debug(f"{i:>3}{str(source):>18}{repeats:>3}{n_params:10.0f}  {name:<24}{str(args):<30}")
@@ -150,53 +205,102 @@ def parse_model(cfg: dict, ch: int) -> tuple[nn.Sequential, list[int]]:
     return nn.Sequential(*layers), sorted(set(save))
 
 
+def _config_path(cfg: str | Path) -> tuple[Path, str | None]:
+    """The YAML file ``cfg`` names and the scale letter its name selects, if any.
+
+    ``yolo11n.yaml`` (or ``models/yolo11n.yaml``) that does not exist resolves to ``yolo11.yaml`` at scale n;
+    a name without a folder is also looked up in models/.
+    """
+    path = Path(cfg)
+    candidates = [path]
+    if not path.exists():
+        candidates.append(Path(__file__).parent / path.name)
+    match = _SCALED_NAME.match(path.stem)
+    for candidate in candidates:
+        if candidate.exists():
+            return candidate, match.group(2) if match else None
+    if match:
+        unscaled = f"{match.group(1)}{match.group(3)}{path.suffix}"
+        for candidate in (path.with_name(unscaled), Path(__file__).parent / unscaled):
+            if candidate.exists():
+                return candidate, match.group(2)
+    raise UserError(f"{cfg}: model config not found")
+
+
 def load_model_config(cfg: str | Path | dict) -> dict:
-    """A model config as a dict, from a dict or a YAML path (safe loader)."""
+    """A model config as a dict, from a dict or a YAML path (safe loader).
+
+    For a config with a ``scales`` table the scale letter of the file name is stored as ``scale`` (unless the
+    file sets one), so the dict alone (as a checkpoint keeps it) rebuilds the same model.
+    """
     if isinstance(cfg, dict):
         return deepcopy(cfg)
-    path = Path(cfg)
-    if not path.exists() and (Path(__file__).parent / path.name).exists():
-        path = Path(__file__).parent / path.name  # e.g. 'yolov5n.yaml' without the folder
-    if not path.exists():
-        raise UserError(f"{cfg}: model config not found")
+    path, scale = _config_path(cfg)
     try:
         config = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         raise UserError(f"{path}: not valid YAML ({e.__class__.__name__})") from e
-    missing = [k for k in ("nc", "anchors", "backbone", "head") if not isinstance(config, dict) or k not in config]
+    # Without ``anchors`` the config describes an anchor-free model.
+    missing = [k for k in ("nc", "backbone", "head") if not isinstance(config, dict) or k not in config]
     if missing:
         raise UserError(f"{path}: model config lacks {', '.join(missing)}")
-    config["yaml_file"] = path.name
+    if config.get("scales") and scale is not None and not config.get("scale"):
+        config["scale"] = scale
+    config["yaml_file"] = Path(cfg).name  # the name asked for: yolo11n.yaml, not yolo11.yaml
     return config
 
 
+def family_name(cfg: dict) -> str:
+    """'yolov5' | 'yolov8' | 'yolo11' | 'yolo26' from a model config (models/families.py will own this rule)."""
+    if "anchors" in cfg:
+        return "yolov5"
+    if cfg.get("end2end") or cfg.get("reg_max", 16) == 1:
+        return "yolo26"
+    if any(row[2] == "C3k2" for row in cfg["backbone"] + cfg["head"]):
+        return "yolo11"
+    return "yolov8"
+
+
 class Model(nn.Module):
-    """A detector whose layers come from a YAML config; the last layer is the Detect head."""
+    """A detector whose layers come from a YAML config; the last layer is a detection head (anchor-based Detect for
+    YOLOv5, AnchorFreeDetect for YOLOv8/11/26)."""
 
     def __init__(self, cfg: str | Path | dict = "yolov5s.yaml", ch: int = 3, nc: int | None = None, anchors=None):
         super().__init__()
         self.yaml = load_model_config(cfg)
-        ch = self.yaml["ch"] = self.yaml.get("ch", ch)
+        # Ultralytics' configs name the input channels 'channels'.
+        ch = self.yaml["ch"] = self.yaml.get("ch", self.yaml.get("channels", ch))
         if nc is not None and nc != self.yaml["nc"]:
             LOGGER.info(f"Overriding model YAML nc={self.yaml['nc']} with nc={nc}")
             self.yaml["nc"] = nc
-        if anchors is not None:
+        if anchors is not None and "anchors" in self.yaml:
             LOGGER.info(f"Overriding model YAML anchors with anchors={anchors}")
             self.yaml["anchors"] = round(anchors) if isinstance(anchors, float) else anchors
         self.model, self.save = parse_model(self.yaml, ch)
         self.nc = self.yaml["nc"]
         self.names = [str(i) for i in range(self.nc)]
+        self.family = family_name(self.yaml)
 
         detect = self.model[-1]
-        if not isinstance(detect, Detect):
-            raise UserError(f"{self.yaml.get('yaml_file', 'model config')}: the last layer must be Detect")
         probe_size = 256
-        with torch.no_grad():
-            outputs = self.forward(torch.zeros(1, ch, probe_size, probe_size))
-        detect.stride.copy_(torch.tensor([probe_size / o.shape[-2] for o in outputs]))
-        _check_anchor_order(detect)
-        detect.anchors /= detect.stride.view(-1, 1, 1)
-        self._initialize_detect_biases()
+        if isinstance(detect, Detect):
+            with torch.no_grad():
+                outputs = self.forward(torch.zeros(1, ch, probe_size, probe_size))
+            detect.stride.copy_(torch.tensor([probe_size / o.shape[-2] for o in outputs]))
+            _check_anchor_order(detect)
+            detect.anchors /= detect.stride.view(-1, 1, 1)
+            self._initialize_detect_biases()
+        elif isinstance(detect, AnchorFreeDetect):
+            # In eval mode, so the probe leaves the BatchNorm statistics as they are.
+            self.eval()
+            with torch.no_grad():
+                _, raw = self.forward(torch.zeros(1, ch, probe_size, probe_size))
+            self.train()
+            levels = raw["one2many"] if isinstance(raw, dict) else raw
+            detect.stride.copy_(torch.tensor([probe_size / o.shape[-2] for o in levels]))
+            detect.bias_init()
+        else:
+            raise UserError(f"{self.yaml.get('yaml_file', 'model config')}: the last layer must be Detect")
 
     def forward(self, x: torch.Tensor):
         cache: list[torch.Tensor | None] = []
@@ -218,7 +322,7 @@ class Model(nn.Module):
                 b[:, 5:5 + detect.nc] += math.log(0.6 / (detect.nc - 0.99999))
 
     def fuse(self) -> Model:
-        """Fold every BatchNorm into its convolution (for inference)."""
+        """Fold every BatchNorm into its convolution (for inference); both YOLO26 heads stay."""
         for m in self.modules():
             if isinstance(m, Conv) and isinstance(m.bn, nn.BatchNorm2d):
                 m.conv = fuse_conv_and_bn(m.conv, m.bn)
