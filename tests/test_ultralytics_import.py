@@ -192,3 +192,22 @@ def test_resuming_an_ultralytics_checkpoint_says_fine_tune_instead() -> None:
     message = str(e.value)
     assert message.startswith(f"{path}: cannot resume: an Ultralytics checkpoint") and "\n" not in message
     assert f"--weights {path}" in message
+
+
+def test_fine_tuning_to_fewer_classes_keeps_the_class_branch_hidden_layers() -> None:
+    """yolo11 with 20 classes -> 2 classes: the class branch's width (max(8, min(nc, 100)) at this scale) would
+    shrink from 20 to 8; built at the source's width instead, only its last layers start afresh."""
+    from models.yolo import build_model
+
+    ckpt = load_checkpoint(FIXTURES / "yolo11-final.pt")
+    source = ckpt["model"]
+    model = build_model(ckpt["model_cfg"], nc=2, weights=source, transfer=True)
+    own = model.state_dict()
+    fresh = sorted(k for k in own if not (k in source and own[k].shape == source[k].shape))
+    assert fresh == [f"model.23.cv3.{i}.2.{p}" for i in range(3) for p in ("bias", "weight")]
+    assert all(torch.equal(own[k], source[k]) for k in own if k not in fresh)
+    assert own["model.23.cv3.0.2.weight"].shape == (2, 20, 1, 1) and model.yaml["head_class_width"] == 20
+    with torch.no_grad():
+        assert model.eval()(torch.zeros(1, 3, 64, 64))[0].shape == (1, 4 + 2, 84)
+    plain = build_model(ckpt["model_cfg"], nc=2)  # without the source, the width follows the class count
+    assert plain.model[-1].cv3[0][2].weight.shape == (2, 8, 1, 1)
