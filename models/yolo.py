@@ -186,7 +186,7 @@ def parse_model(cfg: dict, ch: int) -> tuple[nn.Sequential, list[int]]:
         elif block is Detect:
             block = AnchorFreeDetect
             args = [args[0], cfg.get("reg_max", 16), bool(cfg.get("end2end", False)),
-                    [channels[s] for s in source], legacy_head]
+                    [channels[s] for s in source], legacy_head, cfg.get("head_class_width")]
             c_out = channels[source[-1]]
         else:
             c_out = channels[source]
@@ -342,10 +342,17 @@ def build_model(cfg: str | Path | dict, *, nc: int | None = None, weights: dict[
 
     Without ``transfer`` every tensor of ``weights`` must match (resuming, evaluating a checkpoint). With it,
     each tensor whose name and shape fit is copied and the rest keep their initialisation (fine-tuning with
-    another number of classes: the head's class outputs do not fit); the count is logged. ``keep_anchors``
-    False leaves the config's anchors (AutoAnchor may then fit new ones).
+    another number of classes: the head's class outputs do not fit); the count is logged. An anchor-free head
+    is then built with the source's class-branch width (``head_class_width``; its default depends on the class
+    count), so only the class branch's last layer starts afresh. ``keep_anchors`` False leaves the config's
+    anchors (AutoAnchor may then fit new ones).
     """
-    model = Model(cfg, nc=nc, anchors=anchors)
+    config = load_model_config(cfg)
+    if transfer and weights is not None and "head_class_width" not in config:
+        width = _class_branch_width(weights)
+        if width is not None:
+            config["head_class_width"] = width
+    model = Model(config, nc=nc, anchors=anchors)
     if weights is not None:
         if transfer:
             own = model.state_dict()
@@ -358,6 +365,14 @@ def build_model(cfg: str | Path | dict, *, nc: int | None = None, weights: dict[
     if names is not None:
         model.names = list(names)
     return model
+
+
+def _class_branch_width(weights: dict[str, torch.Tensor]) -> int | None:
+    """The hidden width of an anchor-free head's class branch in ``weights`` (input channels of its last layer)."""
+    for key, tensor in weights.items():
+        if key.endswith(".cv3.0.2.weight") and tensor.ndim == 4:
+            return int(tensor.shape[1])
+    return None
 
 
 def main() -> None:
