@@ -95,8 +95,7 @@ def run_options(opt: argparse.Namespace) -> ValResults:
         LOGGER.warning("--half needs a CUDA device: running in fp32")
     half = opt.half and device.type == "cuda"
     model, meta = load_for_inference(opt.weights, device)
-    # An exported file names its family in its metadata (models/backends.py); older exports are all YOLOv5's.
-    family = family_of(model) if meta.kind == "pytorch" else family_of(getattr(meta, "family", "yolov5"))
+    family = family_of(meta.family)  # an exported file names it in its metadata (models/backends.py)
     if opt.augment and meta.kind != "pytorch":
         raise UserError(f"--augment needs a PyTorch .pt model (its passes change the input size); {opt.weights} is "
                         f"{meta.kind}")

@@ -96,8 +96,8 @@ def test_evolve_a_yolo11_over_its_own_hyperparameters(train_here, rectangles_yam
     from models.families import YOLO11
     from utils.hyp import Hyp
 
-    status, log = train_here("--data", rectangles_yaml, "--cfg", "yolo11n.yaml", "--epochs", "1", "--project",
-                             tmp_path, "--name", "ev", "--evolve", "2")
+    status, log = train_here("--data", rectangles_yaml, "--cfg", "yolo11n.yaml", "--imgsz", "32", "--epochs", "1",
+                             "--project", tmp_path, "--name", "ev", "--evolve", "2")
     assert status == 0, log
     keys = YOLO11.evolve_keys(Hyp.from_yaml(YOLO11.default_hyp_path))
     assert "dfl" in keys and "obj" not in keys and "anchor_t" not in keys
@@ -107,8 +107,8 @@ def test_evolve_a_yolo11_over_its_own_hyperparameters(train_here, rectangles_yam
 
 @pytest.mark.slow
 def test_image_weights_and_quad_train_a_yolo26(train_here, rectangles_yaml, tmp_path) -> None:
-    status, log = train_here("--data", rectangles_yaml, "--cfg", "yolo26n.yaml", "--epochs", "2", "--project",
-                             tmp_path, "--image-weights", "--quad")
+    status, log = train_here("--data", rectangles_yaml, "--cfg", "yolo26n.yaml", "--imgsz", "32", "--epochs", "2",
+                             "--project", tmp_path, "--image-weights", "--quad")
     assert status == 0, log
     rows = results_rows(tmp_path / "exp")
     assert len(rows) == 2 and all(float(r["train/l1_loss"]) > 0 for r in rows)
