@@ -112,3 +112,15 @@ def test_image_weights_and_quad_train_a_yolo26(train_here, rectangles_yaml, tmp_
     assert status == 0, log
     rows = results_rows(tmp_path / "exp")
     assert len(rows) == 2 and all(float(r["train/l1_loss"]) > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_fine_tune_from_an_ultralytics_checkpoint(train_here, rectangles_yaml, tmp_path) -> None:
+    weights_file = Path(__file__).parent / "fixtures/ultralytics/yolo11-final.pt"
+    status, log = train_here("--data", rectangles_yaml, "--weights", weights_file, "--imgsz", "32", "--epochs", "1",
+                             "--project", tmp_path)
+    assert status == 0, log
+    assert "Ultralytics yolo11 checkpoint imported" in log and "Transferred" in log
+    ckpt = load_checkpoint(tmp_path / "exp/weights/last.pt")
+    assert ckpt["model_cfg"]["nc"] == 2 and ckpt["names"] == ["red", "blue"]
+    assert float(results_rows(tmp_path / "exp")[0]["train/dfl_loss"]) > 0
