@@ -214,6 +214,7 @@ class _Lines(logging.Handler):
 def log_lines():
     handler = _Lines()
     LOGGER.addHandler(handler)
+    LOGGER.setLevel(logging.INFO)  # the scripts' run() log at INFO without setup_logging; conftest restores the level
     yield handler.lines
     LOGGER.removeHandler(handler)
 

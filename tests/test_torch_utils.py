@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 
 import pytest
@@ -137,7 +138,11 @@ def _zero_first_worker(rank: int, log_file: str, images: str) -> None:
 @pytest.mark.slow
 def test_zero_first_makes_rank_1_wait_for_rank_0_and_reuse_its_label_cache(rectangles_yaml, tmp_path) -> None:
     log_file = str(tmp_path / "events")
-    images = str(rectangles_yaml.parent / "images" / "val")
+    # A copy of its own: the shared set's label cache may already have been built by another test.
+    images = tmp_path / "images" / "val"
+    shutil.copytree(rectangles_yaml.parent / "images" / "val", images)
+    shutil.copytree(rectangles_yaml.parent / "labels" / "val", tmp_path / "labels" / "val")
+    images = str(images)
     assert fork_ranks(_zero_first_worker, 2, log_file, images) == [0, 0]
     rank0 = dict(json.load(open(f"{log_file}.0")))
     rank1 = dict(json.load(open(f"{log_file}.1")))
