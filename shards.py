@@ -1,4 +1,5 @@
-"""Convert a dataset of loose files into WebDataset tar shards.
+"""Convert a dataset (loose files with YOLO labels, a COCO JSON or Pascal VOC: any form a data YAML names) into
+WebDataset tar shards.
 
 Usage:
     python shards.py --data data.yaml --out DIR [--max-size MB] [--max-count N]
@@ -26,8 +27,10 @@ import yaml
 
 from utils.cli import WORKERS, add_workers, make_parser
 from utils.data.config import SPLITS, load_data_config
-from utils.data.label_cache import LabelSet, load_split
-from utils.data.webshards import ShardSet, load_shard_index
+from utils.data.label_table import LabelTable
+from utils.data.labels import load_labels
+from utils.data.shard_names import ShardSet
+from utils.data.webshards import load_shard_index
 from utils.errors import UserError, run_reporting_errors
 from utils.log import LOGGER, setup_logging
 
@@ -52,7 +55,7 @@ def label_text(labels: np.ndarray) -> str:
     return "".join(f"{int(r[0])} {r[1]:.9g} {r[2]:.9g} {r[3]:.9g} {r[4]:.9g}\n" for r in labels)
 
 
-def write_split(label_set: LabelSet, root: Path, out: Path, split: str, max_bytes: float, max_count: int) -> list[str]:
+def write_split(label_set: LabelTable, root: Path, out: Path, split: str, max_bytes: float, max_count: int) -> list[str]:
     """Write one split's shards; returns their file names in order."""
     import webdataset
 
@@ -90,7 +93,7 @@ def convert(data: str, out: str | Path, max_size_mb: float = 1000.0, max_count: 
             continue
         if isinstance(source, ShardSet):
             raise UserError(f"{cfg['yaml_file']}: '{split}' already names shards")
-        label_set = load_split(source, nc=cfg["nc"], workers=workers, prefix=f"{split}: ")
+        label_set = load_labels(source, nc=cfg["nc"], workers=workers, prefix=f"{split}: ")  # any form: files, COCO, VOC
         files = write_split(label_set, root, out, split, max_size_mb * 1e6, max_count)
         shards = ShardSet(tuple(str(out / f) for f in files), f"{out}/{split}")
         index = load_shard_index(shards, nc=cfg["nc"], workers=workers, prefix=f"{split}: ", verbose=False)

@@ -26,9 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from utils.hyp import Hyp
-from utils.data.config import img2label_path, list_image_files, load_data_config  # noqa: E402
+from utils.data.config import load_data_config  # noqa: E402
+from utils.data.image_files import img2label_path, list_image_files  # noqa: E402
 from utils.data.loader import create_dataloader  # noqa: E402
-from utils.data.label_cache import load_label_set  # noqa: E402
+from utils.data.yolo_labels import load_label_set  # noqa: E402
 from utils.log import setup_logging  # noqa: E402
 
 COCO128 = ROOT.parent / "shared" / "datasets" / "coco128.yaml"

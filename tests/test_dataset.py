@@ -112,7 +112,7 @@ def test_letterbox_shapes_map_boxes_back_to_the_original(data_root: Path) -> Non
             (h0, w0), ratio_pad = shapes[i]
             restored = scale_boxes((h, w), boxes, (h0, w0), ratio_pad=ratio_pad)
             label = dataset.labels[dataset.im_files.index(path)]
-            original = xywh2xyxy(torch.from_numpy(label[:, 1:]) * torch.tensor([w0, h0, w0, h0]))
+            original = xywh2xyxy(torch.from_numpy(label[:, 1:].copy()) * torch.tensor([w0, h0, w0, h0]))
             assert torch.allclose(restored, original, atol=0.6)
             checked += len(t)
     assert checked > 10
@@ -127,11 +127,11 @@ def test_ram_and_disk_caches_give_identical_samples(data_root: Path) -> None:
         assert torch.equal(first, plain[(1, index)][0])
         assert torch.equal(ram[(1, index)][0], first)  # augmentation never alters the cached image
     disk = _train(data_root, cache="disk")[1]
-    assert all(f.is_file() for f in disk.npy_files)
+    assert all(disk.npy_file(i).is_file() for i in range(disk.n))
     assert not list((data_root / "images" / "train").glob("*.tmp"))
     for index in range(3):
         assert torch.equal(disk[(1, index)][0], plain[(1, index)][0])
-    for f in disk.npy_files:
+    for f in (disk.npy_file(i) for i in range(disk.n)):
         f.unlink()
 
 

@@ -11,11 +11,13 @@ import pytest
 from PIL import Image
 
 import utils.data.label_cache as label_cache
+import utils.data.yolo_labels as yolo_labels
 from utils.data.config import list_image_files
 from utils.data.dataset import YoloDataset
 from utils.errors import UserError
 from utils.data.image_io import ImageError, probe_image, read_image
-from utils.data.label_cache import LabelError, load_label_set, parse_label_text, read_cache, write_cache
+from utils.data.label_cache import read_cache, write_cache
+from utils.data.yolo_labels import LabelError, load_label_set, parse_label_text
 
 NC = 3
 GOOD_ROW = "0 0.5 0.5 0.25 0.25\n"
@@ -97,19 +99,20 @@ def broken(tmp_path: Path) -> Path:
 
 def _scan_counter(monkeypatch) -> list[int]:
     calls: list[int] = []
-    real = label_cache.scan
+    real = yolo_labels.scan
 
     def counting(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(label_cache, "scan", counting)
+    monkeypatch.setattr(yolo_labels, "scan", counting)
     return calls
 
 
 def test_broken_dataset_counts_exact_and_good_samples_intact(broken: Path) -> None:
     label_set = load_label_set(list_image_files(str(broken)), nc=NC, source=str(broken))
-    assert label_set.counts == {"labelled": 10, "background": 1, "empty": 1, "corrupt": 10, "duplicates": 1}
+    assert label_set.counts == {"labelled": 10, "background": 1, "empty": 1, "corrupt": 10, "duplicates": 1,
+                                "label_files_unusable": 6}
     names = {Path(f).stem for f in label_set.im_files}
     assert names == {"good_a", "good_b", "truncated", "rgba", "deep", "gray", "exif", "dup", "excess", "bitmap",
                      "nolabel", "empty"}
@@ -263,13 +266,13 @@ def test_process_pool_matches_in_process(tmp_path: Path, monkeypatch) -> None:
     images = _small_dataset(tmp_path, n=40)
     files = list_image_files(str(images))
     lbs = [f.replace("/images/", "/labels/").replace(".jpg", ".txt") for f in files]
-    serial = label_cache.scan(files, lbs, NC, workers=1, show_progress=False)
-    monkeypatch.setattr(label_cache, "MIN_POOL_SIZE", 1)
-    pooled = label_cache.scan(files, lbs, NC, workers=2, show_progress=False)
-    assert sum(len(c[0]) for c in pooled) == 40
-    assert [x for c in serial for x in c[0]] == [x for c in pooled for x in c[0]]
-    assert np.array_equal(np.concatenate([c[3] for c in serial]), np.concatenate([c[3] for c in pooled]))
-    assert [s for c in serial for s in c[1]] == [s for c in pooled for s in c[1]]
+    serial = yolo_labels.scan(files, lbs, NC, workers=1, show_progress=False)
+    monkeypatch.setattr(yolo_labels, "MIN_POOL_SIZE", 1)
+    pooled = yolo_labels.scan(files, lbs, NC, workers=2, show_progress=False)
+    assert sum(len(c[1][0]) for c in pooled) == 40
+    assert [x for c in serial for x in c[1][0]] == [x for c in pooled for x in c[1][0]]
+    assert np.array_equal(np.concatenate([c[1][3] for c in serial]), np.concatenate([c[1][3] for c in pooled]))
+    assert [s for c in serial for s in c[1][1]] == [s for c in pooled for s in c[1][1]]
 
 
 def test_no_usable_image_is_a_user_error(tmp_path: Path) -> None:

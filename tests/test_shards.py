@@ -18,7 +18,7 @@ import torch
 
 from conftest import COLOURS, main_on_ranks, write_rectangles_dataset
 from utils.data.config import load_data_config
-from utils.data.label_cache import load_split, parse_label_text
+from utils.data.yolo_labels import load_split, parse_label_text
 from utils.data.loader import create_dataloader, load_labels
 from utils.data.samplers import ShardPlan
 from utils.data.shard_cache import ShardCache

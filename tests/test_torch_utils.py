@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from conftest import fork_ranks
 
-import utils.data.label_cache as label_cache
+import utils.data.yolo_labels as label_cache
 
 from models.yolo import Model
 from utils.distributed import WaitAbandoned, dist_info

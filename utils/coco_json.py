@@ -202,3 +202,18 @@ def coco_map(eval_result: dict) -> tuple[float, float]:
 def format_coco_stats(stats: np.ndarray) -> str:
     """The 12 COCOeval figures, one per line."""
     return "\n".join(f"  {name:<24} {value:.4f}" for name, value in zip(COCO_STAT_NAMES, stats))
+
+
+def json_identities(dataset: object, names: Sequence[str]) -> tuple[list[int], dict[str, int | str]]:
+    """(category id of each class, image id of each file) for predictions.json.
+
+    A split read from a COCO JSON (its LabelTable holds ``image_id`` per sample and ``category_ids`` per class)
+    keeps that JSON's own ids, so the predictions score against it directly; any other split takes ids from the
+    file names and COCO's 91-id numbering on COCO's classes (``image_ids_for``, ``category_ids``).
+    """
+    table = getattr(dataset, "table", None)
+    extra, meta = getattr(table, "extra", {}), getattr(table, "meta", {})
+    if "image_id" in extra and len(meta.get("category_ids", ())) == len(names):
+        return [int(c) for c in meta["category_ids"]], dict(zip(table.im_files, extra["image_id"].tolist()))
+    files = list(getattr(dataset, "im_files", None) or [])
+    return category_ids(names), dict(zip(files, image_ids_for(files))) if files else {}

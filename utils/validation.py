@@ -145,11 +145,9 @@ def validate(
     json_results: list[dict] = []
     json_images: list[tuple[np.ndarray, tuple[int, int], str]] = []  # (labels, (h, w), file) per image
     if save_json:
-        from utils.coco_json import category_ids, image_ids_for
+        from utils.coco_json import image_ids_for, json_identities
 
-        class_map = category_ids(names)
-        dataset_files = getattr(getattr(dataloader, "dataset", None), "im_files", None)
-        file_ids = dict(zip(dataset_files, image_ids_for(dataset_files))) if dataset_files else {}
+        class_map, file_ids = json_identities(getattr(dataloader, "dataset", None), names)
 
     for batch_i, (imgs, targets, paths, shapes) in enumerate(dataloader):
         t0 = time_synchronized()

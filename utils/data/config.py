@@ -3,75 +3,30 @@
 A YAML written for YOLOv5 works unchanged: ``path`` (dataset root), ``train``/``val``/``test`` (a folder
 of images, a ``.txt`` list of image paths, or a list of those) and ``names`` (a list or an
 ``{index: name}`` mapping). ``download`` is accepted and ignored: it is never executed. Splits may also
-name WebDataset tar shards (``utils.data.webshards``): they resolve to a ShardSet. ``builtin: shapes``
-asks for the synthetic dataset of ``utils.data.shapes``, generated on first use.
+name WebDataset tar shards (a ShardSet, shard_names.py), a COCO JSON (``{annotations: a.json, images: dir}``
+or just ``a.json``: a CocoSplit), Pascal VOC folders (``{voc: VOC2007, set: trainval}``: a VocSplit), and
+``val`` may be a fraction of train (``val: 0.1``: FractionSplit records for both, splits.py). Without
+``names`` the classes are a COCO train JSON's categories or the VOC object names. ``builtin: shapes`` asks for
+the synthetic dataset of ``utils.data.shapes``, generated on first use. Reading labels is labels.py's: this
+module only says what each split names.
 """
 from __future__ import annotations
 
-import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from utils.data.image_files import IMG_FORMATS, img2label_path, is_image_file, list_image_files  # noqa: F401
+from utils.data.coco_reader import coco_class_names
+from utils.data.shard_names import is_shard_entry, resolve_shard_split
+from utils.data.splits import CocoSplit, FractionSplit, VocSplit
+from utils.data.voc_reader import voc_class_names
 from utils.errors import UserError
 
-IMG_FORMATS = ("bmp", "jpeg", "jpg", "png", "tif", "tiff", "webp")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SPLITS = ("train", "val", "test")
-
-
-def is_image_file(path: str | Path) -> bool:
-    """True when the file name ends in one of the supported image extensions (any case)."""
-    return str(path).rsplit(".", 1)[-1].lower() in IMG_FORMATS if "." in str(path) else False
-
-
-def img2label_path(im_file: str) -> str:
-    """Label file of an image: the last ``/images/`` folder becomes ``/labels/``, the extension ``.txt``."""
-    images, labels = f"{os.sep}images{os.sep}", f"{os.sep}labels{os.sep}"
-    head, sep, tail = im_file.rpartition(images)
-    path = f"{head}{labels}{tail}" if sep else im_file
-    return f"{os.path.splitext(path)[0]}.txt"
-
-
-def _read_list_file(txt: Path) -> list[str]:
-    """Image paths listed in a ``.txt`` file; relative entries (``./x`` or ``x``) are relative to its folder."""
-    try:
-        lines = txt.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"{txt}: cannot read image list ({e})") from e
-    parent = txt.parent
-    out = []
-    for line in lines:
-        entry = line.strip()
-        if not entry or entry.startswith("#"):
-            continue
-        p = Path(entry)
-        out.append(str(p if p.is_absolute() else (parent / p).resolve()))
-    return out
-
-
-def list_image_files(source: str | Path | list[str | Path]) -> list[str]:
-    """All image files of a folder (recursive), a ``.txt`` list or a list of those; sorted, no duplicates.
-
-    Raises UserError when a source does not exist or holds no image.
-    """
-    sources = source if isinstance(source, (list, tuple)) else [source]
-    files: list[str] = []
-    for src in sources:
-        p = Path(src)
-        if p.is_dir():
-            files += [str(f) for f in p.rglob("*") if is_image_file(f.name) and f.is_file()]
-        elif p.is_file() and p.suffix.lower() == ".txt":
-            files += [f for f in _read_list_file(p) if is_image_file(f)]
-        elif p.is_file() and is_image_file(p):
-            files.append(str(p))
-        else:
-            raise UserError(f"{p}: image source does not exist (expected a folder, a .txt list or an image)")
-    files = sorted(set(files))
-    if not files:
-        raise UserError(f"{', '.join(str(s) for s in sources)}: no images found ({', '.join(IMG_FORMATS)})")
-    return files
 
 
 def data_yaml_path(path: str | Path) -> Path | None:
@@ -165,17 +120,10 @@ def load_data_config(path: str | Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise UserError(f"{yaml_file}: expected a mapping with keys path, train, val, names")
 
-    for key in ("train", "val", "names"):
+    for key in ("train", "val"):
         if raw.get(key) in (None, "", [], {}):
             raise UserError(f"{yaml_file}: missing key '{key}'")
-    names = _names_list(raw["names"], yaml_file)
-    if "nc" in raw and raw["nc"] is not None:
-        try:
-            nc = int(raw["nc"])
-        except (TypeError, ValueError) as e:
-            raise UserError(f"{yaml_file}: 'nc' must be an integer, got {raw['nc']!r}") from e
-        if nc != len(names):
-            raise UserError(f"{yaml_file}: 'nc' is {nc} but 'names' lists {len(names)} classes")
+    names = _names_list(raw["names"], yaml_file) if raw.get("names") not in (None, "", [], {}) else None
 
     root = _resolve_root(raw.get("path"), yaml_file)
     if raw.get("builtin"):
@@ -184,21 +132,77 @@ def load_data_config(path: str | Path) -> dict[str, Any]:
         hint = " (its 'download' section is never run: fetch the data yourself)" if raw.get("download") else ""
         raise UserError(f"{yaml_file}: 'path' {raw.get('path')!r} does not exist (tried {root}){hint}")
 
-    config: dict[str, Any] = {"path": root, "names": names, "nc": len(names), "yaml_file": str(yaml_file)}
-    from utils.data.webshards import is_shard_entry, resolve_shard_split  # imports this module
+    splits = {key: _split_record(raw[key], root, yaml_file, key) for key in SPLITS
+              if raw.get(key) not in (None, "", [])}
+    if names is None:
+        names = _names_from_annotations(splits, yaml_file)
+    splits = {key: _with_names(value, names) for key, value in splits.items()}
+    if "nc" in raw and raw["nc"] is not None:
+        try:
+            nc = int(raw["nc"])
+        except (TypeError, ValueError) as e:
+            raise UserError(f"{yaml_file}: 'nc' must be an integer, got {raw['nc']!r}") from e
+        if nc != len(names):
+            raise UserError(f"{yaml_file}: 'nc' is {nc} but 'names' lists {len(names)} classes")
 
-    for key in SPLITS:
-        if raw.get(key) in (None, "", []):
-            continue
-        entries = raw[key] if isinstance(raw[key], (list, tuple)) else [raw[key]]
-        if any(is_shard_entry(str(e), root) for e in entries):  # WebDataset tar shards (a ShardSet)
-            config[key] = resolve_shard_split(raw[key], root, yaml_file, key)
-        else:
-            config[key] = _resolve_split(raw[key], root, yaml_file, key)
+    config: dict[str, Any] = {"path": root, "names": names, "nc": len(names), "yaml_file": str(yaml_file), **splits}
+    if isinstance(splits["val"], FractionSplit):  # the rest of train trains; the two never overlap
+        config["train"] = replace(splits["val"], base=splits["train"], part="train")
+        config["val"] = replace(splits["val"], base=splits["train"])
+    if isinstance(splits.get("test"), FractionSplit):
+        raise UserError(f"{yaml_file}: 'test' as a fraction is not supported (only 'val: 0.1' takes part of train)")
     annotations = _annotations_file(raw.get("annotations"), root, yaml_file)
+    if isinstance(config["val"], CocoSplit):  # --save-json scores against the val split's own JSON
+        annotations = config["val"].annotations
     if annotations is not None:
         config["annotations"] = annotations
     return config
+
+
+def _split_record(value: Any, root: Path, yaml_file: Path, key: str) -> Any:
+    """What a split entry names: image files (str or list), shards, a COCO JSON, VOC folders or a fraction."""
+    where = f"{yaml_file} '{key}'"
+    if isinstance(value, float) and not isinstance(value, bool):
+        if key != "val" or not 0 < value < 1:
+            raise UserError(f"{yaml_file}: '{key}' {value!r}: a fraction is only allowed for 'val', in (0, 1)")
+        return FractionSplit(base=None, root=str(root), fraction=float(value), part="val")
+    if isinstance(value, dict):
+        if "annotations" in value:
+            unknown = set(value) - {"annotations", "images"}
+            if unknown:
+                raise UserError(f"{where}: unknown key(s) {sorted(unknown)} (a COCO split takes annotations, images)")
+            images = _resolve_split(value["images"], root, yaml_file, key) if value.get("images") else None
+            return CocoSplit(_resolve_split(value["annotations"], root, yaml_file, key), images, source=where)
+        if "voc" in value:
+            unknown = set(value) - {"voc", "set"}
+            if unknown or not value.get("set"):
+                raise UserError(f"{where}: a VOC split is {{voc: <folder or list>, set: <ImageSets/Main name>}}")
+            roots = _resolve_split(value["voc"], root, yaml_file, key)
+            return VocSplit(tuple(roots if isinstance(roots, list) else [roots]), str(value["set"]), source=where)
+        raise UserError(f"{where}: a mapping must be {{annotations, images}} (COCO JSON) or {{voc, set}} (Pascal VOC)")
+    if isinstance(value, str) and value.lower().endswith(".json"):
+        return CocoSplit(_resolve_split(value, root, yaml_file, key), None, source=where)
+    entries = value if isinstance(value, (list, tuple)) else [value]
+    if any(is_shard_entry(str(e), root) for e in entries):  # WebDataset tar shards (a ShardSet)
+        return resolve_shard_split(value, root, yaml_file, key)
+    return _resolve_split(value, root, yaml_file, key)
+
+
+def _names_from_annotations(splits: dict[str, Any], yaml_file: Path) -> list[str]:
+    """Class names when the YAML gives none: the train COCO JSON's categories, or the VOC object names."""
+    train = splits["train"]
+    if isinstance(train, CocoSplit):
+        return coco_class_names(train.annotations)
+    vocs = [s for s in splits.values() if isinstance(s, VocSplit)]
+    if isinstance(train, VocSplit):
+        return sorted({n for s in vocs for n in voc_class_names(s)})
+    raise UserError(f"{yaml_file}: missing key 'names' (only COCO JSON and VOC splits bring their own)")
+
+
+def _with_names(value: Any, names: list[str]) -> Any:
+    if isinstance(value, (CocoSplit, VocSplit)):
+        return replace(value, names=tuple(names))
+    return value
 
 
 def _annotations_file(value: Any, root: Path, yaml_file: Path) -> str | None:

@@ -27,7 +27,8 @@ from utils.files import atomic_output
 from utils.hyp import Hyp
 from utils.data.image_source import ImageSource, open_source
 from utils.data.jpeg_region import load_decoder
-from utils.data.label_cache import LabelSet, load_split
+from utils.data.label_table import LabelRows, LabelTable, PathList
+from utils.data.labels import load_labels
 from utils.log import LOGGER
 
 if TYPE_CHECKING:
@@ -91,7 +92,7 @@ class YoloDataset(Dataset):
                  hyp: Hyp | None = None, rect: bool = False, cache: str | None = None,
                  single_cls: bool = False, stride: int = 32, pad: float = 0.0, nc: int | None = None,
                  seed: int = 0, close_mosaic_epoch: int | None = None, workers: int = 8, decode_threads: int = 1,
-                 prefix: str = "", label_set: LabelSet | None = None, verbose: bool = True):
+                 prefix: str = "", label_set: LabelTable | None = None, verbose: bool = True):
         if cache not in CACHE_MODES:
             raise UserError(f"--cache {cache!r}: expected 'ram', 'disk', 'auto' or nothing")
         self.imgsz, self.augment, self.rect, self.stride, self.pad = imgsz, augment, rect, stride, pad
@@ -99,34 +100,29 @@ class YoloDataset(Dataset):
         self.seed, self.close_mosaic_epoch, self.prefix = seed, close_mosaic_epoch, prefix
 
         if label_set is None:
-            label_set = load_split(path, nc=nc, workers=workers, prefix=prefix, verbose=verbose)
-        # The region decoder is built (or found) and checked now, once, and logged: reads only use it.
-        self.jpeg_decoder = load_decoder() if augment else None
-        self.source: ImageSource = open_source(label_set, self.jpeg_decoder)
-        self.label_counts = label_set.counts
-        self.cache_file = label_set.cache_file
-        self.im_files: list[str] = label_set.im_files
-        self.label_files: list[str] = label_set.label_files
-        self.labels: list[np.ndarray] = label_set.labels
+            label_set = load_labels(path, nc=nc, workers=workers, prefix=prefix, verbose=verbose)
         if single_cls:
-            for lb in self.labels:
-                lb[:, 0] = 0
-        self.shapes: np.ndarray = label_set.shapes  # (N, 2) original (w, h)
-        self.n = len(self.im_files)
+            label_set = label_set.with_single_class()
         self.batch_shapes: np.ndarray | None = None
-        self.batch_index = np.arange(self.n) // max(1, batch_size)
         if rect:
             # numpy's default sort, as YOLOv5's: images of equal aspect ratio then fall into the same batches,
             # and so get the same letterbox shape, as in YOLOv5's val.py (a stable sort moved 6 of the shapes
             # set's 100 validation images into a neighbouring batch of another shape). The order of equal ratios is
             # numpy's: the same for both on one machine and numpy version.
-            order = np.argsort(self.shapes[:, 1] / self.shapes[:, 0])
-            self.im_files = [self.im_files[i] for i in order]
-            self.label_files = [self.label_files[i] for i in order]
-            self.labels = [self.labels[i] for i in order]
-            self.shapes = self.shapes[order]
-            self.source.reorder(order)
-            self.batch_shapes = rect_batch_shapes(self.shapes, batch_size, imgsz, stride, pad)
+            label_set = label_set.take(np.argsort(label_set.shapes[:, 1] / label_set.shapes[:, 0]))
+            self.batch_shapes = rect_batch_shapes(label_set.shapes, batch_size, imgsz, stride, pad)
+        # The split lives in a few flat arrays (label_table.py), shared by forked workers without copies.
+        self.table = label_set
+        # The region decoder is built (or found) and checked now, once, and logged: reads only use it.
+        self.jpeg_decoder = load_decoder() if augment else None
+        self.source: ImageSource = open_source(label_set, self.jpeg_decoder)
+        self.label_counts = label_set.counts
+        self.cache_file = label_set.cache_file
+        self.im_files: PathList = label_set.im_files
+        self.labels: LabelRows = label_set.labels  # read-only (n, 5) views per image
+        self.shapes: np.ndarray = label_set.shapes  # (N, 2) original (w, h)
+        self.n = len(self.im_files)
+        self.batch_index = np.arange(self.n) // max(1, batch_size)
 
         # Loading in the main process (no workers) leaves cores idle: decode a mosaic's tiles in threads.
         self.decode_threads = max(1, decode_threads)
@@ -136,7 +132,6 @@ class YoloDataset(Dataset):
             cache = None
         self.cache = cache
         self.ram_images: list[np.ndarray | None] = [None] * self.n
-        self.npy_files = [Path(f).with_suffix(".npy") for f in self.im_files]
         if cache:
             self._fill_cache(cache, workers)
 
@@ -229,7 +224,7 @@ class YoloDataset(Dataset):
 
     def _cache_one_disk(self, i: int) -> str:
         """Write image i's .npy unless a current one exists; returns an error message or ''."""
-        npy, src = self.npy_files[i], self.im_files[i]
+        npy, src = self.npy_file(i), self.im_files[i]
         if npy.is_file() and npy.stat().st_mtime_ns >= os.stat(src).st_mtime_ns:
             return ""
         try:
@@ -238,6 +233,10 @@ class YoloDataset(Dataset):
         except OSError as e:
             return f"{npy}: {e}"
         return ""
+
+    def npy_file(self, i: int) -> Path:
+        """Where --cache disk keeps image ``i`` decoded: beside it, as ``.npy``."""
+        return Path(self.im_files[i]).with_suffix(".npy")
 
     def _read_original(self, i: int) -> np.ndarray:
         img = self.source.read(i)
@@ -248,16 +247,16 @@ class YoloDataset(Dataset):
         return img
 
     def _decode(self, i: int) -> np.ndarray:
-        if self.cache == "disk" and self.npy_files[i].is_file():
+        if self.cache == "disk" and self.npy_file(i).is_file():
             try:
-                return np.load(self.npy_files[i], allow_pickle=False)
+                return np.load(self.npy_file(i), allow_pickle=False)
             except (OSError, ValueError):
                 pass  # a damaged .npy: fall back to the image itself
         return self._read_original(i)
 
     def _read_from_source(self, i: int) -> bool:
         """Image ``i`` comes from its source (no RAM copy, no .npy)."""
-        return self.ram_images[i] is None and not (self.cache == "disk" and self.npy_files[i].is_file())
+        return self.ram_images[i] is None and not (self.cache == "disk" and self.npy_file(i).is_file())
 
     def load_image(self, i: int) -> tuple[np.ndarray, tuple[int, int], tuple[int, int]]:
         """Image ``i`` resized to long side imgsz (shared with the RAM cache: do not modify in place)."""

@@ -13,7 +13,7 @@ import numpy as np
 
 from utils.data.image_io import decode_image, decode_image_region, read_image, read_image_region
 from utils.data.jpeg_region import JpegRegionDecoder
-from utils.data.label_cache import LabelSet
+from utils.data.label_table import LabelTable, PathList
 from utils.data.webshards import ShardLabelSet, ShardReader
 
 Region = tuple[int, int, int, int]  # x1, y1, x2, y2 in pixels of the image at its displayed size
@@ -30,9 +30,6 @@ class ImageSource(Protocol):
         """Decode only ``region`` of image ``i`` (displayed size ``shape_hw``) into ``out``; False where that
         cannot be done (no decoder, not a JPEG, another size): the caller then decodes the whole image."""
 
-    def reorder(self, order: np.ndarray) -> None:
-        """Image ``j`` becomes the former image ``order[j]`` (the dataset sorted its samples)."""
-
     def prefetch(self, upcoming: list[int]) -> None:
         """Start making the images ``upcoming`` (in reading order) cheap to read; it must not block."""
 
@@ -43,17 +40,14 @@ class FileSource:
     kind = "image files"
     disk_cacheable = True
 
-    def __init__(self, files: list[str], decoder: JpegRegionDecoder | None):
-        self.files, self.decoder = list(files), decoder
+    def __init__(self, files: PathList, decoder: JpegRegionDecoder | None):
+        self.files, self.decoder = files, decoder  # the table's path buffer: shared by workers, never copied
 
     def read(self, i: int) -> np.ndarray | None:
         return read_image(self.files[i])
 
     def read_region(self, i: int, shape_hw: tuple[int, int], region: Region, out: np.ndarray) -> bool:
         return read_image_region(self.files[i], shape_hw, region, out, self.decoder) is not None
-
-    def reorder(self, order: np.ndarray) -> None:
-        self.files = [self.files[j] for j in order]
 
     def prefetch(self, upcoming: list[int]) -> None:
         pass  # local files: the page cache does this better than we could
@@ -76,15 +70,12 @@ class ShardSource:
         data = self.reader.read(i)
         return data is not None and decode_image_region(data, shape_hw, region, out, self.decoder) is not None
 
-    def reorder(self, order: np.ndarray) -> None:
-        self.reader.reorder(order)
-
     def prefetch(self, upcoming: list[int]) -> None:
         # Remote shards of these samples, in the order they are read, downloaded in the background.
         self.reader.cache.prefetch(self.reader.shards_in_order(upcoming))
 
 
-def open_source(label_set: LabelSet, decoder: JpegRegionDecoder | None) -> ImageSource:
+def open_source(label_set: LabelTable, decoder: JpegRegionDecoder | None) -> ImageSource:
     """The source of a verified split's images: its tar shards, or its files."""
     if isinstance(label_set, ShardLabelSet):
         return ShardSource(label_set, decoder)

@@ -17,14 +17,15 @@ from torch.utils.data import DataLoader
 
 from utils.data.batch_ring import BatchRing, RingSlot, shared_memory_fits
 from utils.data.dataset import YoloDataset
-from utils.data.label_cache import LabelSet, load_split
+from utils.data.label_table import LabelTable
+from utils.data.labels import Split, load_labels
 from utils.hyp import Hyp
 from utils.log import LOGGER
 from utils.data.quad import QuadCollate
 from utils.data.samplers import (EpochStreamBatchSampler, ShardedSampler, ShardPlan, ShardPlanSampler,
                                   WeightedShardedSampler, epoch_batches)
 from utils.data.shard_dataset import DEFAULT_WINDOW, ShardDataset
-from utils.data.webshards import ShardLabelSet, ShardSet, load_shard_index
+from utils.data.webshards import ShardLabelSet
 
 
 PREFETCH_BATCHES = 2  # per worker (DataLoader's prefetch_factor); BatchRing's slot count follows from it
@@ -103,15 +104,7 @@ class EpochStreamLoader:
         self._next_epoch = epoch + 1
 
 
-def load_labels(source: str | list[str] | ShardSet, nc: int | None = None, workers: int = 8, prefix: str = "",
-                verbose: bool = True) -> LabelSet:
-    """A split's verified samples: the label cache of loose files, or the index of a shard set."""
-    if isinstance(source, ShardSet):
-        return load_shard_index(source, nc=nc, workers=workers, prefix=prefix, verbose=verbose)
-    return load_split(source, nc=nc, workers=workers, prefix=prefix, verbose=verbose)
-
-
-def build_dataset(label_set: LabelSet, imgsz: int, batch_size: int, plan: ShardPlan | None = None,
+def build_dataset(label_set: LabelTable, imgsz: int, batch_size: int, plan: ShardPlan | None = None,
                   **options: Any) -> YoloDataset:
     """The dataset of a verified split: a ShardDataset for shards, else a YoloDataset (``options`` as theirs)."""
     if isinstance(label_set, ShardLabelSet):
@@ -120,7 +113,7 @@ def build_dataset(label_set: LabelSet, imgsz: int, batch_size: int, plan: ShardP
 
 
 def create_dataloader(
-    path: str | list[str],
+    path: Split | None,
     imgsz: int,
     batch_size: int,
     stride: int,
@@ -139,7 +132,7 @@ def create_dataloader(
     nc: int | None = None,
     close_mosaic_epoch: int | None = None,
     prefix: str = "",
-    label_set: LabelSet | None = None,
+    label_set: LabelTable | None = None,
     image_weights: bool = False,
     quad: bool = False,
     shard_window: int = DEFAULT_WINDOW,
@@ -165,10 +158,8 @@ def create_dataloader(
     loader_workers = max(0, min(workers, cpus, batch_size))
     # Without worker processes the mosaic tiles are decoded in threads of this process, sharing its cores.
     decode_threads = 1 if loader_workers else max(1, min(4, cpus // max(1, world_size)))
-    if isinstance(path, ShardSet) and label_set is None:
-        label_set = load_shard_index(path, nc=nc, workers=workers, prefix=prefix)
     if label_set is None:
-        label_set = load_split(path, nc=nc, workers=workers, prefix=prefix)
+        label_set = load_labels(path, nc=nc, workers=workers, prefix=prefix)
     plan = None
     if isinstance(label_set, ShardLabelSet) and augment and not rect:
         plan = ShardPlan(label_set.shard_counts, seed=seed, window=shard_window, shuffle=shuffle, resampled=resampled)

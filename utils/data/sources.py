@@ -13,7 +13,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from utils.data.config import IMG_FORMATS, is_image_file
+from utils.data.image_files import IMG_FORMATS, is_image_file
 from utils.data.image_io import read_image
 from utils.errors import UserError
 

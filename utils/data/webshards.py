@@ -1,15 +1,14 @@
-"""WebDataset tar shards as a dataset split: naming them, and the index that makes them randomly readable.
+"""WebDataset tar shards as a dataset split: the index that makes them randomly readable, and reading samples.
 
 A sample is the members of one tar sharing a key (WebDataset's convention, split by ``base_plus_ext``): an
 image (``key.jpg|jpeg|png|webp|bmp``) and optionally its YOLO label rows (``key.txt``; none or empty means a
-background image). A split's ``train:``/``val:`` may name shards as a brace pattern, a list, a ``.txt`` list of
-URLs or a folder of ``.tar`` files; URLs are local paths, ``http(s)://`` or ``pipe:COMMAND``.
+background image). How a data YAML names shards is shard_names.py's.
 
 The index is built once per shard set (by local rank 0 of each node; the others wait) by streaming every shard
 with WebDataset's tar iterator, verifying each sample with the label cache's checks, and taking member offsets
-from ``wids``' memory-mapped tar index. It is an ``.npz`` of plain arrays (read without unpickling): per shard
-its URL and usable sample count, per sample its shard, image offset and size, shape and labels. With it an
-epoch's length is known without reading the shards, and any sample is one ``pread`` away.
+from ``wids``' memory-mapped tar index. It is the split's LabelTable (label_table.py, stored by label_cache.py)
+with, per sample, its shard, image offset and size, and per split the shard URLs. With it an epoch's length is
+known without reading the shards, and any sample is one ``pread`` away.
 """
 from __future__ import annotations
 
@@ -23,11 +22,12 @@ from pathlib import Path
 import numpy as np
 
 from utils.data.image_io import ImageError, probe_image_bytes
-from utils.data.label_cache import (BACKGROUND, CORRUPT, EMPTY, FALLBACK_CACHE_DIR, LABELLED, LabelError, LabelSet,
-                                    log_problems, parse_label_text, status_tally)
-from utils.data.shard_cache import ShardCache, check_local_shards, is_remote, require_fetch
+from utils.data.label_cache import cached_table
+from utils.data.label_table import BACKGROUND, CORRUPT, EMPTY, LABELLED, LabelTable, TableBuilder, report
+from utils.data.shard_cache import ShardCache, is_remote, require_fetch
+from utils.data.shard_names import ShardSet  # noqa: F401  (what the index is of; named by the data YAML)
+from utils.data.yolo_labels import LabelError, parse_label_text
 from utils.errors import UserError
-from utils.files import atomic_output
 from utils.log import LOGGER
 
 INDEX_VERSION = 1
@@ -35,92 +35,35 @@ SHARD_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp")
 INDEX_SUFFIX = ".yolo-train.index.npz"
 
 
-@dataclass(frozen=True)
-class ShardSet:
-    """The shard URLs of one split, in order, and what the data YAML said (for messages)."""
-
-    urls: tuple[str, ...]
-    source: str
-
-
-# ---- naming shards ------------------------------------------------------------------------------------------
-
-def _braces(pattern: str) -> list[str]:
-    import braceexpand  # WebDataset's own dependency, the expansion its shard lists use
-
-    return list(braceexpand.braceexpand(pattern))
-
-
-def _local(entry: str, base: Path) -> str:
-    p = Path(entry).expanduser()
-    return str(p if p.is_absolute() else (base / p).resolve())
-
-
-def _tar_folder(path: Path) -> list[str]:
-    return sorted(str(p) for p in path.iterdir() if p.is_file() and p.name.endswith(".tar"))
-
-
-def _txt_entries(path: Path) -> list[str]:
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"{path}: cannot read shard list ({e})") from e
-    return [s for s in (line.strip() for line in lines) if s and not s.startswith("#")]
-
-
-def is_shard_entry(entry: str, base: Path) -> bool:
-    """True when a data YAML split entry names shards (rather than images, folders of images or image lists)."""
-    if is_remote(entry) or ".tar" in entry and ("{" in entry or entry.endswith(".tar")):
-        return True
-    path = Path(_local(entry, base))
-    if path.is_dir():  # a folder of images that happens to hold a .tar stays a folder of images
-        from utils.data.config import is_image_file
-
-        return bool(_tar_folder(path)) and not any(is_image_file(p.name) for p in path.iterdir())
-    if path.is_file() and path.suffix.lower() == ".txt":
-        first = next(iter(_txt_entries(path)), "")
-        return is_remote(first) or first.endswith(".tar") or (".tar" in first and "{" in first)
-    return False
-
-
-def expand_shard_urls(entries: list[str], base: Path) -> list[str]:
-    """Every entry (brace pattern, URL, .txt list, folder of .tar) as a flat list of shard URLs."""
-    urls: list[str] = []
-    for entry in entries:
-        if is_remote(entry):
-            urls += _braces(entry)
-            continue
-        path = Path(_local(entry, base))
-        if path.is_dir():
-            urls += _tar_folder(path)
-        elif path.suffix.lower() == ".txt" and path.is_file():
-            urls += expand_shard_urls(_txt_entries(path), path.parent)
-        else:
-            urls += [_local(u, base) for u in _braces(entry)]
-    return urls
-
-
-def resolve_shard_split(value: str | list[str], root: Path, yaml_file: Path, key: str) -> ShardSet:
-    """A split that names shards, expanded and checked: a missing local shard is a one-line error naming it."""
-    entries = [str(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
-    urls = expand_shard_urls(entries, root)
-    if not urls:
-        raise UserError(f"{yaml_file}: '{key}' {value!r} names no shards")
-    check_local_shards(urls, f"{yaml_file} '{key}'")
-    return ShardSet(tuple(urls), f"{yaml_file} '{key}'")
-
-
 # ---- the index ----------------------------------------------------------------------------------------------
 
-@dataclass
-class ShardLabelSet(LabelSet):
-    """A LabelSet whose images are tar members: ``im_files`` are ``<shard url>/<member>``."""
+class ShardLabelSet(LabelTable):
+    """A LabelTable whose images are tar members: ``im_files`` are ``<shard url>/<member>``.
 
-    shard_urls: list[str] = field(default_factory=list)
-    shard_counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # usable samples per shard
-    sample_shard: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    offsets: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # image bytes in the shard file
-    sizes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    Per sample ``extra`` holds ``shard`` (its index in ``meta['urls']``), ``offset`` and ``size`` (its image bytes
+    in the shard file).
+    """
+
+    @property
+    def shard_urls(self) -> list[str]:
+        return [str(u) for u in self.meta["urls"]]
+
+    @property
+    def sample_shard(self) -> np.ndarray:
+        return self.extra["shard"]
+
+    @property
+    def offsets(self) -> np.ndarray:
+        return self.extra["offset"]
+
+    @property
+    def sizes(self) -> np.ndarray:
+        return self.extra["size"]
+
+    @property
+    def shard_counts(self) -> np.ndarray:
+        """Samples per shard (of those in this table)."""
+        return np.bincount(self.sample_shard, minlength=len(self.meta["urls"])).astype(np.int64)
 
 
 @dataclass
@@ -258,115 +201,46 @@ def index_path_for(shards: ShardSet, cache: ShardCache, digest: str) -> Path:
     return Path(first).parent / f"{Path(first).name.split('.')[0].rsplit('-', 1)[0]}-{digest[:12]}{INDEX_SUFFIX}"
 
 
-def _join(strings: list[str]) -> np.ndarray:
-    return np.frombuffer("\n".join(strings).encode("utf-8"), dtype=np.uint8)
-
-
-def _split(data: np.ndarray) -> list[str]:
-    text = data.tobytes().decode("utf-8")
-    return text.split("\n") if text else []
-
-
-def _build(shards: ShardSet, cache: ShardCache, nc: int | None, workers: int, digest: str) -> dict[str, np.ndarray]:
+def _build(shards: ShardSet, cache: ShardCache, nc: int | None, workers: int) -> ShardLabelSet:
     with ThreadPoolExecutor(max(1, min(workers, 8))) as pool:  # fetching and tar reading wait on I/O
         scans = list(pool.map(lambda u: scan_shard(u, cache, nc), shards.urls))
-    status = [s for sc in scans for s in sc.status]
-    labels = [lb for sc in scans for lb in sc.labels]
-    return {
-        "version": np.array(INDEX_VERSION),
-        "hash": np.array(digest),
-        "urls": _join(list(shards.urls)),
-        "bad_shard": np.array([sc.bad_shard for sc in scans], dtype=bool),
-        "shard_samples": np.array([len(sc.status) for sc in scans], dtype=np.int64),
-        "members": _join([m for sc in scans for m in sc.members]),
-        "status": np.array(status, dtype=np.int8),
-        "shapes": np.array([s for sc in scans for s in sc.shapes], dtype=np.int32).reshape(-1, 2),
-        "offsets": np.array([o for sc in scans for o in sc.offsets], dtype=np.int64),
-        "sizes": np.array([o for sc in scans for o in sc.sizes], dtype=np.int64),
-        "counts": np.array([len(lb) for lb in labels], dtype=np.int32),
-        "labels": (np.concatenate(labels, 0) if labels else np.zeros((0, 5))).astype(np.float32).reshape(-1, 5),
-        "duplicates": np.array(sum(sc.duplicates for sc in scans), dtype=np.int64),
-        "messages": _join([m.replace("\n", " ") for sc in scans for m in sc.messages]),
-    }
-
-
-def _read_index(path: Path, digest: str) -> dict[str, np.ndarray] | None:
-    if not path.is_file():
-        return None
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
-        if int(arrays["version"]) == INDEX_VERSION and str(arrays["hash"]) == digest:
-            return arrays
-    except Exception as e:  # any damage (truncated zip, foreign file, missing keys) means rebuild
-        LOGGER.info(f"{path}: shard index unreadable ({type(e).__name__}), rebuilding")
-    return None
-
-
-def _store(arrays: dict[str, np.ndarray], primary: Path) -> Path | None:
-    fallback = FALLBACK_CACHE_DIR / f"{primary.name}"
-    for path in (primary, fallback):
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with atomic_output(path) as tmp, open(tmp, "wb") as f:
-                np.savez(f, **arrays)
-            return path
-        except OSError as e:
-            LOGGER.warning(f"{path}: cannot write shard index ({e})")
-    return None
+    builder = TableBuilder()
+    for k, (url, sc) in enumerate(zip(shards.urls, scans)):
+        for member, status, shape, labels in zip(sc.members, sc.status, sc.shapes, sc.labels):
+            builder.add(f"{url}/{member}", status, shape, labels)
+        builder.messages += sc.messages
+        builder.count("duplicates", sc.duplicates)
+    builder.count("bad_shards", sum(sc.bad_shard for sc in scans))
+    extra = {"shard": np.repeat(np.arange(len(scans)), [len(sc.status) for sc in scans]).astype(np.int64),
+             "offset": np.array([o for sc in scans for o in sc.offsets], dtype=np.int64),
+             "size": np.array([o for sc in scans for o in sc.sizes], dtype=np.int64)}
+    table = builder.build(extra=extra, meta={"urls": np.array(list(shards.urls))})
+    return ShardLabelSet(**vars(table))
 
 
 def load_shard_index(shards: ShardSet, nc: int | None = None, cache: ShardCache | None = None, workers: int = 8,
                      prefix: str = "", verbose: bool = True) -> ShardLabelSet:
-    """The verified samples of a shard set, from its index when current, else scanned and indexed.
+    """The usable samples of a shard set, from its index when current, else scanned and indexed.
 
     In a distributed run call it on local rank 0 first, so that one process per node builds the index (and
     fetches remote shards into the node's cache) while the others wait. Raises UserError when nothing is usable.
     """
+    table, reused = read_shard_table(shards, nc, cache, workers)
+    report(table, prefix, verbose, reused, what=f"samples in {len(shards.urls)} shards")
+    usable = table.usable()
+    if not len(usable):
+        raise UserError(f"{shards.source}: no usable samples in {len(shards.urls)} shard(s)")
+    return usable
+
+
+def read_shard_table(shards: ShardSet, nc: int | None = None, cache: ShardCache | None = None,
+                     workers: int = 8) -> tuple[ShardLabelSet, bool]:
+    """Every sample of a shard set (usable or not), from its index when current; and whether it was."""
     cache = cache or ShardCache()
     digest = _index_hash(shards.urls, nc)
-    primary = index_path_for(shards, cache, digest)
-    arrays, reused, stored = None, True, primary
-    for path in (primary, FALLBACK_CACHE_DIR / primary.name):
-        arrays = _read_index(path, digest)
-        if arrays is not None:
-            stored = path
-            break
-    if arrays is None:
-        reused = False
-        arrays = _build(shards, cache, nc, workers, digest)
-        stored = _store(arrays, primary)
-    return _label_set(arrays, shards, prefix, verbose, reused, stored)
-
-
-def _label_set(arrays: dict[str, np.ndarray], shards: ShardSet, prefix: str, verbose: bool, reused: bool,
-               stored: Path | None) -> ShardLabelSet:
-    urls = list(shards.urls)
-    status, members = arrays["status"], _split(arrays["members"])
-    per_sample = np.split(arrays["labels"], np.cumsum(arrays["counts"])[:-1]) if len(status) else []
-    sample_shard = np.repeat(np.arange(len(urls)), arrays["shard_samples"])
-    keep = np.nonzero(status != CORRUPT)[0]
-    tally = status_tally(status, int(arrays["duplicates"]))
-    tally["bad_shards"] = int(arrays["bad_shard"].sum())
-    messages = _split(arrays["messages"])
-    if verbose:
-        log_problems(messages, prefix)
-        where = f"{'index ' if reused else 'indexed to '}{stored}" if stored else "not indexed"
-        LOGGER.info(f"{prefix}{len(urls)} shards ({tally['bad_shards']} unreadable, skipped), {len(status)} samples: "
-                    f"{tally['labelled']} labelled, {tally['background']} backgrounds without label, {tally['empty']} "
-                    f"empty, {tally['corrupt']} corrupt, {tally['duplicates']} duplicate rows dropped ({where})")
-    if not len(keep):
-        raise UserError(f"{shards.source}: no usable samples in {len(urls)} shard(s)")
-    shard_of = sample_shard[keep]
-    return ShardLabelSet(
-        im_files=[f"{urls[shard_of[j]]}/{members[i]}" for j, i in enumerate(keep)],
-        label_files=[f"{urls[shard_of[j]]}/{members[i].rsplit('.', 1)[0]}.txt" for j, i in enumerate(keep)],
-        labels=[per_sample[i].copy() for i in keep],
-        shapes=arrays["shapes"][keep].astype(np.int64),
-        counts=tally, messages=messages, cache_file=str(stored or ""),
-        shard_urls=urls, shard_counts=np.bincount(shard_of, minlength=len(urls)).astype(np.int64),
-        sample_shard=shard_of.astype(np.int64), offsets=arrays["offsets"][keep], sizes=arrays["sizes"][keep],
-    )
+    table, reused = cached_table(index_path_for(shards, cache, digest), digest,
+                                 lambda: _build(shards, cache, nc, workers))
+    return (table if isinstance(table, ShardLabelSet) else ShardLabelSet(**vars(table))), reused
 
 
 # ---- reading samples ----------------------------------------------------------------------------------------
@@ -415,10 +289,6 @@ class ShardReader:
             LOGGER.warning(f"WARNING {self.urls[shard]}: sample {i} is cut short (shard changed since indexed)")
             return None
         return np.frombuffer(data, np.uint8)
-
-    def reorder(self, order: np.ndarray) -> None:
-        """Sample ``j`` becomes the former sample ``order[j]`` (the dataset sorted its samples)."""
-        self.sample_shard, self.offsets, self.sizes = self.sample_shard[order], self.offsets[order], self.sizes[order]
 
     def shards_in_order(self, samples: list[int]) -> list[str]:
         """The distinct shard URLs of ``samples`` in first-use order (what to prefetch next)."""

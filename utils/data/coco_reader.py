@@ -1,0 +1,232 @@
+"""Labels as a COCO JSON (``images``, ``annotations``, ``categories``): read straight into a LabelTable.
+
+Each image's ``file_name`` (which may hold subfolders) is looked up in the YAML's ``images`` folder, else where
+the layouts in use put it: beside the JSON (Roboflow), or in ``<stem>/`` and ``images/<stem>/`` beside the
+annotations folder (COCO, Ultralytics: ``annotations/instances_train2017.json`` -> ``train2017``). Boxes are
+COCO's pixel ``[x, y, w, h]`` of the image's ``width``/``height``; a box poking out of its image by at most
+``BOX_TOLERANCE`` of the image's side is clipped (and counted), farther out it is skipped; crowd regions
+(``iscrowd: 1``) are left out and counted; images without annotations are backgrounds. Classes are the
+categories in id order, or the YAML's ``names`` matched by category name. Samples are ordered by image path, as
+for label files, so the same set as COCO JSON and as YOLO label files trains identically.
+
+Bad items (an annotation of an unknown image or category, a box without area or far outside its image, an image
+listed but missing or corrupt) are one message each naming the JSON and the item; they are skipped and counted.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from utils.data.label_cache import CACHE_SUFFIX, cached_table, stat_digest
+from utils.data.label_table import BACKGROUND, CORRUPT, EMPTY, LABELLED, LabelTable, TableBuilder
+from utils.data.probe_pool import probe_files
+from utils.data.splits import CocoSplit
+from utils.errors import UserError
+from utils.log import LOGGER
+
+BOX_TOLERANCE = 0.02  # of the image's width/height: boxes poking out this far are clipped, farther are skipped
+LOOKUP_SAMPLE = 32  # images tried in each candidate folder to pick the one that holds the split
+
+
+def read_coco_json(path: str | Path) -> dict[str, Any]:
+    """The parsed JSON; a one-line UserError when it is unreadable or not COCO detection JSON."""
+    path = Path(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: cannot read COCO JSON ({str(e).splitlines()[0]})") from e
+    missing = [k for k in ("images", "annotations") if not isinstance(data, dict) or not isinstance(data.get(k), list)]
+    if missing:
+        raise UserError(f"{path}: not a COCO JSON file (no {' or '.join(repr(k) for k in missing)} list)")
+    return data
+
+
+def _categories(data: dict, path: Path) -> list[tuple[int, str]]:
+    out = []
+    for c in data.get("categories") or []:
+        if not isinstance(c, dict) or not isinstance(c.get("id"), int) or "name" not in c:
+            raise UserError(f"{path}: category {c!r} needs an integer 'id' and a 'name'")
+        out.append((int(c["id"]), str(c["name"])))
+    if not out:
+        raise UserError(f"{path}: no 'categories' (needed for class names)")
+    return sorted(out)
+
+
+def coco_class_names(path: str | Path) -> list[str]:
+    """Class names of a COCO JSON without YAML names: its categories in id order."""
+    return [name for _, name in _categories(read_coco_json(path), Path(path))]
+
+
+def class_of_category(categories: list[tuple[int, str]], names: list[str] | None, path: Path) -> dict[int, int]:
+    """category id -> class index: by id order without names, else by name (a category not in names: UserError)."""
+    if names is None:
+        return {cid: k for k, (cid, _) in enumerate(categories)}
+    index = {n: k for k, n in enumerate(names)}
+    mapping = {}
+    for cid, name in categories:
+        if name not in index:
+            raise UserError(f"{path}: category {cid} {name!r} is not in the data YAML's names")
+        mapping[cid] = index[name]
+    return mapping
+
+
+def image_folders(split: CocoSplit) -> list[Path]:
+    """Where the JSON's file names may be, in the order tried."""
+    if split.images:
+        return [Path(split.images)]
+    ann = Path(split.annotations)
+    stem = ann.name[: -len(".json")] if ann.name.lower().endswith(".json") else ann.stem
+    stems = [stem.split("_", 1)[1]] if "_" in stem.strip("_") else []  # instances_train2017 -> train2017
+    stems.append(stem)
+    folders = [ann.parent]
+    for s in dict.fromkeys(stems):
+        folders += [ann.parent.parent / s, ann.parent.parent / "images" / s]
+    return list(dict.fromkeys(folders))
+
+
+def _choose_folder(folders: list[Path], file_names: list[str], path: Path) -> Path:
+    """The candidate folder holding most of a sample of the images; a UserError naming the places tried if none."""
+    sample = file_names[:: max(1, len(file_names) // LOOKUP_SAMPLE)][:LOOKUP_SAMPLE]
+    found = [sum((f / name).is_file() for name in sample) for f in folders]
+    if max(found) == 0:
+        raise UserError(f"{path}: image {sample[0]!r} not found in any of {', '.join(map(str, folders))}")
+    return folders[int(np.argmax(found))]
+
+
+def read_coco_table(split: CocoSplit, workers: int = 8, prefix: str = "", verbose: bool = True
+                    ) -> tuple[LabelTable, bool]:
+    """Every image of the JSON (usable or not) with its labels, from the cache when current; and whether it was.
+
+    ``extra['image_id']`` holds each sample's image id and ``meta['category_ids']`` each class's category id, so
+    predictions can be written with the JSON's own ids.
+    """
+    path = Path(split.annotations)
+    folders = image_folders(split)
+    names = list(split.names) if split.names is not None else None
+    # The JSON names every image: its own size and time decide (an image file that appears later where one was
+    # reported missing is found after the JSON is touched or the cache deleted).
+    digest = stat_digest(f"coco names={names} tol={BOX_TOLERANCE} folders={[str(f) for f in folders]}", [str(path)])
+    return cached_table(path.with_suffix(CACHE_SUFFIX), digest,
+                        lambda: _build(path, folders, names, workers, prefix, verbose))
+
+
+def _box_row(bbox: Any, w: float, h: float) -> tuple[tuple[float, ...] | None, str, bool]:
+    """(normalised x, y, w, h) or None, why it was skipped, and whether it was clipped."""
+    if not isinstance(bbox, (list, tuple)) or len(bbox) != 4:
+        return None, f"bbox {bbox!r} is not [x, y, w, h]", False
+    try:
+        x, y, bw, bh = (float(v) for v in bbox)
+    except (TypeError, ValueError):
+        return None, f"bbox {bbox!r} is not numeric", False
+    if not all(math.isfinite(v) for v in (x, y, bw, bh)) or bw <= 0 or bh <= 0:
+        return None, f"bbox {bbox!r} has no area", False
+    tx, ty = BOX_TOLERANCE * w, BOX_TOLERANCE * h
+    if x < -tx or y < -ty or x + bw > w + tx or y + bh > h + ty:
+        return None, f"bbox {bbox!r} is far outside its {w:g}x{h:g} image", False
+    x1, y1, x2, y2 = max(x, 0.0), max(y, 0.0), min(x + bw, w), min(y + bh, h)
+    if x2 <= x1 or y2 <= y1:
+        return None, f"bbox {bbox!r} has no area inside its image", False
+    clipped = (x1, y1, x2, y2) != (x, y, x + bw, y + bh)
+    return ((x1 + x2) / 2 / w, (y1 + y2) / 2 / h, (x2 - x1) / w, (y2 - y1) / h), "", clipped
+
+
+def _build(path: Path, folders: list[Path], names: list[str] | None, workers: int, prefix: str,
+           verbose: bool) -> LabelTable:
+    data = read_coco_json(path)
+    categories = _categories(data, path)
+    class_of = class_of_category(categories, names, path)
+    nc = len(names) if names is not None else len(categories)
+    builder = TableBuilder()
+
+    images: dict[Any, dict] = {}
+    for im in data["images"]:
+        if not isinstance(im, dict) or "id" not in im or not isinstance(im.get("file_name"), str):
+            builder.messages.append(f"{path}: image entry {str(im)[:80]} needs 'id' and 'file_name', skipped")
+            builder.count("bad_images")
+            continue
+        if not isinstance(im["id"], int):
+            raise UserError(f"{path}: image id {im['id']!r} is not an integer")
+        images[im["id"]] = im
+    if not images:
+        raise UserError(f"{path}: lists no usable images")
+    folder = _choose_folder(folders, [im["file_name"] for im in images.values()], path)
+
+    rows: dict[int, dict[tuple[float, ...], None]] = {i: {} for i in images}  # insertion-ordered sets
+    annotated: set[int] = set()
+    used_categories: set[int] = set()
+    for k, ann in enumerate(data["annotations"]):
+        if not isinstance(ann, dict):
+            builder.messages.append(f"{path}: annotation #{k} is not an object, skipped")
+            builder.count("bad_annotations")
+            continue
+        item = f"annotation {ann.get('id', '#' + str(k))}"
+        image = images.get(ann.get("image_id"))
+        if image is None:
+            builder.messages.append(f"{path}: {item} has unknown image id {ann.get('image_id')!r}, skipped")
+            builder.count("unknown_image_annotations")
+            continue
+        annotated.add(image["id"])
+        cid = ann.get("category_id")
+        if cid not in class_of:
+            builder.messages.append(f"{path}: {item} has category id {cid!r} not in 'categories', skipped")
+            builder.count("unknown_category_annotations")
+            continue
+        used_categories.add(cid)
+        if ann.get("iscrowd", 0):
+            builder.count("crowd_annotations_left_out")
+            continue
+        w, h = image.get("width"), image.get("height")
+        if not isinstance(w, (int, float)) or not isinstance(h, (int, float)) or w <= 0 or h <= 0:
+            builder.messages.append(f"{path}: image {image['id']} has no valid width/height, {item} skipped")
+            builder.count("bad_boxes")
+            continue
+        box, why, clipped = _box_row(ann.get("bbox"), float(w), float(h))
+        if box is None:
+            builder.messages.append(f"{path}: {item} of image {image['id']}: {why}, skipped")
+            builder.count("bad_boxes")
+            continue
+        builder.count("clipped_boxes", int(clipped))
+        row = (float(class_of[cid]), *box)
+        if row in rows[image["id"]]:
+            builder.count("duplicates")
+        rows[image["id"]][row] = None
+
+    unused = [f"{cid} {name!r}" for cid, name in categories if cid not in used_categories]
+    if unused:  # e.g. the placeholder category some exporters add
+        LOGGER.info(f"{prefix}{path}: categories without annotations: {', '.join(unused)}")
+        builder.count("unused_categories", len(unused))
+
+    entries = sorted(((str(folder / im["file_name"]), im) for im in images.values()), key=lambda e: e[0])
+    probes = probe_files([p for p, _ in entries], workers, f"{prefix}Verifying {len(entries)} images",
+                         show_progress=verbose)
+    seen: set[str] = set()
+    ids = []
+    for (file, im), (shape, warning, error) in zip(entries, probes):
+        item = f"image {im['id']} {im['file_name']!r}"
+        empty = np.zeros((0, 5), np.float32)
+        if file in seen:
+            builder.add(file, CORRUPT, (0, 0), empty, f"{path}: {item} is listed twice, skipped")
+        elif error:
+            if not Path(file).is_file():
+                tried = [str(f / im["file_name"]) for f in folders]
+                error = f"listed but missing (tried {', '.join(tried)})"
+                builder.count("missing_images")
+            builder.add(file, CORRUPT, (0, 0), empty, f"{path}: {item}: {error}, skipped")
+        else:
+            labels = np.array(list(rows[im["id"]]), np.float32).reshape(-1, 5)
+            status = LABELLED if len(labels) else (EMPTY if im["id"] in annotated else BACKGROUND)
+            builder.add(file, status, shape, labels, f"{file}: {warning}" if warning else "")
+        seen.add(file)
+        ids.append(im["id"])
+    category_ids = [cid for cid, _ in categories]
+    if names is not None:  # class k's category: the one matched to names[k] (-1 where none is)
+        by_class = {k: cid for cid, k in class_of.items()}
+        category_ids = [by_class.get(k, -1) for k in range(nc)]
+    return builder.build(extra={"image_id": np.array(ids, dtype=np.int64)},
+                         meta={"category_ids": np.array(category_ids, dtype=np.int64), "annotations": str(path),
+                               "names": np.array(names if names is not None else [n for _, n in categories])})
