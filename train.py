@@ -366,7 +366,7 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
         seed=opt.seed, single_cls=opt.single_cls, prefix=colorstr("train: "), label_set=train_labels,
         close_mosaic_epoch=close_mosaic_epoch(opt.epochs, opt.close_mosaic), image_weights=opt.image_weights,
         quad=opt.quad, shard_window=getattr(opt, "shard_window", 1000), resampled=getattr(opt, "resampled", False))
-    # Every rank validates its own part of the split; the results are gathered (val.validate(gather=True)).
+    # Every rank validates its own part of the split; the results are gathered (validate(gather=True)).
     val_loader, _ = create_dataloader(
         None, opt.imgsz, batch_per_rank * 2, grid, hyp=hyp, cache=image_cache(opt.cache), rect=True, pad=0.5,
         workers=opt.workers, single_cls=opt.single_cls, prefix=colorstr("val: "), label_set=val_labels,
