@@ -4,9 +4,7 @@
 
 Both train ``--cfg`` (yolo11n) from scratch on coco128 at 320 px, batch 16, 3 epochs, 2 dataloader workers, on the
 CPU, without per-epoch validation (ours --noval, Ultralytics val=False: each still validates the last epoch) and
-without plots. Ours gets --close-mosaic 0, as bench/train_speed.py gives it: Ultralytics closes mosaic only at
-the epoch ``epochs - close_mosaic`` (never in a 3-epoch run), ours for the last N epochs (all 3 with the default
-10), so without it ours would skip the mosaic work Ultralytics does. Ours runs twice: as it is (mixed precision where the CPU has native bf16) and with --no-amp (fp32,
+without plots. Ours runs twice: as it is (mixed precision where the CPU has native bf16) and with --no-amp (fp32,
 as Ultralytics trains on a CPU). Each whole process is timed by GNU time, which also gives its peak resident set
 size (see bench/ultralytics_side_by_side.py). Printed: each run's wall time and peak RSS, then the ratios
 (Ultralytics' time / ours: above 1 means ours is faster; our peak RSS / Ultralytics').
@@ -45,7 +43,7 @@ def main() -> int:
     data_yaml = absolute_data_yaml(Path(args.data), out)
     common = ["--data", str(data_yaml), "--cfg", args.cfg, "--epochs", str(args.epochs), "--imgsz", str(args.imgsz),
               "--batch-size", str(args.batch_size), "--workers", str(args.workers), "--device", "cpu", "--noval",
-              "--noplots", "--project", str(out / "ours"), "--exist-ok", "--close-mosaic", "0"]
+              "--noplots", "--project", str(out / "ours"), "--exist-ok"]
     variants = {"ours": []} if args.skip_fp32 else {"ours": [], "ours --no-amp": ["--no-amp"]}
     measured = {}
     for label, extra in variants.items():
