@@ -7,8 +7,8 @@ CPU, without per-epoch validation (ours --noval, Ultralytics val=False: each sti
 without plots. Both close mosaic for the last 10 epochs by default (Ultralytics 8.4 from epoch epochs - 10 on), so
 a 3-epoch run trains without mosaic in either. Ours runs twice: as it is (mixed precision where the CPU has native
 bf16) and with --no-amp (fp32, as Ultralytics trains on a CPU). Each whole process is timed by GNU time, which also
-gives its peak resident set size (see bench/ultralytics_side_by_side.py). Printed: each run's wall time and peak RSS, then the ratios
-(Ultralytics' time / ours: above 1 means ours is faster; our peak RSS / Ultralytics').
+gives its peak resident set size (see bench/ultralytics_side_by_side.py). Printed: each run's wall time and peak
+RSS, then the ratios (Ultralytics' time / ours: above 1 means ours is faster; our peak RSS / Ultralytics').
 """
 from __future__ import annotations
 
