@@ -24,8 +24,8 @@ from utils.errors import UserError
 FAMILIES = {"yolov8": "yolov8-final.pt", "yolo11": "yolo11-final.pt", "yolo26": "yolo26-final.pt"}
 
 
-def _export(tmp_path: Path, family: str, **options) -> dict[str, Path]:
-    weights = tmp_path / FAMILIES[family]
+def _export(folder: Path, family: str, **options) -> dict[str, Path]:
+    weights = folder / FAMILIES[family]
     shutil.copyfile(FIXTURES / FAMILIES[family], weights)
     x, _ = reference(family)
     files = export.run(weights=str(weights), imgsz=list(x.shape[2:]), batch_size=x.shape[0],
@@ -33,10 +33,16 @@ def _export(tmp_path: Path, family: str, **options) -> dict[str, Path]:
     return {p.suffix: p for p in files}
 
 
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> dict[str, dict[str, Path]]:
+    """Each family's fixture exported once: ONNX with a dynamic batch, TorchScript traced at the reference batch."""
+    return {family: _export(tmp_path_factory.mktemp(family), family, dynamic=True) for family in FAMILIES}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_exported_files_compute_ultralytics_outputs(tmp_path, family) -> None:
-    files = _export(tmp_path, family)
+def test_exported_files_compute_ultralytics_outputs(exported, family) -> None:
+    files = exported[family]
     assert set(files) == {".onnx", ".torchscript"}
     x, ref = reference(family)
     for path in files.values():
@@ -65,10 +71,10 @@ def test_end2end_needs_a_one_to_one_head(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_onnx_metadata_as_ultralytics_writes_it(tmp_path) -> None:
+def test_onnx_metadata_as_ultralytics_writes_it(exported) -> None:
     import onnx
 
-    files = _export(tmp_path, "yolo11", dynamic=True)
+    files = exported["yolo11"]
     proto = onnx.load(str(files[".onnx"]))
     props = {p.key: p.value for p in proto.metadata_props}
     theirs = json.loads((FIXTURES / "onnx_metadata.json").read_text())
@@ -108,7 +114,7 @@ def test_detect_and_val_run_on_ultralytics_checkpoints(tmp_path) -> None:
         assert len(result.detections) == 3
         for det in result.detections.values():  # conf 0 keeps boxes: a check of the layout's decoding
             assert det.shape[1] == 6 and 0 < len(det) <= 20
-            assert (det[:, 4] >= 0).all() and (det[:, 4] <= 1).all() and (det[:, 5] < 5 if family == "yolo26" else 3).all()
+            assert (det[:, 4] >= 0).all() and (det[:, 4] <= 1).all() and (det[:, 5] < (5 if family == "yolo26" else 3)).all()
             assert (det[:, 2] >= det[:, 0]).all() and (det[:, 3] >= det[:, 1]).all()
     data = write_rectangles_dataset(tmp_path / "data", n_train=2, n_val=4, size=64, n_classes=3)
     results = val.run(data=str(data), weights=str(FIXTURES / FAMILIES["yolov8"]), imgsz=64, batch_size=2,
