@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", default="", help="checkpoint to start from (ours or YOLOv5's; '' trains from scratch)")
     p.add_argument("--cfg", default="", help="model YAML (default: yolov5n.yaml, or the config inside --weights)")
     p.add_argument("--data", default=str(ROOT / "data/shapes.yaml"), help="data YAML (default: built-in shapes)")
-    p.add_argument("--hyp", default=str(ROOT / "data/hyps/hyp.scratch-low.yaml"), help="hyper-parameter YAML")
+    p.add_argument("--hyp", default="", help="hyper-parameter YAML (default: the model family's, e.g. "
+                                             "data/hyps/hyp.scratch-low.yaml for YOLOv5, hyp.anchor-free.yaml for 8/11/26)")
     # The defaults of --epochs and --imgsz make `python train.py` a few-minute run on the built-in data.
     p.add_argument("--epochs", type=int, default=30, help="total training epochs (with --resume: extend the run)")
     p.add_argument("--time", type=float, default=None, help="train for this many hours (overrides --epochs)")
@@ -457,7 +458,7 @@ def train_one_epoch(t: Training, loader, epoch: int, start_batch: int, tally: Lo
                 LOGGER.debug(f"rank {max(info.rank, 0)} epoch {epoch} batch {i}: {' '.join(Path(f).name for f in b[2])}")
         micro = [(prepare_images(b[0], t, epoch, i), b[1].to(t.device, non_blocking=True)) for i, b in window]
         prepared = [t.compute_loss.prepare(targets, imgs.shape[2:]) for imgs, targets in micro]
-        counts = torch.stack([t.compute_loss.counts(p) for p in prepared])
+        counts = torch.stack([t.compute_loss.counts(p) for p in prepared]).to(t.device)
         save_now = t.save_mid_epoch is not None and first > start_batch and wants_save(t)
         synced = all_reduce_sum(torch.cat((counts.flatten(), pending, torch.tensor([float(save_now)], device=t.device))))
         counts, done = synced[:counts.numel()].view_as(counts), synced[counts.numel():]

@@ -19,7 +19,7 @@ from utils.log import LOGGER, colorstr, setup_logging
 from utils.process import setup_process
 from utils.run_dir import increment_path
 from utils.torch_utils import select_device
-from utils.validation import CONF_THRES, IOU_THRES, MAX_DET, ValResults, tta_comparison, validate
+from utils.validation import CONF_THRES, MAX_DET, ValResults, tta_comparison, validate
 
 TASKS = ("val", "test", "speed")
 
@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--imgsz", "--img", type=int, default=640, help="inference size (pixels, long side)")
     parser.add_argument("--conf-thres", type=float, default=CONF_THRES)
-    parser.add_argument("--iou-thres", type=float, default=IOU_THRES, help="NMS IoU threshold")
+    parser.add_argument("--iou-thres", type=float, default=None,
+                        help="NMS IoU threshold (default: the model family's, 0.6 YOLOv5, 0.7 YOLOv8/11/26)")
     parser.add_argument("--max-det", type=int, default=MAX_DET, help="detections kept per image")
     parser.add_argument("--task", default="val", choices=TASKS, help="split to use; speed: timing at conf 0.25")
     parser.add_argument("--device", default="", help="cuda device (0) or cpu")
@@ -94,8 +95,7 @@ def run_options(opt: argparse.Namespace) -> ValResults:
         LOGGER.warning("--half needs a CUDA device: running in fp32")
     half = opt.half and device.type == "cuda"
     model, meta = load_for_inference(opt.weights, device)
-    # An exported file names its family in its metadata (models/backends.py); older exports are all YOLOv5's.
-    family = family_of(model) if meta.kind == "pytorch" else family_of(getattr(meta, "family", "yolov5"))
+    family = family_of(meta.family)  # an exported file names it in its metadata (models/backends.py)
     if opt.augment and meta.kind != "pytorch":
         raise UserError(f"--augment needs a PyTorch .pt model (its passes change the input size); {opt.weights} is "
                         f"{meta.kind}")

@@ -16,13 +16,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from utils.anchor_free_loss import AnchorFreeLoss, End2EndLoss
 from utils.autoanchor import check_anchors
 from utils.distributed import de_parallel
 from utils.errors import UserError
-from utils.hyp import EVOLVE_LIMITS, Hyp, Limit
+from utils.hyp import ANCHOR_FREE_EVOLVE_LIMITS, EVOLVE_LIMITS, Hyp, Limit
 from utils.log import LOGGER
 from utils.loss import ComputeLoss, DetectionLoss
-from utils.nms import non_max_suppression
+from utils.nms import end_to_end_detections, non_max_suppression, non_max_suppression_anchor_free
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,6 +52,34 @@ def yolov5_loss(model: nn.Module, hyp: Hyp, imgsz: int, label_smoothing: float) 
     return ComputeLoss(model, scaled, label_smoothing)
 
 
+def anchor_free_loss(model: nn.Module, hyp: Hyp, imgsz: int, label_smoothing: float) -> DetectionLoss:
+    """YOLOv8 / YOLO11: task-aligned assignment, CIoU, BCE and DFL at the hyp file's gains, used as given (their
+    loss is normalised by the target scores, whatever the image size or number of classes)."""
+    return AnchorFreeLoss(model, hyp, label_smoothing=label_smoothing)
+
+
+def end_to_end_loss(model: nn.Module, hyp: Hyp, imgsz: int, label_smoothing: float) -> DetectionLoss:
+    """YOLO26: both heads, the one-to-one head's weight rising over the epochs (``set_epoch``)."""
+    return End2EndLoss(model, hyp, label_smoothing=label_smoothing)
+
+
+def yolov5_detections(pred: torch.Tensor, conf_thres: float, iou_thres: float, **options: Any) -> list[torch.Tensor]:
+    return non_max_suppression(pred, conf_thres, iou_thres, **options)
+
+
+def anchor_free_detections(pred: torch.Tensor, conf_thres: float, iou_thres: float, *, classes: list[int] | None,
+                           agnostic: bool, multi_label: bool, max_det: int) -> list[torch.Tensor]:
+    """NMS of the (B, 4 + nc, A) layout; an end-to-end head's (B, max_det, 6) output (YOLO26 with
+    ``end2end_output``) is already final and only filtered. The two never have the same shape: A, the anchor
+    count of three levels, is never 6."""
+    if isinstance(pred, (list, tuple)):
+        pred = pred[0]
+    if pred.shape[-1] == 6:
+        return end_to_end_detections(pred, conf_thres, classes=classes, max_det=max_det)
+    return non_max_suppression_anchor_free(pred, conf_thres, iou_thres, classes=classes, agnostic=agnostic,
+                                           multi_label=multi_label, max_det=max_det)
+
+
 @dataclass(frozen=True)
 class Family:
     """One model family's choices. ``loss_names`` name the three items its loss returns."""
@@ -62,6 +91,7 @@ class Family:
     nms_iou: float  # NMS IoU threshold of validation (the mAP sweep)
     evolve_limits: Mapping[str, Limit]
     build_loss: Callable[[nn.Module, Hyp, int, float], DetectionLoss]
+    nms: Callable[..., list[torch.Tensor]]
     # The automatic optimizer's AdamW learning rate for short runs is this / (4 + nc) (see utils/optimizer.py).
     adamw_lr_per_class_term: float = 0.05
 
@@ -75,8 +105,8 @@ class Family:
     def detections(self, pred: torch.Tensor, conf_thres: float, iou_thres: float, *, classes: list[int] | None = None,
                    agnostic: bool = False, multi_label: bool = False, max_det: int = 300) -> list[torch.Tensor]:
         """Per image (n, 6) = x1 y1 x2 y2 conf cls, best first, from the model's decoded predictions."""
-        return non_max_suppression(pred, conf_thres, iou_thres, classes=classes, agnostic=agnostic,
-                                   multi_label=multi_label, max_det=max_det)
+        return self.nms(pred, conf_thres, iou_thres, classes=classes, agnostic=agnostic, multi_label=multi_label,
+                        max_det=max_det)
 
     def check_hyp(self, hyp: Hyp, source: str) -> None:
         """A one-line error when ``hyp`` is another family's (its box gain is on another scale)."""
@@ -101,9 +131,15 @@ class Family:
 
 YOLOV5 = Family(name="yolov5", anchor_based=True, loss_names=("box", "obj", "cls"),
                 default_hyp="data/hyps/hyp.scratch-low.yaml", nms_iou=0.6, evolve_limits=EVOLVE_LIMITS,
-                build_loss=yolov5_loss)
+                build_loss=yolov5_loss, nms=yolov5_detections)
+# NMS IoU 0.7: the threshold Ultralytics validates these families at.
+_ANCHOR_FREE = dict(anchor_based=False, default_hyp="data/hyps/hyp.anchor-free.yaml", nms_iou=0.7,
+                    evolve_limits=ANCHOR_FREE_EVOLVE_LIMITS, nms=anchor_free_detections)
+YOLOV8 = Family(name="yolov8", loss_names=("box", "cls", "dfl"), build_loss=anchor_free_loss, **_ANCHOR_FREE)
+YOLO11 = Family(name="yolo11", loss_names=("box", "cls", "dfl"), build_loss=anchor_free_loss, **_ANCHOR_FREE)
+YOLO26 = Family(name="yolo26", loss_names=("box", "cls", "l1"), build_loss=end_to_end_loss, **_ANCHOR_FREE)
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (YOLOV5,)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (YOLOV5, YOLOV8, YOLO11, YOLO26)}
 
 
 def family_of(model_or_cfg: nn.Module | Mapping[str, Any] | str | Family) -> Family:

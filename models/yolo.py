@@ -19,6 +19,7 @@ import yaml
 
 from models.anchor_free import AnchorFreeDetect
 from models.blocks import C2PSA, C2f, C3k2, DWConv
+from models.families import family_name
 from models.common import C3, SPPF, Bottleneck, Concat, Conv, fuse_conv_and_bn
 from models.summary import model_info
 from utils.errors import UserError
@@ -248,17 +249,6 @@ def load_model_config(cfg: str | Path | dict) -> dict:
         config["scale"] = scale
     config["yaml_file"] = Path(cfg).name  # the name asked for: yolo11n.yaml, not yolo11.yaml
     return config
-
-
-def family_name(cfg: dict) -> str:
-    """'yolov5' | 'yolov8' | 'yolo11' | 'yolo26' from a model config (models/families.py will own this rule)."""
-    if "anchors" in cfg:
-        return "yolov5"
-    if cfg.get("end2end") or cfg.get("reg_max", 16) == 1:
-        return "yolo26"
-    if any(row[2] == "C3k2" for row in cfg["backbone"] + cfg["head"]):
-        return "yolo11"
-    return "yolov8"
 
 
 class Model(nn.Module):

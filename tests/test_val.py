@@ -149,11 +149,13 @@ def test_no_detections_and_eval_mode(dataset):
 
     loader, _ = create_dataloader(str(dataset.parent / "images" / "val"), 64, 2, 32, rect=True, pad=0.5, workers=0)
     model = Blind().train()
-    r = validate(model, loader, names=["red", "green"], device="cpu")
+    r = validate(model, loader, names=["red", "green"], device="cpu", family=YOLOV5)
     assert not model.training
     assert (r.p, r.r, r.map50, r.map) == (0.0, 0.0, 0.0, 0.0)
-    with pytest.raises(ValueError):
-        validate(model, loader, names=["red", "green"], device="cpu", plots=True)
+    with pytest.raises(ValueError, match="need a save_dir"):
+        validate(model, loader, names=["red", "green"], device="cpu", family=YOLOV5, plots=True)
+    with pytest.raises(ValueError, match="Blind is not a Model of this project: pass its family"):
+        validate(model, loader, names=["red", "green"], device="cpu")
 
 
 def _random_checkpoint(path: Path, nc: int = 2) -> Path:

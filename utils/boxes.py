@@ -136,3 +136,31 @@ def bbox_ciou(box1: torch.Tensor, box2: torch.Tensor, eps: float = 1e-7) -> torc
     with torch.no_grad():
         alpha = v / (v - iou + (1 + eps))
     return iou - (centre_dist_sq / diag_sq + v * alpha)
+
+
+def bbox_ciou_xyxy(box1: torch.Tensor, box2: torch.Tensor, eps: float = 1e-7) -> torch.Tensor:
+    """Element-wise Complete IoU of xyxy boxes of shape (..., 4); returns shape (...).
+
+    The corner form of ``bbox_ciou``, for callers whose boxes are corners already (the anchor-free loss and its
+    assigner): converting them to centre form and back would cost rounding on every coordinate.
+    """
+    b1_x1, b1_y1, b1_x2, b1_y2 = box1.unbind(-1)
+    b2_x1, b2_y1, b2_x2, b2_y2 = box2.unbind(-1)
+    w1, h1 = b1_x2 - b1_x1, b1_y2 - b1_y1 + eps
+    w2, h2 = b2_x2 - b2_x1, b2_y2 - b2_y1 + eps
+
+    inter = (torch.min(b1_x2, b2_x2) - torch.max(b1_x1, b2_x1)).clamp(0) * (
+        torch.min(b1_y2, b2_y2) - torch.max(b1_y1, b2_y1)
+    ).clamp(0)
+    union = w1 * h1 + w2 * h2 - inter + eps
+    iou = inter / union
+
+    enclose_w = torch.max(b1_x2, b2_x2) - torch.min(b1_x1, b2_x1)
+    enclose_h = torch.max(b1_y2, b2_y2) - torch.min(b1_y1, b2_y1)
+    diag_sq = enclose_w**2 + enclose_h**2 + eps
+    # Twice each centre's coordinates, so (sum of differences)^2 / 4 is the squared centre distance.
+    centre_dist_sq = ((b2_x1 + b2_x2 - b1_x1 - b1_x2) ** 2 + (b2_y1 + b2_y2 - b1_y1 - b1_y2) ** 2) / 4
+    v = (4 / math.pi**2) * (torch.atan(w2 / h2) - torch.atan(w1 / h1)) ** 2
+    with torch.no_grad():
+        alpha = v / (v - iou + (1 + eps))
+    return iou - (centre_dist_sq / diag_sq + v * alpha)

@@ -23,8 +23,8 @@ from utils.loss import DetectionLoss
 from utils.torch_utils import time_synchronized
 
 # The mAP sweep's thresholds: the defaults of both validate() (train.py's epochs) and the command line. The NMS
-# IoU threshold is the model family's (models/families.py); IOU_THRES is YOLOv5's, val.py's default.
-CONF_THRES, IOU_THRES, MAX_DET = 0.001, 0.6, 300
+# IoU threshold is the model family's (models/families.py).
+CONF_THRES, MAX_DET = 0.001, 300
 N_PLOTTED_BATCHES = 3
 
 
