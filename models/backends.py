@@ -268,15 +268,13 @@ def load_for_inference(weights: str | Path, device: torch.device | str = "cpu", 
 def detections(meta: ModelMeta, pred: torch.Tensor, conf_thres: float, iou_thres: float | None = None, *,
                classes: list[int] | None = None, agnostic: bool = False, multi_label: bool = False,
                max_det: int = 300) -> list[torch.Tensor]:
-    """Per image (n, 6) = x1 y1 x2 y2 conf cls, best first, from predictions in ``meta.layout``: NMS for the
-    YOLOv5 and anchor-free layouts (IoU ``iou_thres``, default per layout), a confidence filter for end2end."""
-    from utils.nms import end_to_end_detections, non_max_suppression, non_max_suppression_anchor_free
+    """Per image (n, 6) = x1 y1 x2 y2 conf cls, best first: the family's decoding of predictions (NMS, or only a
+    confidence filter for an end-to-end output), at ``iou_thres`` or detect.py's default for the layout."""
+    from models.families import family_of
 
-    if meta.layout == "end2end":
-        return end_to_end_detections(pred, conf_thres, classes=classes, max_det=max_det)
-    nms = non_max_suppression if meta.layout == "yolov5" else non_max_suppression_anchor_free
     iou = DETECT_IOU[meta.layout] if iou_thres is None else iou_thres
-    return nms(pred, conf_thres, iou, classes=classes, agnostic=agnostic, multi_label=multi_label, max_det=max_det)
+    return family_of(meta.family).detections(pred, conf_thres, iou, classes=classes, agnostic=agnostic,
+                                             multi_label=multi_label, max_det=max_det)
 
 
 def predictions(output: Any) -> torch.Tensor:

@@ -3,7 +3,6 @@ trainer (tests/fixtures/ultralytics/make_checkpoint_fixtures.py), load without r
 Ultralytics' own outputs; payloads, other tasks, missing files and --resume get one line each."""
 from __future__ import annotations
 
-import argparse
 import builtins
 import os
 import subprocess
@@ -17,7 +16,7 @@ import torch.nn as nn
 
 from tests.ultralytics_reference import (FIXTURES, assert_close_to_ultralytics, assert_same_end2end_detections,
                                          reference)
-from utils.checkpoint import load_checkpoint, resumed_options
+from utils.checkpoint import load_checkpoint
 from utils.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,17 +182,6 @@ def test_ultralytics_checkpoints_import_and_compute_ultralytics_outputs(name) ->
         assert_same_end2end_detections(e2e, ref["end2end"], name)
 
 
-def test_resuming_an_ultralytics_checkpoint_says_fine_tune_instead() -> None:
-    path = FIXTURES / "yolo26-last.pt"
-    ckpt = load_checkpoint(path)
-    opt = argparse.Namespace(resume=str(path), weights="", epochs=1)
-    with pytest.raises(UserError) as e:
-        resumed_options(opt, {"resume"}, path, ckpt)
-    message = str(e.value)
-    assert message.startswith(f"{path}: cannot resume: an Ultralytics checkpoint") and "\n" not in message
-    assert f"--weights {path}" in message
-
-
 def test_fine_tuning_to_fewer_classes_keeps_the_class_branch_hidden_layers() -> None:
     """yolo11 with 20 classes -> 2 classes: the class branch's width (max(8, min(nc, 100)) at this scale) would
     shrink from 20 to 8; built at the source's width instead, only its last layers start afresh."""
@@ -211,3 +199,23 @@ def test_fine_tuning_to_fewer_classes_keeps_the_class_branch_hidden_layers() -> 
         assert model.eval()(torch.zeros(1, 3, 64, 64))[0].shape == (1, 4 + 2, 84)
     plain = build_model(ckpt["model_cfg"], nc=2)  # without the source, the width follows the class count
     assert plain.model[-1].cv3[0][2].weight.shape == (2, 8, 1, 1)
+
+
+@pytest.mark.slow
+def test_train_fine_tunes_an_ultralytics_checkpoint_on_another_class_count(train_here, rectangles_yaml,
+                                                                             tmp_path) -> None:
+    status, log = train_here("--weights", FIXTURES / "yolo11-final.pt", "--data", rectangles_yaml, "--epochs", "1",
+                             "--project", tmp_path, "--name", "ft")
+    assert status == 0, log[-2000:]
+    assert "Ultralytics yolo11 checkpoint imported" in log and "nothing in it was executed" in log
+    assert "Transferred 493/499 tensors" in log  # all but the class branches' last layers (20 -> 2 classes)
+    ckpt = load_checkpoint(tmp_path / "ft" / "weights" / "last.pt")
+    assert ckpt["model_cfg"]["nc"] == 2 and ckpt["model_cfg"]["head_class_width"] == 20
+    assert ckpt["model"]["model.23.cv3.0.2.weight"].shape == (2, 20, 1, 1)
+
+
+def test_train_resume_of_an_ultralytics_checkpoint_is_one_line(train_here, tmp_path) -> None:
+    status, log = train_here("--resume", FIXTURES / "yolo26-last.pt", "--project", tmp_path)
+    errors = [line for line in log.splitlines() if line.startswith("ERROR")]
+    assert status == 1 and len(errors) == 1, log[-2000:]
+    assert "cannot resume: an Ultralytics checkpoint" in errors[0] and "--weights" in errors[0]
