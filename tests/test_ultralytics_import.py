@@ -130,6 +130,11 @@ def test_other_tasks_and_variants_are_refused_in_one_line(fake_ultralytics, tmp_
     torch.save({"model": segment, "ema": None}, tmp_path / "seg.pt")
     with pytest.raises(UserError, match=r"seg\.pt: a segmentation \(segment\) model.*only Ultralytics detection"):
         load_checkpoint(tmp_path / "seg.pt")
+    segment.args = ExecPayload(tmp_path / "payload_ran")  # a payload is named as such, whatever it is dressed as
+    torch.save({"model": segment, "ema": None}, tmp_path / "seg.pt")
+    with pytest.raises(UserError, match=r"seg\.pt: refused: the file names (__builtin__|builtins)\.exec"):
+        load_checkpoint(tmp_path / "seg.pt")
+    assert not (tmp_path / "payload_ran").exists()
 
     p2 = fake_ultralytics.DetectionModel()
     p2.yaml = _v8_yaml(levels=4)
