@@ -120,3 +120,15 @@ def test_detect_and_val_run_on_ultralytics_checkpoints(tmp_path) -> None:
     results = val.run(data=str(data), weights=str(FIXTURES / FAMILIES["yolov8"]), imgsz=64, batch_size=2,
                       workers=0, noplots=True, project=str(tmp_path / "val"), name="v8")
     assert 0 <= results.map <= results.map50 <= 1 and results.n_images == 4
+
+
+def test_ultralytics_own_export_metadata_is_read() -> None:
+    """An ONNX file exported by Ultralytics (its metadata_props as committed) describes itself to our backends."""
+    from models.backends import ModelMeta
+
+    props = json.loads((FIXTURES / "onnx_metadata.json").read_text())
+    meta = ModelMeta.from_onnx_props(props, Path("yolo11n.onnx"))
+    assert meta.names == [f"class{i}" for i in range(20)] and meta.stride == 32 and meta.imgsz == (64, 64)
+    assert (meta.family, meta.layout, meta.batch) == ("yolo11", "anchor_free", 1)
+    with pytest.raises(UserError, match=r"an Ultralytics segment model"):
+        ModelMeta.from_onnx_props({**props, "task": "segment"}, Path("seg.onnx"))
