@@ -68,8 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", default="", help="checkpoint to start from (ours or YOLOv5's; '' trains from scratch)")
     p.add_argument("--cfg", default="", help="model YAML (default: yolov5n.yaml, or the config inside --weights)")
     p.add_argument("--data", default=str(ROOT / "data/shapes.yaml"), help="data YAML (default: built-in shapes)")
-    p.add_argument("--hyp", default="", help="hyper-parameter YAML (default: the model family's, e.g. "
-                                             "data/hyps/hyp.scratch-low.yaml for YOLOv5, hyp.anchor-free.yaml for 8/11/26)")
+    p.add_argument("--hyp", default="", help="hyper-parameter YAML (default: the model family's: "
+                                             "data/hyps/hyp.scratch-low.yaml, hyp.anchor-free.yaml for YOLOv8/11/26)")
     # The defaults of --epochs and --imgsz make `python train.py` a few-minute run on the built-in data.
     p.add_argument("--epochs", type=int, default=30, help="total training epochs (with --resume: extend the run)")
     p.add_argument("--time", type=float, default=None, help="train for this many hours (overrides --epochs)")

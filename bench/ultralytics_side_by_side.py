@@ -35,7 +35,8 @@ print("ULTRALYTICS_METRICS " + json.dumps(metrics), flush=True)
 """
 _METRICS_LINE = re.compile(r"^ULTRALYTICS_METRICS (\{.*\})$", re.M)
 # The summary row of a validation table (ours and Ultralytics' alike): all, images, instances, P, R, mAP50, mAP50-95.
-_ALL_ROW = re.compile(r"^\s*all\s+(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s*$", re.M)
+_NUMBER = r"([\d.]+(?:e[+-]?\d+)?)"
+_ALL_ROW = re.compile(rf"(?:^|\r)[ \t]*all\s+(\d+)\s+(\d+)\s+{_NUMBER}\s+{_NUMBER}\s+{_NUMBER}\s+{_NUMBER}\s*$", re.M)
 
 
 @dataclass

@@ -3,7 +3,8 @@
 A generation mutates a parent chosen from the best rows of evolve.csv (the first generation trains the base
 hyper-parameters as given), trains, and appends its validation results and hyper-parameters as one row.
 Mutation scales and bounds are the model family's (``utils.hyp.EVOLVE_LIMITS`` for YOLOv5); everything here
-is a pure function of its arguments (the caller passes ``np.random.default_rng([seed, generation])``), so a generation is repeatable.
+is a pure function of its arguments (the caller passes ``np.random.default_rng([seed, generation])``), so a
+generation is repeatable.
 """
 from __future__ import annotations
 
