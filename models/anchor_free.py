@@ -82,7 +82,8 @@ class DFL(nn.Module):
         self.c1 = c1
         self.conv = nn.Conv2d(c1, 1, 1, bias=False).requires_grad_(False)
         with torch.no_grad():
-            self.conv.weight.copy_(torch.arange(c1, dtype=torch.float32).view(1, c1, 1, 1))
+            # Made on the CPU whatever the default device (arange on 'meta' is slow to set up), then copied.
+            self.conv.weight.copy_(torch.arange(c1, dtype=torch.float32, device="cpu").view(1, c1, 1, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, 4 * c1, A)`` logits -> ``(B, 4, A)`` distances in strides."""

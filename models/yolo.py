@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import sys
 from copy import deepcopy
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 import yaml
+
+if __name__ == "__main__" and __package__ in (None, ""):
+    # Run as a script (python models/yolo.py): make the repository importable, as `python -m models.yolo` does.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.anchor_free import AnchorFreeDetect
 from models.blocks import C2PSA, C2f, C3k2, DWConv
@@ -98,7 +103,8 @@ MODULES: dict[str, type[nn.Module]] = {
 _CHANNEL_BLOCKS = (Conv, DWConv, Bottleneck, C3, C2f, C3k2, SPPF, C2PSA)
 _REPEATED_INSIDE = (C3, C2f, C3k2, C2PSA)  # blocks that take the repeat count as an argument
 _FORCED_C3K_SCALES = ("m", "l", "x")  # C3k2 uses C3k inner blocks at these scales whatever the YAML says
-# A scale letter after the family's number: yolov8n, yolo11s, yolo26x (not yolov5n6, a file of its own).
+# A scale letter after the family's number: yolov8n, yolo11s, yolo26x. Files that exist (yolov5n.yaml, yolov5n6.yaml)
+# are read as they are; the letter only matters for a config with a ``scales`` table.
 _SCALED_NAME = re.compile(r"^(yolo(?:v)?\d+)([nslmx])(.*)$")
 
 
