@@ -127,8 +127,9 @@ def _refuse_other_tasks(path: Path, names: list[str]) -> None:
 
 
 def _refuse(path: Path, refused: list[str]) -> NoReturn:
-    raise UserError(f"{path}: refused: the file names {', '.join(refused)}, which {'is' if len(refused) == 1 else 'are'} "
-                    "not part of an Ultralytics detection checkpoint (checkpoints never run code here)")
+    verb = "is" if len(refused) == 1 else "are"
+    raise UserError(f"{path}: refused: the file names {', '.join(refused)}, which {verb} not part of an Ultralytics "
+                    "detection checkpoint (checkpoints never run code here)")
 
 
 def read_ultralytics(path: str | Path, names: list[str] | None = None) -> dict[str, Any]:
@@ -251,7 +252,8 @@ def _build_and_load(cfg: dict[str, Any], record: ModuleRecord, names: list[str],
         problems = [f"{label}: {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}"
                     for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape", wrong_shape))
                     if keys]
-        raise UserError(f"{path}: its tensors do not match the model built from its description ({'; '.join(problems)})")
+        raise UserError(f"{path}: its tensors do not match the model built from its description "
+                        f"({'; '.join(problems)})")
     modules = dict(model.named_modules())
     for name, rec in records.items():
         if rec.class_name.endswith(".BatchNorm2d"):
