@@ -13,6 +13,10 @@ or a .onnx / .torchscript written by export.py. Inputs that cannot be read are r
 """
 from __future__ import annotations
 
+from utils.versions import require_supported_versions
+
+require_supported_versions()  # first: on an older Python or torch the imports below fail with a traceback
+
 import argparse
 import os
 import sys
@@ -25,6 +29,7 @@ import cv2
 import numpy as np
 import torch
 
+from utils.cli import INFERENCE_IMGSZ_HELP, add_device, add_half, add_imgsz, add_run_folder, make_parser
 from utils.errors import UserError, run_reporting_errors
 from utils.log import LOGGER, colorstr, setup_logging
 from utils.process import setup_process
@@ -134,7 +139,7 @@ def _batches(frames, meta, imgsz: int, batch_size: int, skipped: list[str]):
 
 
 def run_options(opt: argparse.Namespace) -> DetectResults:
-    from models.backends import DETECT_IOU, detections, load_for_inference, predictions
+    from models.backends import DETECT_IOU, default_imgsz, detections, load_for_inference, predictions
     from utils.boxes import scale_boxes
     from utils.data.sources import iter_source
     from utils.plots import class_colour
@@ -150,9 +155,17 @@ def run_options(opt: argparse.Namespace) -> DetectResults:
                         f"{meta.family}")
     iou_thres = DETECT_IOU[meta.layout] if opt.iou_thres is None else opt.iou_thres
     imgsz = opt.imgsz
+    if imgsz is None:
+        imgsz, source = default_imgsz(meta)
+        LOGGER.info(f"image size {imgsz} ({source})")
     if imgsz % meta.stride:
-        imgsz = (imgsz // meta.stride + 1) * meta.stride
-        LOGGER.warning(f"--imgsz {opt.imgsz} is not a multiple of the stride {meta.stride}: using {imgsz}")
+        asked, imgsz = imgsz, (imgsz // meta.stride + 1) * meta.stride
+        LOGGER.warning(f"image size {asked} is not a multiple of the stride {meta.stride}: using {imgsz}")
+    if opt.half and device.type != "cuda":
+        LOGGER.warning("--half needs a CUDA device: running in fp32")
+    half = opt.half and device.type == "cuda" and meta.kind == "pytorch"
+    if half:
+        model.half()
     if meta.imgsz is not None and meta.imgsz != (imgsz, imgsz):
         LOGGER.info(f"{opt.weights}: exported for {meta.imgsz[0]}x{meta.imgsz[1]} input; using that size")
     batch_size = meta.batch or max(opt.batch_size, 1)
@@ -172,7 +185,7 @@ def run_options(opt: argparse.Namespace) -> DetectResults:
         for batch in _batches(iter_source(opt.source), meta, imgsz, batch_size, results.skipped):
             t0 = time_synchronized()
             im = torch.from_numpy(np.stack([b[1] for b in batch])[..., ::-1].transpose(0, 3, 1, 2).copy())
-            im = im.to(device).float() / 255
+            im = (im.to(device).half() if half else im.to(device).float()) / 255
             t1 = time_synchronized()
             with torch.no_grad():
                 pred = tta_predict(model, im, meta.stride) if opt.augment else predictions(model(im))
@@ -232,39 +245,42 @@ def _handle_frame(frame: Any, det: np.ndarray, names: list[str], opt: argparse.N
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Detect objects in images, videos or a webcam stream")
-    parser.add_argument("--weights", type=str, required=True,
-                        help=".pt (ours, YOLOv5's or Ultralytics' detection model), .onnx or .torchscript")
-    parser.add_argument("--source", type=str, default="data/images",
-                        help="image, folder, glob, .txt list, video file or webcam index (0)")
-    parser.add_argument("--imgsz", "--img", type=int, default=640, help="inference size (pixels, long side)")
-    parser.add_argument("--conf-thres", type=float, default=0.25)
-    parser.add_argument("--iou-thres", type=float, default=None,
-                        help="NMS IoU threshold (default: 0.45 for YOLOv5 models, 0.7 for YOLOv8 / 11 / 26)")
-    parser.add_argument("--max-det", type=int, default=1000, help="detections kept per image")
-    parser.add_argument("--batch-size", type=int, default=1, help="images per forward pass")
-    parser.add_argument("--device", default="", help="cuda device (0) or cpu")
-    parser.add_argument("--view-img", action="store_true", help="show results (needs a display)")
-    parser.add_argument("--save-txt", action="store_true", help="save labels in YOLO format")
-    parser.add_argument("--save-conf", action="store_true", help="with --save-txt: add the confidence")
-    parser.add_argument("--save-crop", action="store_true", help="save each detection's crop")
-    parser.add_argument("--nosave", action="store_true", help="do not save annotated images or videos")
-    parser.add_argument("--classes", nargs="+", type=int, help="keep only these classes: --classes 0 2")
-    parser.add_argument("--agnostic-nms", action="store_true", help="NMS across classes")
-    parser.add_argument("--project", default="runs/detect")
-    parser.add_argument("--name", default="exp")
-    parser.add_argument("--exist-ok", action="store_true", help="reuse an existing run folder")
-    parser.add_argument("--hide-labels", action="store_true")
-    parser.add_argument("--hide-conf", action="store_true")
-    parser.add_argument("--augment", action="store_true", help="test-time augmentation (scales and flips)")
-    parser.add_argument("--end2end", action="store_true",
-                        help="YOLO26: NMS-free output of the one-to-one head (B, 300, 6)")
+    parser = make_parser("Detect objects in images, videos or a webcam stream")
+    data = parser.add_argument_group("data")
+    data.add_argument("--source", type=str, required=True,
+                      help="image, folder, glob, .txt list, video file or webcam index (0)")
+    add_imgsz(data, help=INFERENCE_IMGSZ_HELP)
+    data.add_argument("--batch-size", type=int, default=1, help="images per forward pass")
+    model = parser.add_argument_group("model and inference")
+    model.add_argument("--weights", type=str, required=True,
+                       help=".pt (ours, YOLOv5's or Ultralytics' detection model), .onnx or .torchscript")
+    model.add_argument("--conf-thres", type=float, default=0.25, help="confidence threshold")
+    model.add_argument("--iou-thres", type=float, default=None,
+                       help="NMS IoU threshold (default: 0.45 for YOLOv5 models, 0.7 for YOLOv8 / 11 / 26)")
+    model.add_argument("--max-det", type=int, default=1000, help="detections kept per image")
+    model.add_argument("--classes", nargs="+", type=int, help="keep only these classes: --classes 0 2 "
+                                                              "(default: all)")
+    model.add_argument("--agnostic-nms", action="store_true", help="NMS across classes")
+    model.add_argument("--augment", action="store_true", help="test-time augmentation (scales and flips)")
+    model.add_argument("--end2end", action="store_true",
+                       help="YOLO26: NMS-free output of the one-to-one head (B, 300, 6)")
+    add_half(model)
+    add_device(model)
+    output = parser.add_argument_group("output")
+    add_run_folder(output, "detect")
+    output.add_argument("--view-img", action="store_true", help="show results (needs a display)")
+    output.add_argument("--save-txt", action="store_true", help="save labels in YOLO format")
+    output.add_argument("--save-conf", action="store_true", help="with --save-txt: add the confidence")
+    output.add_argument("--save-crop", action="store_true", help="save each detection's crop")
+    output.add_argument("--nosave", action="store_true", help="do not save annotated images or videos")
+    output.add_argument("--hide-labels", action="store_true", help="draw boxes without class names")
+    output.add_argument("--hide-conf", action="store_true", help="draw boxes without confidences")
     return parser
 
 
 def run(**options: Any) -> DetectResults:
     """``python detect.py`` from Python: the same option names and defaults."""
-    defaults = vars(build_parser().parse_args(["--weights", ""]))
+    defaults = vars(build_parser().parse_args(["--weights", "", "--source", ""]))
     unknown = sorted(set(options) - set(defaults))
     if unknown:
         raise TypeError(f"run() got unknown option(s): {', '.join(unknown)}")
@@ -274,7 +290,7 @@ def run(**options: Any) -> DetectResults:
 def main(argv: list[str] | None = None) -> int:
     opt = build_parser().parse_args(argv)
     setup_logging()
-    LOGGER.info(setup_process())
+    LOGGER.info(setup_process(opt.device))
     return run_reporting_errors(lambda: run_options(opt) and None)
 
 

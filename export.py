@@ -14,6 +14,10 @@ which detect.py and val.py read (models/backends.py).
 """
 from __future__ import annotations
 
+from utils.versions import require_supported_versions
+
+require_supported_versions()  # first: on an older Python or torch the imports below fail with a traceback
+
 import argparse
 import sys
 import time
@@ -24,8 +28,10 @@ from typing import Any
 import torch
 
 from models.backends import METADATA_FILE, ModelMeta, OnnxRuntimeModel, PredictionsOnly, TorchScriptModel
+from utils.cli import INFERENCE_IMGSZ_HELP, add_device, add_half, add_imgsz, make_parser
 from utils.errors import UserError, run_reporting_errors
 from utils.log import LOGGER, colorstr, setup_logging
+from utils.process import setup_process
 from utils.torch_utils import select_device
 
 FORMATS = ("onnx", "torchscript")
@@ -102,18 +108,23 @@ def export_onnx(model: torch.nn.Module, im: torch.Tensor, path: Path, meta: Mode
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Export a detector checkpoint to ONNX and TorchScript")
-    parser.add_argument("--weights", type=str, required=True,
-                        help="checkpoint (.pt: this project's, YOLOv5's or Ultralytics' detection model)")
-    parser.add_argument("--imgsz", "--img", nargs="+", type=int, default=[640], help="input size: one value or h w")
-    parser.add_argument("--batch-size", type=int, default=1, help="batch size of the exported input")
-    parser.add_argument("--include", nargs="+", default=list(FORMATS), help=f"formats: {', '.join(FORMATS)}")
-    parser.add_argument("--device", default="cpu", help="cuda device (0) or cpu")
-    parser.add_argument("--dynamic", action="store_true", help="ONNX: any batch size")
-    parser.add_argument("--opset", type=int, default=DEFAULT_OPSET, help="ONNX opset")
-    parser.add_argument("--no-simplify", dest="simplify", action="store_false", help="ONNX: keep the graph as traced")
-    parser.add_argument("--end2end", action="store_true",
+    parser = make_parser("Export a detector checkpoint to ONNX and TorchScript")
+    model = parser.add_argument_group("model")
+    model.add_argument("--weights", type=str, required=True,
+                       help="checkpoint (.pt: this project's, YOLOv5's or Ultralytics' detection model)")
+    add_imgsz(model, help=INFERENCE_IMGSZ_HELP, pair=True)
+    model.add_argument("--batch-size", type=int, default=1, help="batch size of the exported input")
+    # Traced on the CPU unless asked otherwise, as YOLOv5 does: the exported graph does not depend on a GPU.
+    add_device(model, default="cpu")
+    add_half(model)
+    output = parser.add_argument_group("output (written beside --weights)")
+    output.add_argument("--include", nargs="+", default=list(FORMATS), help=f"formats: {', '.join(FORMATS)}")
+    output.add_argument("--dynamic", action="store_true", help="ONNX: any batch size")
+    output.add_argument("--end2end", action="store_true",
                         help="YOLO26: NMS-free output of the one-to-one head (B, 300, 6)")
+    output.add_argument("--opset", type=int, default=DEFAULT_OPSET, help="ONNX opset")
+    output.add_argument("--no-simplify", dest="simplify", action="store_false",
+                        help="ONNX: keep the graph as traced (default: simplified with onnxslim when installed)")
     return parser
 
 
@@ -127,7 +138,7 @@ def run(**options: Any) -> list[Path]:
 
 
 def run_options(opt: argparse.Namespace) -> list[Path]:
-    from models.backends import load_for_inference
+    from models.backends import default_imgsz, load_for_inference
 
     include = [f.lower() for f in opt.include]
     unknown = sorted(set(include) - set(FORMATS))
@@ -137,10 +148,20 @@ def run_options(opt: argparse.Namespace) -> list[Path]:
     if weights.suffix != ".pt":
         raise UserError(f"{weights}: export starts from a .pt checkpoint")
     device = select_device(opt.device)
+    if opt.half and device.type != "cuda":  # an fp16 file is what was asked for: no silent fp32 one instead
+        raise UserError(f"--half exports fp16 on a CUDA device; --device {opt.device or device.type} is not one "
+                        "(use --device 0)")
     model, meta = load_for_inference(weights, device, end2end=opt.end2end)
-    imgsz = list(opt.imgsz) * 2 if len(opt.imgsz) == 1 else list(opt.imgsz)
+    if opt.half:
+        model.half()
+    asked = opt.imgsz
+    if asked is None:
+        size, source = default_imgsz(meta)
+        LOGGER.info(f"image size {size} ({source})")
+        asked = [size]
+    imgsz = list(asked) * 2 if len(asked) == 1 else list(asked)
     if len(imgsz) != 2 or any(s % meta.stride for s in imgsz):
-        raise UserError(f"--imgsz {' '.join(map(str, opt.imgsz))}: give one or two multiples of the stride {meta.stride}")
+        raise UserError(f"--imgsz {' '.join(map(str, asked))}: give one or two multiples of the stride {meta.stride}")
     if opt.batch_size < 1:
         raise UserError(f"--batch-size {opt.batch_size}: must be at least 1")
     meta.imgsz, meta.batch = (imgsz[0], imgsz[1]), None if opt.dynamic and "onnx" in include else opt.batch_size
@@ -149,6 +170,8 @@ def run_options(opt: argparse.Namespace) -> list[Path]:
         p.requires_grad_(False)
     # A reproducible input in [0, 1] like a real image; zeros would leave most activations untested.
     im = torch.rand(opt.batch_size, 3, *imgsz, generator=torch.Generator().manual_seed(0)).to(device)
+    if opt.half:
+        im = im.half()
     with torch.no_grad():
         ref = wrapped(im).float()
     LOGGER.info(f"{colorstr('export:')} {weights} input {tuple(im.shape)}, output {tuple(ref.shape)} "
@@ -179,6 +202,7 @@ def run_options(opt: argparse.Namespace) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     opt = build_parser().parse_args(argv)
     setup_logging()
+    LOGGER.info(setup_process(opt.device))
     return run_reporting_errors(lambda: run_options(opt) and None)
 
 

@@ -11,6 +11,10 @@ what is skipped is counted and reported.
 """
 from __future__ import annotations
 
+from utils.versions import require_supported_versions
+
+require_supported_versions()  # first: on an older Python or torch the imports below fail with a traceback
+
 import argparse
 import json
 import os
@@ -20,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from utils.cli import WORKERS, add_workers, make_parser
 from utils.data.config import SPLITS, load_data_config
 from utils.data.label_cache import LabelSet, load_split
 from utils.data.webshards import ShardSet, load_shard_index
@@ -70,7 +75,8 @@ def brace_pattern(split: str, files: list[str]) -> str:
     return f"{split}-{{000000..{len(files) - 1:06d}}}.tar" if len(files) > 1 else files[0]
 
 
-def convert(data: str, out: str | Path, max_size_mb: float = 1000.0, max_count: int = 10000, workers: int = 8) -> Path:
+def convert(data: str, out: str | Path, max_size_mb: float = 1000.0, max_count: int = 10000,
+            workers: int = WORKERS) -> Path:
     """Convert every split of ``data``; returns the path of the new data YAML."""
     if max_size_mb <= 0 or max_count < 1:
         raise UserError(f"--max-size {max_size_mb} and --max-count {max_count} must be positive")
@@ -102,14 +108,20 @@ def convert(data: str, out: str | Path, max_size_mb: float = 1000.0, max_count: 
     return yaml_out
 
 
+def build_parser() -> argparse.ArgumentParser:
+    p = make_parser("Convert a YOLO dataset (data YAML) into WebDataset tar shards")
+    data = p.add_argument_group("data")
+    data.add_argument("--data", required=True, help="dataset YAML of loose files")
+    add_workers(data)
+    output = p.add_argument_group("output")
+    output.add_argument("--out", required=True, help="output folder for the shards, their index and data.yaml")
+    output.add_argument("--max-size", type=float, default=1000.0, help="shard size limit in MB")
+    output.add_argument("--max-count", type=int, default=10000, help="samples per shard at most")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Convert a YOLO dataset (data YAML) into WebDataset tar shards")
-    p.add_argument("--data", required=True, help="dataset YAML of loose files")
-    p.add_argument("--out", required=True, help="output folder for the shards, their index and data.yaml")
-    p.add_argument("--max-size", type=float, default=1000.0, help="shard size limit in MB (default 1000)")
-    p.add_argument("--max-count", type=int, default=10000, help="samples per shard at most (default 10000)")
-    p.add_argument("--workers", type=int, default=8)
-    opt = p.parse_args(argv)
+    opt = build_parser().parse_args(argv)
     setup_logging()
     return run_reporting_errors(lambda: convert(opt.data, opt.out, opt.max_size, opt.max_count, opt.workers) and None)
 

@@ -7,6 +7,10 @@
 """
 from __future__ import annotations
 
+from utils.versions import require_supported_versions
+
+require_supported_versions()  # first: on an older Python or torch the imports below fail with a traceback
+
 import argparse
 import contextlib
 import itertools
@@ -33,12 +37,14 @@ from utils.amp import Precision, autocast, choose_precision
 from utils.checkpoint import (latest_last_checkpoint, load_checkpoint, model_weights,
                               restore_training_state, resumed_options, run_folder_of, strip_training_state,
                               training_checkpoint)
-from utils.data.config import load_data_config
+from utils.cli import RUNS, add_device, add_imgsz, add_run_folder, add_workers, make_parser
+from utils.data.config import data_yaml_path, load_data_config
 from utils.data.image_weights import (class_weights_from_maps, draw_digest, labels_to_class_weights,
                                       labels_to_image_weights)
 from utils.data.loader import create_dataloader, load_labels
-from utils.distributed import (DistInfo, all_reduce_sum, broadcast_object, de_parallel, describe_failure,
-                               destroy_process_group, dist_info, end_with_launcher, init_process_group,
+from utils.data.webshards import ShardSet
+from utils.distributed import (DistInfo, all_reduce_sum, broadcast_object, collective, collective_failure,
+                               de_parallel, destroy_process_group, dist_info, end_with_launcher, init_process_group,
                                rank_zero_decides)
 from utils.ema import ModelEMA
 from utils.errors import UserError, run_reporting_errors
@@ -49,8 +55,8 @@ from utils.loggers import NullLogger, RunLogger, make_logger
 from utils.loss import DetectionLoss, LossNorm
 from utils.lr_schedule import LrSchedule, apply_warmup, warmup_iterations
 from utils.metrics import RECALL_POINTS, fitness
-from utils.optimizer import NOMINAL_BATCH, build_optimizer, choose_optimizer
-from utils.process import setup_process
+from utils.optimizer import NOMINAL_BATCH, build_optimizer, choose_optimizer, resumed_choice, unused_hyp_values
+from utils.process import kernel_choice, setup_process
 from utils.results_log import result_columns
 from utils.run_dir import increment_path
 from utils.run_record import RunRecord
@@ -63,79 +69,136 @@ MAX_NONFINITE_STEPS = 25  # in a row: training has diverged
 DEFAULT_MODEL = ROOT / "models/yolov5n.yaml"
 
 
+DEMO_DATA = ROOT / "data/shapes.yaml"
+# `python train.py` trains the built-in demo in a few minutes; any other dataset gets YOLOv5's size and length.
+DEMO_PRESET = {"imgsz": 192, "epochs": 30}
+DATASET_PRESET = {"imgsz": 640, "epochs": 100}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--weights", default="", help="checkpoint to start from (ours or YOLOv5's; '' trains from scratch)")
-    p.add_argument("--cfg", default="", help="model YAML (default: yolov5n.yaml, or the config inside --weights)")
-    p.add_argument("--data", default=str(ROOT / "data/shapes.yaml"), help="data YAML (default: built-in shapes)")
-    p.add_argument("--hyp", default="", help="hyper-parameter YAML (default: the model family's: "
-                                             "data/hyps/hyp.scratch-low.yaml, hyp.anchor-free.yaml for YOLOv8/11/26)")
-    # The defaults of --epochs and --imgsz make `python train.py` a few-minute run on the built-in data.
-    p.add_argument("--epochs", type=int, default=30, help="total training epochs (with --resume: extend the run)")
-    p.add_argument("--time", type=float, default=None, help="train for this many hours (overrides --epochs)")
-    p.add_argument("--batch-size", type=int, default=16, help="total batch size over all ranks")
-    p.add_argument("--imgsz", "--img", "--img-size", type=int, default=192, help="train and val image size (px)")
-    p.add_argument("--rect", action="store_true", help="rectangular training batches (no mosaic)")
-    p.add_argument("--image-weights", action="store_true",
-                   help="draw each epoch's images weighted by their classes' difficulty (last validation's mAP)")
-    p.add_argument("--quad", action="store_true", help="merge every 4 training images into one at 2x size")
-    p.add_argument("--resume", nargs="?", const=True, default=False, help="resume the latest run, or PATH/last.pt")
-    p.add_argument("--nosave", action="store_true", help="only save the final checkpoint")
-    p.add_argument("--noval", action="store_true", help="only validate after the final epoch (no early stopping)")
-    p.add_argument("--noautoanchor", action="store_true", help="keep the model's anchors as they are")
-    p.add_argument("--noplots", action="store_true", help="write no plots")
-    p.add_argument("--cache", nargs="?", const="ram", default="auto", choices=["auto", "ram", "disk", "off"],
-                   help="cache decoded images: auto (default: in RAM when the dataset is small), ram, disk, off")
-    p.add_argument("--device", default="", help="'' (auto), 'cpu', '0' or '0,1,2,3' (GPUs of this machine)")
-    p.add_argument("--multi-scale", action="store_true", help="vary the image size by +/- 50%% per batch")
-    p.add_argument("--single-cls", action="store_true", help="train every class as one")
-    p.add_argument("--optimizer", default="auto", choices=["auto", "SGD", "Adam", "AdamW"],
-                   help="auto: AdamW for short runs, SGD for long ones (see utils/optimizer.py)")
-    p.add_argument("--close-mosaic", type=int, default=10, help="train the last N epochs without mosaic and mixup")
-    p.add_argument("--sync-bn", action="store_true",
-                   help="synchronised BatchNorm across ranks (DDP); on one CPU process: exact two-pass statistics")
-    p.add_argument("--workers", type=int, default=2, help="dataloader workers per rank")
-    p.add_argument("--shard-window", type=int, default=1000,
-                   help="tar shards: samples shuffled together (and mosaic partners drawn from) within an epoch")
-    p.add_argument("--resampled", action="store_true",
-                   help="tar shards: draw shards with replacement (WebDataset's resampled mode; approximate epochs)")
-    p.add_argument("--project", default=str(ROOT / "runs/train"), help="runs are saved to project/name")
-    p.add_argument("--name", default="exp", help="runs are saved to project/name")
-    p.add_argument("--exist-ok", action="store_true", help="reuse project/name instead of incrementing it")
-    p.add_argument("--cos-lr", action="store_true", help="cosine learning-rate decay instead of linear")
-    p.add_argument("--label-smoothing", type=float, default=0.0, help="label smoothing epsilon")
-    p.add_argument("--patience", type=int, default=100, help="stop after this many epochs without improvement "
-                                                             "(0: never)")
-    p.add_argument("--freeze", nargs="+", type=int, default=[0], help="freeze the first N layers, or listed layers")
-    p.add_argument("--save-period", type=int, default=-1, help="also save epochN.pt every N epochs (< 1: never)")
-    p.add_argument("--save-steps", type=int, default=0, help="also save last.pt every N optimizer steps (0: never)")
-    p.add_argument("--save-minutes", type=float, default=10.0,
-                   help="save last.pt inside an epoch once this many minutes passed since the last save (0: never)")
-    p.add_argument("--seed", type=int, default=0, help="global seed: model init, data order, augmentations")
-    p.add_argument("--deterministic", action="store_true", help="bit-for-bit repeatable kernels (slower)")
-    p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=True,
-                   help="mixed precision where it helps: fp16 on CUDA, bf16 on CPUs with native bf16")
-    p.add_argument("--evolve", type=int, nargs="?", const=300, default=None, metavar="N",
-                   help="evolve hyper-parameters for N generations (default 300) in runs/evolve/exp")
-    p.add_argument("--resume-evolve", "--resume_evolve", default=None, metavar="CSV",
-                   help="with --evolve N: continue this evolve.csv up to N generations in total")
-    p.add_argument("--dist-timeout", type=float, default=10.0,
-                   help="minutes a collective may wait for a rank before the run stops (DDP)")
+    p = make_parser(__doc__)
+    data = p.add_argument_group("data")
+    data.add_argument("--data", default=str(DEMO_DATA), help="data YAML (default: the built-in shapes demo)")
+    add_imgsz(data, help=f"train and val size (default: {DEMO_PRESET['imgsz']} on the built-in demo, "
+                         f"{DATASET_PRESET['imgsz']} on any other --data)")
+    data.add_argument("--rect", action="store_true", help="rectangular training batches (no mosaic)")
+    data.add_argument("--single-cls", action="store_true", help="train every class as one")
+    data.add_argument("--cache", nargs="?", const="ram", default="auto", choices=["auto", "ram", "disk", "off"],
+                      help="cache decoded images: auto (in RAM when the dataset is small), ram, disk, off "
+                           "(default: auto)")
+    add_workers(data)
+    data.add_argument("--shard-window", type=int, default=1000,
+                      help="tar shards: samples shuffled together (and mosaic partners drawn from) within an epoch")
+    data.add_argument("--resampled", action="store_true",
+                      help="tar shards: draw shards with replacement (WebDataset's resampled mode; approximate epochs)")
+
+    model = p.add_argument_group("model")
+    model.add_argument("--weights", default="", help="checkpoint to start from (ours or YOLOv5's; '' trains from "
+                                                     "scratch)")
+    model.add_argument("--cfg", default="", help="model YAML (default: yolov5n.yaml, or the config inside --weights)")
+    model.add_argument("--freeze", nargs="+", type=int, default=[0],
+                       help="freeze the first N layers, or listed layers")
+    model.add_argument("--noautoanchor", action="store_true", help="keep the model's anchors as they are")
+    model.add_argument("--sync-bn", action="store_true",
+                       help="synchronised BatchNorm across ranks (DDP); on one CPU process: exact two-pass statistics")
+
+    schedule = p.add_argument_group("schedule")
+    schedule.add_argument("--epochs", type=int, default=None,
+                          help=f"total training epochs, with --resume: extend the run (default: "
+                               f"{DEMO_PRESET['epochs']} on the built-in demo, {DATASET_PRESET['epochs']} on any "
+                               f"other --data)")
+    schedule.add_argument("--time", type=float, default=None, help="train for this many hours (overrides --epochs)")
+    schedule.add_argument("--batch-size", type=int, default=16, help="total batch size over all ranks")
+    schedule.add_argument("--hyp", default="", help="hyper-parameter YAML (default: the model family's: "
+                          "data/hyps/hyp.scratch-low.yaml, hyp.anchor-free.yaml for YOLOv8/11/26)")
+    schedule.add_argument("--optimizer", default="auto", choices=["auto", "SGD", "Adam", "AdamW"],
+                          help="auto: AdamW for short runs, SGD for long ones (see utils/optimizer.py)")
+    schedule.add_argument("--cos-lr", action="store_true", help="cosine learning-rate decay instead of linear")
+    schedule.add_argument("--label-smoothing", type=float, default=0.0, help="label smoothing epsilon")
+    schedule.add_argument("--patience", type=int, default=100,
+                          help="stop after this many epochs without improvement (0: never)")
+    schedule.add_argument("--noval", action="store_true",
+                          help="only validate after the final epoch (no early stopping)")
+    schedule.add_argument("--seed", type=int, default=0, help="global seed: model init, data order, augmentations")
+    schedule.add_argument("--deterministic", action="store_true", help="bit-for-bit repeatable kernels (slower)")
+    schedule.add_argument("--amp", action=argparse.BooleanOptionalAction, default=True,
+                          help="mixed precision where it helps: fp16 on CUDA, bf16 on CPUs with native bf16")
+    schedule.add_argument("--evolve", type=int, nargs="?", const=300, default=None, metavar="N",
+                          help="evolve hyper-parameters for N generations (300 when N is left out) in "
+                               "runs/evolve/exp")
+    schedule.add_argument("--resume-evolve", "--resume_evolve", default=None, metavar="CSV",
+                          help="with --evolve N: continue this evolve.csv up to N generations in total")
+
+    augmentation = p.add_argument_group("augmentation (the rates are in --hyp)")
+    augmentation.add_argument("--multi-scale", action="store_true", help="vary the image size by +/- 50%% per batch")
+    augmentation.add_argument("--close-mosaic", type=int, default=10,
+                              help="train the last N epochs without mosaic and mixup")
+    augmentation.add_argument("--image-weights", action="store_true",
+                              help="draw each epoch's images weighted by their classes' difficulty (last "
+                                   "validation's mAP)")
+    augmentation.add_argument("--quad", action="store_true", help="merge every 4 training images into one at 2x size")
+
+    distributed = p.add_argument_group("device and distributed runs")
+    add_device(distributed)
+    distributed.add_argument("--dist-timeout", type=float, default=10.0,
+                             help="minutes a collective may wait for a rank before the run stops (DDP)")
     # torch.distributed.launch and older scripts pass these; LOCAL_RANK from the environment is what counts.
-    p.add_argument("--local-rank", "--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
+    distributed.add_argument("--local-rank", "--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
+
+    output = p.add_argument_group("output and checkpoints")
+    add_run_folder(output, "train")
+    output.add_argument("--resume", nargs="?", const=True, default=False,
+                        help="resume the latest run (the newest last.pt under --project), or PATH/last.pt")
+    output.add_argument("--nosave", action="store_true", help="only save the final checkpoint")
+    output.add_argument("--noplots", action="store_true", help="write no plots")
+    output.add_argument("--save-period", type=int, default=-1,
+                        help="also save epochN.pt every N epochs (< 1: never)")
+    output.add_argument("--save-steps", type=int, default=0,
+                        help="also save last.pt every N optimizer steps (0: never)")
+    output.add_argument("--save-minutes", type=float, default=10.0,
+                        help="save last.pt inside an epoch once this many minutes passed since the last save (0: "
+                             "never)")
     return p
 
 
 def parse_opt(argv: list[str] | None = None) -> tuple[argparse.Namespace, set[str]]:
-    """The command line, and the names of the options the user gave explicitly."""
+    """The command line, and the names of the options the user gave explicitly.
+
+    ``--imgsz`` and ``--epochs`` left out take the preset of the data (``training_preset``); a resumed run then
+    replaces them with its own (utils/checkpoint.py resumed_options).
+    """
     argv = sys.argv[1:] if argv is None else argv
     opt = build_parser().parse_args(argv)
     unset = object()
     probe = build_parser()
     probe.set_defaults(**{name: unset for name in vars(opt)})
     explicit = {name for name, value in vars(probe.parse_args(argv)).items() if value is not unset}
+    for name, value in training_preset(opt.data)[1].items():
+        if getattr(opt, name) is None:
+            setattr(opt, name, value)
     opt.argv = list(argv)
     return opt, explicit
+
+
+def is_demo_data(data: str | Path) -> bool:
+    """Whether ``data`` names the built-in demo's YAML (as a path, or as `shapes.yaml` found in data/)."""
+    return data_yaml_path(data) == DEMO_DATA.resolve()
+
+
+def training_preset(data: str | Path) -> tuple[str, dict[str, int]]:
+    """The name and values of the defaults for ``--data``: the demo's for the built-in set, YOLOv5's otherwise."""
+    if is_demo_data(data):
+        return "the built-in demo's", DEMO_PRESET
+    return "YOLOv5's, for any --data but the built-in demo", DATASET_PRESET
+
+
+def preset_line(opt: argparse.Namespace, explicit: set[str]) -> str | None:
+    """The one log line saying which preset gave --imgsz/--epochs; None when both were given or a run resumes."""
+    name, preset = training_preset(opt.data)
+    taken = [f"--{k} {preset[k]}" for k in preset if k not in explicit]
+    if opt.resume or not taken:
+        return None
+    return f"defaults: {' '.join(taken)} (preset: {name})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,7 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     info = dist_info()
     end_with_launcher(info)
     setup_logging(info.rank)
-    LOGGER.info(setup_process())
+    LOGGER.info(setup_process(opt.device, opt.deterministic))
+    preset = preset_line(opt, explicit)
+    if preset:
+        LOGGER.info(preset)
     return run_reporting_errors(lambda: run(opt, explicit, info))
 
 
@@ -161,10 +227,11 @@ def run(opt: argparse.Namespace, explicit: set[str], info: DistInfo) -> int:
                         f"(add --epochs N to train it further)")
             return 0
         train(opt, device, info, ckpt)
-    except (dist.DistError, RuntimeError) as e:
-        if not (info.is_distributed and _is_collective_failure(e)):
+    except RuntimeError as e:  # dist.DistError and CollectiveError are RuntimeErrors
+        failure = collective_failure(e, info)
+        if failure is None:
             raise
-        LOGGER.error(describe_failure(e, info))
+        LOGGER.error(failure)
         return 1
     finally:
         destroy_process_group()
@@ -192,8 +259,10 @@ def resume_point(opt: argparse.Namespace, explicit: set[str],
     Rank 0 decides which file; every rank then reads it (on several machines the run folder must be shared).
     """
     path = None
-    if opt.resume:
-        path = latest_last_checkpoint(opt.project) if opt.resume is True else Path(opt.resume)
+    if opt.resume is True and info.is_main:  # the newest run rank 0 sees; the other nodes need not see it under
+        path = latest_last_checkpoint(*resume_search(opt, explicit))  # their own working directory
+    elif opt.resume and opt.resume is not True:
+        path = Path(opt.resume).resolve()  # every node reads the same file, whatever its working directory
     elif info.restart_count > 0 and info.is_main:
         folder = run_folder_of(info.run_id, opt.project, info.launcher_started)
         if folder is not None and (folder / "weights/last.pt").is_file():
@@ -266,9 +335,12 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
     elif hyp is None:
         hyp = Hyp.from_yaml(opt.hyp or family.default_hyp_path)
         family.check_hyp(hyp, opt.hyp or family.default_hyp)
-    init_torch_seeds(opt.seed, opt.deterministic)
+    if ckpt and opt.deterministic != torch.backends.cudnn.deterministic:  # the resumed run's own, or given now
+        LOGGER.info(kernel_choice(opt.deterministic) or "kernels: cuDNN benchmark (the resumed run's own)")
+    init_torch_seeds(opt.seed)
     with torch_distributed_zero_first(info.local_rank):  # local rank 0 makes built-in data and label caches first
         data = load_data_config(opt.data)
+        check_data_options(opt, data)  # before a shard index or label cache is built
         train_labels = load_labels(data["train"], nc=data["nc"], workers=opt.workers, prefix=colorstr("train: "),
                                    verbose=info.is_local_main)
         val_labels = load_labels(data["val"], nc=data["nc"], workers=opt.workers, prefix=colorstr("val: "),
@@ -306,10 +378,16 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
     save_dir = run_folder(opt, info, hyp)
 
     # ---- optimisation ------------------------------------------------------------------------------------
-    choice = choose_optimizer(opt.optimizer, opt.epochs, len(dataset), opt.batch_size, nc, hyp,
-                              family.adamw_lr_per_class_term)
+    if ckpt:  # the run's own choice, whatever --epochs or --time say now
+        choice = resumed_choice(ckpt.get("optimizer_choice"), ckpt["opt"], len(dataset), nc, hyp, ckpt["optimizer"])
+    else:
+        choice = choose_optimizer(opt.optimizer, opt.epochs, len(dataset), opt.batch_size, nc, hyp,
+                                  family.adamw_lr_per_class_term)
     accumulate = choice.accumulate
-    LOGGER.info(f"optimizer: {choice.name} lr0={choice.lr0} momentum={choice.momentum} ({choice.reason})")
+    LOGGER.info(f"optimizer: {choice.name} lr0={choice.lr0} momentum={choice.momentum} accumulate={accumulate} "
+                f"({choice.reason})")
+    if unused := unused_hyp_values(choice, hyp):
+        LOGGER.info(f"optimizer: the hyp file's {' and '.join(unused)} not used ({choice.name}'s own instead)")
     decay = hyp.weight_decay * opt.batch_size * accumulate / NOMINAL_BATCH
     optimizer = build_optimizer(model, choice.name, choice.lr0, choice.momentum, decay)
     schedule = LrSchedule.for_run(opt.epochs, hyp.lrf, opt.cos_lr)
@@ -343,7 +421,8 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
         def checkpoint(epoch: int, mid_epoch: dict | None) -> dict:
             ckpt_now = training_checkpoint(model, ema, optimizer, scaler, epoch=epoch, mid_epoch=mid_epoch,
                                            best_fitness=record.best_fitness, best_epoch=record.best_epoch,
-                                           lr_schedule=t.schedule.segments, opt=opt, hyp=hyp.to_dict(),
+                                           lr_schedule=t.schedule.segments, optimizer_choice=choice.to_dict(),
+                                           opt=opt, hyp=hyp.to_dict(),
                                            world_size=info.world_size, run_id=info.run_id)
             # The weights of the epoch after `epoch` (the one a resume draws next), set before this is called.
             ckpt_now["class_weights"] = [float(w) for w in class_weights] if opt.image_weights else None
@@ -359,7 +438,8 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
                         save_dir)
 
     # ---- training loop -----------------------------------------------------------------------------------
-    LOGGER.info(f"Image sizes {opt.imgsz} train, {opt.imgsz} val; {opt.workers} dataloader workers per rank; "
+    workers = getattr(train_loader, "loader", train_loader).num_workers  # --workers capped by cores and batch
+    LOGGER.info(f"Image sizes {opt.imgsz} train, {opt.imgsz} val; {workers} dataloader workers per rank; "
                 f"logging to {colorstr(str(save_dir))}\nStarting training for {opt.epochs} epochs...")
     t_start, results, epoch = time.time(), (0.0,) * 7, start_epoch
     r = None  # the last validation's ValResults
@@ -539,8 +619,8 @@ def evolve(opt: argparse.Namespace, explicit: set[str], device: torch.device, in
             raise UserError(f"--resume-evolve {csv_file}: file not found")
         folder = csv_file.parent
     else:
-        project = Path(opt.project) if "project" in explicit else ROOT / "runs/evolve"
-        folder = Path(broadcast_object(str(increment_path(project / opt.name, opt.exist_ok)), info))
+        project = Path(opt.project) if "project" in explicit else RUNS / "evolve"
+        folder = Path(broadcast_object(str(increment_path(project / opt.name, opt.exist_ok).resolve()), info))
         csv_file = folder / "evolve.csv"
     rows = np.zeros((0, len(result_keys(loss_names)) + len(keys)))
     if info.is_main:
@@ -597,6 +677,13 @@ def check_options(opt: argparse.Namespace, info: DistInfo, resumed: bool) -> Non
     check_global_batch(opt.batch_size, info.world_size)
 
 
+def check_data_options(opt: argparse.Namespace, data: dict) -> None:
+    """The flags that the form of the training data rules out, as one-line UserErrors, once the data YAML is read."""
+    if opt.image_weights and isinstance(data["train"], ShardSet):
+        raise UserError(f"--image-weights draws images by index and is not available for tar shards "
+                        f"({data['yaml_file']} names shards for 'train'): drop --image-weights or train on image files")
+
+
 def check_global_batch(batch_size: int, world_size: int) -> None:
     if batch_size % world_size:
         raise UserError(f"--batch-size {batch_size} must be a multiple of WORLD_SIZE {world_size}")
@@ -630,6 +717,14 @@ def create_model(opt: argparse.Namespace, nc: int, names: list[str], hyp: Hyp, c
     return build_model(opt.cfg or DEFAULT_MODEL, nc=nc, anchors=hyp.anchors, names=names)
 
 
+def resume_search(opt: argparse.Namespace, explicit: set[str]) -> list[Path]:
+    """Where ``--resume`` without a path looks for the newest last.pt: --project, and by default also the folder
+    beside train.py where runs were written before they went under the current directory."""
+    if "project" in explicit:
+        return [Path(opt.project)]
+    return [Path(opt.project), ROOT / "runs/train"]
+
+
 def run_folder(opt: argparse.Namespace, info: DistInfo, hyp: Hyp) -> Path:
     """The run's folder: a resumed run keeps its own; rank 0 makes a new one and writes the options into it."""
     restarted = (run_folder_of(info.run_id, opt.project, info.launcher_started)
@@ -640,7 +735,8 @@ def run_folder(opt: argparse.Namespace, info: DistInfo, hyp: Hyp) -> Path:
         save_dir = restarted
     else:
         save_dir = increment_path(Path(opt.project) / opt.name, opt.exist_ok)
-    save_dir = Path(broadcast_object(str(save_dir), info))
+    # Rank 0's absolute path: every node (and a later resume) finds the folder whatever its working directory.
+    save_dir = Path(broadcast_object(str(save_dir.resolve()), info))
     opt.save_dir = str(save_dir)
     if info.is_main:
         (save_dir / "weights").mkdir(parents=True, exist_ok=True)
@@ -772,15 +868,11 @@ def check_same_draw(info: DistInfo, draw: list[int], epoch: int, device: torch.d
         return
     digest = draw_digest(np.array(draw))
     extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
-    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)  # the largest and (negated) the smallest digest
+    with collective("all_reduce"):
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)  # the largest and (negated) the smallest digest
     if int(extremes[0]) != -int(extremes[1]):
         raise RuntimeError(f"--image-weights: the ranks drew different image lists for epoch {epoch}")
     LOGGER.info(f"image weights: epoch {epoch} draw {digest:08x} is the same on all {info.world_size} ranks")
-
-
-def _is_collective_failure(error: BaseException) -> bool:
-    text = str(error).lower()
-    return isinstance(error, dist.DistError) or any(w in text for w in ("gloo", "nccl", "timed out", "connection"))
 
 
 def progress_line(epoch: int, epochs: int, device: torch.device, mean_loss: np.ndarray, micro: list) -> str:

@@ -7,6 +7,10 @@ This is the command line; the validation itself is ``utils.validation.validate``
 """
 from __future__ import annotations
 
+from utils.versions import require_supported_versions
+
+require_supported_versions()  # first: on an older Python or torch the imports below fail with a traceback
+
 import argparse
 import sys
 from pathlib import Path
@@ -14,6 +18,8 @@ from typing import Any
 
 import torch
 
+from utils.cli import (INFERENCE_IMGSZ_HELP, add_device, add_half, add_imgsz, add_run_folder, add_workers,
+                       make_parser)
 from utils.errors import UserError, run_reporting_errors
 from utils.log import LOGGER, colorstr, setup_logging
 from utils.process import setup_process
@@ -28,31 +34,32 @@ TASKS = ("val", "test", "speed")
 
 def build_parser() -> argparse.ArgumentParser:
     """val.py's options and their defaults (the only place they are declared; ``run`` takes the same names)."""
-    parser = argparse.ArgumentParser(description="Validate a detector checkpoint on a dataset split")
-    parser.add_argument("--data", type=str, required=True, help="dataset YAML")
-    parser.add_argument("--weights", type=str, required=True,
-                        help="checkpoint (this project's or YOLOv5's .pt), or .onnx / .torchscript from export.py")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--imgsz", "--img", type=int, default=640, help="inference size (pixels, long side)")
-    parser.add_argument("--conf-thres", type=float, default=CONF_THRES)
-    parser.add_argument("--iou-thres", type=float, default=None,
-                        help="NMS IoU threshold (default: the model family's, 0.6 YOLOv5, 0.7 YOLOv8/11/26)")
-    parser.add_argument("--max-det", type=int, default=MAX_DET, help="detections kept per image")
-    parser.add_argument("--task", default="val", choices=TASKS, help="split to use; speed: timing at conf 0.25")
-    parser.add_argument("--device", default="", help="cuda device (0) or cpu")
-    parser.add_argument("--workers", type=int, default=8, help="dataloader workers")
-    parser.add_argument("--single-cls", action="store_true", help="treat every class as one")
-    parser.add_argument("--verbose", action="store_true", help="a row per class")
-    parser.add_argument("--save-txt", action="store_true", help="predictions as YOLO label files")
-    parser.add_argument("--save-conf", action="store_true", help="with --save-txt: add the confidence")
-    parser.add_argument("--save-json", action="store_true", help="COCO results JSON (and COCOeval)")
-    parser.add_argument("--project", default="runs/val")
-    parser.add_argument("--name", default="exp")
-    parser.add_argument("--exist-ok", action="store_true", help="reuse an existing run folder")
-    parser.add_argument("--half", action="store_true", help="fp16 inference (CUDA only)")
-    parser.add_argument("--noplots", action="store_true")
-    parser.add_argument("--augment", action="store_true",
-                        help="test-time augmentation (scales and flips); also runs and reports the plain pass")
+    parser = make_parser("Validate a detector checkpoint on a dataset split")
+    data = parser.add_argument_group("data")
+    data.add_argument("--data", type=str, required=True, help="dataset YAML")
+    data.add_argument("--task", default="val", choices=TASKS, help="split to use; speed: timing at conf 0.25")
+    add_imgsz(data, help=INFERENCE_IMGSZ_HELP)
+    data.add_argument("--batch-size", type=int, default=32, help="images per forward pass")
+    data.add_argument("--single-cls", action="store_true", help="treat every class as one")
+    add_workers(data)
+    model = parser.add_argument_group("model and inference")
+    model.add_argument("--weights", type=str, required=True,
+                       help="checkpoint (this project's or YOLOv5's .pt), or .onnx / .torchscript from export.py")
+    model.add_argument("--conf-thres", type=float, default=CONF_THRES, help="confidence threshold")
+    model.add_argument("--iou-thres", type=float, default=None,
+                       help="NMS IoU threshold (default: the model family's, 0.6 YOLOv5, 0.7 YOLOv8/11/26)")
+    model.add_argument("--max-det", type=int, default=MAX_DET, help="detections kept per image")
+    model.add_argument("--augment", action="store_true",
+                       help="test-time augmentation (scales and flips); also runs and reports the plain pass")
+    add_half(model)
+    add_device(model)
+    output = parser.add_argument_group("output")
+    add_run_folder(output, "val")
+    output.add_argument("--verbose", action="store_true", help="a row per class")
+    output.add_argument("--save-txt", action="store_true", help="predictions as YOLO label files")
+    output.add_argument("--save-conf", action="store_true", help="with --save-txt: add the confidence")
+    output.add_argument("--save-json", action="store_true", help="COCO results JSON (and COCOeval)")
+    output.add_argument("--noplots", action="store_true", help="write no plots")
     return parser
 
 
@@ -71,7 +78,7 @@ def run(**options: Any) -> ValResults:
 
 def run_options(opt: argparse.Namespace) -> ValResults:
     """Load a checkpoint and a dataset split, validate, and save the outputs in a new run folder."""
-    from models.backends import load_for_inference
+    from models.backends import default_imgsz, load_for_inference
     from models.families import family_of
     from utils.data.config import load_data_config
     from utils.data.loader import create_dataloader, load_labels
@@ -108,6 +115,9 @@ def run_options(opt: argparse.Namespace) -> ValResults:
                         "use matching weights or --single-cls")
     stride = meta.stride
     imgsz, batch_size, rect = opt.imgsz, opt.batch_size, True
+    if imgsz is None:
+        imgsz, source = default_imgsz(meta)
+        LOGGER.info(f"image size {imgsz} ({source})")
     if meta.imgsz is not None:  # an exported file takes one input shape: square letterboxes of its size
         if meta.imgsz[0] != meta.imgsz[1]:
             raise UserError(f"{opt.weights}: exported for {meta.imgsz[0]}x{meta.imgsz[1]} input; val.py needs a "
@@ -117,8 +127,8 @@ def run_options(opt: argparse.Namespace) -> ValResults:
         imgsz, rect = meta.imgsz[0], False
         batch_size = meta.batch or batch_size
     if imgsz % stride:
-        imgsz = (imgsz // stride + 1) * stride
-        LOGGER.warning(f"--imgsz {opt.imgsz} is not a multiple of the stride {stride}: using {imgsz}")
+        asked, imgsz = imgsz, (imgsz // stride + 1) * stride
+        LOGGER.warning(f"image size {asked} is not a multiple of the stride {stride}: using {imgsz}")
     conf_thres, iou_thres, save_json = opt.conf_thres, opt.iou_thres, opt.save_json
     if opt.task == "speed":  # timing at deployment thresholds, not the mAP sweep
         conf_thres, iou_thres, save_json = 0.25, 0.45, False
@@ -164,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     info = dist_info()
     end_with_launcher(info)
     setup_logging(info.rank)
-    LOGGER.info(setup_process())
+    LOGGER.info(setup_process(opt.device))
     try:
         return run_reporting_errors(lambda: run_options(opt) and None)
     finally:

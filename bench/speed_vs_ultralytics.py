@@ -20,7 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.ultralytics_side_by_side import (ROOT, absolute_data_yaml, our_map, run_timed,  # noqa: E402
                                             ultralytics_env, ultralytics_map, ultralytics_train_cmd)
 
-COCO128 = ROOT.parent / "shared/datasets/coco128.yaml"
+# ../shared/datasets beside the checkout (or beside the folder of worktrees that holds it)
+_COCO128 = "shared/datasets/coco128.yaml"
+COCO128 = next((p / _COCO128 for p in ROOT.parents if (p / _COCO128).exists()), ROOT.parent / _COCO128)
 
 
 def main() -> int:

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from utils.cli import INFERENCE_IMGSZ
 from utils.errors import UserError
 from utils.ultralytics_compat import missing_weights_message
 
@@ -51,6 +52,7 @@ class ModelMeta:
     batch: int | None = None  # the batch size the file only accepts, None when any
     family: str = "yolov5"  # models/families.py's name; files exported before families were recorded are YOLOv5's
     layout: str = "yolov5"  # see LAYOUTS and the module docstring
+    trained_imgsz: int | None = None  # the image size a .pt was trained at, when its checkpoint says
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -179,11 +181,12 @@ class OnnxRuntimeModel(nn.Module):
         except Exception as e:  # onnxruntime raises its own exception types for bad files  # noqa: BLE001
             raise UserError(f"{path}: onnxruntime cannot open it ({e.__class__.__name__}: {str(e).splitlines()[0]})")
         self.input_name = self.session.get_inputs()[0].name
+        self.input_dtype = np.float16 if self.session.get_inputs()[0].type == "tensor(float16)" else np.float32
         self.metadata = self.session.get_modelmeta().custom_metadata_map
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        (out,) = self.session.run(None, {self.input_name: x.detach().cpu().float().numpy()})[:1]
-        return torch.from_numpy(np.asarray(out)).to(x.device)
+        (out,) = self.session.run(None, {self.input_name: x.detach().cpu().numpy().astype(self.input_dtype)})[:1]
+        return torch.from_numpy(np.asarray(out)).float().to(x.device)  # an fp16 file (export --half) too
 
 
 class TorchScriptModel(nn.Module):
@@ -265,14 +268,17 @@ def load_for_inference(weights: str | Path, device: torch.device | str = "cpu", 
     from models.families import family_name
     from models.loading import load_model
 
-    model, _ = load_model(path, device)
+    from utils.checkpoint import trained_imgsz
+
+    model, ckpt = load_model(path, device)
     model = model.float()
     if end2end:
         use_end_to_end_head(model, path)
     if fuse:
         model.fuse()
     return model.eval(), ModelMeta(names=list(model.names), stride=int(model.stride.max()), kind="pytorch",
-                                   family=family_name(model.yaml), layout=output_layout(model))
+                                   family=family_name(model.yaml), layout=output_layout(model),
+                                   trained_imgsz=trained_imgsz(ckpt))
 
 
 def detections(meta: ModelMeta, pred: torch.Tensor, conf_thres: float, iou_thres: float | None = None, *,
@@ -285,6 +291,15 @@ def detections(meta: ModelMeta, pred: torch.Tensor, conf_thres: float, iou_thres
     iou = DETECT_IOU[meta.layout] if iou_thres is None else iou_thres
     return family_of(meta.family).detections(pred, conf_thres, iou, classes=classes, agnostic=agnostic,
                                              multi_label=multi_label, max_det=max_det)
+
+
+def default_imgsz(meta: ModelMeta) -> tuple[int, str]:
+    """The inference size when --imgsz is left out, and where it comes from (for the one log line)."""
+    if meta.imgsz is not None:
+        return max(meta.imgsz), "from the exported file"
+    if meta.trained_imgsz is not None:
+        return meta.trained_imgsz, "from the checkpoint"
+    return INFERENCE_IMGSZ, "the default; the checkpoint does not record its training size"
 
 
 def predictions(output: Any) -> torch.Tensor:

@@ -92,7 +92,8 @@ class Family:
     evolve_limits: Mapping[str, Limit]
     build_loss: Callable[[nn.Module, Hyp, int, float], DetectionLoss]
     nms: Callable[..., list[torch.Tensor]]
-    # The automatic optimizer's AdamW learning rate for short runs is this / (4 + nc) (see utils/optimizer.py).
+    # The automatic optimizer's AdamW learning rate for short runs is this / (4 + nc) (see utils/optimizer.py). Every
+    # family keeps the value measured for YOLOv5; Ultralytics' own rule (0.01 / (4 + nc)) is not measured against it.
     adamw_lr_per_class_term: float = 0.05
 
     @property

@@ -163,6 +163,27 @@ def train_here(monkeypatch):
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="session")
+def project_logger_at_start():
+    from utils.log import LOGGER
+
+    return list(LOGGER.handlers), LOGGER.level, LOGGER.propagate, LOGGER.disabled
+
+
+@pytest.fixture(autouse=True)
+def project_logger_as_found(project_logger_at_start):
+    """After every test the ``yolo`` logger is as the session found it: in-process ``main()`` calls (their
+    ``setup_logging``), module fixtures and tests add handlers and change its level and ``propagate``; left
+    over, a handler outlives its test (pytest's one caplog handler attached to it captures records twice)."""
+    from utils.log import LOGGER
+
+    yield
+    handlers, level, propagate, disabled = project_logger_at_start
+    LOGGER.handlers[:] = handlers
+    LOGGER.setLevel(level)
+    LOGGER.propagate, LOGGER.disabled = propagate, disabled
+
+
 def pytest_configure(config: pytest.Config) -> None:
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:  # a worker per core: OpenMP threads beyond its share spin on cores the other workers need

@@ -60,3 +60,23 @@ def test_tensorboard_logger_writes_what_it_is_given(tmp_path) -> None:
     acc = _events(tmp_path)
     assert [round(e.value, 6) for e in acc.Scalars("metrics/mAP_0.5")] == [0.0, 0.1, 0.2]
     assert acc.Tensors("val/PR_curve")[0].step == 2
+
+
+def test_setup_logging_is_idempotent_and_writes_to_the_stdout_of_now(monkeypatch, capsys) -> None:
+    import io
+    import logging
+    import sys
+
+    from utils.log import LOGGER, setup_logging
+
+    first, second = io.StringIO(), io.StringIO()
+    other = logging.NullHandler()  # someone else's handler stays
+    LOGGER.addHandler(other)
+    monkeypatch.setattr(sys, "stdout", first)
+    setup_logging()
+    monkeypatch.setattr(sys, "stdout", second)
+    setup_logging()
+    LOGGER.info("once")
+    assert (first.getvalue(), second.getvalue()) == ("", "once\n")
+    assert other in LOGGER.handlers and not LOGGER.propagate
+    assert sum(isinstance(h, type(LOGGER.handlers[-1])) for h in LOGGER.handlers) == 1  # one console handler

@@ -74,3 +74,68 @@ print(gc.get_freeze_count() > 1000, len(gc.get_objects()) < before // 10, gone()
 """
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["True", "True", "True"]
+
+
+# ---- process-wide settings are made in one place (issue 30) ------------------------------------------------
+
+def _kernel_flags() -> tuple:
+    import torch
+
+    return (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
+            torch.are_deterministic_algorithms_enabled(), torch.get_num_threads())
+
+
+def test_seeding_and_choosing_a_device_leave_process_settings_alone(monkeypatch) -> None:
+    from utils.torch_utils import init_torch_seeds, select_device
+
+    import torch
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)  # a seeding function once set it to True
+    before = _kernel_flags()
+    init_torch_seeds(3)
+    assert select_device("cpu").type == "cpu"
+    assert _kernel_flags() == before and os.environ["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_setup_process_makes_the_settings_and_says_so(monkeypatch) -> None:
+    import torch
+
+    from utils import process
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(process, "freeze_imported_objects", lambda: None)  # not this test process's objects
+    monkeypatch.setattr(process, "keep_freed_memory", lambda: "allocator: (not in this test)")
+    old = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
+    try:
+        lines = process.setup_process("cpu", deterministic=True).splitlines()
+        assert lines[:2] == ["CUDA_VISIBLE_DEVICES=-1 (--device cpu: CUDA stays uninitialised)",
+                             "kernels: deterministic (--deterministic)"]
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "-1"
+        assert (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic) == (False, True)
+        assert torch.are_deterministic_algorithms_enabled()
+        assert process.setup_process("cpu", deterministic=False).splitlines()[0] == "allocator: (not in this test)"
+        assert torch.backends.cudnn.benchmark and not torch.backends.cudnn.deterministic
+    finally:
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = old
+        torch.use_deterministic_algorithms(False)
+
+
+def test_importing_every_module_changes_no_process_setting() -> None:
+    probe = f"""
+import gc, importlib, os, pkgutil, sys
+sys.path.insert(0, {str(ROOT)!r})
+import torch
+def state():
+    return (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
+            torch.are_deterministic_algorithms_enabled(), torch.get_num_threads(), gc.get_freeze_count(),
+            {{k: v for k, v in os.environ.items() if k.startswith(("CUDA", "CUBLAS", "OMP", "MALLOC"))}})
+before = state()
+import models, utils, utils.data
+names = [m.name for pkg in (models, utils, utils.data) for m in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + ".")]
+for name in names + ["train", "val", "detect", "export", "shards"]:
+    importlib.import_module(name)
+print(len(names) > 30, state() == before)
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT)
+    assert out.stdout.split() == ["True", "True"], out.stderr[-2000:]

@@ -259,6 +259,22 @@ def test_train_py_on_two_ranks_from_shards(converted, tmp_path) -> None:
     assert not [p for p in left if p.exists()]
 
 
+def test_image_weights_on_shards_is_refused_at_start_up_in_one_line(converted, train_here, tmp_path,
+                                                                     monkeypatch) -> None:
+    _, shard_yaml = converted
+    import utils.data.loader as loader_module
+
+    def no_index(*args, **kwargs):
+        raise AssertionError("the shard index was built before the refusal")
+
+    monkeypatch.setattr(loader_module, "load_shard_index", no_index)
+    status, log = train_here("--data", shard_yaml, "--project", tmp_path, "--epochs", "1", "--image-weights")
+    assert status == 1, log
+    line = log.splitlines()[-1]
+    assert line.startswith("ERROR --image-weights") and "tar shards" in line and str(shard_yaml) in line, line
+    assert not (tmp_path / "exp").exists()
+
+
 def test_data_yaml_names_shards_in_every_form(converted, tmp_path) -> None:
     sh = converted[1].parent
     folder = tmp_path / "only-train"

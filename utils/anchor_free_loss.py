@@ -16,9 +16,10 @@ global micro-batch's image count. A rank's terms are its own sums over the globa
 gradients add up to those of the whole global micro-batch on one process: a step is the same at any world size.
 
 YOLO26 (``End2EndLoss``) trains both heads: the one-to-many head with top-k 10 and the one-to-one head with top-k 7
-then 1 (one positive per gt), weighted lambda and 1 - lambda, lambda falling linearly from 0.8 in the first epoch to
-0.1 in the last (``set_epoch``). Its items are the one-to-one head's, the head used at inference (as Ultralytics
-logs them); the loss is the weighted sum of both heads'.
+then 1 (at most one positive per gt: one, unless conflicts gave all its candidates to other gts), weighted lambda
+and 1 - lambda, lambda falling linearly from 0.8 in the first epoch to 0.1 in the last (``set_epoch``). Its items are
+the one-to-one head's, the head used at inference (as Ultralytics logs them); the loss is the weighted sum of both
+heads'.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models.anchor_free import bbox2dist, dist2bbox, make_anchors
 from utils.assigner import Assignment, TaskAlignedAssigner
 from utils.boxes import bbox_ciou_xyxy, xywh2xyxy
 from utils.distributed import de_parallel
@@ -41,33 +43,6 @@ TAL_BETA = 6.0  # CIoU exponent of the alignment metric
 DFL_TARGET_MARGIN = 0.01  # DFL targets stop this far below the last bin, so bin floor(d) + 1 exists
 O2M_WEIGHT_FIRST = 0.8  # YOLO26: one-to-many weight in the first epoch ...
 O2M_WEIGHT_LAST = 0.1  # ... and in the last
-
-
-# ---- anchors (private until models/anchor_free.py provides them) ---------------------------------------------
-
-def _make_anchors(shapes: Sequence[tuple[int, int]], strides: Sequence[float], device: torch.device,
-                  offset: float = 0.5) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cell centres (A, 2) xy in grid units and their strides (A, 1); levels in order, row-major within one."""
-    points, stride_rows = [], []
-    for (ny, nx), stride in zip(shapes, strides):
-        ys = torch.arange(ny, device=device, dtype=torch.float32) + offset
-        xs = torch.arange(nx, device=device, dtype=torch.float32) + offset
-        gy, gx = torch.meshgrid(ys, xs, indexing="ij")
-        points.append(torch.stack((gx, gy), -1).view(-1, 2))
-        stride_rows.append(torch.full((ny * nx, 1), float(stride), device=device))
-    return torch.cat(points), torch.cat(stride_rows)
-
-
-def _dist2bbox(distance: torch.Tensor, anchor_points: torch.Tensor) -> torch.Tensor:
-    """ltrb distances (..., 4) from anchor points (..., 2) -> xyxy boxes (..., 4)."""
-    lt, rb = distance.chunk(2, -1)
-    return torch.cat((anchor_points - lt, anchor_points + rb), -1)
-
-
-def _bbox2dist(anchor_points: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
-    """xyxy boxes (..., 4) -> ltrb distances (..., 4) from anchor points (..., 2), unclamped."""
-    x1y1, x2y2 = boxes.chunk(2, -1)
-    return torch.cat((anchor_points - x1y1, x2y2 - anchor_points), -1)
 
 
 # ---- pieces shared by both losses ------------------------------------------------------------------------------
@@ -83,9 +58,10 @@ class GroundTruth(NamedTuple):
 class HeadTargets(NamedTuple):
     """One head's decoded predictions and their assignment."""
 
-    box_logits: torch.Tensor  # (B, A, 4 * reg_max) with grad
-    cls_logits: torch.Tensor  # (B, A, nc) with grad
-    pred_boxes: torch.Tensor  # (B, A, 4) xyxy grid units, with grad
+    box_logits: torch.Tensor  # (B, 4 * reg_max, A) with grad
+    cls_logits: torch.Tensor  # (B, nc, A) with grad
+    anchor_points: torch.Tensor  # (A, 2) grid units
+    strides: torch.Tensor  # (A, 1)
     assigned: Assignment  # target boxes in pixels
     score_sum: torch.Tensor  # () this rank's sum of target scores
 
@@ -135,11 +111,13 @@ class AnchorFreeLoss:
                  small_object_px: float | None = 16.0, label_smoothing: float = 0.0,
                  gains: tuple[float, float, float] | None = None) -> None:
         head = de_parallel(model).model[-1]
-        self.head = head  # strides are read at call time: they follow .to()
+        self.strides: list[float] = [float(s) for s in head.stride]  # fixed once the model is built
         self.nc: int = int(head.nc)
         self.reg_max: int = int(head.reg_max)
         self.item_names: tuple[str, str, str] = ("box", "cls", "dfl" if self.reg_max > 1 else "l1")
         if gains is None:
+            if not all(hasattr(hyp, key) for key in ("box", "cls", "dfl")):
+                raise ValueError("AnchorFreeLoss needs the gains box, cls and dfl: in hyp or as gains=(box, cls, dfl)")
             gains = (float(hyp.box), float(hyp.cls), float(hyp.dfl))
         self.gains = gains
         self.assigner = TaskAlignedAssigner(self.nc, tal_topk, TAL_ALPHA, TAL_BETA, topk2=tal_topk2,
@@ -163,7 +141,7 @@ class AnchorFreeLoss:
         gt = self._ground_truth(levels, targets)
         head = self.assign(levels, gt, self.assigner)
         tss = global_sum(head.score_sum, reduce).clamp(min=1.0)
-        items = self.terms(head, levels, tss)
+        items = self.terms(head, self._image_hw(levels), tss)
         images = norm.images if norm is not None else levels[0].shape[0]
         return items.sum() * images, items.detach()
 
@@ -177,7 +155,7 @@ class AnchorFreeLoss:
 
     def _image_hw(self, levels: list[torch.Tensor]) -> tuple[int, int]:
         """The input size, from the finest level's grid (inputs are multiples of the largest stride)."""
-        stride = float(self.head.stride[0])
+        stride = self.strides[0]
         return int(levels[0].shape[2] * stride), int(levels[0].shape[3] * stride)
 
     def _ground_truth(self, levels: list[torch.Tensor], targets: torch.Tensor) -> GroundTruth:
@@ -191,55 +169,66 @@ class AnchorFreeLoss:
         if any(p.shape[1] != channels for p in levels):
             raise ValueError(f"head outputs have {[p.shape[1] for p in levels]} channels, expected {channels} "
                              f"(4 * reg_max {self.reg_max} + nc {self.nc})")
-        flat = torch.cat([p.view(batch, channels, -1) for p in levels], 2).transpose(1, 2)  # (B, A, C)
-        box_logits, cls_logits = flat.split((4 * self.reg_max, self.nc), 2)
+        # Channels first, as the head makes them: no transposed copy of the whole output.
+        flat = torch.cat([p.reshape(batch, channels, -1) for p in levels], 2)  # (B, C, A)
+        box_logits, cls_logits = flat.split((4 * self.reg_max, self.nc), 1)
         anchor_points, strides = self._anchors(levels)
-        pred_boxes = _dist2bbox(self._distances(box_logits), anchor_points)  # grid units
+        with torch.no_grad():
+            if self.reg_max > 1:  # the bins' expectation, softmax along the channels: no transposed copy
+                probs = box_logits.detach().view(batch, 4, self.reg_max, -1).softmax(2)
+                bins = torch.arange(self.reg_max, device=flat.device, dtype=flat.dtype).view(-1, 1)
+                distances = (probs * bins).sum(2)  # (B, 4, A)
+            else:
+                distances = box_logits.detach()
+            pred_boxes = dist2bbox(distances.transpose(1, 2), anchor_points, xywh=False) * strides
+        assigned = assigner(cls_logits.detach().transpose(1, 2), pred_boxes, anchor_points * strides, gt.labels,
+                            gt.boxes, gt.mask)
+        return HeadTargets(box_logits, cls_logits, anchor_points, strides, assigned, assigned.target_scores.sum())
 
-        assigned = assigner(cls_logits.detach().sigmoid(), pred_boxes.detach() * strides, anchor_points * strides,
-                            gt.labels, gt.boxes, gt.mask)
-        return HeadTargets(box_logits, cls_logits, pred_boxes, assigned, assigned.target_scores.sum())
-
-    def terms(self, head: HeadTargets, levels: list[torch.Tensor], tss: torch.Tensor) -> torch.Tensor:
+    def terms(self, head: HeadTargets, image_hw: tuple[int, int], tss: torch.Tensor) -> torch.Tensor:
         """(3,) gained box, cls and dfl|l1 terms of one head, this rank's sums over the global ``tss``."""
         assigned = head.assigned
-        target_scores = assigned.target_scores
-        if self.smooth_scale != 1.0:
-            target_scores = target_scores * self.smooth_scale + self.smooth_offset
-        cls = F.binary_cross_entropy_with_logits(head.cls_logits, target_scores, reduction="sum") / tss
-
-        anchor_points, strides = self._anchors(levels)
         image, anchor = assigned.fg_mask.nonzero(as_tuple=True)
-        weight = assigned.target_scores[image, anchor].sum(-1)  # (P,)
-        target_boxes = assigned.target_boxes[image, anchor] / strides[anchor]  # grid units
-        ciou = bbox_ciou_xyxy(head.pred_boxes[image, anchor], target_boxes)
+        labels = assigned.target_labels[image, anchor]
+        weight = assigned.target_scores[image, anchor].sum(-1)  # (P,) the positives' target scores
+
+        # BCE(x, t) = softplus(x) - t * x, and t is zero but on the positives' assigned class: the t * x sum is
+        # sparse (label smoothing adds eps / 2 to every t).
+        logits = head.cls_logits
+        target_dot_logit = (weight * logits[image, labels, anchor]).sum() * self.smooth_scale
+        if self.smooth_offset:
+            target_dot_logit = target_dot_logit + self.smooth_offset * logits.sum()
+        cls = (F.softplus(logits).sum() - target_dot_logit) / tss
+
+        # Box terms on the positives only.
+        strides = head.strides[anchor]  # (P, 1)
+        box_logits = head.box_logits[image, :, anchor]  # (P, 4 * reg_max)
+        anchor_points = head.anchor_points[anchor]
+        target_boxes = assigned.target_boxes[image, anchor] / strides  # grid units
+        ciou = bbox_ciou_xyxy(dist2bbox(self._distances(box_logits), anchor_points, xywh=False), target_boxes)
         box = ((1.0 - ciou) * weight).sum() / tss
 
-        target_dist = _bbox2dist(anchor_points[anchor], target_boxes)  # (P, 4) strides
-        box_logits = head.box_logits[image, anchor]
+        target_dist = bbox2dist(anchor_points, target_boxes)  # (P, 4) strides, unclamped (DFL clamps its own)
         if self.reg_max > 1:
             side = self._dfl(box_logits.reshape(-1, self.reg_max), target_dist.reshape(-1)).view(-1, 4)
         else:
-            h, w = self._image_hw(levels)
+            h, w = image_hw
             image_wh = torch.tensor((w, h, w, h), device=strides.device, dtype=torch.float32)
-            stride = strides[anchor]
-            side = (box_logits * stride / image_wh - target_dist * stride / image_wh).abs()
+            side = (box_logits * strides / image_wh - target_dist * strides / image_wh).abs()
         dist = (side.mean(-1) * weight).sum() / tss
 
         box_gain, cls_gain, dist_gain = self.gains
         return torch.stack((box * box_gain, cls * cls_gain, dist * dist_gain))
 
     def _anchors(self, levels: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        shapes = [(p.shape[2], p.shape[3]) for p in levels]
-        return _make_anchors(shapes, [float(s) for s in self.head.stride], levels[0].device)
+        return make_anchors(levels, self.strides)
 
     def _distances(self, box_logits: torch.Tensor) -> torch.Tensor:
-        """(B, A, 4 * reg_max) -> (B, A, 4) ltrb in strides: the expectation of each side's bins (raw if reg_max 1)."""
+        """(..., 4 * reg_max) -> (..., 4) ltrb in strides: the expectation of each side's bins (raw if reg_max 1)."""
         if self.reg_max == 1:
             return box_logits
-        batch, anchors, _ = box_logits.shape
         bins = torch.arange(self.reg_max, device=box_logits.device, dtype=box_logits.dtype)
-        return box_logits.view(batch, anchors, 4, self.reg_max).softmax(3).matmul(bins)
+        return box_logits.unflatten(-1, (4, self.reg_max)).softmax(-1).matmul(bins)
 
     def _dfl(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """(S,) DFL of S side distributions (S, reg_max) against distances (S,) in strides."""
@@ -286,8 +275,9 @@ class End2EndLoss(AnchorFreeLoss):
         o2m = self.assign(o2m_levels, gt, self.assigner)
         o2o = self.assign(o2o_levels, gt, self.o2o_assigner)
         tss = global_sum(torch.stack((o2m.score_sum, o2o.score_sum)), reduce).clamp(min=1.0)  # one collective
-        o2m_items = self.terms(o2m, o2m_levels, tss[0])
-        o2o_items = self.terms(o2o, o2o_levels, tss[1])
+        image_hw = self._image_hw(o2m_levels)
+        o2m_items = self.terms(o2m, image_hw, tss[0])
+        o2o_items = self.terms(o2o, image_hw, tss[1])
         images = norm.images if norm is not None else o2m_levels[0].shape[0]
         loss = (o2m_items.sum() * self.o2m_weight + o2o_items.sum() * self.o2o_weight) * images
         return loss, o2o_items.detach()

@@ -32,7 +32,7 @@ class Assignment(NamedTuple):
 
 
 class TaskAlignedAssigner:
-    """``assign = TaskAlignedAssigner(nc)(scores, boxes, anchor_points, gt_labels, gt_boxes, gt_mask)``.
+    """``assign = TaskAlignedAssigner(nc)(class_logits, boxes, anchor_points, gt_labels, gt_boxes, gt_mask)``.
 
     ``topk2`` (the one-to-one head of YOLO26 uses topk 7, topk2 1) keeps, after conflicts are resolved, only each
     gt's best ``topk2`` positives by alignment. ``eps`` guards the soft-target normalisation.
@@ -49,28 +49,28 @@ class TaskAlignedAssigner:
         self.eps = eps
 
     @torch.no_grad()
-    def __call__(self, pred_scores: torch.Tensor, pred_boxes: torch.Tensor, anchor_points: torch.Tensor,
+    def __call__(self, pred_logits: torch.Tensor, pred_boxes: torch.Tensor, anchor_points: torch.Tensor,
                  gt_labels: torch.Tensor, gt_boxes: torch.Tensor, gt_mask: torch.Tensor) -> Assignment:
         """Assign a batch.
 
-        pred_scores (B, A, nc) class probabilities (after the sigmoid); pred_boxes (B, A, 4) xyxy; anchor_points
-        (A, 2) xy in the same units (pixels); gt_labels (B, M) long; gt_boxes (B, M, 4) xyxy; gt_mask (B, M) bool,
-        False on padding rows.
+        pred_logits (B, A, nc) class logits (any memory layout; the sigmoid is taken only where needed);
+        pred_boxes (B, A, 4) xyxy; anchor_points (A, 2) xy in the same units (pixels); gt_labels (B, M) long;
+        gt_boxes (B, M, 4) xyxy; gt_mask (B, M) bool, False on padding rows.
         """
-        batch, num_anchors, _ = pred_scores.shape
+        batch, num_anchors, _ = pred_logits.shape
         num_gt = gt_boxes.shape[1]
-        device = pred_scores.device
+        device = pred_logits.device
         if num_gt == 0:
             return Assignment(
                 fg_mask=torch.zeros((batch, num_anchors), dtype=torch.bool, device=device),
                 target_gt=torch.zeros((batch, num_anchors), dtype=torch.long, device=device),
                 target_boxes=torch.zeros_like(pred_boxes),
                 target_labels=torch.zeros((batch, num_anchors), dtype=torch.long, device=device),
-                target_scores=torch.zeros_like(pred_scores),
+                target_scores=torch.zeros((batch, num_anchors, self.nc), device=device),
             )
 
         in_gt = self.anchors_inside(anchor_points, gt_boxes) & gt_mask[..., None]  # (B, M, A)
-        align, overlaps = self.alignment(pred_scores, pred_boxes, gt_labels, gt_boxes, in_gt)
+        align, overlaps = self.alignment(pred_logits, pred_boxes, gt_labels, gt_boxes, in_gt)
 
         # Each gt's top-k anchors by alignment, among all anchors; only those inside it count.
         k = min(self.topk, num_anchors)
@@ -98,7 +98,7 @@ class TaskAlignedAssigner:
         best_align = align.amax(-1, keepdim=True)
         best_overlap = overlaps.amax(-1, keepdim=True)
         score = (align * best_overlap / (best_align + self.eps)).amax(1)  # (B, A)
-        target_scores = torch.zeros_like(pred_scores)
+        target_scores = torch.zeros((batch, num_anchors, self.nc), device=device)
         target_scores.scatter_(-1, target_labels[..., None], (score * fg_mask)[..., None])
         return Assignment(fg_mask, target_gt, target_boxes, target_labels, target_scores)
 
@@ -113,7 +113,7 @@ class TaskAlignedAssigner:
         x1, y1, x2, y2 = (gt_boxes[..., i, None] for i in range(4))  # (B, M, 1) each
         return (x - x1 > margin) & (y - y1 > margin) & (x2 - x > margin) & (y2 - y > margin)
 
-    def alignment(self, pred_scores: torch.Tensor, pred_boxes: torch.Tensor, gt_labels: torch.Tensor,
+    def alignment(self, pred_logits: torch.Tensor, pred_boxes: torch.Tensor, gt_labels: torch.Tensor,
                   gt_boxes: torch.Tensor, in_gt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, M, A) alignment metric and CIoU (clamped at 0), computed only for the (gt, anchor) pairs ``in_gt``.
 
@@ -121,9 +121,9 @@ class TaskAlignedAssigner:
         """
         image, gt, anchor = in_gt.nonzero(as_tuple=True)
         overlap = bbox_ciou_xyxy(gt_boxes[image, gt], pred_boxes[image, anchor]).clamp(min=0)
-        score = pred_scores[image, anchor, gt_labels[image, gt]]
+        score = pred_logits[image, anchor, gt_labels[image, gt]].sigmoid()
         overlaps = torch.zeros(in_gt.shape, dtype=pred_boxes.dtype, device=pred_boxes.device)
-        align = torch.zeros(in_gt.shape, dtype=pred_scores.dtype, device=pred_scores.device)
+        align = torch.zeros(in_gt.shape, dtype=score.dtype, device=score.device)
         overlaps[image, gt, anchor] = overlap
         align[image, gt, anchor] = score.pow(self.alpha) * overlap.pow(self.beta)
         return align, overlaps

@@ -8,7 +8,8 @@ checkpoint is the models' job (``models.yolo.build_model``); this module only ha
 Training state (what ``--resume`` and launcher restarts need): ``optimizer``, ``scaler``, ``ema``/``updates``,
 ``epoch`` (the last completed epoch, -1 before the first), ``mid_epoch`` (None, or where a checkpoint written
 inside an epoch stands: the epoch, the batches done and the epoch's loss sums so far), ``best_fitness``,
-``best_epoch``, ``lr_schedule`` (see utils/lr_schedule.py), ``opt``, ``hyp``, ``world_size`` and ``run_id``;
+``best_epoch``, ``lr_schedule`` (see utils/lr_schedule.py), ``optimizer_choice`` (the optimizer, lr0, momentum
+and accumulation the run started with; see utils/optimizer.py), ``opt``, ``hyp``, ``world_size`` and ``run_id``;
 train.py adds ``class_weights`` (--image-weights: the class weights of the next epoch's draw, or None).
 """
 from __future__ import annotations
@@ -96,6 +97,19 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     return ckpt
 
 
+def trained_imgsz(ckpt: dict[str, Any]) -> int | None:
+    """The image size a checkpoint was trained at: ours (``opt``), YOLOv5's (``opt``) or Ultralytics'
+    (``train_args``) record; None when it records none."""
+    imported = ckpt.get("yolov5") or {}
+    for record in (ckpt.get("opt"), imported.get("opt"), imported.get("train_args"), ckpt.get("train_args")):
+        size = record.get("imgsz", record.get("img_size")) if isinstance(record, dict) else None
+        if isinstance(size, (list, tuple)) and size:
+            size = max(size)
+        if isinstance(size, (int, float)) and not isinstance(size, bool) and size > 0:
+            return int(size)
+    return None
+
+
 def model_weights(ckpt: dict[str, Any], prefer_ema: bool = True) -> dict[str, torch.Tensor]:
     """The weights a model is rebuilt with: the EMA's when present (and wanted), else the raw model's."""
     return ckpt["ema"] if prefer_ema and ckpt.get("ema") is not None else ckpt["model"]
@@ -105,8 +119,8 @@ def model_weights(ckpt: dict[str, Any], prefer_ema: bool = True) -> dict[str, to
 
 def training_checkpoint(model: nn.Module, ema, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                         *, epoch: int, mid_epoch: dict[str, Any] | None, best_fitness: float, best_epoch: int,
-                        lr_schedule: list[list[float]], opt: argparse.Namespace, hyp: dict[str, float],
-                        world_size: int, run_id: str) -> dict[str, Any]:
+                        lr_schedule: list[list[float]], optimizer_choice: dict[str, Any], opt: argparse.Namespace,
+                        hyp: dict[str, float], world_size: int, run_id: str) -> dict[str, Any]:
     """Everything needed to resume, in the safe format: tensors, state_dicts and plain values only."""
     return {
         **model_state(model),
@@ -119,6 +133,7 @@ def training_checkpoint(model: nn.Module, ema, optimizer: torch.optim.Optimizer,
         "best_fitness": float(best_fitness),
         "best_epoch": best_epoch,
         "lr_schedule": lr_schedule,
+        "optimizer_choice": dict(optimizer_choice),
         "opt": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opt).items()},
         "hyp": dict(hyp),
         "world_size": world_size,
@@ -158,10 +173,13 @@ def strip_training_state(path: Path) -> None:
 
 # ---- resume rules ------------------------------------------------------------------------------------------
 
-def latest_last_checkpoint(search_dir: str | Path) -> Path:
-    candidates = sorted(Path(search_dir).glob("**/last.pt"), key=lambda p: p.stat().st_mtime)
+def latest_last_checkpoint(*search_dirs: str | Path) -> Path:
+    """The newest ``last.pt`` under any of ``search_dirs`` (by modification time)."""
+    candidates = sorted({p.resolve() for d in search_dirs for p in Path(d).glob("**/last.pt")},
+                        key=lambda p: p.stat().st_mtime)
     if not candidates:
-        raise UserError(f"{search_dir}: no last.pt to resume (train first, or pass --resume PATH)")
+        where = " or ".join(str(d) for d in search_dirs)
+        raise UserError(f"{where}: no last.pt to resume (train first, or pass --resume PATH)")
     return candidates[-1]
 
 
@@ -176,7 +194,7 @@ def run_folder_of(run_id: str, project: str | Path, not_before: float | None = N
     mine = [(marker.stat().st_mtime, marker.parent) for marker in Path(project).glob("*/run_id")
             if marker.read_text(encoding="utf-8").strip() == run_id]
     mine = [(when, folder) for when, folder in mine if not_before is None or when >= not_before]
-    return max(mine)[1] if mine else None
+    return max(mine)[1].resolve() if mine else None
 
 
 def _not_resumable(path: Path, ckpt: dict[str, Any]) -> UserError:
@@ -214,7 +232,7 @@ def resumed_options(opt: argparse.Namespace, explicit: set[str], path: Path,
     restored.resume = str(path)
     restored.weights = str(path)
     if path.parent.name == "weights":  # the run folder is where its checkpoint lies now (moved, or mounted elsewhere)
-        restored.save_dir = str(path.parent.parent)
+        restored.save_dir = str(path.parent.parent.resolve())
     return restored
 
 

@@ -2,8 +2,13 @@
 
 ``dist_info`` is the one place that reads torch.distributed.run's environment. Collectives time out after
 ``--dist-timeout``; where ranks are known to wait for long work (local rank 0 building a label cache, rank 0
-validating) they wait on a key of the rendezvous store instead, which has no collective timeout. Every rank
-bumps a heartbeat counter in the store, so a rank that stops answering can be named when a collective fails.
+validating) they wait on a key of the rendezvous store instead. Every rank bumps a heartbeat counter in the
+store from a thread, so a wait is bounded by progress, not by the length of the work: a rank gives up when the
+rank it waits for has not beaten for ``--dist-timeout`` (it died, froze, or sits in a store wait of its own:
+the ranks' waits do not match), and names it. A live label-cache build of millions of images is waited for.
+
+Waits are keyed by their tag and how often this rank has waited at that tag, so only a mismatch at one tag
+can pair the wrong waits, and such a mismatch ends as above instead of hanging.
 """
 from __future__ import annotations
 
@@ -24,8 +29,9 @@ import torch.nn as nn
 
 from utils.errors import UserError
 
-LONG_WAIT = datetime.timedelta(hours=12)  # for work of unknown length (a million-image label cache)
-HEARTBEAT_SECONDS = 2.0
+HEARTBEAT_SECONDS = 2.0  # at most; a shorter --dist-timeout beats faster (four beats per timeout)
+WAIT_PAUSE_MAX = 0.5  # a store wait looks at the heartbeats of the ranks it waits for at least this often
+DEFAULT_TIMEOUT_MINUTES = 10.0
 PR_SET_PDEATHSIG = 1  # prctl option number (linux/prctl.h)
 
 
@@ -106,12 +112,23 @@ def end_with_launcher(info: DistInfo) -> bool:
 
 # ---- the process group --------------------------------------------------------------------------------
 
+class WaitAbandoned(UserError):
+    """A store wait given up: the rank waited for made no progress for --dist-timeout (the message names it)."""
+
+
+class CollectiveError(RuntimeError):
+    """One of this project's collectives failed (gloo raises a bare RuntimeError when a peer dies or times out)."""
+
+
 class _Group:
-    """What this process keeps about its process group: the store (prefixed per restart round) and heartbeat."""
+    """What this process keeps about its process group: the store (prefixed per restart round), the heartbeat,
+    the timeout of store waits and how often it has waited at each tag."""
 
     store: dist.Store | None = None
     heartbeat_stop: threading.Event | None = None
-    waits = 0  # store waits so far; every rank makes the same ones in the same order
+    heartbeat_seconds: float = HEARTBEAT_SECONDS
+    timeout_seconds: float = DEFAULT_TIMEOUT_MINUTES * 60
+    waits: dict[str, int] = {}
 
 
 def _open_store(info: DistInfo, timeout: datetime.timedelta) -> dist.Store:
@@ -128,8 +145,9 @@ def _open_store(info: DistInfo, timeout: datetime.timedelta) -> dist.Store:
     return dist.PrefixStore(f"yolo-train/round-{info.restart_count}", store)
 
 
-def init_process_group(device: torch.device, info: DistInfo, timeout_minutes: float = 10.0) -> None:
-    """Join the process group (NCCL for CUDA devices, gloo for CPU); collectives time out after ``timeout_minutes``."""
+def init_process_group(device: torch.device, info: DistInfo, timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES) -> None:
+    """Join the process group (NCCL for CUDA devices, gloo for CPU); collectives time out after ``timeout_minutes``,
+    and store waits after as long without progress from the rank waited for."""
     if dist.is_initialized():
         return
     timeout = datetime.timedelta(minutes=timeout_minutes)
@@ -137,8 +155,9 @@ def init_process_group(device: torch.device, info: DistInfo, timeout_minutes: fl
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend=backend, store=store, rank=info.rank, world_size=info.world_size,
                             timeout=timeout)
-    _Group.store, _Group.waits = store, 0
-    _start_heartbeat(store, info.rank)
+    _Group.store, _Group.waits, _Group.timeout_seconds = store, {}, timeout.total_seconds()
+    _Group.heartbeat_seconds = min(HEARTBEAT_SECONDS, _Group.timeout_seconds / 4)
+    _start_heartbeat(store, info.rank, _Group.heartbeat_seconds)
 
 
 def destroy_process_group() -> None:
@@ -155,11 +174,11 @@ def _store() -> dist.Store:
     return _Group.store if _Group.store is not None else dist.distributed_c10d._get_default_store()
 
 
-def _start_heartbeat(store: dist.Store, rank: int) -> None:
+def _start_heartbeat(store: dist.Store, rank: int, seconds: float = HEARTBEAT_SECONDS) -> None:
     stop = threading.Event()
 
     def beat() -> None:
-        while not stop.wait(HEARTBEAT_SECONDS):
+        while not stop.wait(seconds):
             with contextlib.suppress(Exception):  # a store that went away is diagnosed where it matters
                 store.add(f"heartbeat/{rank}", 1)
 
@@ -168,22 +187,38 @@ def _start_heartbeat(store: dist.Store, rank: int) -> None:
     _Group.heartbeat_stop = stop
 
 
-def silent_ranks(world_size: int, seconds: float = 3 * HEARTBEAT_SECONDS) -> list[int] | None:
-    """Ranks whose heartbeat did not advance within ``seconds``; None when the store itself cannot be reached."""
+def silent_ranks(world_size: int, seconds: float | None = None) -> list[int] | None:
+    """Ranks whose heartbeat did not advance within ``seconds`` (three beats); None when the store itself cannot
+    be reached."""
+    seconds = 3 * _Group.heartbeat_seconds if seconds is None else seconds
     try:
         store = _store()
         before = [store.add(f"heartbeat/{r}", 0) for r in range(world_size)]
         time.sleep(seconds)
         after = [store.add(f"heartbeat/{r}", 0) for r in range(world_size)]
-    except Exception:  # the store's host is gone or frozen: any error of the client means that
+    except (dist.DistError, RuntimeError):  # the store's host is gone or frozen
         return None
     return [r for r in range(world_size) if after[r] == before[r]]
 
 
-def describe_failure(error: BaseException, info: DistInfo) -> str:
-    """One line for a collective that failed: which rank went missing, or that the store is unreachable."""
-    first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+def collective_failure(error: BaseException, info: DistInfo) -> str | None:
+    """One line for a collective that failed (which rank went missing, or that the store is unreachable), or
+    None when ``error`` is not one.
+
+    Recognised by type: PyTorch's distributed errors (``DistError`` and its DistBackendError, DistNetworkError,
+    DistStoreError) and this project's ``CollectiveError``. gloo raises a bare ``RuntimeError`` when a peer dies
+    (connection reset) or times out (checked on torch 2.14.1), also from inside DDP's backward: such an error
+    counts when the group is broken, that is when a rank stopped beating or the store is gone.
+    """
+    if not info.is_distributed:
+        return None
+    typed = isinstance(error, (dist.DistError, CollectiveError))
+    if not typed and type(error) is not RuntimeError:
+        return None
     missing = silent_ranks(info.world_size)
+    if not typed and missing == []:
+        return None  # a RuntimeError of this rank's own; the group is fine
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
     if missing is None:
         where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
         who = f"the rendezvous store at {where} does not answer (its node went missing)"
@@ -194,28 +229,82 @@ def describe_failure(error: BaseException, info: DistInfo) -> str:
     return f"rank {info.rank}: a collective failed ({first}); {who}; exiting so the launcher can restart the group"
 
 
-# ---- waiting without a collective timeout ---------------------------------------------------------------
+# ---- waiting on the store, bounded by the progress of the ranks waited for ---------------------------------
 
 def _next_key(tag: str) -> str:
-    _Group.waits += 1
-    return f"wait/{tag}/{_Group.waits}"
+    """``wait/TAG/N``: the N-th wait of this rank at ``tag`` (the waits of other tags do not shift it)."""
+    _Group.waits[tag] = _Group.waits.get(tag, 0) + 1
+    return f"wait/{tag}/{_Group.waits[tag]}"
+
+
+def _store_unreachable(info: DistInfo, what: str, error: BaseException) -> WaitAbandoned:
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    return WaitAbandoned(f"rank {info.rank}: the rendezvous store at {where} stopped answering while this rank waited "
+                         f"at '{what}' (its host, rank 0's node, went missing: {type(error).__name__})")
+
+
+def wait_for_keys(info: DistInfo, keys: dict[int, str], what: str) -> dict[int, bytes]:
+    """Wait until each rank in ``keys`` has set its key; returns their values.
+
+    Give up when one of those still awaited made no progress for the timeout, naming it: its heartbeat stood
+    still (it died or froze), or it sat in a store wait of its own (the ranks' waits do not match).
+    """
+    store, timeout = _store(), _Group.timeout_seconds
+    values: dict[int, bytes] = {}
+    try:
+        store.set(f"waiting/{info.rank}", what)
+        pending = dict(keys)
+        beats: dict[int, int] = {}
+        progress: dict[int, float] = {}  # rank -> when it last made progress
+        pause = 0.01
+        while pending:
+            with contextlib.suppress(dist.DistStoreError):  # not all set within the pause (a lost store: DistNetworkError)
+                store.wait(list(pending.values()), datetime.timedelta(seconds=pause))
+            pause = min(pause * 2, WAIT_PAUSE_MAX)  # a quick hand-over stays quick, a long wait looks less often
+            now = time.monotonic()
+            for rank, key in list(pending.items()):
+                if store.check([key]):
+                    values[rank] = store.get(key)
+                    del pending[rank]
+                    continue
+                beat = store.add(f"heartbeat/{rank}", 0)
+                waits_itself = _waits_at(store, rank)
+                if rank not in progress or (beat != beats[rank] and not waits_itself):
+                    progress[rank] = now
+                beats[rank] = beat
+                if now - progress[rank] > timeout:
+                    why = (f"it waits at '{waits_itself}' itself: the ranks' waits do not match" if waits_itself
+                           else "its heartbeat stopped: it died or froze")
+                    raise WaitAbandoned(f"rank {info.rank}: gave up waiting at '{what}' after {timeout:g} s without "
+                                        f"progress from rank {rank} ({why})")
+    except dist.DistError as e:  # DistNetworkError: the store's host is gone
+        raise _store_unreachable(info, what, e) from e
+    with contextlib.suppress(dist.DistError):  # a store gone now is reported by whatever uses it next
+        store.set(f"waiting/{info.rank}", "")
+    return values
+
+
+def _waits_at(store: dist.Store, rank: int) -> str:
+    """Where ``rank`` waits on the store now ('' when it does not)."""
+    key = f"waiting/{rank}"
+    return store.get(key).decode() if store.check([key]) else ""
 
 
 @contextlib.contextmanager
 def local_rank_zero_first(info: DistInfo) -> Iterator[None]:
     """Run the block on local rank 0 of each machine first; the machine's other ranks enter once it has left.
 
-    They wait on a store key (no collective timeout: building a large cache may take hours). If local rank 0
-    fails in the block, the others stop with one line instead of waiting for ever.
+    They wait on a store key for as long as local rank 0 is alive (building a large cache may take hours). If
+    local rank 0 fails in the block, the others stop with one line instead of waiting for ever.
     """
     if not info.is_distributed or not dist.is_initialized():
         yield
         return
-    key = _next_key(f"node-{info.rank - info.local_rank}")
+    local_zero = info.rank - info.local_rank
+    key = _next_key(f"node-{local_zero}-first")
     store = _store()
     if info.local_rank != 0:
-        store.wait([key], LONG_WAIT)
-        if store.get(key) != b"ok":
+        if wait_for_keys(info, {local_zero: key}, f"rank {local_zero} prepares the data")[local_zero] != b"ok":
             raise UserError(f"rank {info.rank}: local rank 0 failed while preparing the data (its error says why)")
         yield
         return
@@ -228,7 +317,7 @@ def local_rank_zero_first(info: DistInfo) -> Iterator[None]:
 
 
 def rank_zero_decides(info: DistInfo, decision: str | None) -> str:
-    """Rank 0's ``decision`` for every rank; the others wait for it on the store however long rank 0 takes."""
+    """Rank 0's ``decision`` for every rank; the others wait for it on the store as long as rank 0 is alive."""
     if not info.is_distributed:
         return decision or ""
     key = _next_key("decision")
@@ -236,16 +325,28 @@ def rank_zero_decides(info: DistInfo, decision: str | None) -> str:
     if info.rank == 0:
         store.set(key, decision or "")
         return decision or ""
-    store.wait([key], LONG_WAIT)
-    return store.get(key).decode()
+    return wait_for_keys(info, {0: key}, "rank 0's decision")[0].decode()
 
 
 # ---- collectives and models ------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def collective(name: str) -> Iterator[None]:
+    """A collective of this project's: the bare RuntimeError gloo raises for a dead or timed-out peer becomes a
+    CollectiveError (PyTorch's own DistError types pass as they are)."""
+    try:
+        yield
+    except RuntimeError as e:
+        if isinstance(e, dist.DistError):
+            raise
+        raise CollectiveError(f"{name}: {e}") from e
+
+
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     """Sum ``tensor`` over all ranks in place (a no-op outside a process group); returns it."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        with collective("all_reduce"):
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
 
 
@@ -254,7 +355,8 @@ def broadcast_object(obj: object, info: DistInfo) -> object:
     if not info.is_distributed:
         return obj
     box = [obj if info.rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    with collective("broadcast"):
+        dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
@@ -265,43 +367,34 @@ def de_parallel(model: nn.Module) -> nn.Module:
 
 # ---- the ranks of one node ---------------------------------------------------------------------------------
 
-class _NodeWaits:
-    count = 0  # node barriers so far; every rank of a node makes the same ones in the same order
-
-
 def node_index(info: DistInfo) -> int:
     """This machine's number: torch.distributed.run gives each node a contiguous run of LOCAL_WORLD_SIZE ranks."""
     return (info.rank - info.local_rank) // max(info.local_world_size, 1)
 
 
-def node_barrier(info: DistInfo, tag: str, poll_seconds: float = 0.02) -> None:
+def node_barrier(info: DistInfo, tag: str) -> None:
     """Wait until every rank of this node has arrived (other nodes are not involved).
 
-    A store counter, not a collective: ranks of other nodes need not call it, and a long fill (a large image
-    cache) is not cut short by the collective timeout.
+    Store keys, not a collective: ranks of other nodes need not call it, and a long fill (a large image cache)
+    is waited for as long as the ranks filling are alive (see ``wait_for_keys``).
     """
     if not info.is_distributed or not dist.is_initialized() or info.local_world_size <= 1:
         return
-    _NodeWaits.count += 1
-    key = f"node/{node_index(info)}/{tag}/{_NodeWaits.count}"
-    store = _store()
-    store.add(key, 1)
-    deadline = time.monotonic() + LONG_WAIT.total_seconds()
-    while store.add(key, 0) < info.local_world_size:
-        if time.monotonic() > deadline:
-            raise UserError(f"rank {info.rank}: the other ranks of this node did not reach '{tag}'")
-        time.sleep(poll_seconds)
+    key = _next_key(f"node-{node_index(info)}/{tag}")
+    first = info.rank - info.local_rank
+    _store().set(f"{key}/{info.rank}", "arrived")
+    others = {r: f"{key}/{r}" for r in range(first, first + info.local_world_size) if r != info.rank}
+    wait_for_keys(info, others, f"{tag} (node barrier)")
 
 
 def node_decides(info: DistInfo, tag: str, decision: str) -> str:
     """Local rank 0's ``decision`` on every rank of this node (so that they all take the same branch)."""
     if not info.is_distributed or not dist.is_initialized() or info.local_world_size <= 1:
         return decision
-    _NodeWaits.count += 1
-    key = f"node/{node_index(info)}/{tag}/{_NodeWaits.count}/decision"
+    key = _next_key(f"node-{node_index(info)}/{tag}/decision")
     store = _store()
     if info.local_rank == 0:
         store.set(key, decision)
         return decision
-    store.wait([key], LONG_WAIT)
-    return store.get(key).decode()
+    local_zero = info.rank - info.local_rank
+    return wait_for_keys(info, {local_zero: key}, f"{tag} (rank {local_zero} decides)")[local_zero].decode()

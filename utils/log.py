@@ -8,6 +8,10 @@ import sys
 LOGGER = logging.getLogger("yolo")
 
 
+class _ConsoleHandler(logging.StreamHandler):
+    """The handler ``setup_logging`` installs (told apart from handlers that others add to the logger)."""
+
+
 def setup_logging(rank: int = -1, verbose: bool = True) -> None:
     """Log INFO to stdout on the main process (rank -1 or 0); only warnings and errors elsewhere.
 
@@ -18,10 +22,12 @@ def setup_logging(rank: int = -1, verbose: bool = True) -> None:
     asked = os.environ.get("YOLO_LOG_LEVEL", "").upper()
     known = isinstance(logging.getLevelName(asked), int)
     LOGGER.setLevel(logging.getLevelName(asked) if known else level)
-    if not LOGGER.handlers:
-        handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        LOGGER.addHandler(handler)
+    # Idempotent: an earlier call's handler (bound to the stdout of then) is replaced, never added to.
+    for handler in [h for h in LOGGER.handlers if isinstance(h, _ConsoleHandler)]:
+        LOGGER.removeHandler(handler)
+    handler = _ConsoleHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    LOGGER.addHandler(handler)
     LOGGER.propagate = False
     if asked and not known:
         LOGGER.warning(f"WARNING YOLO_LOG_LEVEL={asked} is not a logging level (DEBUG, INFO, WARNING, ERROR): ignored")

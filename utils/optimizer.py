@@ -12,11 +12,16 @@ A short run also steps the optimizer after every batch instead of accumulating g
 nominal batch of 64 images: what limits it is the number of steps, not their noise. On the built-in shapes
 set (yolov5n, 40 epochs, imgsz 256, batch 16) that took mAP50 from 0.40 to 0.80. An explicit ``--optimizer``
 keeps YOLOv5's accumulation.
+
+The choice is made once, when a run starts, and stored in its checkpoints (``optimizer_choice``): a resumed or
+restarted run keeps its optimizer, lr0, momentum and accumulation whatever ``--epochs`` or ``--time`` say now
+(another run length would pick another optimizer, whose state the saved one's is not).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -39,6 +44,16 @@ class OptimizerChoice:
     momentum: float
     accumulate: int  # batches per optimizer step
     reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values, for the checkpoint."""
+        return asdict(self)
+
+
+def unused_hyp_values(choice: OptimizerChoice, hyp: Hyp) -> list[str]:
+    """The hyp file's values that the choice replaced with its own (``auto``'s AdamW sets lr0 and momentum)."""
+    return [f"{name} {getattr(hyp, name)}" for name in ("lr0", "momentum")
+            if getattr(choice, name) != getattr(hyp, name)]
 
 
 def optimizer_steps(epochs: int, n_images: int, batch_size: int, accumulate: int) -> int:
@@ -63,6 +78,28 @@ def choose_optimizer(requested: str, epochs: int, n_images: int, batch_size: int
               f"lr0 = {lr_per_class_term:g} / (4 + nc), "
               f"a step every batch ({optimizer_steps(epochs, n_images, batch_size, 1)} steps)")
     return OptimizerChoice("AdamW", lr0, 0.9, 1, reason)
+
+
+def resumed_choice(saved: dict[str, Any] | None, saved_opt: dict[str, Any], n_images: int, nc: int,
+                   hyp: Hyp, optimizer_state: dict[str, Any]) -> OptimizerChoice:
+    """The choice a resumed run was trained with: the checkpoint's own, or for a checkpoint written before it was
+    stored, the choice its start made (its saved options: --optimizer, --epochs, --batch-size).
+
+    A derived choice that does not fit the saved optimizer state (a --time run whose epochs changed on the way)
+    is a one-line error, not a crash at the first step.
+    """
+    if saved:
+        return OptimizerChoice(**{**saved, "reason": f"the run's own, kept from its checkpoint ({saved['reason']})"})
+    choice = choose_optimizer(saved_opt.get("optimizer", "auto"), int(saved_opt["epochs"]), n_images,
+                              int(saved_opt["batch_size"]), nc, hyp)
+    groups = optimizer_state.get("param_groups") or [{}]
+    adam_state = "betas" in groups[0]
+    if adam_state != (choice.name in ("Adam", "AdamW")):
+        raise UserError(f"the checkpoint does not say which optimizer it was trained with and its optimizer state "
+                        f"does not fit {choice.name} (derived from its saved options): resume it with the "
+                        f"project version that wrote it, or fine-tune from it with --weights")
+    return OptimizerChoice(choice.name, choice.lr0, choice.momentum, choice.accumulate,
+                           f"the run's own, derived from its saved options ({choice.reason})")
 
 
 def parameter_groups(model: nn.Module) -> tuple[list, list, list]:

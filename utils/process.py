@@ -1,4 +1,9 @@
-"""Process-wide settings the entry points (train.py, val.py, detect.py) make once, before the real work.
+"""Process-wide settings: the entry points (train.py, val.py, detect.py, export.py) make them once, in
+``setup_process`` before the real work, and log what it says; no import and no seeding function sets them.
+
+Which GPUs the process sees (``CUDA_VISIBLE_DEVICES`` from ``--device``, before CUDA starts; ``cpu`` hides them
+all so CUDA stays uninitialised) and how kernels are chosen (cuDNN's benchmark, or with ``--deterministic``
+repeatable kernels and cuBLAS workspace) are set here; so are the two memory settings below.
 
 Keeping freed memory: glibc gives every allocation above its mmap threshold (128 KiB, rising to at most 32 MiB)
 its own mapping and unmaps it on free, so a training step or a validation batch maps and faults in its large
@@ -20,6 +25,8 @@ import gc
 import os
 import platform
 
+import torch
+
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 M_MMAP_MAX = -4
 TRIM_THRESHOLD = 1 << 30  # free memory at the top of the heap beyond this still goes back to the system
@@ -31,10 +38,51 @@ def user_tuned_malloc() -> bool:
             or "LD_PRELOAD" in os.environ)
 
 
-def setup_process() -> str:
-    """Both settings below, for an entry point's main(); says what was done."""
+def setup_process(device: str = "", deterministic: bool | None = None) -> str:
+    """Every process-wide setting, for an entry point's main(); says what was set, a line each.
+
+    ``device`` is --device; ``deterministic`` is --deterministic where the script trains (None leaves the
+    kernel choice as torch has it).
+    """
+    done = [visible_devices(device)]
+    if deterministic is not None:
+        done.append(kernel_choice(deterministic))
+    done.append(keep_freed_memory())
     freeze_imported_objects()
-    return keep_freed_memory()
+    return "\n".join(line for line in done if line)
+
+
+def _set_env(name: str, value: str) -> bool:
+    changed = os.environ.get(name) != value
+    os.environ[name] = value
+    return changed
+
+
+def visible_devices(device: str) -> str:
+    """CUDA_VISIBLE_DEVICES from --device ('cpu', '0' or '0,1,2,3'; '' leaves it), before CUDA starts; says what
+    was set. A --device that is not valid is left to ``select_device`` to refuse."""
+    spec = str(device).strip().lower().replace("cuda:", "").replace(" ", "")
+    if spec == "cpu":
+        value, why = "-1", "--device cpu: CUDA stays uninitialised"
+    elif spec and all(i.isdigit() for i in spec.split(",")):
+        value, why = spec, "from --device; set before CUDA starts"
+    else:
+        return ""
+    return f"CUDA_VISIBLE_DEVICES={value} ({why})" if _set_env("CUDA_VISIBLE_DEVICES", value) else ""
+
+
+def kernel_choice(deterministic: bool) -> str:
+    """cuDNN's benchmark (the fastest kernels for each shape), or repeatable kernels for --deterministic."""
+    torch.backends.cudnn.benchmark = not deterministic
+    torch.backends.cudnn.deterministic = deterministic
+    if not deterministic:
+        return ""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    line = "kernels: deterministic (--deterministic)"
+    if torch.cuda.is_available() and "CUBLAS_WORKSPACE_CONFIG" not in os.environ:
+        _set_env("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        line += "; CUBLAS_WORKSPACE_CONFIG=:4096:8 for repeatable cuBLAS results"
+    return line
 
 
 def freeze_imported_objects() -> None:

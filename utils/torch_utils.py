@@ -17,21 +17,15 @@ from utils.errors import UserError
 from utils.log import LOGGER
 
 
-def _set_env(name: str, value: str, why: str) -> None:
-    if os.environ.get(name) != value:
-        os.environ[name] = value
-        LOGGER.info(f"{name}={value} ({why})")
-
-
 def select_device(device: str = "", local_rank: int = -1, local_world_size: int = 1) -> torch.device:
     """This process's device for --device '' (CUDA if present, else CPU), 'cpu', '0' or '0,1,2,3'.
 
     In a distributed run the list names the GPUs of this machine, one per local rank: ``--device 2,3`` puts
-    local rank 0 on GPU 2 and local rank 1 on GPU 3.
+    local rank 0 on GPU 2 and local rank 1 on GPU 3. The entry points have made only those visible
+    (utils/process.py); called without that (the Python API), the list indexes the GPUs CUDA sees.
     """
     spec = str(device).strip().lower().replace("cuda:", "").replace(" ", "")
     if spec == "cpu":
-        _set_env("CUDA_VISIBLE_DEVICES", "-1", "--device cpu: CUDA stays uninitialised")
         chosen = torch.device("cpu")
         ids: list[str] = []
     elif spec:
@@ -42,14 +36,14 @@ def select_device(device: str = "", local_rank: int = -1, local_world_size: int 
         if len(ids) < processes:
             raise UserError(f"--device {spec} names {len(ids)} GPU(s) for {processes} processes on this machine "
                             "(LOCAL_WORLD_SIZE): name one GPU per process")
-        _set_env("CUDA_VISIBLE_DEVICES", spec, "from --device; must be set before CUDA starts")
+        only_these = os.environ.get("CUDA_VISIBLE_DEVICES") == spec  # made visible by setup_process
         available = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if available < len(ids):
+        if available < (len(ids) if only_these else max(map(int, ids)) + 1):
             raise UserError(
                 f"--device '{device}' asks for CUDA device(s) {spec} but {available} CUDA device(s) are "
                 f"available{'' if available else ' (use --device cpu)'}"
             )
-        chosen = torch.device("cuda", max(local_rank, 0))
+        chosen = torch.device("cuda", max(local_rank, 0) if only_these else int(ids[max(local_rank, 0)]))
     else:
         ids = [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
         chosen = torch.device("cuda", max(local_rank, 0)) if ids else torch.device("cpu")
@@ -59,7 +53,7 @@ def select_device(device: str = "", local_rank: int = -1, local_world_size: int 
     parts = [f"Python-{platform.python_version()} torch-{torch.__version__}"]
     if chosen.type == "cuda":
         p = torch.cuda.get_device_properties(chosen.index)
-        name = ids[chosen.index] if chosen.index < len(ids) else chosen.index
+        name = ids[max(local_rank, 0)] if ids else chosen.index
         parts.append(f"CUDA:{name} ({p.name}, {p.total_memory / (1 << 20):.0f}MiB)")
     else:
         parts.append(f"CPU ({torch.get_num_threads()} threads)")
@@ -67,20 +61,12 @@ def select_device(device: str = "", local_rank: int = -1, local_world_size: int 
     return chosen
 
 
-def init_torch_seeds(seed: int = 0, deterministic: bool = False) -> None:
-    """Seed python, numpy and torch; ``deterministic`` also makes kernels bit-for-bit repeatable."""
+def init_torch_seeds(seed: int = 0) -> None:
+    """Seed python, numpy and torch (repeatable kernels are a process-wide setting: utils/process.py)."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
     torch.cuda.manual_seed_all(seed)
-    if deterministic:
-        torch.backends.cudnn.deterministic = True
-        torch.backends.cudnn.benchmark = False
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        if torch.cuda.is_available() and "CUBLAS_WORKSPACE_CONFIG" not in os.environ:
-            _set_env("CUBLAS_WORKSPACE_CONFIG", ":4096:8", "--deterministic: repeatable cuBLAS results")
-    else:
-        torch.backends.cudnn.benchmark = True
 
 
 def time_synchronized() -> float:

@@ -276,9 +276,12 @@ def _gather_results(seen: int, n_batches: int, stats: list, images_per_class: np
     """Every rank's results on every rank: counts summed, per-image lists concatenated in rank order."""
     import torch.distributed as dist
 
+    from utils.distributed import collective
+
     mine = (seen, n_batches, stats, images_per_class, confusion, times, batch_losses, json_results, json_images)
     parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, mine)  # pickled between our own processes only
+    with collective("all_gather"):
+        dist.all_gather_object(parts, mine)  # pickled between our own processes only
     return (sum(p[0] for p in parts), sum(p[1] for p in parts), [s for p in parts for s in p[2]],
             sum(p[3] for p in parts), sum(p[4] for p in parts), sum(p[5] for p in parts),
             [b for p in parts for b in p[6]], [j for p in parts for j in p[7]],

@@ -411,7 +411,8 @@ def convert_yolov5(raw: Any, path: str | Path) -> dict[str, Any]:
         ema_model, _ = _model_from_record(raw["ema"], path, "ema")
         ema = cpu_fp32_state(ema_model)
     dtype = next(iter(record_state_dict(raw["model"]).values())).dtype
-    meta = {k: plain(raw.get(k)) for k in ("epoch", "best_fitness", "updates", "opt", "git", "date") if k in raw}
+    meta = {k: plain(raw.get(k)) for k in ("epoch", "best_fitness", "updates", "opt", "train_args", "git", "date")
+            if k in raw}
     n_tensors = len(model.state_dict())
     LOGGER.info(f"{path}: YOLOv5 checkpoint imported ({model.yaml.get('yaml_file', 'model')}, {model.nc} classes, "
                 f"{model.model[-1].nl} levels, {str(dtype).replace('torch.', '')}, {n_tensors}/{n_tensors} tensors "

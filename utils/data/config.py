@@ -74,14 +74,22 @@ def list_image_files(source: str | Path | list[str | Path]) -> list[str]:
     return files
 
 
-def _find_yaml(path: str | Path) -> Path:
+def data_yaml_path(path: str | Path) -> Path | None:
+    """The data YAML that ``--data path`` names, resolved, or None when there is none."""
     p = Path(path)
     if p.is_file():
         return p.resolve()
     bundled = REPO_ROOT / "data" / p  # lets `--data shapes.yaml` find the YAMLs shipped in data/
     if not p.is_absolute() and bundled.is_file():
         return bundled.resolve()
-    raise UserError(f"{path}: dataset YAML not found")
+    return None
+
+
+def _find_yaml(path: str | Path) -> Path:
+    found = data_yaml_path(path)
+    if found is None:
+        raise UserError(f"{path}: dataset YAML not found")
+    return found
 
 
 def _names_list(names: Any, yaml_file: Path) -> list[str]:

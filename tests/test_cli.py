@@ -1,0 +1,263 @@
+"""The scripts' command lines agree (utils/cli.py), their help shows defaults and groups, runs go under ./runs,
+the training presets (demo vs any other data) and the inference image size taken from the checkpoint."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import detect
+import export
+import shards
+import train
+import val
+from models.backends import ModelMeta, load_for_inference
+from models.yolo import Model
+from utils.checkpoint import model_state, resumed_options, save_checkpoint
+from utils.errors import UserError
+from utils.log import LOGGER
+
+SCRIPTS = {"train.py": train, "val.py": val, "detect.py": detect, "export.py": export, "shards.py": shards}
+# Which scripts take each shared option (as YOLOv5 has them); "imgsz" is also --img and --img-size everywhere.
+SHARED = {
+    "imgsz": {"train.py", "val.py", "detect.py", "export.py"},
+    "workers": {"train.py", "val.py", "shards.py"},
+    "device": {"train.py", "val.py", "detect.py", "export.py"},
+    "project": {"train.py", "val.py", "detect.py"},
+    "name": {"train.py", "val.py", "detect.py"},
+    "exist_ok": {"train.py", "val.py", "detect.py"},
+    "half": {"val.py", "detect.py", "export.py"},
+}
+
+
+def _actions(script: str) -> dict[str, argparse.Action]:
+    return {a.dest: a for a in SCRIPTS[script].build_parser()._actions}
+
+
+def test_shared_options_have_one_spelling_alias_default_and_help_in_every_script() -> None:
+    for dest, scripts in SHARED.items():
+        specs = {}
+        for script in SCRIPTS:
+            action = _actions(script).get(dest)
+            assert (action is not None) == (script in scripts), (dest, script)
+            if action is None:
+                continue
+            help_text = action.help
+            if dest == "imgsz":  # the first clause is shared; what a left-out size means is the script's
+                help_text = help_text.split(";")[0].replace(" (one value, or h w)", "")
+            default = action.default
+            if dest == "project":  # runs/<the script's task>
+                assert default == str(Path("runs") / script.removesuffix(".py"))
+                default = "runs/<task>"
+            if dest == "device" and script == "export.py":  # traced on the CPU unless asked, as YOLOv5 does
+                assert default == "cpu"
+                default = ""
+            specs[script] = (tuple(action.option_strings), action.type, default, help_text, action.required)
+        assert len(set(specs.values())) == 1, (dest, specs)
+    assert _actions("train.py")["imgsz"].option_strings == ["--imgsz", "--img", "--img-size"]
+    assert _actions("val.py")["project"].default == os.path.join("runs", "val")
+    amp = _actions("train.py")["amp"]
+    assert amp.option_strings == ["--amp", "--no-amp"] and amp.default is True
+
+
+def test_inference_scripts_describe_a_left_out_image_size_alike() -> None:
+    helps = {s: _actions(s)["imgsz"].help.split(";", 1)[1] for s in ("val.py", "detect.py", "export.py")}
+    assert len(set(helps.values())) == 1 and "checkpoint" in helps["val.py"], helps
+
+
+def test_help_shows_every_default_and_groups_the_options() -> None:
+    for script, module in SCRIPTS.items():
+        parser = module.build_parser()
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if action.help in (None, argparse.SUPPRESS) or isinstance(action, argparse._HelpAction):
+                continue
+            shown = formatter._get_help_string(action) % {"default": action.default}
+            assert action.required or "default" in shown, (script, action.dest, shown)
+        ungrouped = [a.dest for a in parser._optionals._group_actions if not isinstance(a, argparse._HelpAction)]
+        assert ungrouped == [], (script, ungrouped)  # every option sits in a named group
+        assert "(default: 16)" in train.build_parser().format_help()
+    titles = [g.title for g in train.build_parser()._action_groups]
+    for word in ("data", "model", "schedule", "augmentation", "distributed", "output"):
+        assert any(word in title for title in titles), (word, titles)
+
+
+def test_export_half_is_refused_without_cuda(trained_at_64) -> None:
+    with pytest.raises(UserError, match="--half exports fp16 on a CUDA device; --device cpu is not one"):
+        export.run(weights=str(trained_at_64), half=True, device="cpu")
+
+
+def test_detect_needs_a_source(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        detect.build_parser().parse_args(["--weights", "x.pt"])
+    assert e.value.code == 2 and "--source" in capsys.readouterr().err
+
+
+# ---- the training presets --------------------------------------------------------------------------------
+
+def test_the_demo_preset_applies_to_the_built_in_data_only(rectangles_yaml) -> None:
+    for argv in ([], ["--data", "shapes.yaml"], ["--data", str(train.ROOT / "data/shapes.yaml")]):
+        opt, explicit = train.parse_opt(argv)
+        assert (opt.imgsz, opt.epochs) == (192, 30), argv
+        assert train.preset_line(opt, explicit) == "defaults: --imgsz 192 --epochs 30 (preset: the built-in demo's)"
+    opt, explicit = train.parse_opt(["--data", str(rectangles_yaml)])
+    assert (opt.imgsz, opt.epochs) == (640, 100)
+    assert "--imgsz 640 --epochs 100 (preset: YOLOv5's, for any --data but" in train.preset_line(opt, explicit)
+    opt, explicit = train.parse_opt(["--data", str(rectangles_yaml), "--img", "320"])  # explicit flags win
+    assert (opt.imgsz, opt.epochs) == (320, 100)
+    assert train.preset_line(opt, explicit).startswith("defaults: --epochs 100 ")
+    opt, explicit = train.parse_opt(["--epochs", "3", "--imgsz", "64"])
+    assert (opt.imgsz, opt.epochs) == (64, 3) and train.preset_line(opt, explicit) is None
+    # The other defaults do not depend on the data.
+    assert vars(train.parse_opt([])[0]).keys() == vars(train.parse_opt(["--data", str(rectangles_yaml)])[0]).keys()
+    assert train.parse_opt(["--data", str(rectangles_yaml)])[0].batch_size == train.parse_opt([])[0].batch_size
+
+
+def test_a_resumed_run_keeps_its_own_size_and_length_unless_epochs_is_given(tmp_path) -> None:
+    last = tmp_path / "exp/weights/last.pt"
+    run_opt = vars(train.parse_opt(["--data", "some/data.yaml", "--imgsz", "96", "--epochs", "7"])[0])
+    ckpt = {"optimizer": {}, "epoch": 3, "opt": run_opt}
+    opt, explicit = train.parse_opt(["--resume", str(last)])  # the demo's defaults: not the run's
+    assert train.preset_line(opt, explicit) is None
+    restored = resumed_options(opt, explicit, last, ckpt)
+    assert (restored.imgsz, restored.epochs, restored.data) == (96, 7, "some/data.yaml")
+    opt, explicit = train.parse_opt(["--resume", str(last), "--epochs", "12"])
+    assert resumed_options(opt, explicit, last, ckpt).epochs == 12
+
+
+# ---- run folders -----------------------------------------------------------------------------------------
+
+def test_every_script_saves_runs_under_the_current_directory() -> None:
+    for script, task in (("train.py", "train"), ("val.py", "val"), ("detect.py", "detect")):
+        assert _actions(script)["project"].default == str(Path("runs") / task)
+    assert "runs/evolve" in _actions("train.py")["evolve"].help
+
+
+def test_evolve_goes_under_the_current_directory_with_its_absolute_folder(tmp_path, monkeypatch) -> None:
+    from utils.distributed import DistInfo
+
+    trained = []
+    monkeypatch.setattr(train, "train", lambda opt, *a, **k: trained.append(opt.project) or {"results": [0.5] * 7})
+    monkeypatch.setattr(train, "plot_evolve", lambda *a: None)
+    monkeypatch.chdir(tmp_path)
+    opt, explicit = train.parse_opt(["--evolve", "1"])
+    folder = train.evolve(opt, explicit, torch.device("cpu"), DistInfo(rank=-1, local_rank=-1, world_size=1))
+    assert folder == tmp_path.resolve() / "runs/evolve/exp" and trained == [str(folder)]
+    assert (folder / "evolve.csv").is_file()
+
+
+def test_resume_without_a_path_takes_the_newest_last_pt_here_or_beside_train_py(tmp_path, monkeypatch) -> None:
+    here, legacy = tmp_path / "work", tmp_path / "install"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(train, "ROOT", legacy)
+    new_style = here / "runs/train/exp/weights/last.pt"
+    old_style = legacy / "runs/train/exp3/weights/last.pt"
+    for path in (new_style, old_style):
+        path.parent.mkdir(parents=True)
+        path.write_bytes(b"")
+    os.utime(old_style, (1000, 1000))
+    monkeypatch.chdir(here)
+    opt, explicit = train.parse_opt(["--resume"])
+    assert train.latest_last_checkpoint(*train.resume_search(opt, explicit)) == new_style
+    os.utime(new_style, (10, 10))  # the run beside train.py is the newer one
+    assert train.latest_last_checkpoint(*train.resume_search(opt, explicit)) == old_style
+    opt, explicit = train.parse_opt(["--resume", "--project", "runs/train"])  # an explicit project: only there
+    assert train.latest_last_checkpoint(*train.resume_search(opt, explicit)) == new_style
+
+
+@pytest.mark.slow
+def test_a_run_under_the_current_directory_records_its_absolute_folder_and_resumes_from_anywhere(
+        train_here, rectangles_yaml, tmp_path, monkeypatch) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    status, log = train_here("--data", rectangles_yaml, "--epochs", "1", "--noval")
+    assert status == 0, log
+    folder = tmp_path / "a/runs/train/exp"
+    recorded = yaml.safe_load((folder / "opt.yaml").read_text())["save_dir"]
+    assert recorded == str(folder.resolve()) and Path(recorded).is_absolute()
+    monkeypatch.chdir(tmp_path / "b")  # another working directory: the relative path given is resolved once
+    status, log = train_here("--resume", "../a/runs/train/exp/weights/last.pt", "--epochs", "2", "--noval")
+    assert status == 0, log
+    ckpt = torch.load(folder / "weights/last.pt", weights_only=True)
+    assert ckpt["epoch"] == 1 and ckpt["opt"]["save_dir"] == str(folder.resolve())
+    assert not (tmp_path / "b/runs").exists()
+
+
+# ---- inference image size --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained_at_64(tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    model = Model("models/yolov5n.yaml", nc=2)
+    model.names = ["red", "blue"]
+    path = tmp_path_factory.mktemp("weights") / "at64.pt"
+    save_checkpoint({**model_state(model), "opt": {"imgsz": 64}}, path)
+    return path
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def log_lines():
+    handler = _Lines()
+    LOGGER.addHandler(handler)
+    LOGGER.setLevel(logging.INFO)  # the scripts' run() log at INFO without setup_logging; conftest restores the level
+    yield handler.lines
+    LOGGER.removeHandler(handler)
+
+
+def test_trained_size_is_read_from_ours_yolov5s_and_ultralytics_records() -> None:
+    from models.backends import default_imgsz
+    from utils.checkpoint import trained_imgsz
+
+    assert trained_imgsz({"opt": {"imgsz": 64}}) == 64
+    assert trained_imgsz({"yolov5": {"opt": {"imgsz": 320}}}) == 320
+    assert trained_imgsz({"yolov5": {"opt": {"img_size": [512, 512]}}}) == 512  # older YOLOv5
+    assert trained_imgsz({"yolov5": {"train_args": {"imgsz": 416}}}) == 416
+    assert trained_imgsz({"yolov5": {"opt": {}}}) is None and trained_imgsz({}) is None
+    meta = ModelMeta(names=["a"], stride=32, kind="pytorch")
+    assert default_imgsz(meta) == (640, "the default; the checkpoint does not record its training size")
+    meta.trained_imgsz = 96
+    assert default_imgsz(meta) == (96, "from the checkpoint")
+    meta.imgsz = (128, 128)  # an exported file takes only its own size
+    assert default_imgsz(meta) == (128, "from the exported file")
+
+
+@pytest.mark.slow
+def test_val_detect_and_export_default_to_the_size_the_checkpoint_was_trained_at(
+        trained_at_64, rectangles_yaml, tmp_path, monkeypatch, log_lines, capsys) -> None:
+    import utils.data.loader
+
+    sizes = []
+    real = utils.data.loader.create_dataloader
+    monkeypatch.setattr(utils.data.loader, "create_dataloader",
+                        lambda path, imgsz, *a, **k: sizes.append(imgsz) or real(path, imgsz, *a, **k))
+    val.run(data=str(rectangles_yaml), weights=str(trained_at_64), device="cpu", workers=0, noplots=True,
+            project=str(tmp_path / "val"))
+    assert sizes == [64] and "image size 64 (from the checkpoint)" in log_lines
+    log_lines.clear()
+    source = Path(rectangles_yaml).parent / "images/val"
+    detect.run(weights=str(trained_at_64), source=str(next(source.iterdir())), device="cpu", nosave=True,
+               project=str(tmp_path / "detect"))
+    assert "image size 64 (from the checkpoint)" in log_lines and ": 64x64 " in capsys.readouterr().out
+    log_lines.clear()
+    (path,) = export.run(weights=str(trained_at_64), include=["torchscript"])
+    assert "image size 64 (from the checkpoint)" in log_lines
+    assert load_for_inference(path)[1].imgsz == (64, 64)
+    log_lines.clear()
+    detect.run(weights=str(path), source=str(next(source.iterdir())), device="cpu", nosave=True,
+               project=str(tmp_path / "detect"))
+    assert "image size 64 (from the exported file)" in log_lines

@@ -1,0 +1,68 @@
+"""The command-line options the scripts share, each declared once.
+
+train.py, val.py, detect.py, export.py and shards.py add ``--imgsz``, ``--workers``, ``--device``,
+``--project``/``--name``/``--exist-ok`` and ``--half`` through the functions here, so that one option has one
+spelling, one set of aliases, one meaning and one default in every script. ``make_parser`` gives every script the
+same help layout: option groups, and each option's default shown.
+
+Run folders are relative to the current directory (``./runs/train/exp``, ``./runs/val/exp``, ...), as in
+YOLOv5 and Ultralytics; scripts record the absolute path of the folder they made.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+RUNS = Path("runs")  # under the current directory
+INFERENCE_IMGSZ = 640  # YOLOv5's size, used when neither --imgsz nor the model says otherwise
+INFERENCE_IMGSZ_HELP = (f"default: the size the checkpoint was trained at (an exported file: its own size), else "
+                        f"{INFERENCE_IMGSZ}")
+WORKERS = 8  # at most; the loaders use no more than the machine's cores (utils/data/loader.py)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description as written, and ``(default: X)`` after each option whose help does not state it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.required or "default" in text or action.default is argparse.SUPPRESS:
+            return text
+        return super()._get_help_string(action)
+
+
+def make_parser(description: str | None) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
+
+
+def add_imgsz(group, *, help: str, pair: bool = False) -> None:
+    """``--imgsz``/``--img``/``--img-size``, default None: each script says what None means in ``help``.
+
+    ``pair`` (export.py): one value or ``h w``.
+    """
+    group.add_argument("--imgsz", "--img", "--img-size", type=int, default=None, nargs="+" if pair else None,
+                       metavar="PIXELS", help=f"image size in pixels{' (one value, or h w)' if pair else ''}; {help}")
+
+
+def add_workers(group) -> None:
+    group.add_argument("--workers", type=int, default=WORKERS,
+                       help="worker processes for loading and checking data, per rank (capped by the CPU cores)")
+
+
+def add_device(group, default: str = "") -> None:
+    group.add_argument("--device", default=default,
+                       help="'' (auto: GPU 0 when there is one, else the CPU), 'cpu', '0', or '0,1,2,3' under a "
+                            "launcher (default: %(default)r)")
+
+
+def add_run_folder(group, task: str) -> None:
+    """``--project``, ``--name``, ``--exist-ok``: the run is saved to ``project/name`` (then ``name2``, ...)."""
+    group.add_argument("--project", default=str(RUNS / task), help="runs are saved to project/name")
+    group.add_argument("--name", default="exp", help="runs are saved to project/name")
+    group.add_argument("--exist-ok", action="store_true",
+                       help="reuse project/name when it exists instead of making name2, name3, ...")
+
+
+def add_half(group) -> None:
+    group.add_argument("--half", action="store_true",
+                       help="fp16 half precision, CUDA devices only (val.py, detect.py: fp32 elsewhere, with a "
+                            "warning; export.py: refused elsewhere)")
