@@ -105,13 +105,16 @@ class ModelMeta:
 
     @classmethod
     def from_json(cls, text: str, kind: str, path: Path) -> ModelMeta:
+        """From a TorchScript file's JSON: our record; else Ultralytics' keys; else older exports' flat record."""
         try:
             raw = json.loads(text)
         except ValueError as e:
             raise UserError(f"{path}: metadata unreadable ({e}); re-export it with export.py") from e
         if not isinstance(raw, dict):
             raise UserError(f"{path}: metadata unreadable (not a JSON object); re-export it with export.py")
-        return cls.from_record(raw.get(OWN_METADATA_KEY, raw), kind, path)
+        if OWN_METADATA_KEY in raw:
+            return cls.from_record(raw[OWN_METADATA_KEY], kind, path)
+        return cls.from_ultralytics(raw, kind, path) if "task" in raw else cls.from_record(raw, kind, path)
 
     @classmethod
     def from_onnx_props(cls, props: dict[str, str], path: Path) -> ModelMeta:
@@ -125,22 +128,29 @@ class ModelMeta:
                                     if k in ("names", "stride", "imgsz", "batch")}, "onnx", path)
         except ValueError:  # not JSON: Ultralytics' exporter writes Python literals
             pass
-        try:
-            names = ast.literal_eval(props["names"])
-            task = props.get("task", "detect")
-            end2end = ast.literal_eval(props.get("end2end", "False"))
-            imgsz = ast.literal_eval(props["imgsz"]) if props.get("imgsz") else None
+        try:  # literal_eval reads literals only, never calls anything
+            values = {k: ast.literal_eval(v) if k in ("names", "imgsz", "end2end", "args") else v
+                      for k, v in props.items()}
         except (ValueError, SyntaxError) as e:
             raise UserError(f"{path}: metadata unreadable ({e.__class__.__name__}: {e})") from e
+        return cls.from_ultralytics(values, "onnx", path)
+
+    @classmethod
+    def from_ultralytics(cls, values: dict[str, Any], kind: str, path: Path) -> ModelMeta:
+        """From the metadata Ultralytics' exporter writes, its values already parsed."""
+        task = values.get("task", "detect")
         if task != "detect":
             raise UserError(f"{path}: an Ultralytics {task} model; only detection models are supported")
-        names = [names[i] for i in range(len(names))] if isinstance(names, dict) else list(names)
-        dynamic = "'dynamic': True" in props.get("args", "")
-        named = re.search(r"YOLO(v8|11|26)", props.get("description", ""))
+        names = values.get("names")
+        if isinstance(names, dict):  # {0: 'person', ...}; JSON makes the keys strings
+            names = [names[k] for k in sorted(names, key=int)]
+        args = values.get("args") if isinstance(values.get("args"), dict) else {}
+        named = re.search(r"YOLO(v8|11|26)", str(values.get("description", "")))
         family = f"yolo{named.group(1)}" if named else "yolov8"  # the anchor-free families decode alike
-        return cls.from_record({"names": names, "stride": props.get("stride", 32), "imgsz": imgsz,
-                                "batch": None if dynamic else props.get("batch"), "family": family,
-                                "layout": "end2end" if end2end else "anchor_free"}, "onnx", path)
+        return cls.from_record({"names": names, "stride": values.get("stride", 32), "imgsz": values.get("imgsz"),
+                                "batch": None if args.get("dynamic") else values.get("batch"), "family": family,
+                                "layout": "end2end" if values.get("end2end") in (True, "True") else "anchor_free"},
+                               kind, path)
 
 
 class PredictionsOnly(nn.Module):
@@ -274,15 +284,13 @@ def load_for_inference(weights: str | Path, device: torch.device | str = "cpu", 
 def detections(meta: ModelMeta, pred: torch.Tensor, conf_thres: float, iou_thres: float | None = None, *,
                classes: list[int] | None = None, agnostic: bool = False, multi_label: bool = False,
                max_det: int = 300) -> list[torch.Tensor]:
-    """Per image (n, 6) = x1 y1 x2 y2 conf cls, best first, from predictions in ``meta.layout``: NMS for the
-    YOLOv5 and anchor-free layouts (IoU ``iou_thres``, default per layout), a confidence filter for end2end."""
-    from utils.nms import end_to_end_detections, non_max_suppression, non_max_suppression_anchor_free
+    """Per image (n, 6) = x1 y1 x2 y2 conf cls, best first: the family's decoding of predictions (NMS, or only a
+    confidence filter for an end-to-end output), at ``iou_thres`` or detect.py's default for the layout."""
+    from models.families import family_of
 
-    if meta.layout == "end2end":
-        return end_to_end_detections(pred, conf_thres, classes=classes, max_det=max_det)
-    nms = non_max_suppression if meta.layout == "yolov5" else non_max_suppression_anchor_free
     iou = DETECT_IOU[meta.layout] if iou_thres is None else iou_thres
-    return nms(pred, conf_thres, iou, classes=classes, agnostic=agnostic, multi_label=multi_label, max_det=max_det)
+    return family_of(meta.family).detections(pred, conf_thres, iou, classes=classes, agnostic=agnostic,
+                                             multi_label=multi_label, max_det=max_det)
 
 
 def default_imgsz(meta: ModelMeta) -> tuple[int, str]:

@@ -24,8 +24,8 @@ from utils.errors import UserError
 FAMILIES = {"yolov8": "yolov8-final.pt", "yolo11": "yolo11-final.pt", "yolo26": "yolo26-final.pt"}
 
 
-def _export(tmp_path: Path, family: str, **options) -> dict[str, Path]:
-    weights = tmp_path / FAMILIES[family]
+def _export(folder: Path, family: str, **options) -> dict[str, Path]:
+    weights = folder / FAMILIES[family]
     shutil.copyfile(FIXTURES / FAMILIES[family], weights)
     x, _ = reference(family)
     files = export.run(weights=str(weights), imgsz=list(x.shape[2:]), batch_size=x.shape[0],
@@ -33,10 +33,16 @@ def _export(tmp_path: Path, family: str, **options) -> dict[str, Path]:
     return {p.suffix: p for p in files}
 
 
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> dict[str, dict[str, Path]]:
+    """Each family's fixture exported once: ONNX with a dynamic batch, TorchScript traced at the reference batch."""
+    return {family: _export(tmp_path_factory.mktemp(family), family, dynamic=True) for family in FAMILIES}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_exported_files_compute_ultralytics_outputs(tmp_path, family) -> None:
-    files = _export(tmp_path, family)
+def test_exported_files_compute_ultralytics_outputs(exported, family) -> None:
+    files = exported[family]
     assert set(files) == {".onnx", ".torchscript"}
     x, ref = reference(family)
     for path in files.values():
@@ -48,8 +54,12 @@ def test_exported_files_compute_ultralytics_outputs(tmp_path, family) -> None:
 
 @pytest.mark.slow
 def test_yolo26_end2end_export_computes_ultralytics_end2end_output(tmp_path) -> None:
-    files = _export(tmp_path, "yolo26", end2end=True)
+    weights = tmp_path / FAMILIES["yolo26"]
+    shutil.copyfile(FIXTURES / FAMILIES["yolo26"], weights)
     x, ref = reference("yolo26")
+    # ONNX only: the TorchScript path is the same trace as the one-to-many output's, tested above.
+    files = {p.suffix: p for p in export.run(weights=str(weights), imgsz=list(x.shape[2:]), batch_size=x.shape[0],
+                                             include=["onnx"], end2end=True)}
     for path in files.values():
         runner, meta = load_for_inference(path, end2end=True)
         assert meta.layout == "end2end"
@@ -65,10 +75,10 @@ def test_end2end_needs_a_one_to_one_head(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_onnx_metadata_as_ultralytics_writes_it(tmp_path) -> None:
+def test_onnx_metadata_as_ultralytics_writes_it(exported) -> None:
     import onnx
 
-    files = _export(tmp_path, "yolo11", dynamic=True)
+    files = exported["yolo11"]
     proto = onnx.load(str(files[".onnx"]))
     props = {p.key: p.value for p in proto.metadata_props}
     theirs = json.loads((FIXTURES / "onnx_metadata.json").read_text())
@@ -101,16 +111,29 @@ def _images(folder: Path, n: int = 3) -> Path:
 @pytest.mark.slow
 def test_detect_and_val_run_on_ultralytics_checkpoints(tmp_path) -> None:
     source = _images(tmp_path / "images")
-    for family, end2end in (("yolov8", False), ("yolo26", False), ("yolo26", True)):
+    for family, end2end in (("yolov8", False), ("yolo26", True)):
         result = detect.run(weights=str(FIXTURES / FAMILIES[family]), source=str(source), imgsz=64, conf_thres=0.0,
                             max_det=20, save_txt=True, project=str(tmp_path / "runs"), name=f"{family}{end2end}",
                             end2end=end2end)
         assert len(result.detections) == 3
         for det in result.detections.values():  # conf 0 keeps boxes: a check of the layout's decoding
             assert det.shape[1] == 6 and 0 < len(det) <= 20
-            assert (det[:, 4] >= 0).all() and (det[:, 4] <= 1).all() and (det[:, 5] < 5 if family == "yolo26" else 3).all()
+            nc = 5 if family == "yolo26" else 3
+            assert (det[:, 4] >= 0).all() and (det[:, 4] <= 1).all() and (det[:, 5] < nc).all()
             assert (det[:, 2] >= det[:, 0]).all() and (det[:, 3] >= det[:, 1]).all()
     data = write_rectangles_dataset(tmp_path / "data", n_train=2, n_val=4, size=64, n_classes=3)
     results = val.run(data=str(data), weights=str(FIXTURES / FAMILIES["yolov8"]), imgsz=64, batch_size=2,
                       workers=0, noplots=True, project=str(tmp_path / "val"), name="v8")
     assert 0 <= results.map <= results.map50 <= 1 and results.n_images == 4
+
+
+def test_ultralytics_own_export_metadata_is_read() -> None:
+    """An ONNX file exported by Ultralytics (its metadata_props as committed) describes itself to our backends."""
+    from models.backends import ModelMeta
+
+    props = json.loads((FIXTURES / "onnx_metadata.json").read_text())
+    meta = ModelMeta.from_onnx_props(props, Path("yolo11n.onnx"))
+    assert meta.names == [f"class{i}" for i in range(20)] and meta.stride == 32 and meta.imgsz == (64, 64)
+    assert (meta.family, meta.layout, meta.batch) == ("yolo11", "anchor_free", 1)
+    with pytest.raises(UserError, match=r"an Ultralytics segment model"):
+        ModelMeta.from_onnx_props({**props, "task": "segment"}, Path("seg.onnx"))

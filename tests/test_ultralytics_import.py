@@ -3,10 +3,9 @@ trainer (tests/fixtures/ultralytics/make_checkpoint_fixtures.py), load without r
 Ultralytics' own outputs; payloads, other tasks, missing files and --resume get one line each."""
 from __future__ import annotations
 
-import argparse
 import builtins
+import logging
 import os
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -17,10 +16,9 @@ import torch.nn as nn
 
 from tests.ultralytics_reference import (FIXTURES, assert_close_to_ultralytics, assert_same_end2end_detections,
                                          reference)
-from utils.checkpoint import load_checkpoint, resumed_options
+from utils.checkpoint import load_checkpoint
 from utils.errors import UserError
 
-ROOT = Path(__file__).resolve().parents[1]
 CHECKPOINTS = {  # file -> (family, number of classes, the slot its weights come from)
     "yolov8-final.pt": ("yolov8", 3, "model"),
     "yolo11-final.pt": ("yolo11", 20, "model"),
@@ -82,7 +80,8 @@ def _dressed_payload(fake_ultralytics, tmp_path: Path, payload: type[ExecPayload
 
 # ---- refusals ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("payload, global_name", [(ExecPayload, "builtins.exec"), (SystemPayload, os.system.__module__)])
+@pytest.mark.parametrize("payload, global_name",
+                         [(ExecPayload, "builtins.exec"), (SystemPayload, os.system.__module__)])
 def test_a_payload_dressed_as_an_ultralytics_checkpoint_is_refused_and_nothing_runs(
         fake_ultralytics, tmp_path, payload, global_name) -> None:
     path, marker = _dressed_payload(fake_ultralytics, tmp_path, payload)
@@ -114,15 +113,22 @@ def test_an_allowed_class_called_with_arguments_is_refused(fake_ultralytics, tmp
         load_checkpoint(path)
 
 
-@pytest.mark.slow
 def test_detect_refuses_a_payload_in_one_line_and_nothing_runs(fake_ultralytics, tmp_path) -> None:
+    import detect
+    from utils.log import LOGGER
+
     path, marker = _dressed_payload(fake_ultralytics, tmp_path, ExecPayload)
-    done = subprocess.run([sys.executable, "detect.py", "--weights", str(path), "--source", str(tmp_path),
-                           "--project", str(tmp_path / "runs")], capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert done.returncode == 1 and "Traceback" not in done.stderr
-    errors = [line for line in (done.stdout + done.stderr).splitlines() if "ERROR" in line]
-    assert len(errors) == 1 and str(path) in errors[0] and "builtins.exec" in errors[0], errors
-    assert not marker.exists()
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    LOGGER.addHandler(handler)
+    try:
+        status = detect.main(["--weights", str(path), "--source", str(tmp_path), "--project", str(tmp_path / "runs")])
+    finally:
+        LOGGER.removeHandler(handler)
+    errors = [line for line in lines if "ERROR" in line]
+    assert status == 1 and len(errors) == 1 and str(path) in errors[0] and "exec" in errors[0], lines
+    assert "\n" not in errors[0] and not marker.exists()
 
 
 def test_other_tasks_and_variants_are_refused_in_one_line(fake_ultralytics, tmp_path) -> None:
@@ -131,6 +137,11 @@ def test_other_tasks_and_variants_are_refused_in_one_line(fake_ultralytics, tmp_
     torch.save({"model": segment, "ema": None}, tmp_path / "seg.pt")
     with pytest.raises(UserError, match=r"seg\.pt: a segmentation \(segment\) model.*only Ultralytics detection"):
         load_checkpoint(tmp_path / "seg.pt")
+    segment.args = ExecPayload(tmp_path / "payload_ran")  # a payload is named as such, whatever it is dressed as
+    torch.save({"model": segment, "ema": None}, tmp_path / "seg.pt")
+    with pytest.raises(UserError, match=r"seg\.pt: refused: the file names (__builtin__|builtins)\.exec"):
+        load_checkpoint(tmp_path / "seg.pt")
+    assert not (tmp_path / "payload_ran").exists()
 
     p2 = fake_ultralytics.DetectionModel()
     p2.yaml = _v8_yaml(levels=4)
@@ -183,17 +194,6 @@ def test_ultralytics_checkpoints_import_and_compute_ultralytics_outputs(name) ->
         assert_same_end2end_detections(e2e, ref["end2end"], name)
 
 
-def test_resuming_an_ultralytics_checkpoint_says_fine_tune_instead() -> None:
-    path = FIXTURES / "yolo26-last.pt"
-    ckpt = load_checkpoint(path)
-    opt = argparse.Namespace(resume=str(path), weights="", epochs=1)
-    with pytest.raises(UserError) as e:
-        resumed_options(opt, {"resume"}, path, ckpt)
-    message = str(e.value)
-    assert message.startswith(f"{path}: cannot resume: an Ultralytics checkpoint") and "\n" not in message
-    assert f"--weights {path}" in message
-
-
 def test_fine_tuning_to_fewer_classes_keeps_the_class_branch_hidden_layers() -> None:
     """yolo11 with 20 classes -> 2 classes: the class branch's width (max(8, min(nc, 100)) at this scale) would
     shrink from 20 to 8; built at the source's width instead, only its last layers start afresh."""
@@ -211,3 +211,10 @@ def test_fine_tuning_to_fewer_classes_keeps_the_class_branch_hidden_layers() -> 
         assert model.eval()(torch.zeros(1, 3, 64, 64))[0].shape == (1, 4 + 2, 84)
     plain = build_model(ckpt["model_cfg"], nc=2)  # without the source, the width follows the class count
     assert plain.model[-1].cv3[0][2].weight.shape == (2, 8, 1, 1)
+
+
+def test_train_resume_of_an_ultralytics_checkpoint_is_one_line(train_here, tmp_path) -> None:
+    status, log = train_here("--resume", FIXTURES / "yolo26-last.pt", "--project", tmp_path)
+    errors = [line for line in log.splitlines() if line.startswith("ERROR")]
+    assert status == 1 and len(errors) == 1, log[-2000:]
+    assert "cannot resume: an Ultralytics checkpoint" in errors[0] and "--weights" in errors[0]

@@ -81,7 +81,7 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError:
         # Not our format: an Ultralytics or YOLOv5 checkpoint is read by an allow-list reader
-        # (utils/ultralytics_compat.py, utils/yolov5_compat.py); anything else is refused there with the global it named.
+        # (utils/ultralytics_compat.py, utils/yolov5_compat.py); anything else is refused with the global it named.
         names = ultralytics_globals(path)
         if names is not None:
             from utils.ultralytics_compat import load_ultralytics_checkpoint

@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -60,7 +60,12 @@ _OTHER_MODELS = {
     "YOLOv10DetectionModel": "a YOLOv10 model", "SemanticSegmentationModel": "a semantic segmentation model",
     "DepthModel": "a depth model",
 }
-_RELEASE_NAME = re.compile(r"^yolo(v8|11|26|v5)[nsmlx]?[u6]*(-(seg|pose|obb|cls|p2|p6|world|oiv7))?\.pt$", re.IGNORECASE)
+# Names of Ultralytics' released weights (yolov5s.pt, YOLOv5's own, is not one: yolov5su.pt is).
+_RELEASE_NAME = re.compile(r"^(yolo(v8|11|26)[nsmlx]|yolov5[nsmlx]6?u)(-(seg|pose|obb|cls|p2|p6|oiv7))?\.pt$",
+                           re.IGNORECASE)
+# What Ultralytics' own non-detection checkpoints name besides their model classes: such a file is reported as
+# the task it is rather than as a refused global.
+_OTHER_TASK_GLOBALS = frozenset({"builtins.getattr", "__builtin__.getattr"})
 
 
 class NamespaceRecord(dict):
@@ -121,16 +126,22 @@ def _refuse_other_tasks(path: Path, names: list[str]) -> None:
                             "YOLO26) are supported so far")
 
 
+def _refuse(path: Path, refused: list[str]) -> NoReturn:
+    verb = "is" if len(refused) == 1 else "are"
+    raise UserError(f"{path}: refused: the file names {', '.join(refused)}, which {verb} not part of an Ultralytics "
+                    "detection checkpoint (checkpoints never run code here)")
+
+
 def read_ultralytics(path: str | Path, names: list[str] | None = None) -> dict[str, Any]:
     """The checkpoint dict with module records in place of Ultralytics' objects; refuses any other global."""
     path = Path(path)
     names = pickled_globals(path) if names is None else names
-    _refuse_other_tasks(path, names)
     refused = [n for n in names if _stand_in(n) is None]
+    if not set(refused) <= _OTHER_TASK_GLOBALS:  # a payload is named as such, whatever model it is dressed as
+        _refuse(path, refused)
+    _refuse_other_tasks(path, names)
     if refused:
-        raise UserError(f"{path}: refused: the file names {', '.join(refused)}, which "
-                        f"{'is' if len(refused) == 1 else 'are'} not part of an Ultralytics detection checkpoint "
-                        "(checkpoints never run code here)")
+        _refuse(path, refused)
     stand_ins = [(_stand_in(n), n) for n in names]
     try:
         with torch.serialization.safe_globals(stand_ins):
@@ -241,7 +252,8 @@ def _build_and_load(cfg: dict[str, Any], record: ModuleRecord, names: list[str],
         problems = [f"{label}: {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}"
                     for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape", wrong_shape))
                     if keys]
-        raise UserError(f"{path}: its tensors do not match the model built from its description ({'; '.join(problems)})")
+        raise UserError(f"{path}: its tensors do not match the model built from its description "
+                        f"({'; '.join(problems)})")
     modules = dict(model.named_modules())
     for name, rec in records.items():
         if rec.class_name.endswith(".BatchNorm2d"):
