@@ -4,11 +4,12 @@ Usage:
     python detect.py --weights yolov5s.pt --source data/images --imgsz 640
     python detect.py --weights best.onnx --source video.mp4 --save-txt --save-conf
     python detect.py --weights best.torchscript --source 0          # webcam 0
+    python detect.py --weights yolo26n.pt --end2end --source data/images   # YOLO26 without NMS
 
 Results go to runs/detect/exp (then exp2, ...): annotated images and videos, ``labels/*.txt`` in YOLO format
 (``cls x y w h [conf]`` normalised; video frames as ``<stem>_<frame>.txt``), ``crops/<class>/`` with
---save-crop. Weights: a .pt (ours or YOLOv5's), or a .onnx / .torchscript written by export.py. Inputs that
-cannot be read are reported and skipped.
+--save-crop. Weights: a .pt (ours, YOLOv5's, or an Ultralytics YOLOv8 / YOLO11 / YOLO26 detection checkpoint),
+or a .onnx / .torchscript written by export.py. Inputs that cannot be read are reported and skipped.
 """
 from __future__ import annotations
 
@@ -138,18 +139,21 @@ def _batches(frames, meta, imgsz: int, batch_size: int, skipped: list[str]):
 
 
 def run_options(opt: argparse.Namespace) -> DetectResults:
-    from models.backends import default_imgsz, load_for_inference, predictions
+    from models.backends import DETECT_IOU, default_imgsz, detections, load_for_inference, predictions
     from utils.boxes import scale_boxes
     from utils.data.sources import iter_source
-    from utils.nms import non_max_suppression
     from utils.plots import class_colour
     from utils.tta import tta_predict
 
     device = select_device(opt.device)
-    model, meta = load_for_inference(opt.weights, device)
+    model, meta = load_for_inference(opt.weights, device, end2end=opt.end2end)
     if opt.augment and meta.kind != "pytorch":
         raise UserError(f"--augment needs a PyTorch .pt model (its passes change the input size); {opt.weights} is "
                         f"{meta.kind}")
+    if opt.augment and meta.layout != "yolov5":
+        raise UserError(f"--augment: test-time augmentation supports YOLOv5 models only so far; {opt.weights} is "
+                        f"{meta.family}")
+    iou_thres = DETECT_IOU[meta.layout] if opt.iou_thres is None else opt.iou_thres
     imgsz = opt.imgsz
     if imgsz is None:
         imgsz, source = default_imgsz(meta)
@@ -186,8 +190,8 @@ def run_options(opt: argparse.Namespace) -> DetectResults:
             with torch.no_grad():
                 pred = tta_predict(model, im, meta.stride) if opt.augment else predictions(model(im))
             t2 = time_synchronized()
-            dets = non_max_suppression(pred.float(), opt.conf_thres, opt.iou_thres, classes=opt.classes,
-                                       agnostic=opt.agnostic_nms, max_det=opt.max_det)
+            dets = detections(meta, pred.float(), opt.conf_thres, iou_thres, classes=opt.classes,
+                              agnostic=opt.agnostic_nms, max_det=opt.max_det)
             t3 = time_synchronized()
             times += (t1 - t0, t2 - t1, t3 - t2)
             per_image_ms = (t3 - t0) * 1e3 / len(batch)
@@ -248,14 +252,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_imgsz(data, help=INFERENCE_IMGSZ_HELP)
     data.add_argument("--batch-size", type=int, default=1, help="images per forward pass")
     model = parser.add_argument_group("model and inference")
-    model.add_argument("--weights", type=str, required=True, help=".pt (ours or YOLOv5's), .onnx or .torchscript")
+    model.add_argument("--weights", type=str, required=True,
+                       help=".pt (ours, YOLOv5's or Ultralytics' detection model), .onnx or .torchscript")
     model.add_argument("--conf-thres", type=float, default=0.25, help="confidence threshold")
-    model.add_argument("--iou-thres", type=float, default=0.45, help="NMS IoU threshold")
+    model.add_argument("--iou-thres", type=float, default=None,
+                       help="NMS IoU threshold (default: 0.45 for YOLOv5 models, 0.7 for YOLOv8 / 11 / 26)")
     model.add_argument("--max-det", type=int, default=1000, help="detections kept per image")
     model.add_argument("--classes", nargs="+", type=int, help="keep only these classes: --classes 0 2 "
                                                               "(default: all)")
     model.add_argument("--agnostic-nms", action="store_true", help="NMS across classes")
     model.add_argument("--augment", action="store_true", help="test-time augmentation (scales and flips)")
+    model.add_argument("--end2end", action="store_true",
+                       help="YOLO26: NMS-free output of the one-to-one head (B, 300, 6)")
     add_half(model)
     add_device(model)
     output = parser.add_argument_group("output")

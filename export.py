@@ -1,11 +1,16 @@
-"""Export a checkpoint (ours or YOLOv5's) to ONNX and TorchScript, next to the weights as YOLOv5 does.
+"""Export a checkpoint (ours, YOLOv5's or Ultralytics') to ONNX and TorchScript, next to the weights.
 
 Usage:
     python export.py --weights runs/train/exp/weights/best.pt --include onnx torchscript --imgsz 640
+    python export.py --weights yolo26n.pt --end2end          # YOLO26's NMS-free output (B, 300, 6)
 
-Writes ``best.onnx`` and ``best.torchscript``. Each file's output is compared with the PyTorch model's on the
-same input before it is kept (the largest absolute difference is printed); a file that disagrees is deleted and
-reported. Both carry their metadata (class names, stride, input shape), which detect.py and val.py read.
+Writes ``best.onnx`` and ``best.torchscript``: input ``images`` (B, 3, H, W) in [0, 1], output ``output0`` in
+the model's layout: YOLOv5 (B, A, 5 + nc); YOLOv8 / YOLO11 / YOLO26 (B, 4 + nc, A), xywh in input pixels then
+class scores, as Ultralytics' exports; with --end2end (YOLO26) (B, 300, 6) = x1 y1 x2 y2 score class. Each
+file's output is compared with the PyTorch model's on the same input before it is kept (the largest absolute
+difference is printed); a file that disagrees is deleted and reported. Both carry their metadata under the keys
+Ultralytics' exporter writes (names, stride, task, batch, imgsz, end2end, ...) and this project's own record,
+which detect.py and val.py read (models/backends.py).
 """
 from __future__ import annotations
 
@@ -14,7 +19,6 @@ from utils.versions import require_supported_versions
 require_supported_versions()  # first: on an older Python or torch the imports below fail with a traceback
 
 import argparse
-import json
 import sys
 import time
 import warnings
@@ -37,10 +41,22 @@ DEFAULT_OPSET = 20
 CHECK_RTOL, CHECK_ATOL = 1e-4, 1e-3
 
 
-def _check(kind: str, path: Path, out: torch.Tensor, ref: torch.Tensor) -> float:
+def _difference(out: torch.Tensor, ref: torch.Tensor, layout: str) -> torch.Tensor:
+    """Elementwise |out - ref|; for end-to-end outputs (B, k, 6) each row against its nearest row of the other,
+    as top-k may order rows of equal score either way."""
+    if layout != "end2end":
+        return (out - ref).abs()
+    gaps = (out[:, :, None, :] - ref[:, None, :, :]).abs()  # (B, k, k, 6)
+    nearest = gaps.amax(-1).argmin(2)  # for each row of out, the closest row of ref
+    return (out - ref.gather(1, nearest[..., None].expand(-1, -1, ref.shape[-1]))).abs()
+
+
+def _check(kind: str, path: Path, out: torch.Tensor, ref: torch.Tensor, layout: str) -> float:
     """Compare an exported file's output with PyTorch's; delete the file and raise when they disagree."""
-    diff = float((out.float() - ref).abs().max()) if out.shape == ref.shape else float("inf")
-    if out.shape != ref.shape or not torch.allclose(out.float(), ref, rtol=CHECK_RTOL, atol=CHECK_ATOL):
+    out = out.float()
+    difference = _difference(out, ref, layout) if out.shape == ref.shape else None
+    diff = float(difference.max()) if difference is not None else float("inf")
+    if difference is None or (difference > CHECK_ATOL + CHECK_RTOL * ref.abs()).any():
         path.unlink(missing_ok=True)
         raise UserError(f"{path}: {kind} output differs from PyTorch's (shape {tuple(out.shape)} vs "
                         f"{tuple(ref.shape)}, max abs difference {diff:.3g}); file removed")
@@ -52,7 +68,7 @@ def export_torchscript(model: torch.nn.Module, im: torch.Tensor, path: Path, met
     with warnings.catch_warnings():  # tracing is deprecated in favour of torch.export, but is what TorchScript needs
         warnings.simplefilter("ignore", FutureWarning)
         traced = torch.jit.trace(model, im, strict=False, check_trace=False)
-    traced.save(str(path), _extra_files={METADATA_FILE: meta.to_json()})
+    traced.save(str(path), _extra_files={METADATA_FILE: meta.to_json(export_batch=im.shape[0])})
     return path
 
 
@@ -84,9 +100,9 @@ def export_onnx(model: torch.nn.Module, im: torch.Tensor, path: Path, meta: Mode
     note = _simplify(path) if simplify else "not simplified (--no-simplify)"
     proto = onnx.load(str(path))
     onnx.checker.check_model(proto)
-    for key, value in json.loads(meta.to_json()).items():
+    for key, value in meta.onnx_props(export_batch=im.shape[0]).items():
         entry = proto.metadata_props.add()
-        entry.key, entry.value = key, json.dumps(value)
+        entry.key, entry.value = key, value
     onnx.save(proto, str(path))
     return path, note
 
@@ -94,7 +110,8 @@ def export_onnx(model: torch.nn.Module, im: torch.Tensor, path: Path, meta: Mode
 def build_parser() -> argparse.ArgumentParser:
     parser = make_parser("Export a detector checkpoint to ONNX and TorchScript")
     model = parser.add_argument_group("model")
-    model.add_argument("--weights", type=str, required=True, help="checkpoint (this project's or YOLOv5's .pt)")
+    model.add_argument("--weights", type=str, required=True,
+                       help="checkpoint (.pt: this project's, YOLOv5's or Ultralytics' detection model)")
     add_imgsz(model, help=INFERENCE_IMGSZ_HELP, pair=True)
     model.add_argument("--batch-size", type=int, default=1, help="batch size of the exported input")
     # Traced on the CPU unless asked otherwise, as YOLOv5 does: the exported graph does not depend on a GPU.
@@ -103,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     output = parser.add_argument_group("output (written beside --weights)")
     output.add_argument("--include", nargs="+", default=list(FORMATS), help=f"formats: {', '.join(FORMATS)}")
     output.add_argument("--dynamic", action="store_true", help="ONNX: any batch size")
+    output.add_argument("--end2end", action="store_true",
+                        help="YOLO26: NMS-free output of the one-to-one head (B, 300, 6)")
     output.add_argument("--opset", type=int, default=DEFAULT_OPSET, help="ONNX opset")
     output.add_argument("--no-simplify", dest="simplify", action="store_false",
                         help="ONNX: keep the graph as traced (default: simplified with onnxslim when installed)")
@@ -132,7 +151,7 @@ def run_options(opt: argparse.Namespace) -> list[Path]:
     if opt.half and device.type != "cuda":  # an fp16 file is what was asked for: no silent fp32 one instead
         raise UserError(f"--half exports fp16 on a CUDA device; --device {opt.device or device.type} is not one "
                         "(use --device 0)")
-    model, meta = load_for_inference(weights, device)
+    model, meta = load_for_inference(weights, device, end2end=opt.end2end)
     if opt.half:
         model.half()
     asked = opt.imgsz
@@ -155,8 +174,8 @@ def run_options(opt: argparse.Namespace) -> list[Path]:
         im = im.half()
     with torch.no_grad():
         ref = wrapped(im).float()
-    LOGGER.info(f"{colorstr('export:')} {weights} input {tuple(im.shape)}, output {tuple(ref.shape)}, "
-                f"{meta.nc} classes, stride {meta.stride}")
+    LOGGER.info(f"{colorstr('export:')} {weights} input {tuple(im.shape)}, output {tuple(ref.shape)} "
+                f"({meta.family}, {meta.layout} layout), {meta.nc} classes, stride {meta.stride}")
 
     written = []
     for kind in include:
@@ -172,7 +191,7 @@ def run_options(opt: argparse.Namespace) -> list[Path]:
             note = f"opset {opt.opset}{', dynamic batch' if opt.dynamic else ''}, {note}"
             loaded = OnnxRuntimeModel(path, device)
         with torch.no_grad():
-            diff = _check(kind, path, loaded(im), ref)
+            diff = _check(kind, path, loaded(im), ref, meta.layout)
         size_mb = path.stat().st_size / 1e6
         print(f"{kind}: {path} ({size_mb:.1f} MB, {note}, {time.time() - t0:.1f}s); "
               f"max abs difference from PyTorch {diff:.3g}")

@@ -31,10 +31,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-import val as validation
-from models.yolo import build_model
+from models.families import family_of
+from models.yolo import build_model, load_model_config
 from utils.amp import Precision, autocast, choose_precision
-from utils.autoanchor import check_anchors
 from utils.checkpoint import (latest_last_checkpoint, load_checkpoint, model_weights,
                               restore_training_state, resumed_options, run_folder_of, strip_training_state,
                               training_checkpoint)
@@ -49,24 +48,25 @@ from utils.distributed import (DistInfo, all_reduce_sum, broadcast_object, colle
                                rank_zero_decides)
 from utils.ema import ModelEMA
 from utils.errors import UserError, run_reporting_errors
-from utils.evolve import (RESULT_KEYS, append_evolve_row, evolved_keys, next_hyp, plot_evolve, read_evolve_csv,
-                          write_best_hyp)
+from utils.evolve import append_evolve_row, next_hyp, plot_evolve, read_evolve_csv, result_keys, write_best_hyp
 from utils.hyp import Hyp
 from utils.log import LOGGER, colorstr, setup_logging
 from utils.loggers import NullLogger, RunLogger, make_logger
-from utils.loss import ComputeLoss, LossNorm
+from utils.loss import DetectionLoss, LossNorm
 from utils.lr_schedule import LrSchedule, apply_warmup, warmup_iterations
 from utils.metrics import RECALL_POINTS, fitness
 from utils.optimizer import NOMINAL_BATCH, build_optimizer, choose_optimizer, resumed_choice, unused_hyp_values
 from utils.process import kernel_choice, setup_process
-from utils.results_log import RESULT_COLUMNS
+from utils.results_log import result_columns
 from utils.run_dir import increment_path
 from utils.run_record import RunRecord
 from utils.sync_bn import convert_sync_batchnorm
 from utils.torch_utils import init_torch_seeds, select_device, torch_distributed_zero_first
+from utils.validation import validate
 
 ROOT = Path(__file__).resolve().parent
 MAX_NONFINITE_STEPS = 25  # in a row: training has diverged
+DEFAULT_MODEL = ROOT / "models/yolov5n.yaml"
 
 
 DEMO_DATA = ROOT / "data/shapes.yaml"
@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                                f"other --data)")
     schedule.add_argument("--time", type=float, default=None, help="train for this many hours (overrides --epochs)")
     schedule.add_argument("--batch-size", type=int, default=16, help="total batch size over all ranks")
-    schedule.add_argument("--hyp", default=str(ROOT / "data/hyps/hyp.scratch-low.yaml"), help="hyper-parameter YAML")
+    schedule.add_argument("--hyp", default="", help="hyper-parameter YAML (default: the model family's: "
+                          "data/hyps/hyp.scratch-low.yaml, hyp.anchor-free.yaml for YOLOv8/11/26)")
     schedule.add_argument("--optimizer", default="auto", choices=["auto", "SGD", "Adam", "AdamW"],
                           help="auto: AdamW for short runs, SGD for long ones (see utils/optimizer.py)")
     schedule.add_argument("--cos-lr", action="store_true", help="cosine learning-rate decay instead of linear")
@@ -284,7 +285,7 @@ class Training:
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     ema: ModelEMA | None
-    compute_loss: ComputeLoss
+    compute_loss: DetectionLoss
     precision: Precision
     device: torch.device
     info: DistInfo
@@ -304,14 +305,14 @@ class Training:
 
 @dataclass
 class LossTally:
-    """An epoch's training losses so far, summed over ranks (items of micro-batches, see ComputeLoss)."""
+    """An epoch's training losses so far, summed over ranks (items of micro-batches, see utils/loss.py)."""
 
     sums: np.ndarray = field(default_factory=lambda: np.zeros(3))
     micro_batches: float = 0.0  # global micro-batches counted (whatever the number of ranks)
     skipped_steps: int = 0  # optimizer steps skipped for non-finite gradients
 
     def add(self, synced: torch.Tensor, world_size: int) -> None:
-        """Add the all-reduced [box, obj, cls, finite micro-batches] of some steps."""
+        """Add the all-reduced [three loss items, finite micro-batches] of some steps."""
         self.sums += synced[:3].cpu().numpy()
         self.micro_batches += float(synced[3]) / world_size
 
@@ -327,10 +328,13 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
     """One training run; ``hyp`` (an --evolve generation's) replaces reading --hyp."""
     # ---- options, data, model -------------------------------------------------------------------------
     check_options(opt, info, resumed=ckpt is not None)
+    source = load_checkpoint(opt.weights) if opt.weights and not ckpt else None  # --weights to start from
+    family = family_of(model_config(opt, ckpt, source))
     if ckpt:
         hyp = Hyp.from_dict(ckpt["hyp"], f"{opt.resume} (hyp)")
     elif hyp is None:
-        hyp = Hyp.from_yaml(opt.hyp)
+        hyp = Hyp.from_yaml(opt.hyp or family.default_hyp_path)
+        family.check_hyp(hyp, opt.hyp or family.default_hyp)
     if ckpt and opt.deterministic != torch.backends.cudnn.deterministic:  # the resumed run's own, or given now
         LOGGER.info(kernel_choice(opt.deterministic) or "kernels: cuDNN benchmark (the resumed run's own)")
     init_torch_seeds(opt.seed)
@@ -343,7 +347,7 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
                                  verbose=info.is_local_main)
     # Labels were checked against the data YAML's classes above; --single-cls folds them into one afterwards.
     nc, names = (1, ["item"]) if opt.single_cls else (data["nc"], data["names"])
-    model = create_model(opt, nc, names, hyp, ckpt).to(device, memory_format=torch.channels_last)
+    model = create_model(opt, nc, names, hyp, ckpt, source).to(device, memory_format=torch.channels_last)
     freeze_layers(model, opt.freeze)
     # Before the optimizer and the EMA take the parameters. On one CPU process --sync-bn still swaps in the CPU
     # SyncBN for its exact statistics, so that the run equals a W-rank --sync-bn run up to rounding.
@@ -362,13 +366,13 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
         seed=opt.seed, single_cls=opt.single_cls, prefix=colorstr("train: "), label_set=train_labels,
         close_mosaic_epoch=close_mosaic_epoch(opt.epochs, opt.close_mosaic), image_weights=opt.image_weights,
         quad=opt.quad, shard_window=getattr(opt, "shard_window", 1000), resampled=getattr(opt, "resampled", False))
-    # Every rank validates its own part of the split; the results are gathered (val.validate(gather=True)).
+    # Every rank validates its own part of the split; the results are gathered (validate(gather=True)).
     val_loader, _ = create_dataloader(
         None, opt.imgsz, batch_per_rank * 2, grid, hyp=hyp, cache=image_cache(opt.cache), rect=True, pad=0.5,
         workers=opt.workers, single_cls=opt.single_cls, prefix=colorstr("val: "), label_set=val_labels,
         world_size=info.world_size, global_rank=max(info.rank, 0))
     if not ckpt and not opt.noautoanchor:
-        check_anchors(dataset, model, thr=hyp.anchor_t, imgsz=opt.imgsz)
+        family.fit_anchors(dataset, model, thr=hyp.anchor_t, imgsz=opt.imgsz)
 
     # ---- the run folder: made only now that every start-up check has passed ------------------------------
     save_dir = run_folder(opt, info, hyp)
@@ -377,7 +381,8 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
     if ckpt:  # the run's own choice, whatever --epochs or --time say now
         choice = resumed_choice(ckpt.get("optimizer_choice"), ckpt["opt"], len(dataset), nc, hyp, ckpt["optimizer"])
     else:
-        choice = choose_optimizer(opt.optimizer, opt.epochs, len(dataset), opt.batch_size, nc, hyp)
+        choice = choose_optimizer(opt.optimizer, opt.epochs, len(dataset), opt.batch_size, nc, hyp,
+                                  family.adamw_lr_per_class_term)
     accumulate = choice.accumulate
     LOGGER.info(f"optimizer: {choice.name} lr0={choice.lr0} momentum={choice.momentum} accumulate={accumulate} "
                 f"({choice.reason})")
@@ -399,16 +404,17 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=schedule, last_epoch=start_epoch - 1)
     if info.is_distributed:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    t = Training(model, optimizer, scaler, ema, ComputeLoss(model, scaled_loss_gains(hyp, model, opt.imgsz),
-                 opt.label_smoothing), precision, device, info, opt, hyp, choice.momentum, grid, accumulate,
-                 warmup_iterations(hyp.warmup_epochs, len(train_loader)), schedule)
+    compute_loss = family.make_loss(model, hyp, imgsz=opt.imgsz, label_smoothing=opt.label_smoothing)
+    t = Training(model, optimizer, scaler, ema, compute_loss, precision, device, info, opt, hyp, choice.momentum, grid,
+                 accumulate, warmup_iterations(hyp.warmup_epochs, len(train_loader)), schedule)
+    columns = result_columns(compute_loss.item_names)
     # --image-weights: the class weights of the next epoch's draw (on every rank; rank 0 updates them).
     base_class_weights = labels_to_class_weights(dataset.labels, nc)
     class_weights = np.array(ckpt["class_weights"]) if ckpt and ckpt.get("class_weights") is not None else \
         base_class_weights
     record = None
     if info.is_main:
-        record = RunRecord(save_dir, patience=opt.patience, noval=opt.noval, nosave=opt.nosave,
+        record = RunRecord(save_dir, columns, patience=opt.patience, noval=opt.noval, nosave=opt.nosave,
                            save_period=opt.save_period, best_fitness=best_fitness, best_epoch=best_epoch,
                            start_epoch=start_epoch + (start_batch > 0))
 
@@ -442,6 +448,7 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
         if opt.image_weights:
             train_loader.set_image_weights(labels_to_image_weights(dataset.labels, class_weights))
             check_same_draw(info, train_loader.sampler.global_draw(epoch), epoch, device)
+        compute_loss.set_epoch(epoch, opt.epochs)
         tally = train_one_epoch(t, train_loader, epoch, start_batch, tally, plots_dir=None if opt.noplots or
                                 epoch != start_epoch or not info.is_main else save_dir)
         lrs = [g["lr"] for g in optimizer.param_groups]  # the epoch's own rates, for results.csv
@@ -450,9 +457,9 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
         final = epoch + 1 == opt.epochs
         ema.update_attributes(model)
         if not opt.noval or final:
-            r = validation.validate(ema.ema, val_loader, names=names, device=device, compute_loss=t.compute_loss,
-                                    plots=final and not opt.noplots, verbose=final and nc < 50, save_dir=save_dir,
-                                    autocast_dtype=precision.dtype, gather=info.is_distributed, main=info.is_main)
+            r = validate(ema.ema, val_loader, names=names, device=device, compute_loss=t.compute_loss, family=family,
+                         plots=final and not opt.noplots, verbose=final and nc < 50, save_dir=save_dir,
+                         autocast_dtype=precision.dtype, gather=info.is_distributed, main=info.is_main)
             results = r.as_row()
         if info.is_main:
             if opt.image_weights and (not opt.noval or final):
@@ -460,7 +467,7 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
                 decision["class_weights"] = [float(w) for w in class_weights]  # repr round-trips exactly
             decision["stop"] = record.end_epoch(epoch, tally.means(), results if not opt.noval or
                                                 final else None, lrs, checkpoint(epoch, None), final)
-            t.logger.log_epoch(epoch, dict(zip(RESULT_COLUMNS[1:], [*tally.means().tolist(), *results, *lrs])))
+            t.logger.log_epoch(epoch, dict(zip(columns[1:], [*tally.means().tolist(), *results, *lrs])))
             if opt.time:
                 decision.update(fit_to_time(opt, epoch, start_epoch, time.time() - t_start,
                                             time.perf_counter() - t_epoch))
@@ -487,10 +494,10 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
     best = broadcast_object(best, info)  # every rank validates its part of the split with rank 0's best weights
     if best is not None:
         final_model = build_model(best[0], weights=best[1], names=names)
-        r = validation.validate(final_model.to(device, memory_format=torch.channels_last), val_loader,
-                                names=names, device=device, plots=not opt.noplots, save_dir=save_dir,
-                                verbose=nc < 50, compute_loss=t.compute_loss, autocast_dtype=precision.dtype,
-                                gather=info.is_distributed, main=info.is_main)
+        r = validate(final_model.to(device, memory_format=torch.channels_last), val_loader, names=names,
+                     device=device, plots=not opt.noplots, save_dir=save_dir, verbose=nc < 50,
+                     compute_loss=t.compute_loss, family=family, autocast_dtype=precision.dtype,
+                     gather=info.is_distributed, main=info.is_main)
         results = r.as_row()
     if info.is_main:
         if r is not None and r.class_metrics is not None and len(r.class_metrics.pr_curve):
@@ -518,8 +525,8 @@ def train_one_epoch(t: Training, loader, epoch: int, start_batch: int, tally: Lo
     n_batches = len(loader)
     batches = enumerate(loader, start_batch)
     if info.is_main:
-        LOGGER.info(f"\n{'Epoch':>11}{'GPU_mem':>11}{'box_loss':>11}{'obj_loss':>11}{'cls_loss':>11}"
-                    f"{'Instances':>11}{'Size':>11}")
+        losses = "".join(f"{name + '_loss':>11}" for name in t.compute_loss.item_names)
+        LOGGER.info(f"\n{'Epoch':>11}{'GPU_mem':>11}{losses}{'Instances':>11}{'Size':>11}")
         batches = tqdm(batches, total=n_batches, initial=start_batch, bar_format="{l_bar}{bar:10}{r_bar}")
     pending = torch.zeros(4, device=t.device)  # this rank's loss items and finite micro-batches since the last sync
     t0, data_wait, t_ready = time.perf_counter(), 0.0, time.perf_counter()
@@ -530,8 +537,8 @@ def train_one_epoch(t: Training, loader, epoch: int, start_batch: int, tally: Lo
             for i, b in window:
                 LOGGER.debug(f"rank {max(info.rank, 0)} epoch {epoch} batch {i}: {' '.join(Path(f).name for f in b[2])}")
         micro = [(prepare_images(b[0], t, epoch, i), b[1].to(t.device, non_blocking=True)) for i, b in window]
-        assigned = [t.compute_loss.assign(targets, imgs.shape[2:]) for imgs, targets in micro]
-        counts = torch.stack([t.compute_loss.count_positives(a) for a in assigned])
+        prepared = [t.compute_loss.prepare(targets, imgs.shape[2:]) for imgs, targets in micro]
+        counts = torch.stack([t.compute_loss.counts(p) for p in prepared]).to(t.device)
         save_now = t.save_mid_epoch is not None and first > start_batch and wants_save(t)
         synced = all_reduce_sum(torch.cat((counts.flatten(), pending, torch.tensor([float(save_now)], device=t.device))))
         counts, done = synced[:counts.numel()].view_as(counts), synced[counts.numel():]
@@ -544,10 +551,11 @@ def train_one_epoch(t: Training, loader, epoch: int, start_batch: int, tally: Lo
         if iteration <= t.n_warmup:
             apply_warmup(t.optimizer, iteration, t.n_warmup, t.schedule(epoch), t.hyp, t.momentum)
         step_items = torch.zeros(3, device=t.device)
-        for k, ((imgs, targets), positives, assignment) in enumerate(zip(micro, counts, assigned)):
+        reduce = all_reduce_sum if info.is_distributed else None
+        for k, ((imgs, targets), positives, prep) in enumerate(zip(micro, counts, prepared)):
             with gradient_sync(model, k == len(micro) - 1), autocast(t.device, t.precision):
                 loss, items = t.compute_loss(model(imgs), targets, LossNorm(positives, imgs.shape[0] * world),
-                                             assignment)
+                                             prepared=prep, reduce=reduce)
             if t.opt.quad:  # as YOLOv5: a quad image stands for 4 images of the batch the gradient scale is set for
                 loss = loss * 4
             t.scaler.scale(loss * world).backward()  # DDP averages gradients over ranks; the loss sums over them
@@ -559,7 +567,8 @@ def train_one_epoch(t: Training, loader, epoch: int, start_batch: int, tally: Lo
         else:
             tally.skipped_steps += 1
             t.skipped_in_row += 1
-            LOGGER.warning(f"WARNING epoch {epoch} batch {window[-1][0]}: non-finite gradients (losses box, obj, cls "
+            LOGGER.warning(f"WARNING epoch {epoch} batch {window[-1][0]}: non-finite gradients (losses "
+                           f"{', '.join(t.compute_loss.item_names)} "
                            f"{', '.join(f'{x:.4g}' for x in step_items.tolist())} on this rank): step skipped")
             if t.skipped_in_row >= MAX_NONFINITE_STEPS:
                 raise UserError(f"epoch {epoch} batch {window[-1][0]}: {t.skipped_in_row} optimizer steps in a row had "
@@ -599,8 +608,11 @@ def evolve(opt: argparse.Namespace, explicit: set[str], device: torch.device, in
     if opt.resume:
         raise UserError("--evolve trains new runs and cannot --resume one; continue an evolution with "
                         "--resume-evolve path/to/evolve.csv")
-    base = Hyp.from_yaml(opt.hyp)
-    keys = evolved_keys(base)
+    family = family_of(model_config(opt, None, load_checkpoint(opt.weights) if opt.weights else None))
+    base = Hyp.from_yaml(opt.hyp or family.default_hyp_path)
+    family.check_hyp(base, opt.hyp or family.default_hyp)
+    keys = family.evolve_keys(base)
+    loss_names = family.loss_names
     if opt.resume_evolve:
         csv_file = Path(opt.resume_evolve)
         if not csv_file.is_file():
@@ -610,26 +622,26 @@ def evolve(opt: argparse.Namespace, explicit: set[str], device: torch.device, in
         project = Path(opt.project) if "project" in explicit else RUNS / "evolve"
         folder = Path(broadcast_object(str(increment_path(project / opt.name, opt.exist_ok).resolve()), info))
         csv_file = folder / "evolve.csv"
-    rows = np.zeros((0, len(RESULT_KEYS) + len(keys)))
+    rows = np.zeros((0, len(result_keys(loss_names)) + len(keys)))
     if info.is_main:
         folder.mkdir(parents=True, exist_ok=True)
         if csv_file.exists():
-            rows = read_evolve_csv(csv_file, keys)
+            rows = read_evolve_csv(csv_file, keys, loss_names)
     rows = broadcast_object(rows, info)
     if len(rows) >= opt.evolve:
         LOGGER.info(f"{csv_file} already holds {len(rows)} generations (--evolve {opt.evolve}): nothing to do")
         return folder
     LOGGER.info(f"Evolving hyper-parameters: generations {len(rows)} to {opt.evolve - 1} in {colorstr(str(folder))}")
     for generation in range(len(rows), opt.evolve):
-        hyp = next_hyp(base, rows, keys, np.random.default_rng([opt.seed, generation]))
+        hyp = next_hyp(base, rows, keys, np.random.default_rng([opt.seed, generation]), family.evolve_limits)
         hyp = Hyp.from_dict(broadcast_object(hyp.to_dict(), info), f"generation {generation}")
         run_opt = argparse.Namespace(**{**vars(opt), "project": str(folder), "name": f"gen{generation}",
                                         "exist_ok": True, "noval": True, "nosave": True, "noplots": True,
                                         "evolve": None, "resume_evolve": None})
         out = train(run_opt, device, info, None, hyp=hyp)
         if info.is_main:
-            append_evolve_row(csv_file, out["results"], hyp, keys)
-            rows = read_evolve_csv(csv_file, keys)  # the rounded values, as a resumed evolution reads them
+            append_evolve_row(csv_file, out["results"], hyp, keys, loss_names)
+            rows = read_evolve_csv(csv_file, keys, loss_names)  # the rounded values, as a resumed evolution reads
             write_best_hyp(rows, keys, base, folder / "hyp_evolve.yaml")
             LOGGER.info(f"generation {generation}: fitness {float(fitness(np.array(out['results'][:4]))):.5g}; "
                         f"best so far in {folder / 'hyp_evolve.yaml'}")
@@ -685,17 +697,24 @@ def close_mosaic_epoch(epochs: int, close_mosaic: int) -> int | None:
     return max(epochs - close_mosaic, 0) if close_mosaic > 0 else None
 
 
-def create_model(opt: argparse.Namespace, nc: int, names: list[str], hyp: Hyp, ckpt: dict | None) -> nn.Module:
-    """The resumed model, a new one with the --weights tensors that fit, or a new one from --cfg."""
+def model_config(opt: argparse.Namespace, ckpt: dict | None, source: dict | None) -> dict:
+    """The config of the model a run trains: the resumed run's, --cfg, the --weights checkpoint's, or the default."""
+    if ckpt:
+        return ckpt["model_cfg"]
+    return load_model_config(opt.cfg or (source["model_cfg"] if source else DEFAULT_MODEL))
+
+
+def create_model(opt: argparse.Namespace, nc: int, names: list[str], hyp: Hyp, ckpt: dict | None,
+                 source: dict | None) -> nn.Module:
+    """The resumed model, a new one with the tensors of ``source`` (--weights) that fit, or a new one from --cfg."""
     if ckpt:
         return build_model(ckpt["model_cfg"], weights=ckpt["model"], names=names)
-    if opt.weights:
-        source = load_checkpoint(opt.weights)
+    if source is not None:
         LOGGER.info(f"Starting from {opt.weights}")
         # Anchors come with the weights unless another config or anchor count is asked for (AutoAnchor may refit).
         return build_model(opt.cfg or source["model_cfg"], nc=nc, weights=model_weights(source), transfer=True,
                            keep_anchors=not (opt.cfg or hyp.anchors), anchors=hyp.anchors, names=names)
-    return build_model(opt.cfg or ROOT / "models/yolov5n.yaml", nc=nc, anchors=hyp.anchors, names=names)
+    return build_model(opt.cfg or DEFAULT_MODEL, nc=nc, anchors=hyp.anchors, names=names)
 
 
 def resume_search(opt: argparse.Namespace, explicit: set[str]) -> list[Path]:
@@ -787,13 +806,6 @@ def freeze_layers(model: nn.Module, freeze: list[int]) -> None:
         p.requires_grad = not any(name.startswith(prefix) for prefix in layers)
         if not p.requires_grad:
             LOGGER.debug(f"freezing {name}")
-
-
-def scaled_loss_gains(hyp: Hyp, model: nn.Module, imgsz: int) -> Hyp:
-    """Loss gains scaled to the number of levels, classes and the image size (hyp values are for 3/80/640)."""
-    detect = de_parallel(model).model[-1]
-    return hyp.replace(box=hyp.box * 3 / detect.nl, cls=hyp.cls * detect.nc / 80 * 3 / detect.nl,
-                       obj=hyp.obj * (imgsz / 640) ** 2 * 3 / detect.nl)
 
 
 def accumulation_windows(batches, accumulate: int, n_batches: int):

@@ -116,7 +116,7 @@ class AnchorFreeDetect(nn.Module):
     max_det = 300
 
     def __init__(self, nc: int = 80, reg_max: int = 16, end2end: bool = False, ch: Sequence[int] = (),
-                 legacy: bool = False):
+                 legacy: bool = False, class_width: int | None = None):
         super().__init__()
         self.nc = nc
         self.nl = len(ch)
@@ -128,7 +128,9 @@ class AnchorFreeDetect(nn.Module):
         # Not saved (Ultralytics' state_dicts have no such entry): the model recomputes it when it is built.
         self.register_buffer("stride", torch.zeros(self.nl), persistent=False)
         c_box = max(16, ch[0] // 4, 4 * reg_max)
-        c_cls = max(ch[0], min(nc, 100))
+        # class_width (model config key head_class_width) keeps a source model's hidden width when fine-tuning
+        # to another class count, so the class branch's hidden layers transfer (see models.yolo.build_model).
+        c_cls = class_width or max(ch[0], min(nc, 100))
         self.cv2 = nn.ModuleList(_box_branch(c, c_box, reg_max) for c in ch)
         self.cv3 = nn.ModuleList(_class_branch(c, c_cls, nc, legacy) for c in ch)
         if reg_max > 1:

@@ -1,18 +1,27 @@
 """One inference interface over the weight files detect.py and val.py accept.
 
-* ``.pt``: a checkpoint of this project or a YOLOv5 v6+ checkpoint (imported safely), run with PyTorch;
-* ``.onnx``: written by export.py, run with onnxruntime (imported only when such a file is given);
+* ``.pt``: a checkpoint of this project, or a YOLOv5 v6+ or Ultralytics (YOLOv8 / YOLO11 / YOLO26) detection
+  checkpoint (imported safely), run with PyTorch;
+* ``.onnx``: written by export.py (or by Ultralytics' exporter), run with onnxruntime (imported only when such a
+  file is given);
 * ``.torchscript``: written by export.py, run with ``torch.jit.load``.
 
-Every backend returns the decoded predictions ``(batch, anchors, 5 + nc)`` in input pixels, the tensor NMS takes.
-Exported files carry their metadata (class names, stride, input shape, whether the batch is dynamic), so a
-file is self-describing, as YOLOv5's are.
+Every backend returns the decoded predictions in input pixels, in its model's layout (``ModelMeta.layout``):
+``"yolov5"`` (batch, anchors, 5 + nc) with objectness; ``"anchor_free"`` (batch, 4 + nc, anchors), YOLOv8 / 11 /
+26; ``"end2end"`` (batch, k, 6) = x1 y1 x2 y2 score class, YOLO26's NMS-free one-to-one head. :func:`detections`
+turns any of them into boxes. Exported files carry their metadata (class names, stride, input shape, batch,
+family, layout), with the keys and value forms Ultralytics' exporter writes (``names`` as ``{0: 'person', ...}``,
+``stride``, ``task``, ``batch``, ``imgsz``, ``end2end``, ...) so apps written for its files read ours, and this
+project's own record under ``yolo_train``.
 """
 from __future__ import annotations
 
+import ast
 import json
+import re
 import warnings
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +31,14 @@ import torch.nn as nn
 
 from utils.cli import INFERENCE_IMGSZ
 from utils.errors import UserError
+from utils.ultralytics_compat import missing_weights_message
 
-METADATA_FILE = "config.txt"  # the TorchScript extra file holding the metadata (YOLOv5's name for it)
+METADATA_FILE = "config.txt"  # the TorchScript extra file holding the metadata (YOLOv5's and Ultralytics' name)
+OWN_METADATA_KEY = "yolo_train"  # this project's record among the exported metadata
 SUFFIXES = (".pt", ".onnx", ".torchscript")
+LAYOUTS = ("yolov5", "anchor_free", "end2end")
+# detect.py's default NMS IoU per layout: YOLOv5's detect.py uses 0.45, Ultralytics' predictor 0.7.
+DETECT_IOU = {"yolov5": 0.45, "anchor_free": 0.7, "end2end": 0.7}
 
 
 @dataclass
@@ -36,6 +50,8 @@ class ModelMeta:
     kind: str  # "pytorch", "onnx" or "torchscript"
     imgsz: tuple[int, int] | None = None  # (h, w) the file only accepts, None when any multiple of the stride fits
     batch: int | None = None  # the batch size the file only accepts, None when any
+    family: str = "yolov5"  # models/families.py's name; files exported before families were recorded are YOLOv5's
+    layout: str = "yolov5"  # see LAYOUTS and the module docstring
     trained_imgsz: int | None = None  # the image size a .pt was trained at, when its checkpoint says
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -43,20 +59,98 @@ class ModelMeta:
     def nc(self) -> int:
         return len(self.names)
 
-    def to_json(self) -> str:
-        return json.dumps({"names": self.names, "stride": self.stride, "imgsz": self.imgsz, "batch": self.batch,
-                           "producer": "yolo-train export.py", **self.extra})
+    def own_record(self) -> dict[str, Any]:
+        return {"names": self.names, "stride": self.stride, "imgsz": self.imgsz, "batch": self.batch,
+                "family": self.family, "layout": self.layout, "producer": "yolo-train export.py", **self.extra}
+
+    def ultralytics_style(self, export_batch: int) -> dict[str, Any]:
+        """The metadata keys and values Ultralytics' exporter writes for a detection model."""
+        return {
+            "description": f"{self.family} detection model exported by yolo-train export.py",
+            "author": "yolo-train",
+            "date": datetime.now().astimezone().isoformat(timespec="seconds"),
+            "version": "yolo-train",
+            "stride": self.stride,
+            "task": "detect",
+            "batch": export_batch,
+            "imgsz": list(self.imgsz) if self.imgsz else None,
+            "names": dict(enumerate(self.names)),
+            "channels": 3,
+            "end2end": self.layout == "end2end",
+        }
+
+    def to_json(self, export_batch: int = 1) -> str:
+        """The TorchScript extra file: Ultralytics' keys (JSON, as its exporter writes them) and ours."""
+        return json.dumps({**self.ultralytics_style(export_batch), OWN_METADATA_KEY: self.own_record()})
+
+    def onnx_props(self, export_batch: int = 1) -> dict[str, str]:
+        """ONNX metadata_props: Ultralytics' keys with values as ``str()`` of Python values (as it writes them,
+        read back there with ``ast.literal_eval``), and ours as JSON."""
+        props = {k: str(v) for k, v in self.ultralytics_style(export_batch).items()}
+        return {**props, OWN_METADATA_KEY: json.dumps(self.own_record())}
 
     @classmethod
-    def from_json(cls, text: str, kind: str, path: Path) -> ModelMeta:
+    def from_record(cls, raw: dict[str, Any], kind: str, path: Path) -> ModelMeta:
+        """From this project's record, or the flat JSON of files exported before it had one (YOLOv5 layout)."""
         try:
-            raw = json.loads(text)
             names, stride = [str(n) for n in raw["names"]], int(raw["stride"])
             imgsz = tuple(int(v) for v in raw["imgsz"]) if raw.get("imgsz") else None
             batch = int(raw["batch"]) if raw.get("batch") else None
+            family, layout = str(raw.get("family", "yolov5")), str(raw.get("layout", "yolov5"))
         except (ValueError, KeyError, TypeError) as e:
             raise UserError(f"{path}: metadata unreadable ({e.__class__.__name__}: {e}); re-export it with export.py")
-        return cls(names=names, stride=stride, kind=kind, imgsz=imgsz, batch=batch)
+        if layout not in LAYOUTS:
+            raise UserError(f"{path}: unknown output layout {layout!r} in its metadata (known: {', '.join(LAYOUTS)})")
+        return cls(names=names, stride=stride, kind=kind, imgsz=imgsz, batch=batch, family=family, layout=layout)
+
+    @classmethod
+    def from_json(cls, text: str, kind: str, path: Path) -> ModelMeta:
+        """From a TorchScript file's JSON: our record; else Ultralytics' keys; else older exports' flat record."""
+        try:
+            raw = json.loads(text)
+        except ValueError as e:
+            raise UserError(f"{path}: metadata unreadable ({e}); re-export it with export.py") from e
+        if not isinstance(raw, dict):
+            raise UserError(f"{path}: metadata unreadable (not a JSON object); re-export it with export.py")
+        if OWN_METADATA_KEY in raw:
+            return cls.from_record(raw[OWN_METADATA_KEY], kind, path)
+        return cls.from_ultralytics(raw, kind, path) if "task" in raw else cls.from_record(raw, kind, path)
+
+    @classmethod
+    def from_onnx_props(cls, props: dict[str, str], path: Path) -> ModelMeta:
+        """From our record; else the flat JSON values of older exports; else Ultralytics' own props."""
+        if OWN_METADATA_KEY in props:
+            return cls.from_json(props[OWN_METADATA_KEY], "onnx", path)
+        if not props.get("names"):
+            raise UserError(f"{path}: no class names in its metadata; export it with export.py")
+        try:
+            return cls.from_record({k: json.loads(v) for k, v in props.items()
+                                    if k in ("names", "stride", "imgsz", "batch")}, "onnx", path)
+        except ValueError:  # not JSON: Ultralytics' exporter writes Python literals
+            pass
+        try:  # literal_eval reads literals only, never calls anything
+            values = {k: ast.literal_eval(v) if k in ("names", "imgsz", "end2end", "args") else v
+                      for k, v in props.items()}
+        except (ValueError, SyntaxError) as e:
+            raise UserError(f"{path}: metadata unreadable ({e.__class__.__name__}: {e})") from e
+        return cls.from_ultralytics(values, "onnx", path)
+
+    @classmethod
+    def from_ultralytics(cls, values: dict[str, Any], kind: str, path: Path) -> ModelMeta:
+        """From the metadata Ultralytics' exporter writes, its values already parsed."""
+        task = values.get("task", "detect")
+        if task != "detect":
+            raise UserError(f"{path}: an Ultralytics {task} model; only detection models are supported")
+        names = values.get("names")
+        if isinstance(names, dict):  # {0: 'person', ...}; JSON makes the keys strings
+            names = [names[k] for k in sorted(names, key=int)]
+        args = values.get("args") if isinstance(values.get("args"), dict) else {}
+        named = re.search(r"YOLO(v8|11|26)", str(values.get("description", "")))
+        family = f"yolo{named.group(1)}" if named else "yolov8"  # the anchor-free families decode alike
+        return cls.from_record({"names": names, "stride": values.get("stride", 32), "imgsz": values.get("imgsz"),
+                                "batch": None if args.get("dynamic") else values.get("batch"), "family": family,
+                                "layout": "end2end" if values.get("end2end") in (True, "True") else "anchor_free"},
+                               kind, path)
 
 
 class PredictionsOnly(nn.Module):
@@ -130,38 +224,73 @@ class FixedBatch(nn.Module):
         return torch.cat(outputs)
 
 
-def load_for_inference(weights: str | Path, device: torch.device | str = "cpu",
-                       fuse: bool = True) -> tuple[nn.Module, ModelMeta]:
-    """The model behind ``weights`` in eval mode and its metadata. PyTorch models keep returning (pred, raw)."""
+def output_layout(model: nn.Module) -> str:
+    """A PyTorch model's prediction layout (see LAYOUTS) as it is set now."""
+    from models.families import family_name
+
+    if family_name(model.yaml) == "yolov5":
+        return "yolov5"
+    return "end2end" if getattr(model.model[-1], "end2end_output", False) else "anchor_free"
+
+
+def use_end_to_end_head(model: nn.Module, weights: str | Path) -> None:
+    """Switch a YOLO26 model to its NMS-free one-to-one output (B, 300, 6); one line for other models."""
+    head = model.model[-1]
+    if not getattr(head, "end2end", False):
+        raise UserError(f"--end2end: {weights} has no one-to-one head (YOLO26 only)")
+    head.end2end_output = True
+
+
+def load_for_inference(weights: str | Path, device: torch.device | str = "cpu", fuse: bool = True,
+                       end2end: bool = False) -> tuple[nn.Module, ModelMeta]:
+    """The model behind ``weights`` in eval mode and its metadata. PyTorch models keep returning (pred, raw).
+
+    ``end2end``: YOLO26's NMS-free output (a .pt is switched to it; an exported file must have been exported so).
+    """
     path, device = Path(weights), torch.device(device)
     if not path.is_file():
-        raise UserError(f"{path}: weights file not found")
+        raise UserError(missing_weights_message(path, "weights file"))
     suffix = path.suffix.lower()
-    if suffix == ".onnx":
-        model = OnnxRuntimeModel(path, device)
-        if not model.metadata.get("names"):
-            raise UserError(f"{path}: no class names in its metadata; export it with export.py")
-        meta = ModelMeta.from_json(json.dumps({k: json.loads(v) for k, v in model.metadata.items()
-                                               if k in ("names", "stride", "imgsz", "batch")}), "onnx", path)
-        return (FixedBatch(model, meta.batch) if meta.batch else model).eval(), meta
-    if suffix == ".torchscript":
-        model = TorchScriptModel(path, device)
-        if not model.metadata:
-            raise UserError(f"{path}: no metadata ({METADATA_FILE}) in it; export it with export.py")
-        meta = ModelMeta.from_json(model.metadata, "torchscript", path)
+    if suffix in (".onnx", ".torchscript"):
+        if suffix == ".onnx":
+            model = OnnxRuntimeModel(path, device)
+            meta = ModelMeta.from_onnx_props(model.metadata, path)
+        else:
+            model = TorchScriptModel(path, device)
+            if not model.metadata:
+                raise UserError(f"{path}: no metadata ({METADATA_FILE}) in it; export it with export.py")
+            meta = ModelMeta.from_json(model.metadata, "torchscript", path)
+        if end2end and meta.layout != "end2end":
+            raise UserError(f"--end2end: {path} was exported with the {meta.layout} output; export it with --end2end")
         return (FixedBatch(model, meta.batch) if meta.batch else model).eval(), meta
     if suffix != ".pt":
         raise UserError(f"{path}: unknown weights format (expected {', '.join(SUFFIXES)})")
-    from models.yolo import load_model
+    from models.families import family_name
+    from models.loading import load_model
 
     from utils.checkpoint import trained_imgsz
 
     model, ckpt = load_model(path, device)
     model = model.float()
+    if end2end:
+        use_end_to_end_head(model, path)
     if fuse:
         model.fuse()
     return model.eval(), ModelMeta(names=list(model.names), stride=int(model.stride.max()), kind="pytorch",
+                                   family=family_name(model.yaml), layout=output_layout(model),
                                    trained_imgsz=trained_imgsz(ckpt))
+
+
+def detections(meta: ModelMeta, pred: torch.Tensor, conf_thres: float, iou_thres: float | None = None, *,
+               classes: list[int] | None = None, agnostic: bool = False, multi_label: bool = False,
+               max_det: int = 300) -> list[torch.Tensor]:
+    """Per image (n, 6) = x1 y1 x2 y2 conf cls, best first: the family's decoding of predictions (NMS, or only a
+    confidence filter for an end-to-end output), at ``iou_thres`` or detect.py's default for the layout."""
+    from models.families import family_of
+
+    iou = DETECT_IOU[meta.layout] if iou_thres is None else iou_thres
+    return family_of(meta.family).detections(pred, conf_thres, iou, classes=classes, agnostic=agnostic,
+                                             multi_label=multi_label, max_det=max_det)
 
 
 def default_imgsz(meta: ModelMeta) -> tuple[int, str]:

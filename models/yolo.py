@@ -24,9 +24,9 @@ if __name__ == "__main__" and __package__ in (None, ""):
 
 from models.anchor_free import AnchorFreeDetect
 from models.blocks import C2PSA, C2f, C3k2, DWConv
+from models.families import family_name
 from models.common import C3, SPPF, Bottleneck, Concat, Conv, fuse_conv_and_bn
 from models.summary import model_info
-from utils.checkpoint import load_checkpoint, model_weights
 from utils.errors import UserError
 from utils.log import LOGGER
 
@@ -192,7 +192,7 @@ def parse_model(cfg: dict, ch: int) -> tuple[nn.Sequential, list[int]]:
         elif block is Detect:
             block = AnchorFreeDetect
             args = [args[0], cfg.get("reg_max", 16), bool(cfg.get("end2end", False)),
-                    [channels[s] for s in source], legacy_head]
+                    [channels[s] for s in source], legacy_head, cfg.get("head_class_width")]
             c_out = channels[source[-1]]
         else:
             c_out = channels[source]
@@ -255,17 +255,6 @@ def load_model_config(cfg: str | Path | dict) -> dict:
         config["scale"] = scale
     config["yaml_file"] = Path(cfg).name  # the name asked for: yolo11n.yaml, not yolo11.yaml
     return config
-
-
-def family_name(cfg: dict) -> str:
-    """'yolov5' | 'yolov8' | 'yolo11' | 'yolo26' from a model config (models/families.py will own this rule)."""
-    if "anchors" in cfg:
-        return "yolov5"
-    if cfg.get("end2end") or cfg.get("reg_max", 16) == 1:
-        return "yolo26"
-    if any(row[2] == "C3k2" for row in cfg["backbone"] + cfg["head"]):
-        return "yolo11"
-    return "yolov8"
 
 
 class Model(nn.Module):
@@ -359,10 +348,17 @@ def build_model(cfg: str | Path | dict, *, nc: int | None = None, weights: dict[
 
     Without ``transfer`` every tensor of ``weights`` must match (resuming, evaluating a checkpoint). With it,
     each tensor whose name and shape fit is copied and the rest keep their initialisation (fine-tuning with
-    another number of classes: the head's class outputs do not fit); the count is logged. ``keep_anchors``
-    False leaves the config's anchors (AutoAnchor may then fit new ones).
+    another number of classes: the head's class outputs do not fit); the count is logged. An anchor-free head
+    is then built with the source's class-branch width (``head_class_width``; its default depends on the class
+    count), so only the class branch's last layer starts afresh. ``keep_anchors`` False leaves the config's
+    anchors (AutoAnchor may then fit new ones).
     """
-    model = Model(cfg, nc=nc, anchors=anchors)
+    config = load_model_config(cfg)
+    if transfer and weights is not None and "head_class_width" not in config:
+        width = _class_branch_width(weights)
+        if width is not None:
+            config["head_class_width"] = width
+    model = Model(config, nc=nc, anchors=anchors)
     if weights is not None:
         if transfer:
             own = model.state_dict()
@@ -377,11 +373,12 @@ def build_model(cfg: str | Path | dict, *, nc: int | None = None, weights: dict[
     return model
 
 
-def load_model(path: str | Path, device: torch.device | str = "cpu") -> tuple[Model, dict[str, Any]]:
-    """A checkpoint's model (EMA weights when present) in eval mode on ``device``, and the checkpoint dict."""
-    ckpt = load_checkpoint(path)
-    model = build_model(ckpt["model_cfg"], weights=model_weights(ckpt), names=ckpt.get("names"))
-    return model.to(device).eval(), ckpt
+def _class_branch_width(weights: dict[str, torch.Tensor]) -> int | None:
+    """The hidden width of an anchor-free head's class branch in ``weights`` (input channels of its last layer)."""
+    for key, tensor in weights.items():
+        if key.endswith(".cv3.0.2.weight") and tensor.ndim == 4:
+            return int(tensor.shape[1])
+    return None
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ from utils.data.loader import create_dataloader, load_labels  # noqa: E402
 from utils.distributed import destroy_process_group, dist_info, init_process_group  # noqa: E402
 from utils.hyp import Hyp  # noqa: E402
 from utils.torch_utils import torch_distributed_zero_first  # noqa: E402
-from val import validate  # noqa: E402
+from utils.validation import validate  # noqa: E402
 
 IMGSZ, BATCH, WINDOW = 64, 3, 5
 

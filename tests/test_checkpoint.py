@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from models.yolo import Model
-from models.yolo import load_model
+from models.loading import load_model
 from utils.checkpoint import load_checkpoint, model_state, save_checkpoint
 from utils.errors import UserError
 

@@ -6,11 +6,12 @@ import json
 import numpy as np
 import pytest
 
-import val
+from models.families import YOLOV5
 from test_val import IMAGE_SIZES, ColourOracle, make_dataset
 from utils.coco_json import (COCO80_TO_91, COCO_NAMES, category_ids, ground_truth_dict, image_ids_for,
                              is_coco_classes, write_json)
 from utils.data.loader import create_dataloader
+from utils.validation import validate
 
 
 def test_image_ids_come_from_file_names() -> None:
@@ -47,7 +48,7 @@ def test_predictions_json_scores_against_the_dataset_annotations(tmp_path, capsy
                                                COCO80_TO_91), tmp_path / "instances_val2017.json")
 
     loader, _ = create_dataloader(str(root / "images" / "val"), 128, 4, 32, rect=True, pad=0.5, workers=0)
-    r = val.validate(ColourOracle(), loader, names=list(COCO_NAMES), device="cpu", save_json=True,
+    r = validate(ColourOracle(), loader, names=list(COCO_NAMES), device="cpu", family=YOLOV5, save_json=True,
                      save_dir=tmp_path / "run", annotations_json=annotations)
     predictions = json.loads((tmp_path / "run" / "predictions.json").read_text())
     assert {p["image_id"] for p in predictions} <= {int(s) for s in stems.values()}

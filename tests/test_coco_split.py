@@ -208,15 +208,17 @@ def test_coco_json_and_yolo_labels_train_identically(coco_root: Path, train_here
 @pytest.mark.slow
 def test_save_json_scores_against_the_val_json_with_its_ids(coco_root: Path, tmp_path: Path, capsys) -> None:
     pytest.importorskip("pycocotools")
-    import val
     from test_val import ColourOracle
+
+    from models.families import YOLOV5
     from utils.data.loader import create_dataloader
+    from utils.validation import validate
 
     cfg = load_data_config(_yaml(coco_root))
     labels = load_labels(cfg["val"], verbose=False)
     loader, _ = create_dataloader(None, 128, 4, 32, rect=True, pad=0.5, workers=0, label_set=labels)
-    r = val.validate(ColourOracle(), loader, names=cfg["names"], device="cpu", save_json=True,
-                     save_dir=tmp_path / "run", annotations_json=cfg["annotations"])
+    r = validate(ColourOracle(), loader, names=cfg["names"], device="cpu", family=YOLOV5, save_json=True,
+                 save_dir=tmp_path / "run", annotations_json=cfg["annotations"])
     predictions = json.loads((tmp_path / "run" / "predictions.json").read_text())
     assert predictions and {p["image_id"] for p in predictions} <= {100, 103, 106, 109}
     assert {p["category_id"] for p in predictions} <= {1, 2}

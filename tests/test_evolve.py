@@ -6,12 +6,14 @@ import pytest
 import yaml
 from conftest import write_rectangles_dataset
 
-from utils.evolve import (RESULT_KEYS, append_evolve_row, evolved_keys, mutate, next_hyp, read_evolve_csv,
+from models.families import YOLOV5
+from utils.evolve import (N_RESULTS, append_evolve_row, mutate, next_hyp, read_evolve_csv,
                           select_parent)
 from utils.hyp import EVOLVE_LIMITS, Hyp
 
 BASE = Hyp()
-KEYS = evolved_keys(BASE)
+KEYS = YOLOV5.evolve_keys(BASE)
+LOSS_NAMES = YOLOV5.loss_names
 
 
 def _row(score: float, hyp: Hyp) -> np.ndarray:
@@ -50,15 +52,15 @@ def test_parents_come_from_the_best_rows_and_a_generation_is_repeatable() -> Non
 
 def test_evolve_csv_round_trip_and_wrong_columns(tmp_path) -> None:
     csv_file = tmp_path / "evolve.csv"
-    append_evolve_row(csv_file, (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7), BASE, KEYS)
-    append_evolve_row(csv_file, (0.2, 0.2, 0.3, 0.5, 0.5, 0.6, 0.7), BASE.replace(lr0=0.02), KEYS)
-    rows = read_evolve_csv(csv_file, KEYS)
-    assert rows.shape == (2, len(RESULT_KEYS) + len(KEYS))
-    assert rows[1, len(RESULT_KEYS) + KEYS.index("lr0")] == 0.02
+    append_evolve_row(csv_file, (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7), BASE, KEYS, LOSS_NAMES)
+    append_evolve_row(csv_file, (0.2, 0.2, 0.3, 0.5, 0.5, 0.6, 0.7), BASE.replace(lr0=0.02), KEYS, LOSS_NAMES)
+    rows = read_evolve_csv(csv_file, KEYS, LOSS_NAMES)
+    assert rows.shape == (2, N_RESULTS + len(KEYS))
+    assert rows[1, N_RESULTS + KEYS.index("lr0")] == 0.02
     from utils.errors import UserError
 
     with pytest.raises(UserError, match="not an evolve.csv"):
-        read_evolve_csv(csv_file, KEYS[:-1])
+        read_evolve_csv(csv_file, KEYS[:-1], LOSS_NAMES)
 
 
 @pytest.mark.slow
@@ -69,21 +71,21 @@ def test_evolve_three_generations_then_continue_to_five(train_here, tmp_path) ->
     assert status == 0, log
     folder = tmp_path / "evolve/ev"
     csv_file = folder / "evolve.csv"
-    rows = read_evolve_csv(csv_file, KEYS)
+    rows = read_evolve_csv(csv_file, KEYS, LOSS_NAMES)
     assert len(rows) == 3
     assert sorted(p.name for p in folder.glob("gen*")) == ["gen0", "gen1", "gen2"]
     assert (folder / "evolve.png").stat().st_size > 0
     best = yaml.safe_load((folder / "hyp_evolve.yaml").read_text())
     assert Hyp.from_dict(best) is not None and set(best) == set(KEYS)
-    np.testing.assert_allclose(rows[0, len(RESULT_KEYS):], [BASE.to_dict()[k] for k in KEYS], rtol=1e-4)
+    np.testing.assert_allclose(rows[0, N_RESULTS:], [BASE.to_dict()[k] for k in KEYS], rtol=1e-4)
 
     status, log = train_here(*common, "--evolve", "5", "--resume_evolve", csv_file)  # YOLOv5's spelling
     assert status == 0, log
-    more = read_evolve_csv(csv_file, KEYS)
+    more = read_evolve_csv(csv_file, KEYS, LOSS_NAMES)
     assert len(more) == 5 and np.array_equal(more[:3], rows)
     # Generation 3 is what (seed, 3) and the first three rows give: the same as an uninterrupted evolution.
     expected = next_hyp(BASE, rows, KEYS, np.random.default_rng([0, 3]))
-    np.testing.assert_allclose(more[3, len(RESULT_KEYS):], [expected.to_dict()[k] for k in KEYS], rtol=1e-4)
+    np.testing.assert_allclose(more[3, N_RESULTS:], [expected.to_dict()[k] for k in KEYS], rtol=1e-4)
     assert not (tmp_path / "evolve/ev2").exists()
 
     status, log = train_here(*common, "--evolve", "5", "--resume-evolve", csv_file)
@@ -102,8 +104,8 @@ def test_evolve_under_two_gloo_ranks_trains_each_generation_together(tmp_path) -
     assert codes == [0, 0], "".join(outputs)[-3000:]
     assert "world size 2" in outputs[0]
     assert sorted(p.name for p in (tmp_path / "evolve").iterdir()) == ["ev"]  # one folder, made by rank 0
-    rows = read_evolve_csv(tmp_path / "evolve/ev/evolve.csv", KEYS)
+    rows = read_evolve_csv(tmp_path / "evolve/ev/evolve.csv", KEYS, LOSS_NAMES)
     assert len(rows) == 2  # each generation recorded once, not once per rank
-    np.testing.assert_allclose(rows[0, len(RESULT_KEYS):], [BASE.to_dict()[k] for k in KEYS], rtol=1e-4)
+    np.testing.assert_allclose(rows[0, N_RESULTS:], [BASE.to_dict()[k] for k in KEYS], rtol=1e-4)
     expected = next_hyp(BASE, rows[:1], KEYS, np.random.default_rng([0, 1]))
-    np.testing.assert_allclose(rows[1, len(RESULT_KEYS):], [expected.to_dict()[k] for k in KEYS], rtol=1e-4)
+    np.testing.assert_allclose(rows[1, N_RESULTS:], [expected.to_dict()[k] for k in KEYS], rtol=1e-4)

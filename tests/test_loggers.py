@@ -10,7 +10,9 @@ import torch
 from conftest import write_rectangles_dataset
 
 from utils.loggers import NullLogger, TensorBoardLogger, make_logger
-from utils.results_log import RESULT_COLUMNS
+from utils.results_log import result_columns
+
+RESULT_COLUMNS = result_columns(("box", "obj", "cls"))  # the default model's, YOLOv5's
 
 
 def _events(folder: Path):

@@ -17,7 +17,7 @@ from utils.plots import (
     plot_pr_curve,
     plot_results,
 )
-from utils.results_log import RESULT_COLUMNS, append_results_row
+from utils.results_log import append_results_row, result_columns
 from utils.run_dir import increment_path
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -65,8 +65,9 @@ def test_plot_labels_and_results(tmp_path):
     assert out.name == "labels.jpg" and cv2.imread(str(out)) is not None
 
     csv_file = tmp_path / "results.csv"
+    columns = result_columns(("box", "cls", "dfl"))
     for epoch in range(4):
-        append_results_row(csv_file, [epoch] + list(rng.random(len(RESULT_COLUMNS) - 1)))
+        append_results_row(csv_file, [epoch] + list(rng.random(len(columns) - 1)), columns)
     out = plot_results(csv_file)
     assert out == tmp_path / "results.png" and out.read_bytes()[:8] == PNG_MAGIC
 

@@ -23,6 +23,7 @@ import utils.data.image_source as image_source_module
 import utils.run_record as run_record_module
 from utils.checkpoint import load_checkpoint, save_checkpoint, strip_training_state
 from utils.loss import ComputeLoss
+from utils.results_log import result_columns
 from utils.run_record import RunRecord
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -146,7 +147,7 @@ def test_fine_tune_with_optional_flags(train_here, rectangles_yaml, tmp_path) ->
 
 def _record(tmp_path: Path, **kwargs) -> RunRecord:
     options = dict(patience=2, noval=False, nosave=True, save_period=-1)
-    return RunRecord(tmp_path, **{**options, **kwargs})
+    return RunRecord(tmp_path, result_columns(("box", "obj", "cls")), **{**options, **kwargs})
 
 
 def _stop_epoch(record: RunRecord, fitnesses: list[float | None]) -> int | None:
@@ -285,8 +286,8 @@ def _poison_loss(monkeypatch, bad_calls: set[int]) -> None:
     """Make ComputeLoss return a NaN loss on the given calls (0-based, training and validation alike)."""
     original, calls = ComputeLoss.__call__, [0]
 
-    def poisoned(self, preds, targets, norm=None, assigned=None):
-        loss, items = original(self, preds, targets, norm, assigned)
+    def poisoned(self, preds, targets, norm=None, prepared=None, reduce=None):
+        loss, items = original(self, preds, targets, norm, prepared, reduce)
         calls[0] += 1
         if calls[0] - 1 in bad_calls:
             return loss * float("nan"), items * float("nan")

@@ -16,11 +16,13 @@ import yaml
 
 import val
 from models.yolo import Model
+from models.families import YOLOV5
 from utils.hyp import Hyp
 from utils.checkpoint import model_state, save_checkpoint
 from utils.data.loader import create_dataloader
 from utils.errors import UserError
 from utils.log import LOGGER
+from utils.validation import validate
 
 ROOT = Path(__file__).resolve().parents[1]
 # class 0 red, class 1 green (RGB) rectangles on black
@@ -103,8 +105,8 @@ def test_oracle_scores_perfect_and_writes_outputs(dataset, tmp_path):
     loader, _ = create_dataloader(str(dataset.parent / "images" / "val"), 128, 4, 32, rect=True, pad=0.5,
                                   workers=0)
     save_dir = tmp_path / "run"
-    r = val.validate(ColourOracle(), loader, names=["red", "green"], device="cpu", plots=True, save_json=True,
-                     save_txt=True, save_conf=True, save_dir=save_dir, verbose=True)
+    r = validate(ColourOracle(), loader, names=["red", "green"], device="cpu", family=YOLOV5, plots=True,
+                 save_json=True, save_txt=True, save_conf=True, save_dir=save_dir, verbose=True)
     assert r.n_images == 6 and r.n_instances > 5
     assert r.map50 == pytest.approx(1.0) and r.map > 0.8
     assert r.p > 0.99 and r.r > 0.99
@@ -147,11 +149,13 @@ def test_no_detections_and_eval_mode(dataset):
 
     loader, _ = create_dataloader(str(dataset.parent / "images" / "val"), 64, 2, 32, rect=True, pad=0.5, workers=0)
     model = Blind().train()
-    r = val.validate(model, loader, names=["red", "green"], device="cpu")
+    r = validate(model, loader, names=["red", "green"], device="cpu", family=YOLOV5)
     assert not model.training
     assert (r.p, r.r, r.map50, r.map) == (0.0, 0.0, 0.0, 0.0)
-    with pytest.raises(ValueError):
-        val.validate(model, loader, names=["red", "green"], device="cpu", plots=True)
+    with pytest.raises(ValueError, match="need a save_dir"):
+        validate(model, loader, names=["red", "green"], device="cpu", family=YOLOV5, plots=True)
+    with pytest.raises(ValueError, match="Blind is not a Model of this project: pass its family"):
+        validate(model, loader, names=["red", "green"], device="cpu")
 
 
 def _random_checkpoint(path: Path, nc: int = 2) -> Path:
@@ -175,13 +179,13 @@ def test_run_with_a_random_model_and_loss(dataset, tmp_path):
     assert val.run(**kwargs, single_cls=True, task="speed").save_dir == tmp_path / "runs" / "exp2"
 
     # the training path: validate with the loss object on an already-built loader
-    from models.yolo import load_model
+    from models.loading import load_model
     from utils.loss import ComputeLoss
 
     model, _ = load_model(weights, "cpu")
     hyp = Hyp.from_yaml(ROOT / "data" / "hyps" / "hyp.scratch-low.yaml")
     loader, _ = create_dataloader(str(dataset.parent / "images" / "val"), 64, 4, 32, rect=True, pad=0.5, workers=0)
-    r = val.validate(model.train(), loader, names=["red", "green"], device="cpu", compute_loss=ComputeLoss(model, hyp),
+    r = validate(model.train(), loader, names=["red", "green"], device="cpu", compute_loss=ComputeLoss(model, hyp),
                      max_det=50)
     assert r.losses.shape == (3,) and (r.losses > 0).all()
 
@@ -257,8 +261,8 @@ def test_validate_folds_batchnorm_into_a_copy_with_the_same_outputs(dataset):
 
     hyp = Hyp.from_yaml(ROOT / "data" / "hyps" / "hyp.scratch-low.yaml")
     loader, _ = create_dataloader(str(dataset.parent / "images" / "val"), 64, 3, 32, rect=True, pad=0.5, workers=0)
-    folded = val.validate(model, loader, names=["red", "green"], device="cpu", compute_loss=ComputeLoss(model, hyp))
-    as_is = val.validate(Opaque(model), loader, names=["red", "green"], device="cpu",
+    folded = validate(model, loader, names=["red", "green"], device="cpu", compute_loss=ComputeLoss(model, hyp))
+    as_is = validate(Opaque(model), loader, names=["red", "green"], device="cpu", family=YOLOV5,
                          compute_loss=ComputeLoss(model, hyp))
     # The caller's model keeps its BatchNorms and its weights (training goes on with it).
     assert sum(isinstance(m, nn.BatchNorm2d) for m in model.modules()) == 57

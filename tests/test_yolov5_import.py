@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from models.yolo import Detect, Model, build_model, load_model
+from models.loading import load_model
+from models.yolo import Detect, Model, build_model
 from utils.checkpoint import load_checkpoint, model_weights, resumed_options
 from utils.convert_yolov5 import main as convert_main
 from utils.errors import UserError

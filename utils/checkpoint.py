@@ -29,6 +29,7 @@ import torch.nn as nn
 from utils.distributed import de_parallel
 from utils.errors import UserError
 from utils.files import atomic_output
+from utils.torch_utils import cpu_fp32_state
 
 FORMAT_VERSION = 1
 
@@ -40,11 +41,6 @@ RESUME_OVERRIDABLE = frozenset({
 
 
 # ---- format, save, load ----------------------------------------------------------------------------------
-
-def cpu_fp32_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """A module's state_dict on the CPU with floating-point tensors in fp32 (checkpoints stay fp32)."""
-    return {k: v.detach().float().cpu() if v.is_floating_point() else v.cpu() for k, v in module.state_dict().items()}
-
 
 def model_state(model: nn.Module) -> dict[str, Any]:
     """The entries that rebuild a model: its config, class names and fp32 weights (on the CPU)."""
@@ -73,16 +69,24 @@ def copy_checkpoint(src: str | Path, dst: str | Path) -> None:
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Open a checkpoint safely; a file that needs arbitrary unpickling is refused, never executed.
 
-    A YOLOv5 v6+ ``.pt`` is imported without running anything from it and returned in this project's format.
+    A YOLOv5 v6+ or an Ultralytics (YOLOv8 / YOLO11 / YOLO26) detection ``.pt`` is imported without running
+    anything from it and returned in this project's format.
     """
+    from utils.ultralytics_compat import missing_weights_message, ultralytics_globals
+
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"{path}: checkpoint not found")
+        raise UserError(missing_weights_message(path))
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError:
-        # Not our format: a YOLOv5 checkpoint is read by an allow-list unpickler (utils/yolov5_compat.py),
-        # anything else is refused there with the global it named.
+        # Not our format: an Ultralytics or YOLOv5 checkpoint is read by an allow-list reader
+        # (utils/ultralytics_compat.py, utils/yolov5_compat.py); anything else is refused with the global it named.
+        names = ultralytics_globals(path)
+        if names is not None:
+            from utils.ultralytics_compat import load_ultralytics_checkpoint
+
+            return load_ultralytics_checkpoint(path, names)
         from utils.yolov5_compat import load_yolov5_checkpoint
 
         return load_yolov5_checkpoint(path)
@@ -194,9 +198,10 @@ def run_folder_of(run_id: str, project: str | Path, not_before: float | None = N
 
 
 def _not_resumable(path: Path, ckpt: dict[str, Any]) -> UserError:
-    if ckpt.get("source") == "yolov5":
-        what = "a YOLOv5 checkpoint"
-        instead = f"fine-tune from it with --weights {path} (YOLOv5's own training state cannot be continued here)"
+    if ckpt.get("source") in ("yolov5", "ultralytics"):
+        what = {"yolov5": "a YOLOv5 checkpoint", "ultralytics": "an Ultralytics checkpoint"}[ckpt["source"]]
+        owner = {"yolov5": "YOLOv5's", "ultralytics": "Ultralytics'"}[ckpt["source"]]
+        instead = f"fine-tune from it with --weights {path} ({owner} own training state cannot be continued here)"
     elif ckpt.get("optimizer") is None and "epoch" in ckpt:
         what = "a final checkpoint (the optimizer state is stripped at the end of training)"
         instead = f"resume from {path.with_name('last.pt')}, or fine-tune from it with --weights {path}"

@@ -2,8 +2,8 @@
 
 A YOLOv5 hyp file loads unchanged. Keys YOLOv5 writes but nothing here uses (``iou_t``, read by no YOLOv5
 code either; ``copy_paste``, which needs segment labels) are accepted and dropped with a log line; any other
-unknown key is a one-line error naming the file and the key. ``EVOLVE_LIMITS`` beside the record says how
-``--evolve`` may mutate each value.
+unknown key is a one-line error naming the file and the key. ``EVOLVE_LIMITS`` (YOLOv5) and
+``ANCHOR_FREE_EVOLVE_LIMITS`` beside the record say how ``--evolve`` may mutate each value of a family's.
 """
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ IGNORED_KEYS = {
     "iou_t": "an IoU training threshold that YOLOv5 reads nowhere either",
     "copy_paste": "segment copy-paste needs segment labels; boxes only here",
 }
+
+OPTIONAL_KEYS = ("anchors", "dfl")  # None means unset: left out of the YAML written
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class Hyp:
     anchor_t: float = 4.0  # anchor-multiple threshold for matching targets to anchors
     anchors: float | None = None  # anchors per output level (None: the model YAML's), then fitted by AutoAnchor
     fl_gamma: float = 0.0  # focal loss gamma (0: plain BCE)
+    dfl: float | None = None  # DFL (YOLO26: L1) box loss gain of the anchor-free families; unset for YOLOv5
     # augmentation
     hsv_h: float = 0.015  # hue jitter (fraction)
     hsv_s: float = 0.7  # saturation jitter (fraction)
@@ -74,7 +77,7 @@ class Hyp:
             LOGGER.info(f"{source}: '{key}' ignored ({IGNORED_KEYS[key]})")
         chosen = {}
         for key, value in values.items():
-            if key not in known or (key == "anchors" and value is None):
+            if key not in known or (key in OPTIONAL_KEYS and value is None):
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise UserError(f"{source}: '{key}' must be a finite number, got {value!r}")
@@ -90,8 +93,8 @@ class Hyp:
         return cls.from_dict(values, str(path))
 
     def to_dict(self) -> dict[str, float]:
-        """Plain values (for YAML and checkpoints); an unset ``anchors`` is left out, as YOLOv5 files do."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if not (k == "anchors" and v is None)}
+        """Plain values (for YAML and checkpoints); unset ``anchors`` and ``dfl`` are left out, as YOLOv5 files do."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if not (k in OPTIONAL_KEYS and v is None)}
 
     def to_yaml(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False), encoding="utf-8")
@@ -138,4 +141,13 @@ EVOLVE_LIMITS: dict[str, Limit] = {
     "fliplr": Limit(0, 0.0, 1.0),
     "mosaic": Limit(1, 0.0, 1.0),
     "mixup": Limit(1, 0.0, 1.0),
+}
+
+# The anchor-free families' evolution table: YOLOv5's for what they share; the box gain on their scale (7.5),
+# the DFL/L1 gain; nothing for the terms they do not have (objectness, anchors, focal loss, class pos-weight).
+ANCHOR_FREE_EVOLVE_LIMITS: dict[str, Limit] = {
+    **{k: v for k, v in EVOLVE_LIMITS.items()
+       if k not in ("obj", "obj_pw", "anchor_t", "anchors", "fl_gamma", "cls_pw")},
+    "box": Limit(1, 1.0, 20.0),
+    "dfl": Limit(1, 0.4, 6.0),
 }

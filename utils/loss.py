@@ -8,7 +8,8 @@ CIoUs (deterministic), where YOLOv5 keeps whichever write happens last.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn as nn
@@ -28,6 +29,28 @@ class LossNorm(NamedTuple):
 
     positives: torch.Tensor  # (nl,) target-anchor-cell assignments per level
     images: int  # images
+
+
+class DetectionLoss(Protocol):
+    """What train.py and validation call for every model family (models/families.py makes the family's loss).
+
+    ``prepare`` runs before the forward pass (YOLOv5: the anchor assignment; anchor-free losses: nothing),
+    ``counts`` gives the 1-D float counts that are summed over ranks before the forward pass and come back as
+    ``norm.positives`` (empty for losses that need none), ``__call__`` returns the loss (scaled by the global
+    micro-batch's image count) and its three weighted terms, named by ``item_names``, detached. ``reduce`` sums a
+    tensor over all ranks (None: one process). ``set_epoch`` is called at the start of every epoch.
+    """
+
+    item_names: tuple[str, str, str]
+
+    def prepare(self, targets: torch.Tensor, image_hw: tuple[int, int]) -> Any: ...
+
+    def counts(self, prepared: Any) -> torch.Tensor: ...
+
+    def __call__(self, preds: Any, targets: torch.Tensor, norm: LossNorm | None = None, prepared: Any = None,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def set_epoch(self, epoch: int, epochs: int) -> None: ...
 
 
 class LevelTargets(NamedTuple):
@@ -85,6 +108,7 @@ class ComputeLoss:
     """
 
     gr = 1.0  # objectness target = (1 - gr) + gr * CIoU; 1.0 uses the CIoU itself
+    item_names = ("box", "obj", "cls")
 
     def __init__(self, model: nn.Module, hyp: Hyp, label_smoothing: float = 0.0) -> None:
         self.detect = de_parallel(model).model[-1]  # read anchors at call time: they follow .to() and AutoAnchor
@@ -99,23 +123,30 @@ class ComputeLoss:
         self.cls_positive, self.cls_negative = smooth_bce_targets(label_smoothing)
         self.balance = LEVEL_BALANCE.get(self.nl, LEVEL_BALANCE_FALLBACK[: self.nl])
 
-    def assign(self, targets: torch.Tensor, image_hw: tuple[int, int]) -> list[LevelTargets]:
+    def prepare(self, targets: torch.Tensor, image_hw: tuple[int, int]) -> list[LevelTargets]:
         """The target assignments of a batch of images of size ``image_hw``, before any forward pass."""
         grids = [(image_hw[0] // int(s), image_hw[1] // int(s)) for s in self.detect.stride]
         return self.build_targets(grids, targets.to(dtype=torch.float32))
 
     @staticmethod
-    def count_positives(assigned: list[LevelTargets]) -> torch.Tensor:
+    def counts(prepared: list[LevelTargets]) -> torch.Tensor:
         """(nl,) float: the positive assignments per level."""
-        return torch.stack([lt.valid.sum() for lt in assigned]).float()
+        return torch.stack([lt.valid.sum() for lt in prepared]).float()
 
     def positives(self, targets: torch.Tensor, image_hw: tuple[int, int]) -> torch.Tensor:
         """(nl,) float: the positive assignments per level of ``targets`` in images of size ``image_hw``."""
-        return self.count_positives(self.assign(targets, image_hw))
+        return self.counts(self.prepare(targets, image_hw))
+
+    def set_epoch(self, epoch: int, epochs: int) -> None:
+        """Nothing changes over the epochs."""
 
     def __call__(self, preds: list[torch.Tensor], targets: torch.Tensor, norm: LossNorm | None = None,
-                 assigned: list[LevelTargets] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Loss and its (box, obj, cls) items; ``assigned`` (from ``assign``, same targets) saves redoing it."""
+                 prepared: list[LevelTargets] | None = None,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Loss and its (box, obj, cls) items; ``prepared`` (from ``prepare``, same targets) saves redoing it.
+
+        ``reduce`` is not needed: ``norm`` already carries the global counts this loss divides by.
+        """
         preds = [p.float() for p in preds]
         device = preds[0].device
         targets = targets.to(device=device, dtype=torch.float32)
@@ -128,9 +159,9 @@ class ComputeLoss:
         lobj = torch.zeros((), device=device)
         lcls = torch.zeros((), device=device)
         grids = [(p.shape[2], p.shape[3]) for p in preds]
-        if assigned is None:
-            assigned = self.build_targets(grids, targets)
-        for level, (pi, lt) in enumerate(zip(preds, assigned)):
+        if prepared is None:
+            prepared = self.build_targets(grids, targets)
+        for level, (pi, lt) in enumerate(zip(preds, prepared)):
             tobj = torch.zeros(pi.shape[:4], device=device)
             if lt.valid.numel():
                 weight = lt.valid.float()

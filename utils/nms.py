@@ -29,10 +29,7 @@ def non_max_suppression(
     (one row each); otherwise only the best class of a box. ``agnostic`` suppresses across classes;
     ``classes`` keeps only those class indices.
     """
-    if not 0 <= conf_thres <= 1:
-        raise ValueError(f"conf_thres must be in [0, 1], got {conf_thres}")
-    if not 0 <= iou_thres <= 1:
-        raise ValueError(f"iou_thres must be in [0, 1], got {iou_thres}")
+    _check_thresholds(conf_thres, iou_thres)
     if isinstance(prediction, (list, tuple)):  # an eval forward's (pred, raw)
         prediction = prediction[0]
 
@@ -45,29 +42,89 @@ def non_max_suppression(
         x = image_pred[keep_mask]
         # second cheap filter on the best class, before building the (n, nc) score matrix
         x = x[x[:, 5:].amax(1) * x[:, 4] > conf_thres]
-        if x.shape[0] == 0:
-            output.append(torch.zeros((0, 6), device=device, dtype=prediction.dtype))
-            continue
         scores = x[:, 5:] * x[:, 4:5]
-        if multi_label:
-            box_index, cls_index = (scores > conf_thres).nonzero(as_tuple=True)
-            conf = scores[box_index, cls_index]
-        else:
-            conf, cls_index = scores.max(1)
-            box_index = (conf > conf_thres).nonzero(as_tuple=True)[0]
-            conf, cls_index = conf[box_index], cls_index[box_index]
-        if class_filter is not None:
-            wanted = (cls_index[:, None] == class_filter).any(1)
-            box_index, cls_index, conf = box_index[wanted], cls_index[wanted], conf[wanted]
-        if conf.shape[0] == 0:
-            output.append(torch.zeros((0, 6), device=device, dtype=prediction.dtype))
-            continue
-        if conf.shape[0] > max_nms:  # cap before building the (n, 6) rows: an untrained model can pass millions
-            top = conf.topk(max_nms).indices
-            box_index, cls_index, conf = box_index[top], cls_index[top], conf[top]
-        det = torch.cat((xywh2xyxy(x[box_index, :4]), conf[:, None], cls_index[:, None].to(x.dtype)), 1)
-        output.append(det[_first_kept(det, iou_thres, agnostic, max_det)])
+        output.append(_image_detections(x[:, :4], scores, conf_thres, iou_thres, class_filter, agnostic, multi_label,
+                                         max_det, max_nms))
     return output
+
+
+def non_max_suppression_anchor_free(
+    prediction: torch.Tensor,
+    conf_thres: float = 0.25,
+    iou_thres: float = 0.7,
+    classes: list[int] | None = None,
+    agnostic: bool = False,
+    multi_label: bool = False,
+    max_det: int = 300,
+    max_nms: int = MAX_NMS_CANDIDATES,
+) -> list[torch.Tensor]:
+    """NMS of the anchor-free layout (bs, 4 + nc, N) = rows x, y, w, h (pixels), then each class's score.
+
+    There is no objectness: a box's confidence for a class is that class's score. Otherwise as
+    ``non_max_suppression``: one (n, 6) = [x1, y1, x2, y2, conf, cls] per image, highest confidence first.
+    """
+    _check_thresholds(conf_thres, iou_thres)
+    if isinstance(prediction, (list, tuple)):  # an eval forward's (pred, raw)
+        prediction = prediction[0]
+    device = prediction.device
+    class_filter = torch.tensor(classes, device=device) if classes is not None else None
+    has_candidates = prediction[:, 4:].amax(1) > conf_thres  # (bs, N)
+    output: list[torch.Tensor] = []
+    for image_pred, keep_mask in zip(prediction, has_candidates):
+        x = image_pred[:, keep_mask].T  # (n, 4 + nc)
+        output.append(_image_detections(x[:, :4], x[:, 4:], conf_thres, iou_thres, class_filter, agnostic,
+                                         multi_label, max_det, max_nms))
+    return output
+
+
+def end_to_end_detections(
+    prediction: torch.Tensor, conf_thres: float = 0.25, classes: list[int] | None = None, max_det: int = 300,
+) -> list[torch.Tensor]:
+    """The detections of an NMS-free head's output (bs, k, 6) = [x1, y1, x2, y2, score, cls], best first:
+    those above ``conf_thres`` (of the wanted ``classes``), at most ``max_det`` per image."""
+    _check_thresholds(conf_thres, 0.0)
+    if isinstance(prediction, (list, tuple)):
+        prediction = prediction[0]
+    output = []
+    for det in prediction:
+        keep = det[:, 4] > conf_thres
+        if classes is not None:
+            keep &= (det[:, 5:6] == torch.tensor(classes, device=det.device, dtype=det.dtype)).any(1)
+        output.append(det[keep][:max_det])
+    return output
+
+
+def _check_thresholds(conf_thres: float, iou_thres: float) -> None:
+    if not 0 <= conf_thres <= 1:
+        raise ValueError(f"conf_thres must be in [0, 1], got {conf_thres}")
+    if not 0 <= iou_thres <= 1:
+        raise ValueError(f"iou_thres must be in [0, 1], got {iou_thres}")
+
+
+def _image_detections(boxes_xywh: torch.Tensor, scores: torch.Tensor, conf_thres: float, iou_thres: float,
+                      class_filter: torch.Tensor | None, agnostic: bool, multi_label: bool, max_det: int,
+                      max_nms: int) -> torch.Tensor:
+    """One image's detections (n, 6) from candidate boxes (m, 4) and their class confidences (m, nc)."""
+    device, dtype = scores.device, scores.dtype
+    if scores.shape[0] == 0:
+        return torch.zeros((0, 6), device=device, dtype=dtype)
+    if multi_label:
+        box_index, cls_index = (scores > conf_thres).nonzero(as_tuple=True)
+        conf = scores[box_index, cls_index]
+    else:
+        conf, cls_index = scores.max(1)
+        box_index = (conf > conf_thres).nonzero(as_tuple=True)[0]
+        conf, cls_index = conf[box_index], cls_index[box_index]
+    if class_filter is not None:
+        wanted = (cls_index[:, None] == class_filter).any(1)
+        box_index, cls_index, conf = box_index[wanted], cls_index[wanted], conf[wanted]
+    if conf.shape[0] == 0:
+        return torch.zeros((0, 6), device=device, dtype=dtype)
+    if conf.shape[0] > max_nms:  # cap before building the (n, 6) rows: an untrained model can pass millions
+        top = conf.topk(max_nms).indices
+        box_index, cls_index, conf = box_index[top], cls_index[top], conf[top]
+    det = torch.cat((xywh2xyxy(boxes_xywh[box_index]), conf[:, None], cls_index[:, None].to(dtype)), 1)
+    return det[_first_kept(det, iou_thres, agnostic, max_det)]
 
 
 def _first_kept(det: torch.Tensor, iou_thres: float, agnostic: bool, max_det: int) -> torch.Tensor:

@@ -61,10 +61,11 @@ def optimizer_steps(epochs: int, n_images: int, batch_size: int, accumulate: int
     return epochs * math.ceil(math.ceil(n_images / batch_size) / accumulate)
 
 
-def choose_optimizer(requested: str, epochs: int, n_images: int, batch_size: int, nc: int,
-                     hyp: Hyp) -> OptimizerChoice:
+def choose_optimizer(requested: str, epochs: int, n_images: int, batch_size: int, nc: int, hyp: Hyp,
+                     lr_per_class_term: float = ADAMW_LR_PER_CLASS_TERM) -> OptimizerChoice:
     """The explicit --optimizer with the hyp file's lr0/momentum and YOLOv5's accumulation, or the automatic
-    choice for ``auto``: the length of the run at the nominal batch decides."""
+    choice for ``auto``: the length of the run at the nominal batch decides. A short run's AdamW takes
+    lr0 = ``lr_per_class_term`` / (4 + nc) (the model family's, see models/families.py)."""
     accumulate = max(round(NOMINAL_BATCH / batch_size), 1)
     steps = optimizer_steps(epochs, n_images, batch_size, accumulate)
     if requested != "auto":
@@ -72,8 +73,9 @@ def choose_optimizer(requested: str, epochs: int, n_images: int, batch_size: int
     if steps > SHORT_RUN_STEPS:
         reason = f"auto: {steps} optimizer steps > {SHORT_RUN_STEPS}, a long run: SGD with the hyp file's lr0"
         return OptimizerChoice("SGD", hyp.lr0, hyp.momentum, accumulate, reason)
-    lr0 = round(min(ADAMW_LR_PER_CLASS_TERM / (4 + nc), ADAMW_MAX_LR), 6)
-    reason = (f"auto: {steps} optimizer steps <= {SHORT_RUN_STEPS}, a short run: AdamW, lr0 = 0.05 / (4 + nc), "
+    lr0 = round(min(lr_per_class_term / (4 + nc), ADAMW_MAX_LR), 6)
+    reason = (f"auto: {steps} optimizer steps <= {SHORT_RUN_STEPS}, a short run: AdamW, "
+              f"lr0 = {lr_per_class_term:g} / (4 + nc), "
               f"a step every batch ({optimizer_steps(epochs, n_images, batch_size, 1)} steps)")
     return OptimizerChoice("AdamW", lr0, 0.9, 1, reason)
 

@@ -64,9 +64,10 @@ class CheckpointWriter:
 class RunRecord:
     """Keeps best/last checkpoints, the results rows and the early-stopping count of one run folder."""
 
-    def __init__(self, save_dir: Path, *, patience: int, noval: bool, nosave: bool, save_period: int,
-                 best_fitness: float = 0.0, best_epoch: int = -1, start_epoch: int = 0):
+    def __init__(self, save_dir: Path, columns: tuple[str, ...], *, patience: int, noval: bool, nosave: bool,
+                 save_period: int, best_fitness: float = 0.0, best_epoch: int = -1, start_epoch: int = 0):
         self.save_dir = save_dir
+        self.columns = columns  # results.csv's (utils/results_log.py)
         self.weights_dir = save_dir / "weights"
         self.last, self.best = self.weights_dir / "last.pt", self.weights_dir / "best.pt"
         # 0 turns early stopping off (YOLOv5's reading); so does --noval: without validation nothing improves.
@@ -95,7 +96,7 @@ class RunRecord:
                 self.best_fitness, self.best_epoch = current, epoch
         ckpt.update(best_fitness=self.best_fitness, best_epoch=self.best_epoch)
         self.since_best = 0 if improved else self.since_best + 1
-        append_results_row(self.save_dir / "results.csv", [epoch, *train_losses.tolist(), *row, *lrs])
+        append_results_row(self.save_dir / "results.csv", [epoch, *train_losses.tolist(), *row, *lrs], self.columns)
 
         if not self.nosave or final:
             paths = [self.last] + ([self.best] if improved else [])

@@ -88,3 +88,8 @@ def torch_distributed_zero_first(local_rank: int) -> Iterator[None]:
     info = DistInfo(rank=dist.get_rank(), local_rank=local_rank, world_size=dist.get_world_size())
     with local_rank_zero_first(info):
         yield
+
+
+def cpu_fp32_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A module's state_dict on the CPU with floating-point tensors in fp32 (checkpoints stay fp32)."""
+    return {k: v.detach().float().cpu() if v.is_floating_point() else v.cpu() for k, v in module.state_dict().items()}

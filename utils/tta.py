@@ -48,26 +48,40 @@ def deaugment(pred: torch.Tensor, scale: float, flip: str | None, width: int) ->
     return pred
 
 
-def level_sizes(raw: Sequence[torch.Tensor]) -> list[int]:
-    """Predictions per output level of one image: anchors x rows x columns."""
-    return [int(math.prod(r.shape[1:-1])) for r in raw]
+def output_levels(raw: Sequence[torch.Tensor] | dict) -> list[torch.Tensor]:
+    """The per-level training-mode outputs of an eval forward's ``raw`` (YOLO26: its one-to-many head's)."""
+    return list(raw["one2many"]) if isinstance(raw, dict) else list(raw)
+
+
+def level_sizes(raw: Sequence[torch.Tensor] | dict) -> list[int]:
+    """Predictions per output level of one image: YOLOv5's (b, anchors, ny, nx, no) levels give anchors x rows x
+    columns, the anchor-free (b, channels, ny, nx) levels rows x columns."""
+    return [int(math.prod(r.shape[1:-1] if r.dim() == 5 else r.shape[2:])) for r in output_levels(raw)]
 
 
 def tta_predict(model: nn.Module, imgs: torch.Tensor, stride: int, scales: Sequence[float] = TTA_SCALES,
                 flips: Sequence[str | None] = TTA_FLIPS) -> torch.Tensor:
-    """Merged predictions (b, n, 5 + nc) of every pass for ``imgs`` (b, 3, h, w, float in [0, 1]), before NMS."""
+    """Merged predictions of every pass for ``imgs`` (b, 3, h, w, float in [0, 1]), before NMS, in the model's own
+    layout: YOLOv5's (b, n, 5 + nc) or the anchor-free (b, 4 + nc, n)."""
     width = imgs.shape[3]
     merged = []
+    anchors_last = False
     for k, (scale, flip) in enumerate(zip(scales, flips)):
         x = imgs.flip(3) if flip == "lr" else imgs
         out = model(scale_images(x, scale, stride))
         if not isinstance(out, (tuple, list)) or len(out) != 2:
             raise TypeError("test-time augmentation needs a PyTorch model that returns (predictions, raw outputs)")
         pred, raw = out
+        anchors_last = output_levels(raw)[0].dim() == 4  # anchor-free: boxes and scores along dim 1
+        if anchors_last and pred.shape[-1] == 6:
+            raise ValueError("test-time augmentation needs predictions before NMS, not an end-to-end head's output")
+        if anchors_last:
+            pred = pred.transpose(1, 2)  # (b, n, 4 + nc): boxes in the last dimension, as YOLOv5's
         sizes = level_sizes(raw)
         if len(sizes) > 1 and k == 0:
             pred = pred[:, : -sizes[-1]]  # the full-size pass without its coarsest level
         elif len(sizes) > 1 and k == len(scales) - 1:
             pred = pred[:, sizes[0]:]  # the smallest pass without its finest level
         merged.append(deaugment(pred, scale, flip, width))
-    return torch.cat(merged, 1)
+    merged_pred = torch.cat(merged, 1)
+    return merged_pred.transpose(1, 2) if anchors_last else merged_pred

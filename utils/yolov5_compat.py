@@ -24,8 +24,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from models.yolo import Model
 from utils.errors import UserError
 from utils.log import LOGGER
+from utils.torch_utils import cpu_fp32_state
 
 # YOLOv5's classes a detection checkpoint may name; Model is the v6.0/v6.1 name of DetectionModel.
 YOLOV5_MODEL_CLASSES = ("models.yolo.DetectionModel", "models.yolo.Model")
@@ -344,8 +346,6 @@ def _check_structure(model: torch.nn.Module, record: ModuleRecord, path: Path) -
 
 def _model_from_record(record: Any, path: Path, role: str) -> tuple[torch.nn.Module, list[str]]:
     """Build our model from a DetectionModel record and load its tensors; every tensor must match."""
-    from models.yolo import Model
-
     if not isinstance(record, ModuleRecord) or record.class_name not in YOLOV5_MODEL_CLASSES:
         found = record.class_name if isinstance(record, ModuleRecord) else type(record).__name__
         raise UserError(f"{path}: '{role}' is {found}, not a YOLOv5 detection model")
@@ -402,8 +402,6 @@ def is_yolov5_checkpoint(raw: Any) -> bool:
 
 def convert_yolov5(raw: Any, path: str | Path) -> dict[str, Any]:
     """Our checkpoint dict (``model_cfg``, ``model``, ``ema`` or None, ``names``, ``source``) from a restricted read."""
-    from utils.checkpoint import cpu_fp32_state
-
     path = Path(path)
     if not is_yolov5_checkpoint(raw):
         raise UserError(f"{path}: not a checkpoint of this project nor a YOLOv5 detection checkpoint")

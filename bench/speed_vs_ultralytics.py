@@ -1,0 +1,75 @@
+"""Whole-process training speed and peak memory against Ultralytics' trainer, side by side on this CPU.
+
+    python bench/speed_vs_ultralytics.py --ultralytics-python /work/ulvenv/bin/python
+
+Both train ``--cfg`` (yolo11n) from scratch on coco128 at 320 px, batch 16, 3 epochs, 2 dataloader workers, on the
+CPU, without per-epoch validation (ours --noval, Ultralytics val=False: each still validates the last epoch) and
+without plots. Both close mosaic for the last 10 epochs by default (Ultralytics 8.4 from epoch epochs - 10 on), so
+a 3-epoch run trains without mosaic in either. Ours runs twice: as it is (mixed precision where the CPU has native
+bf16) and with --no-amp (fp32, as Ultralytics trains on a CPU). Each whole process is timed by GNU time, which also
+gives its peak resident set size (see bench/ultralytics_side_by_side.py). Printed: each run's wall time and peak
+RSS, then the ratios (Ultralytics' time / ours: above 1 means ours is faster; our peak RSS / Ultralytics').
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.ultralytics_side_by_side import (ROOT, absolute_data_yaml, our_map, run_timed,  # noqa: E402
+                                            ultralytics_env, ultralytics_map, ultralytics_train_cmd)
+
+# ../shared/datasets beside the checkout (or beside the folder of worktrees that holds it)
+_COCO128 = "shared/datasets/coco128.yaml"
+COCO128 = next((p / _COCO128 for p in ROOT.parents if (p / _COCO128).exists()), ROOT.parent / _COCO128)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ultralytics-python", required=True, help="a Python with ultralytics installed")
+    p.add_argument("--data", default=str(COCO128))
+    p.add_argument("--cfg", default="yolo11n.yaml")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--imgsz", type=int, default=320)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--out", default=str(ROOT / "runs/bench_speed"))
+    p.add_argument("--skip-fp32", action="store_true", help="do not also run ours with --no-amp")
+    args = p.parse_args()
+
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    data_yaml = absolute_data_yaml(Path(args.data), out)
+    common = ["--data", str(data_yaml), "--cfg", args.cfg, "--epochs", str(args.epochs), "--imgsz", str(args.imgsz),
+              "--batch-size", str(args.batch_size), "--workers", str(args.workers), "--device", "cpu", "--noval",
+              "--noplots", "--project", str(out / "ours"), "--exist-ok"]
+    variants = {"ours": []} if args.skip_fp32 else {"ours": [], "ours --no-amp": ["--no-amp"]}
+    measured = {}
+    for label, extra in variants.items():
+        name = label.replace(" --", "_").replace("-", "_")
+        measured[label] = run_timed([sys.executable, "train.py", *common, "--name", name, *extra], ROOT,
+                                    out / f"{name}.log")
+    measured["Ultralytics"] = run_timed(
+        ultralytics_train_cmd(args.ultralytics_python, model=args.cfg, data=str(data_yaml), epochs=args.epochs,
+                              imgsz=args.imgsz, batch=args.batch_size, workers=args.workers, device="cpu", val=False,
+                              plots=False, project=str(out / "ultralytics"), name="speed", exist_ok=True),
+        out, out / "ultralytics.log", env=ultralytics_env(out))
+
+    print(f"{args.cfg} on {Path(args.data).name}: {args.epochs} epochs at {args.imgsz}, batch {args.batch_size}, "
+          f"{args.workers} workers, CPU, last epoch validated")
+    for label, m in measured.items():
+        score = ultralytics_map(m.log) if label == "Ultralytics" else our_map(m.log)
+        print(f"{label:>14}: {m.wall_s:8.1f} s, peak RSS {m.peak_rss_mib:8.0f} MiB, final mAP50-95 {score:.3f}, "
+              f"exit {m.exit_code} (log {m.log})")
+    theirs = measured["Ultralytics"]
+    for label, m in measured.items():
+        if label != "Ultralytics":
+            print(f"{label}: speed-up (Ultralytics time / ours) {theirs.wall_s / m.wall_s:.2f}x; "
+                  f"peak RSS ours / Ultralytics {m.peak_rss_mib / theirs.peak_rss_mib:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Helpers of the benches that run Ultralytics' trainer beside ours (recipe_vs_ultralytics.py, speed_vs_ultralytics.py).
+
+Ultralytics (AGPL-3.0) is never imported by the project: it runs as a separate process of the Python given with
+--ultralytics-python (its own venv, e.g. /work/ulvenv/bin/python), fed a short driver program on the command line
+(``ULTRALYTICS_DRIVER``, which imports it in that process only), offline (YOLO_OFFLINE=1). Each whole process is run
+under GNU time, which reports its wall time and its peak resident set size (the largest of the process and its
+waited-for children, as GNU time measures it).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+GNU_TIME = "/usr/bin/time"
+
+# Trains with Ultralytics' own defaults plus the keyword arguments given as JSON, then prints its final metrics
+# (the trainer validates the best weights at the end) as one JSON line.
+ULTRALYTICS_DRIVER = """
+import json, sys
+from ultralytics import YOLO
+kwargs = json.loads(sys.argv[1])
+model = YOLO(kwargs.pop("model"))
+model.train(**kwargs)
+metrics = {k: float(v) for k, v in (model.trainer.metrics or {}).items()}
+print("ULTRALYTICS_METRICS " + json.dumps(metrics), flush=True)
+"""
+_METRICS_LINE = re.compile(r"^ULTRALYTICS_METRICS (\{.*\})$", re.M)
+# The summary row of a validation table (ours and Ultralytics' alike): all, images, instances, P, R, mAP50, mAP50-95.
+_NUMBER = r"([\d.]+(?:e[+-]?\d+)?)"
+_ALL_ROW = re.compile(rf"(?:^|\r)[ \t]*all\s+(\d+)\s+(\d+)\s+{_NUMBER}\s+{_NUMBER}\s+{_NUMBER}\s+{_NUMBER}\s*$", re.M)
+
+
+@dataclass
+class Measured:
+    wall_s: float
+    peak_rss_mib: float
+    exit_code: int
+    log: Path
+
+
+def run_timed(cmd: list[str], cwd: Path, log: Path, env: dict[str, str] | None = None) -> Measured:
+    """Run ``cmd`` under GNU time; stdout and stderr go to ``log``."""
+    stats = Path(tempfile.mkstemp(prefix="gnu_time_", suffix=".txt")[1])
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    with open(log, "w") as out:
+        t0 = time.perf_counter()
+        code = subprocess.call([GNU_TIME, "-f", "%M %e", "-o", str(stats), *cmd], cwd=cwd, stdout=out,
+                               stderr=subprocess.STDOUT, env=full_env)
+        wall = time.perf_counter() - t0
+    fields = stats.read_text().split()
+    stats.unlink()
+    peak_kib = float(fields[-2]) if len(fields) >= 2 else float("nan")
+    return Measured(wall, peak_kib / 1024, code, log)
+
+
+def absolute_data_yaml(data_yaml: Path, out: Path) -> Path:
+    """A copy of ``data_yaml`` whose ``path`` is absolute (Ultralytics resolves relative ones elsewhere)."""
+    data = yaml.safe_load(data_yaml.read_text())
+    data["path"] = str((data_yaml.parent / data.get("path", "")).resolve())
+    data.pop("builtin", None)
+    copy = out / f"{data_yaml.stem}_absolute.yaml"
+    copy.write_text(yaml.safe_dump(data, sort_keys=False))
+    return copy
+
+
+def ultralytics_train_cmd(python: str, **kwargs) -> list[str]:
+    return [python, "-c", ULTRALYTICS_DRIVER, json.dumps(kwargs)]
+
+
+def ultralytics_env(out: Path) -> dict[str, str]:
+    """Offline, with its settings in ``out`` (not the user's home)."""
+    return {"YOLO_OFFLINE": "1", "YOLO_CONFIG_DIR": str(out / "ultralytics_config")}
+
+
+def ultralytics_map(log: Path) -> float:
+    """mAP50-95 of Ultralytics' final validation, from the driver's metrics line."""
+    found = _METRICS_LINE.findall(log.read_text(errors="replace"))
+    if not found:
+        return float("nan")
+    metrics = json.loads(found[-1])
+    return metrics.get("metrics/mAP50-95(B)", float("nan"))
+
+
+def our_map(log: Path) -> float:
+    """mAP50-95 of our trainer's last validation table (the final one: the best weights)."""
+    rows = _ALL_ROW.findall(log.read_text(errors="replace"))
+    return float(rows[-1][5]) if rows else float("nan")

@@ -1,0 +1,139 @@
+"""export.py, detect.py and val.py on checkpoints of YOLOv8, YOLO11 and YOLO26 written by Ultralytics' own trainer
+(tests/fixtures/ultralytics): the exported ONNX and TorchScript files compute Ultralytics' own outputs and carry
+the metadata its apps read."""
+from __future__ import annotations
+
+import ast
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import detect
+import export
+import val
+from models.backends import load_for_inference
+from tests.conftest import write_rectangles_dataset
+from tests.ultralytics_reference import (FIXTURES, assert_close_to_ultralytics, assert_same_end2end_detections,
+                                         reference)
+from utils.errors import UserError
+
+FAMILIES = {"yolov8": "yolov8-final.pt", "yolo11": "yolo11-final.pt", "yolo26": "yolo26-final.pt"}
+
+
+def _export(folder: Path, family: str, **options) -> dict[str, Path]:
+    weights = folder / FAMILIES[family]
+    shutil.copyfile(FIXTURES / FAMILIES[family], weights)
+    x, _ = reference(family)
+    files = export.run(weights=str(weights), imgsz=list(x.shape[2:]), batch_size=x.shape[0],
+                       include=["onnx", "torchscript"], **options)
+    return {p.suffix: p for p in files}
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> dict[str, dict[str, Path]]:
+    """Each family's fixture exported once: ONNX with a dynamic batch, TorchScript traced at the reference batch."""
+    return {family: _export(tmp_path_factory.mktemp(family), family, dynamic=True) for family in FAMILIES}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_exported_files_compute_ultralytics_outputs(exported, family) -> None:
+    files = exported[family]
+    assert set(files) == {".onnx", ".torchscript"}
+    x, ref = reference(family)
+    for path in files.values():
+        runner, meta = load_for_inference(path)
+        assert meta.layout == "anchor_free" and meta.family == family and meta.imgsz == tuple(x.shape[2:])
+        with torch.no_grad():
+            assert_close_to_ultralytics(runner(x), ref["pred"], str(path))  # (B, 4 + nc, A)
+
+
+@pytest.mark.slow
+def test_yolo26_end2end_export_computes_ultralytics_end2end_output(tmp_path) -> None:
+    weights = tmp_path / FAMILIES["yolo26"]
+    shutil.copyfile(FIXTURES / FAMILIES["yolo26"], weights)
+    x, ref = reference("yolo26")
+    # ONNX only: the TorchScript path is the same trace as the one-to-many output's, tested above.
+    files = {p.suffix: p for p in export.run(weights=str(weights), imgsz=list(x.shape[2:]), batch_size=x.shape[0],
+                                             include=["onnx"], end2end=True)}
+    for path in files.values():
+        runner, meta = load_for_inference(path, end2end=True)
+        assert meta.layout == "end2end"
+        with torch.no_grad():
+            out = runner(x)
+        assert out.shape == (2, 300, 6)
+        assert_same_end2end_detections(out, ref["end2end"], str(path))
+
+
+def test_end2end_needs_a_one_to_one_head(tmp_path) -> None:
+    with pytest.raises(UserError, match=r"--end2end: .*yolo11-final\.pt has no one-to-one head \(YOLO26 only\)"):
+        export.run(weights=str(FIXTURES / "yolo11-final.pt"), imgsz=[64], include=["onnx"], end2end=True)
+
+
+@pytest.mark.slow
+def test_onnx_metadata_as_ultralytics_writes_it(exported) -> None:
+    import onnx
+
+    files = exported["yolo11"]
+    proto = onnx.load(str(files[".onnx"]))
+    props = {p.key: p.value for p in proto.metadata_props}
+    theirs = json.loads((FIXTURES / "onnx_metadata.json").read_text())
+    assert [i.name for i in proto.graph.input] == json.loads(theirs.pop("_input_names")) == ["images"]
+    assert [o.name for o in proto.graph.output] == json.loads(theirs.pop("_output_names")) == ["output0"]
+    apps_read = ("names", "stride", "task", "batch", "imgsz", "channels", "end2end")
+    assert set(apps_read) <= set(props) and set(apps_read) <= set(theirs)
+    for key in ("stride", "task", "channels", "end2end"):  # same value strings for the same model
+        assert props[key] == theirs[key], key
+    names = ast.literal_eval(props["names"])  # Ultralytics' apps read these values with ast.literal_eval
+    assert names == ast.literal_eval(theirs["names"]) == {i: f"class{i}" for i in range(20)}
+    assert ast.literal_eval(props["imgsz"]) == [64, 96] and int(props["batch"]) == 2
+    ours = json.loads(props["yolo_train"])
+    assert ours["family"] == "yolo11" and ours["layout"] == "anchor_free" and ours["batch"] is None  # dynamic
+    ts_meta = load_for_inference(files[".torchscript"])[1]
+    assert ts_meta.names == [f"class{i}" for i in range(20)] and ts_meta.batch == 2
+
+
+def _images(folder: Path, n: int = 3) -> Path:
+    import cv2
+
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        img = rng.integers(0, 255, (64, 80, 3), dtype=np.uint8)
+        cv2.imwrite(str(folder / f"{i}.jpg"), img)
+    return folder
+
+
+@pytest.mark.slow
+def test_detect_and_val_run_on_ultralytics_checkpoints(tmp_path) -> None:
+    source = _images(tmp_path / "images")
+    for family, end2end in (("yolov8", False), ("yolo26", True)):
+        result = detect.run(weights=str(FIXTURES / FAMILIES[family]), source=str(source), imgsz=64, conf_thres=0.0,
+                            max_det=20, save_txt=True, project=str(tmp_path / "runs"), name=f"{family}{end2end}",
+                            end2end=end2end)
+        assert len(result.detections) == 3
+        for det in result.detections.values():  # conf 0 keeps boxes: a check of the layout's decoding
+            assert det.shape[1] == 6 and 0 < len(det) <= 20
+            nc = 5 if family == "yolo26" else 3
+            assert (det[:, 4] >= 0).all() and (det[:, 4] <= 1).all() and (det[:, 5] < nc).all()
+            assert (det[:, 2] >= det[:, 0]).all() and (det[:, 3] >= det[:, 1]).all()
+    data = write_rectangles_dataset(tmp_path / "data", n_train=2, n_val=4, size=64, n_classes=3)
+    results = val.run(data=str(data), weights=str(FIXTURES / FAMILIES["yolov8"]), imgsz=64, batch_size=2,
+                      workers=0, noplots=True, project=str(tmp_path / "val"), name="v8")
+    assert 0 <= results.map <= results.map50 <= 1 and results.n_images == 4
+
+
+def test_ultralytics_own_export_metadata_is_read() -> None:
+    """An ONNX file exported by Ultralytics (its metadata_props as committed) describes itself to our backends."""
+    from models.backends import ModelMeta
+
+    props = json.loads((FIXTURES / "onnx_metadata.json").read_text())
+    meta = ModelMeta.from_onnx_props(props, Path("yolo11n.onnx"))
+    assert meta.names == [f"class{i}" for i in range(20)] and meta.stride == 32 and meta.imgsz == (64, 64)
+    assert (meta.family, meta.layout, meta.batch) == ("yolo11", "anchor_free", 1)
+    with pytest.raises(UserError, match=r"an Ultralytics segment model"):
+        ModelMeta.from_onnx_props({**props, "task": "segment"}, Path("seg.onnx"))
