@@ -548,9 +548,8 @@ def test_option_tables_equal_what_the_parsers_give():
     scripts = {m.group("script") for p in pages_with_tables
                for m in GENERATOR.MARKER.finditer(p.read_text(encoding="utf-8"))}
     assert set(ENTRY_POINTS) <= scripts, f"no option table for {sorted(set(ENTRY_POINTS) - scripts)}"
-    stale = GENERATOR.stale_pages()
-    assert not stale, (f"{', '.join(str(p.relative_to(ROOT)) for p in stale)}: option tables differ from the "
-                       "parsers; run python docs/make_option_tables.py")
+    stale = [str(page.relative_to(ROOT)) for page in GENERATOR.stale_pages()]
+    assert not stale, f"{', '.join(stale)}: option tables differ from the parsers; run python docs/make_option_tables.py"
 
 
 def test_option_table_follows_a_changed_default(monkeypatch):
