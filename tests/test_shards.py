@@ -262,12 +262,12 @@ def test_train_py_on_two_ranks_from_shards(converted, tmp_path) -> None:
 def test_image_weights_on_shards_is_refused_at_start_up_in_one_line(converted, train_here, tmp_path,
                                                                      monkeypatch) -> None:
     _, shard_yaml = converted
-    import utils.data.loader as loader_module
+    import utils.data.labels as labels_module
 
     def no_index(*args, **kwargs):
         raise AssertionError("the shard index was built before the refusal")
 
-    monkeypatch.setattr(loader_module, "load_shard_index", no_index)
+    monkeypatch.setattr(labels_module, "read_shard_table", no_index)
     status, log = train_here("--data", shard_yaml, "--project", tmp_path, "--epochs", "1", "--image-weights")
     assert status == 1, log
     line = log.splitlines()[-1]
