@@ -25,7 +25,7 @@ from utils.errors import run_reporting_errors
 from utils.log import LOGGER, setup_logging
 
 
-def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     t = Thresholds()
     p = argparse.ArgumentParser(description="Report a dataset's health (counts, problems, leaks) without training")
     p.add_argument("--data", required=True, help="dataset YAML")
@@ -38,7 +38,11 @@ def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--noplots", action="store_true", help="no labels.jpg")
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--strict", action="store_true", help="exit 1 on leaks, corrupt files or label errors")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def run(opt: argparse.Namespace) -> int:
