@@ -96,7 +96,7 @@ def kmean_anchors(
     anchors = _kmeans(wh / scale, n, rng) * scale
     anchors = np.clip(anchors, MIN_BOX_PX, None)
 
-    # The evolution's hot loop works on logs in float32: about 10x faster than the plain ratio form.
+    # The evolution's hot loop works on logs in float32: much faster than the plain ratio form.
     log_wh = np.log(wh).astype(np.float32)
     log_thr = float(np.log(thr))
     best = _fitness(log_wh, np.log(anchors).astype(np.float32), log_thr)

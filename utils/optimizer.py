@@ -3,15 +3,12 @@
 YOLOv5's SGD at lr0 0.01 is tuned for ~300-epoch runs on large datasets; over a few thousand optimizer
 steps it learns slowly. Short runs get AdamW, whose per-parameter step sizes make progress from the first
 iterations, at a learning rate that shrinks with the number of classes (more classes, noisier gradients of
-the classification head): lr0 = 0.05 / (4 + nc), at most 0.01. The constant was measured on the built-in
-shapes set (yolov5n, 30 epochs, imgsz 320, batch 16, mAP50-95): 0.01 / (4 + nc) gave 0.201,
-0.027 / (4 + nc) 0.241, 0.054 / (4 + nc) 0.267. Checked on a held-out shapes set generated with another seed
-(800 train / 200 val, 20 epochs, imgsz 320): the defaults reach 0.626, YOLOv5 with AdamW at 0.01 / (4 + nc) 0.443.
+the classification head): lr0 = 0.05 / (4 + nc), at most 0.01. The constant was chosen by training on the
+built-in shapes set and checked on a held-out one (docs/benchmarks.md).
 
 A short run also steps the optimizer after every batch instead of accumulating gradients up to YOLOv5's
-nominal batch of 64 images: what limits it is the number of steps, not their noise. On the built-in shapes
-set (yolov5n, 40 epochs, imgsz 256, batch 16) that took mAP50 from 0.40 to 0.80. An explicit ``--optimizer``
-keeps YOLOv5's accumulation.
+nominal batch of 64 images: what limits it is the number of steps, not their noise (tests/test_recipe.py
+trains both recipes side by side). An explicit ``--optimizer`` keeps YOLOv5's accumulation.
 
 The choice is made once, when a run starts, and stored in its checkpoints (``optimizer_choice``): a resumed or
 restarted run keeps its optimizer, lr0, momentum and accumulation whatever ``--epochs`` or ``--time`` say now
@@ -122,8 +119,7 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """SGD (Nesterov), Adam or AdamW over three groups; weight decay only on conv/linear weights."""
     weights, norm_weights, biases = parameter_groups(model)
-    # One fused kernel per step instead of a dozen small ops per tensor: the AdamW step of yolov5n took 14.9 ms
-    # per tensor and 3.5 ms fused (timed by hand on an idle 2-core AVX2 CPU).
+    # One fused kernel per step instead of a dozen small ops per tensor.
     fused = all(p.device.type in ("cpu", "cuda") for p in model.parameters())
     if name == "Adam":
         optimizer = torch.optim.Adam(biases, lr=lr, betas=(momentum, 0.999), fused=fused)

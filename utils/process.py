@@ -7,16 +7,13 @@ repeatable kernels and cuBLAS workspace) are set here; so are the two memory set
 
 Keeping freed memory: glibc gives every allocation above its mmap threshold (128 KiB, rising to at most 32 MiB)
 its own mapping and unmaps it on free, so a training step or a validation batch maps and faults in its large
-activations afresh every time. On a 2-core AMD EPYC (AVX2, no bf16), yolov5n at 320 in fp32, five pairs of
-fresh processes (bench/allocator.py): inference 1.36-1.54x as fast, a training step 0.97-1.16x (median 1.04x;
-three more pairs: 1.23-1.76x and 0.93-1.25x, so the step's gain is within the noise).
-The cost: memory the process freed stays with it (up to its peak) until it ends; the 3-epoch coco128 run's
-peak PSS was 2.71-2.81 GiB against 2.60 GiB.
+activations afresh every time; keeping freed memory makes inference faster (bench/allocator.py measures it;
+figures in docs/benchmarks.md). The cost: memory the process freed stays with it (up to its peak) until it
+ends, so the peak resident memory rises a little.
 
-Freezing the imports' objects: importing torch (and torch._dynamo, which its optimizers import) leaves about
-370,000 objects that the garbage collector scans in every full collection, including the one at exit; moved
-out of its reach, a 3-epoch coco128 run at 320 spent 0.56 instead of 0.71 s in collections and its exit took
-0.7-0.9 instead of 2.0 s (same machine).
+Freezing the imports' objects: importing torch (and torch._dynamo, which its optimizers import) leaves
+hundreds of thousands of objects that the garbage collector scans in every full collection, including the one
+at exit; moved out of its reach, collections and the exit take less time.
 """
 from __future__ import annotations
 
