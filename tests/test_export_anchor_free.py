@@ -33,10 +33,22 @@ def _export(folder: Path, family: str, **options) -> dict[str, Path]:
     return {p.suffix: p for p in files}
 
 
+class _ExportedOnce(dict):
+    """A family's fixture exported on first use, once per test process: ONNX with a dynamic batch, TorchScript traced
+    at the reference batch. Lazily, so a worker that runs one of these tests exports only the family it needs."""
+
+    def __init__(self, tmp_path_factory):
+        super().__init__()
+        self.tmp_path_factory = tmp_path_factory
+
+    def __missing__(self, family: str) -> dict[str, Path]:
+        self[family] = _export(self.tmp_path_factory.mktemp(family), family, dynamic=True)
+        return self[family]
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory) -> dict[str, dict[str, Path]]:
-    """Each family's fixture exported once: ONNX with a dynamic batch, TorchScript traced at the reference batch."""
-    return {family: _export(tmp_path_factory.mktemp(family), family, dynamic=True) for family in FAMILIES}
+    return _ExportedOnce(tmp_path_factory)
 
 
 @pytest.mark.slow

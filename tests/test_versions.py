@@ -13,12 +13,12 @@ from utils.versions import unsupported_versions
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_floors_are_python_3_9_and_torch_2_4() -> None:
+def test_the_floors_are_python_3_9_and_torch_2_6() -> None:
     assert unsupported_versions((3, 11, 7), "2.14.1+cpu") is None
-    assert unsupported_versions((3, 9, 0), "2.4.0") is None
+    assert unsupported_versions((3, 9, 0), "2.6.0") is None
     assert unsupported_versions((3, 8, 18), "2.14.1") == ("unsupported Python 3.8 (needs 3.9 or newer): install the "
                                                           "versions in requirements.txt")
-    assert "torch 2.3.1+cu121 (needs 2.4 or newer)" in unsupported_versions((3, 11, 7), "2.3.1+cu121")
+    assert "torch 2.5.1+cu121 (needs 2.6 or newer)" in unsupported_versions((3, 11, 7), "2.5.1+cu121")
     assert "torch nightly" in unsupported_versions((3, 11, 7), "nightly")
 
 
@@ -30,7 +30,7 @@ def test_every_entry_point_refuses_an_old_torch_in_one_line(script, monkeypatch,
         runpy.run_path(str(ROOT / script), run_name="__main__")
     assert exit_.value.code == 1
     err = capsys.readouterr().err
-    assert err == "ERROR unsupported torch 2.3.1 (needs 2.4 or newer): install the versions in requirements.txt\n"
+    assert err == "ERROR unsupported torch 2.3.1 (needs 2.6 or newer): install the versions in requirements.txt\n"
 
 
 def test_an_old_python_is_refused_in_one_line(monkeypatch, capsys) -> None:

@@ -2,9 +2,11 @@
 
 The floors are what the code calls, not what it was tested on (the suite runs on Python 3.11 and torch 2.14.1):
 - Python 3.9: built-in generics evaluated at import (``tuple[int, ...]`` type aliases); the syntax compiles on 3.8.
-- torch 2.4: fused CPU kernels of SGD, Adam and AdamW (utils/optimizer.py; ``fused=True`` on CPU parameters
-  fails before 2.4); it also has ``torch.amp.GradScaler`` for every device (2.3) and the typed distributed
-  errors ``DistError``/``DistNetworkError``/``DistStoreError`` (utils/distributed.py).
+- torch 2.6: loading Ultralytics checkpoints through an allow-list (utils/ultralytics_compat.py:
+  ``torch.serialization.get_unsafe_globals_in_checkpoint`` and ``safe_globals`` with (stand-in, dotted name)
+  pairs); it also has the fused CPU kernels of SGD, Adam and AdamW (utils/optimizer.py; 2.4),
+  ``torch.amp.GradScaler`` for every device (2.3) and the typed distributed errors ``DistError``,
+  ``DistNetworkError`` and ``DistStoreError`` (utils/distributed.py).
 
 This module is plain enough to import on any Python 3: the check must run where the rest would fail.
 """
@@ -12,7 +14,7 @@ import re
 import sys
 
 MIN_PYTHON = (3, 9)
-MIN_TORCH = (2, 4)
+MIN_TORCH = (2, 6)
 
 
 def unsupported_versions(python, torch_version):
