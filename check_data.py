@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from utils.cli import add_imgsz, add_workers, make_parser
 from utils.data.config import load_data_config
 from utils.data.health import Thresholds, check_dataset, report_lines
 from utils.data.label_table import CORRUPT
@@ -27,17 +28,20 @@ from utils.log import LOGGER, setup_logging
 
 def build_parser() -> argparse.ArgumentParser:
     t = Thresholds()
-    p = argparse.ArgumentParser(description="Report a dataset's health (counts, problems, leaks) without training")
-    p.add_argument("--data", required=True, help="dataset YAML")
-    p.add_argument("--imgsz", type=int, default=t.imgsz, help="training image size the box sizes are judged at")
-    p.add_argument("--min-box-px", type=float, default=t.min_box_px, help="tiny box: under this many pixels")
-    p.add_argument("--max-aspect", type=float, default=t.max_aspect, help="extreme box aspect ratio: above this")
-    p.add_argument("--max-imbalance", type=float, default=t.max_imbalance,
-                   help="class imbalance warning: most / least common class instances above this")
-    p.add_argument("--save-dir", default="runs/check_data", help="where labels.jpg is written")
-    p.add_argument("--noplots", action="store_true", help="no labels.jpg")
-    p.add_argument("--workers", type=int, default=8)
-    p.add_argument("--strict", action="store_true", help="exit 1 on leaks, corrupt files or label errors")
+    p = make_parser("Report a dataset's health (counts, problems, leaks) without training")
+    data = p.add_argument_group("data")
+    data.add_argument("--data", required=True, help="dataset YAML")
+    add_workers(data)
+    limits = p.add_argument_group("thresholds")
+    add_imgsz(limits, help=f"the training image size the box sizes are judged at (default: {t.imgsz})")
+    limits.add_argument("--min-box-px", type=float, default=t.min_box_px, help="tiny box: under this many pixels")
+    limits.add_argument("--max-aspect", type=float, default=t.max_aspect, help="extreme box aspect ratio: above this")
+    limits.add_argument("--max-imbalance", type=float, default=t.max_imbalance,
+                        help="class imbalance warning: most / least common class instances above this")
+    output = p.add_argument_group("output")
+    output.add_argument("--save-dir", default="runs/check_data", help="where labels.jpg is written")
+    output.add_argument("--noplots", action="store_true", help="no labels.jpg")
+    output.add_argument("--strict", action="store_true", help="exit 1 on leaks, corrupt files or label errors")
     return p
 
 
@@ -47,7 +51,7 @@ def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run(opt: argparse.Namespace) -> int:
     config = load_data_config(opt.data)
-    thresholds = Thresholds(opt.imgsz, opt.min_box_px, opt.max_aspect, opt.max_imbalance)
+    thresholds = Thresholds(opt.imgsz or Thresholds().imgsz, opt.min_box_px, opt.max_aspect, opt.max_imbalance)
     health = check_dataset(config, thresholds, opt.workers)
     for line in report_lines(health, config["names"]):
         print(line)

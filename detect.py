@@ -29,7 +29,8 @@ import cv2
 import numpy as np
 import torch
 
-from utils.cli import INFERENCE_IMGSZ_HELP, add_device, add_half, add_imgsz, add_run_folder, make_parser
+from utils.cli import (INFERENCE_IMGSZ_HELP, add_device, add_end2end, add_half, add_imgsz, add_run_folder,
+                       make_parser)
 from utils.errors import UserError, run_reporting_errors
 from utils.log import LOGGER, colorstr, setup_logging
 from utils.process import setup_process
@@ -262,8 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                               "(default: all)")
     model.add_argument("--agnostic-nms", action="store_true", help="NMS across classes")
     model.add_argument("--augment", action="store_true", help="test-time augmentation (scales and flips)")
-    model.add_argument("--end2end", action="store_true",
-                       help="YOLO26: NMS-free output of the one-to-one head (B, 300, 6)")
+    add_end2end(model)
     add_half(model)
     add_device(model)
     output = parser.add_argument_group("output")

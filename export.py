@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from models.backends import METADATA_FILE, ModelMeta, OnnxRuntimeModel, PredictionsOnly, TorchScriptModel
-from utils.cli import INFERENCE_IMGSZ_HELP, add_device, add_half, add_imgsz, make_parser
+from utils.cli import INFERENCE_IMGSZ_HELP, add_device, add_end2end, add_half, add_imgsz, make_parser
 from utils.errors import UserError, run_reporting_errors
 from utils.log import LOGGER, colorstr, setup_logging
 from utils.process import setup_process
@@ -120,8 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     output = parser.add_argument_group("output (written beside --weights)")
     output.add_argument("--include", nargs="+", default=list(FORMATS), help=f"formats: {', '.join(FORMATS)}")
     output.add_argument("--dynamic", action="store_true", help="ONNX: any batch size")
-    output.add_argument("--end2end", action="store_true",
-                        help="YOLO26: NMS-free output of the one-to-one head (B, 300, 6)")
+    add_end2end(output)
     output.add_argument("--opset", type=int, default=DEFAULT_OPSET, help="ONNX opset")
     output.add_argument("--no-simplify", dest="simplify", action="store_false",
                         help="ONNX: keep the graph as traced (default: simplified with onnxslim when installed)")

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from utils.cli import (INFERENCE_IMGSZ_HELP, add_device, add_half, add_imgsz, add_run_folder, add_workers,
-                       make_parser)
+from utils.cli import (INFERENCE_IMGSZ_HELP, add_device, add_end2end, add_half, add_imgsz, add_run_folder,
+                       add_workers, make_parser)
 from utils.errors import UserError, run_reporting_errors
 from utils.log import LOGGER, colorstr, setup_logging
 from utils.process import setup_process
@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--max-det", type=int, default=MAX_DET, help="detections kept per image")
     model.add_argument("--augment", action="store_true",
                        help="test-time augmentation (scales and flips); also runs and reports the plain pass")
+    add_end2end(model)
     add_half(model)
     add_device(model)
     output = parser.add_argument_group("output")
@@ -101,7 +102,7 @@ def run_options(opt: argparse.Namespace) -> ValResults:
     if opt.half and device.type != "cuda":
         LOGGER.warning("--half needs a CUDA device: running in fp32")
     half = opt.half and device.type == "cuda"
-    model, meta = load_for_inference(opt.weights, device)
+    model, meta = load_for_inference(opt.weights, device, end2end=opt.end2end)
     family = family_of(meta.family)  # an exported file names it in its metadata (models/backends.py)
     if opt.augment and meta.kind != "pytorch":
         raise UserError(f"--augment needs a PyTorch .pt model (its passes change the input size); {opt.weights} is "

@@ -11,6 +11,7 @@ import pytest
 import torch
 import yaml
 
+import check_data
 import detect
 import export
 import shards
@@ -22,16 +23,18 @@ from utils.checkpoint import model_state, resumed_options, save_checkpoint
 from utils.errors import UserError
 from utils.log import LOGGER
 
-SCRIPTS = {"train.py": train, "val.py": val, "detect.py": detect, "export.py": export, "shards.py": shards}
+SCRIPTS = {"train.py": train, "val.py": val, "detect.py": detect, "export.py": export, "shards.py": shards,
+           "check_data.py": check_data}
 # Which scripts take each shared option (as YOLOv5 has them); "imgsz" is also --img and --img-size everywhere.
 SHARED = {
-    "imgsz": {"train.py", "val.py", "detect.py", "export.py"},
-    "workers": {"train.py", "val.py", "shards.py"},
+    "imgsz": {"train.py", "val.py", "detect.py", "export.py", "check_data.py"},
+    "workers": {"train.py", "val.py", "shards.py", "check_data.py"},
     "device": {"train.py", "val.py", "detect.py", "export.py"},
     "project": {"train.py", "val.py", "detect.py"},
     "name": {"train.py", "val.py", "detect.py"},
     "exist_ok": {"train.py", "val.py", "detect.py"},
     "half": {"val.py", "detect.py", "export.py"},
+    "end2end": {"val.py", "detect.py", "export.py"},
 }
 
 

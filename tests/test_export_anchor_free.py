@@ -137,6 +137,14 @@ def test_detect_and_val_run_on_ultralytics_checkpoints(tmp_path) -> None:
     results = val.run(data=str(data), weights=str(FIXTURES / FAMILIES["yolov8"]), imgsz=64, batch_size=2,
                       workers=0, noplots=True, project=str(tmp_path / "val"), name="v8")
     assert 0 <= results.map <= results.map50 <= 1 and results.n_images == 4
+    data5 = write_rectangles_dataset(tmp_path / "data5", n_train=2, n_val=4, size=64, n_classes=5)
+    for end2end in (False, True):  # YOLO26: the one-to-many head with NMS, or the one-to-one head's top-k as is
+        results = val.run(data=str(data5), weights=str(FIXTURES / FAMILIES["yolo26"]), imgsz=64, batch_size=2,
+                          workers=0, noplots=True, project=str(tmp_path / "val"), name=f"v26{end2end}",
+                          end2end=end2end)
+        assert 0 <= results.map <= results.map50 <= 1 and results.n_images == 4
+        if end2end:
+            assert 0 < results.n_detections <= 4 * 300
 
 
 def test_ultralytics_own_export_metadata_is_read() -> None:

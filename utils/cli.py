@@ -1,7 +1,7 @@
 """The command-line options the scripts share, each declared once.
 
 train.py, val.py, detect.py, export.py and shards.py add ``--imgsz``, ``--workers``, ``--device``,
-``--project``/``--name``/``--exist-ok`` and ``--half`` through the functions here, so that one option has one
+``--project``/``--name``/``--exist-ok``, ``--half`` and ``--end2end`` through the functions here, so that one option has one
 spelling, one set of aliases, one meaning and one default in every script. ``make_parser`` gives every script the
 same help layout: option groups, and each option's default shown.
 
@@ -66,3 +66,8 @@ def add_half(group) -> None:
     group.add_argument("--half", action="store_true",
                        help="fp16 half precision, CUDA devices only (val.py, detect.py: fp32 elsewhere, with a "
                             "warning; export.py: refused elsewhere)")
+
+
+def add_end2end(group) -> None:
+    group.add_argument("--end2end", action="store_true",
+                       help="YOLO26: NMS-free output of the one-to-one head (B, 300, 6)")
