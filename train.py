@@ -1,7 +1,8 @@
-"""Train a YOLOv5-family detector on a YOLO-format dataset.
+"""Train a YOLOv5, YOLOv8, YOLO11 or YOLO26 detector (the model family decides its loss, NMS and hyp file).
 
     python train.py                                   # yolov5n on the built-in shapes set, CPU or GPU 0
-    python train.py --data path/to/data.yaml --cfg yolov5s.yaml --epochs 100 --img 640
+    python train.py --data path/to/data.yaml --cfg yolo11n.yaml --epochs 100 --img 640
+    python train.py --data path/to/data.yaml --weights yolo11n.pt   # fine-tune an Ultralytics checkpoint
     python -m torch.distributed.run --nproc_per_node 4 train.py --device 0,1,2,3 --batch-size 64
     python train.py --resume                          # continue the latest interrupted run
 """
