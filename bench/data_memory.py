@@ -3,7 +3,7 @@ the label cache's build and reload time, on generated datasets of many tiny imag
 
 Run by hand from the repo root:
 
-    python bench/data_memory.py memory [--sizes 20000 200000] [--seconds 120] [--repo /work/main]
+    python bench/data_memory.py memory [--sizes 20000 200000] [--seconds 120] [--repo /path/to/checkout]
     python bench/data_memory.py cache [--n 1000000] [--yolov5 /path/to/yolov5 checkout]
 
 ``memory`` generates each dataset once (under --root), starts ``train.py`` of --repo (default: this checkout) with

@@ -1,9 +1,9 @@
 """The training recipe against Ultralytics' own: yolo11n from scratch on a generated shapes set, both trainers with
 their own defaults on the same data, epochs, image size and batch, each scored by its own validator.
 
-    python bench/recipe_vs_ultralytics.py --ultralytics-python /work/ulvenv/bin/python             # issue 29's set
-    python bench/recipe_vs_ultralytics.py --ultralytics-python /work/ulvenv/bin/python --seeds 0 \\
-        --n-train 80 --n-val 20 --epochs 2 --imgsz 160                                            # a quick look
+    python bench/recipe_vs_ultralytics.py --ultralytics-python PY      # 800 shapes images, 20 epochs at 320
+    python bench/recipe_vs_ultralytics.py --ultralytics-python PY --seeds 0 \\
+        --n-train 80 --n-val 20 --epochs 2 --imgsz 160                 # a quick look
 
 The set: the built-in shapes generator (utils/data/shapes.py) with ``--n-train`` / ``--n-val`` images at
 ``--data-imgsz`` px, generated once per ``--data-seed`` into ``--out``. Per training seed the two runs go one after

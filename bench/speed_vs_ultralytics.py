@@ -1,6 +1,6 @@
 """Whole-process training speed and peak memory against Ultralytics' trainer, side by side on this CPU.
 
-    python bench/speed_vs_ultralytics.py --ultralytics-python /work/ulvenv/bin/python
+    python bench/speed_vs_ultralytics.py --ultralytics-python /path/to/venv-with-ultralytics/bin/python
 
 Both train ``--cfg`` (yolo11n) from scratch on coco128 at 320 px, batch 16, 3 epochs, 2 dataloader workers, on the
 CPU, without per-epoch validation (ours --noval, Ultralytics val=False: each still validates the last epoch) and

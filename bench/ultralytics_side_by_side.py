@@ -1,7 +1,7 @@
 """Helpers of the benches that run Ultralytics' trainer beside ours (recipe_vs_ultralytics.py, speed_vs_ultralytics.py).
 
 Ultralytics (AGPL-3.0) is never imported by the project: it runs as a separate process of the Python given with
---ultralytics-python (its own venv, e.g. /work/ulvenv/bin/python), fed a short driver program on the command line
+--ultralytics-python (its own venv, e.g. /path/to/venv-with-ultralytics/bin/python), fed a short driver program on the command line
 (``ULTRALYTICS_DRIVER``, which imports it in that process only), offline (YOLO_OFFLINE=1). Each whole process is run
 under GNU time, which reports its wall time and its peak resident set size (the largest of the process and its
 waited-for children, as GNU time measures it).
