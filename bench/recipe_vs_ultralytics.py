@@ -8,7 +8,7 @@ their own defaults on the same data, epochs, image size and batch, each scored b
 The set: the built-in shapes generator (utils/data/shapes.py) with ``--n-train`` / ``--n-val`` images at
 ``--data-imgsz`` px, generated once per ``--data-seed`` into ``--out``. Per training seed the two runs go one after
 the other (never at once: they would share the cores); each is a whole process timed by GNU time. Ours trains with
-``python train.py --cfg yolo11n.yaml`` and everything else default; Ultralytics with ``YOLO("yolo11n.yaml").train``
+``python train.py --cfg yolo11n.yaml`` and everything else default; Ultralytics with ``yolo detect train model=yolo11n.yaml``
 and its defaults (run by the Python given with --ultralytics-python; see bench/ultralytics_side_by_side.py). Printed
 per seed: both mAP50-95, their difference, both wall times and their ratio; then the means.
 """
@@ -23,7 +23,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.ultralytics_side_by_side import (ROOT, our_map, run_timed, ultralytics_env, ultralytics_map,  # noqa: E402
+from bench.ultralytics_side_by_side import (ROOT, final_map, run_timed, ultralytics_env,  # noqa: E402
                                             ultralytics_train_cmd)
 from utils.data.shapes import SHAPE_NAMES, ensure_shapes_dataset  # noqa: E402
 
@@ -73,7 +73,7 @@ def main() -> int:
                                            workers=args.workers, device="cpu", seed=seed,
                                            project=str(out / "ultralytics"), name=name, exist_ok=True, plots=False)
         theirs = run_timed(theirs_cmd, out, out / f"ultralytics_{name}.log", env=ultralytics_env(out))
-        ours_map, theirs_map = our_map(ours.log), ultralytics_map(theirs.log)
+        ours_map, theirs_map = our_map(ours.log)(theirs.log)
         rows.append((ours_map, theirs_map, ours.wall_s, theirs.wall_s))
         print(f"seed {seed}: mAP50-95 ours {ours_map:.3f} | Ultralytics {theirs_map:.3f} | difference "
               f"{ours_map - theirs_map:+.3f};  wall ours {ours.wall_s:.0f} s | Ultralytics {theirs.wall_s:.0f} s | "

@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.ultralytics_side_by_side import (ROOT, absolute_data_yaml, our_map, run_timed,  # noqa: E402
-                                            ultralytics_env, ultralytics_map, ultralytics_train_cmd)
+from bench.ultralytics_side_by_side import (ROOT, absolute_data_yaml, final_map, run_timed,  # noqa: E402
+                                            ultralytics_env, ultralytics_train_cmd)
 
 # ../shared/datasets beside the checkout (or beside the folder of worktrees that holds it)
 _COCO128 = "shared/datasets/coco128.yaml"
@@ -60,7 +60,7 @@ def main() -> int:
     print(f"{args.cfg} on {Path(args.data).name}: {args.epochs} epochs at {args.imgsz}, batch {args.batch_size}, "
           f"{args.workers} workers, CPU, last epoch validated")
     for label, m in measured.items():
-        score = ultralytics_map(m.log) if label == "Ultralytics" else our_map(m.log)
+        score = final_map(m.log)
         print(f"{label:>14}: {m.wall_s:8.1f} s, peak RSS {m.peak_rss_mib:8.0f} MiB, final mAP50-95 {score:.3f}, "
               f"exit {m.exit_code} (log {m.log})")
     theirs = measured["Ultralytics"]

@@ -1,14 +1,13 @@
 """Helpers of the benches that run Ultralytics' trainer beside ours (recipe_vs_ultralytics.py, speed_vs_ultralytics.py).
 
-Ultralytics (AGPL-3.0) is never imported by the project: it runs as a separate process of the Python given with
---ultralytics-python (its own venv, e.g. /path/to/venv-with-ultralytics/bin/python), fed a short driver program on the command line
-(``ULTRALYTICS_DRIVER``, which imports it in that process only), offline (YOLO_OFFLINE=1). Each whole process is run
+Ultralytics' trainer runs as its own program: the ``yolo`` command installed beside the Python given with
+--ultralytics-python (its own virtual environment), as ``yolo detect train key=value ...``, offline (YOLO_OFFLINE=1).
+Both trainers' final validation tables are read from their logs the same way. Each whole process is run
 under GNU time, which reports its wall time and its peak resident set size (the largest of the process and its
 waited-for children, as GNU time measures it).
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -22,18 +21,6 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 GNU_TIME = "/usr/bin/time"
 
-# Trains with Ultralytics' own defaults plus the keyword arguments given as JSON, then prints its final metrics
-# (the trainer validates the best weights at the end) as one JSON line.
-ULTRALYTICS_DRIVER = """
-import json, sys
-from ultralytics import YOLO
-kwargs = json.loads(sys.argv[1])
-model = YOLO(kwargs.pop("model"))
-model.train(**kwargs)
-metrics = {k: float(v) for k, v in (model.trainer.metrics or {}).items()}
-print("ULTRALYTICS_METRICS " + json.dumps(metrics), flush=True)
-"""
-_METRICS_LINE = re.compile(r"^ULTRALYTICS_METRICS (\{.*\})$", re.M)
 # The summary row of a validation table (ours and Ultralytics' alike): all, images, instances, P, R, mAP50, mAP50-95.
 _NUMBER = r"([\d.]+(?:e[+-]?\d+)?)"
 _ALL_ROW = re.compile(rf"(?:^|\r)[ \t]*all\s+(\d+)\s+(\d+)\s+{_NUMBER}\s+{_NUMBER}\s+{_NUMBER}\s+{_NUMBER}\s*$", re.M)
@@ -73,7 +60,8 @@ def absolute_data_yaml(data_yaml: Path, out: Path) -> Path:
 
 
 def ultralytics_train_cmd(python: str, **kwargs) -> list[str]:
-    return [python, "-c", ULTRALYTICS_DRIVER, json.dumps(kwargs)]
+    """Ultralytics' own command line (the ``yolo`` program beside ``python``) with ``key=value`` arguments."""
+    return [str(Path(python).parent / "yolo"), "detect", "train", *(f"{k}={v}" for k, v in kwargs.items())]
 
 
 def ultralytics_env(out: Path) -> dict[str, str]:
@@ -81,16 +69,8 @@ def ultralytics_env(out: Path) -> dict[str, str]:
     return {"YOLO_OFFLINE": "1", "YOLO_CONFIG_DIR": str(out / "ultralytics_config")}
 
 
-def ultralytics_map(log: Path) -> float:
-    """mAP50-95 of Ultralytics' final validation, from the driver's metrics line."""
-    found = _METRICS_LINE.findall(log.read_text(errors="replace"))
-    if not found:
-        return float("nan")
-    metrics = json.loads(found[-1])
-    return metrics.get("metrics/mAP50-95(B)", float("nan"))
-
-
-def our_map(log: Path) -> float:
-    """mAP50-95 of our trainer's last validation table (the final one: the best weights)."""
+def final_map(log: Path) -> float:
+    """mAP50-95 of a trainer's last validation table (the final one: the best weights); both trainers print
+    the same 'all' row."""
     rows = _ALL_ROW.findall(log.read_text(errors="replace"))
     return float(rows[-1][5]) if rows else float("nan")

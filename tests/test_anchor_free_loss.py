@@ -1,7 +1,6 @@
 """The anchor-free loss and its task-aligned assigner: equal to Ultralytics' (committed fixtures), any world size.
 
-tests/fixtures/ultralytics/anchor_free_loss.pt is made by make_loss_fixtures.py beside it (run by hand with the
-environment that has Ultralytics). Ultralytics' loss returns the gained terms times the batch size and its trainer
+tests/fixtures/ultralytics/anchor_free_loss.pt holds Ultralytics' numbers (see the README beside it). Ultralytics' loss returns the gained terms times the batch size and its trainer
 sums them; ours returns that sum directly (times the global image count, the local batch here), so our loss is
 compared with the sum of theirs, and the items one for one.
 """

@@ -1,7 +1,6 @@
 """YOLOv8 / YOLO11 / YOLO26 models: sizes, key names and outputs equal to Ultralytics' own models.
 
-The reference numbers and fixtures were made with Ultralytics 8.4 by
-tests/fixtures/ultralytics/make_model_fixtures.py (run by hand; the suite never imports Ultralytics).
+The reference numbers and fixtures were made with Ultralytics 8.4 (tests/fixtures/ultralytics/README.md).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Importing Ultralytics checkpoints (utils/ultralytics_compat.py): the committed fixtures, made by Ultralytics' own
-trainer (tests/fixtures/ultralytics/make_checkpoint_fixtures.py), load without running pickled code and compute
+trainer (tests/fixtures/ultralytics, see its README), load without running pickled code and compute
 Ultralytics' own outputs; payloads, other tasks, missing files and --resume get one line each."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The committed Ultralytics fixtures (tests/fixtures/ultralytics, made by make_checkpoint_fixtures.py there):
+"""The committed Ultralytics fixtures (tests/fixtures/ultralytics, described in its README):
 their fixed inputs and reference outputs, and how outputs are compared with them."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ ATOL, RTOL = 1e-4, 1e-5
 
 
 def fixed_input(shape: tuple[int, int, int, int], seed: int) -> torch.Tensor:
-    """The input of the reference outputs, made as make_checkpoint_fixtures.py makes it: smooth colour fields and
+    """The input of the reference outputs, made as it was when the fixtures were written: smooth colour fields and
     a little noise, in [0, 1]."""
     generator = torch.Generator().manual_seed(seed)
     b, c, h, w = shape
