@@ -115,27 +115,12 @@ def box_iou_exact(box1: np.ndarray, box2: np.ndarray) -> np.ndarray:
 
 def bbox_ciou(box1: torch.Tensor, box2: torch.Tensor, eps: float = 1e-7) -> torch.Tensor:
     """Element-wise Complete IoU of xywh boxes of shape (..., 4); returns shape (...)."""
-    b1_x1, b1_x2 = box1[..., 0] - box1[..., 2] / 2, box1[..., 0] + box1[..., 2] / 2
-    b1_y1, b1_y2 = box1[..., 1] - box1[..., 3] / 2, box1[..., 1] + box1[..., 3] / 2
-    b2_x1, b2_x2 = box2[..., 0] - box2[..., 2] / 2, box2[..., 0] + box2[..., 2] / 2
-    b2_y1, b2_y2 = box2[..., 1] - box2[..., 3] / 2, box2[..., 1] + box2[..., 3] / 2
-    w1, h1 = box1[..., 2], box1[..., 3] + eps
-    w2, h2 = box2[..., 2], box2[..., 3] + eps
-
-    inter = (torch.min(b1_x2, b2_x2) - torch.max(b1_x1, b2_x1)).clamp(0) * (
-        torch.min(b1_y2, b2_y2) - torch.max(b1_y1, b2_y1)
-    ).clamp(0)
-    union = w1 * h1 + w2 * h2 - inter + eps
-    iou = inter / union
-
-    enclose_w = torch.max(b1_x2, b2_x2) - torch.min(b1_x1, b2_x1)
-    enclose_h = torch.max(b1_y2, b2_y2) - torch.min(b1_y1, b2_y1)
-    diag_sq = enclose_w**2 + enclose_h**2 + eps
+    corners1 = (box1[..., 0] - box1[..., 2] / 2, box1[..., 1] - box1[..., 3] / 2,
+                box1[..., 0] + box1[..., 2] / 2, box1[..., 1] + box1[..., 3] / 2)
+    corners2 = (box2[..., 0] - box2[..., 2] / 2, box2[..., 1] - box2[..., 3] / 2,
+                box2[..., 0] + box2[..., 2] / 2, box2[..., 1] + box2[..., 3] / 2)
     centre_dist_sq = (box2[..., 0] - box1[..., 0]) ** 2 + (box2[..., 1] - box1[..., 1]) ** 2
-    v = (4 / math.pi**2) * (torch.atan(w2 / h2) - torch.atan(w1 / h1)) ** 2
-    with torch.no_grad():
-        alpha = v / (v - iou + (1 + eps))
-    return iou - (centre_dist_sq / diag_sq + v * alpha)
+    return _ciou(corners1, corners2, (box1[..., 2], box1[..., 3]), (box2[..., 2], box2[..., 3]), centre_dist_sq, eps)
 
 
 def bbox_ciou_xyxy(box1: torch.Tensor, box2: torch.Tensor, eps: float = 1e-7) -> torch.Tensor:
@@ -144,11 +129,22 @@ def bbox_ciou_xyxy(box1: torch.Tensor, box2: torch.Tensor, eps: float = 1e-7) ->
     The corner form of ``bbox_ciou``, for callers whose boxes are corners already (the anchor-free loss and its
     assigner): converting them to centre form and back would cost rounding on every coordinate.
     """
-    b1_x1, b1_y1, b1_x2, b1_y2 = box1.unbind(-1)
-    b2_x1, b2_y1, b2_x2, b2_y2 = box2.unbind(-1)
-    w1, h1 = b1_x2 - b1_x1, b1_y2 - b1_y1 + eps
-    w2, h2 = b2_x2 - b2_x1, b2_y2 - b2_y1 + eps
+    b1_x1, b1_y1, b1_x2, b1_y2 = corners1 = box1.unbind(-1)
+    b2_x1, b2_y1, b2_x2, b2_y2 = corners2 = box2.unbind(-1)
+    # Twice each centre's coordinates, so (sum of differences)^2 / 4 is the squared centre distance.
+    centre_dist_sq = ((b2_x1 + b2_x2 - b1_x1 - b1_x2) ** 2 + (b2_y1 + b2_y2 - b1_y1 - b1_y2) ** 2) / 4
+    return _ciou(corners1, corners2, (b1_x2 - b1_x1, b1_y2 - b1_y1), (b2_x2 - b2_x1, b2_y2 - b2_y1), centre_dist_sq,
+                 eps)
 
+
+def _ciou(corners1: tuple[torch.Tensor, ...], corners2: tuple[torch.Tensor, ...],
+          wh1: tuple[torch.Tensor, torch.Tensor], wh2: tuple[torch.Tensor, torch.Tensor], centre_dist_sq: torch.Tensor,
+          eps: float) -> torch.Tensor:
+    """CIoU from both boxes' corners (x1, y1, x2, y2), widths and heights, and their squared centre distance:
+    each public form passes the values it has exactly, so neither rounds through the other's."""
+    b1_x1, b1_y1, b1_x2, b1_y2 = corners1
+    b2_x1, b2_y1, b2_x2, b2_y2 = corners2
+    (w1, h1), (w2, h2) = (wh1[0], wh1[1] + eps), (wh2[0], wh2[1] + eps)
     inter = (torch.min(b1_x2, b2_x2) - torch.max(b1_x1, b2_x1)).clamp(0) * (
         torch.min(b1_y2, b2_y2) - torch.max(b1_y1, b2_y1)
     ).clamp(0)
@@ -158,8 +154,6 @@ def bbox_ciou_xyxy(box1: torch.Tensor, box2: torch.Tensor, eps: float = 1e-7) ->
     enclose_w = torch.max(b1_x2, b2_x2) - torch.min(b1_x1, b2_x1)
     enclose_h = torch.max(b1_y2, b2_y2) - torch.min(b1_y1, b2_y1)
     diag_sq = enclose_w**2 + enclose_h**2 + eps
-    # Twice each centre's coordinates, so (sum of differences)^2 / 4 is the squared centre distance.
-    centre_dist_sq = ((b2_x1 + b2_x2 - b1_x1 - b1_x2) ** 2 + (b2_y1 + b2_y2 - b1_y1 - b1_y2) ** 2) / 4
     v = (4 / math.pi**2) * (torch.atan(w2 / h2) - torch.atan(w1 / h1)) ** 2
     with torch.no_grad():
         alpha = v / (v - iou + (1 + eps))
