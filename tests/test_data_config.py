@@ -118,3 +118,24 @@ def test_label_paths_and_extensions() -> None:
         assert is_image_file(name)
     for name in ("a.gif", "a.txt", "jpg"):
         assert not is_image_file(name)
+
+
+def test_folder_listing_recurses_keeps_linked_files_and_skips_linked_folders(tmp_path: Path) -> None:
+    # The rules of Path.rglob("*") + is_file(), which the listing replaced (it stats no file it need not).
+    images = tmp_path / "images"
+    (images / "sub" / "deeper").mkdir(parents=True)
+    (images / ".hidden").mkdir()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for f in (images / "z.jpg", images / "sub" / "a.png", images / "sub" / "deeper" / "b.JPG",
+              images / ".hidden" / "c.jpg", outside / "d.jpg"):
+        f.write_bytes(b"x")
+    (images / "notes.txt").write_text("not an image")
+    (images / "folder.jpg").mkdir()  # a folder named like an image is not one
+    (images / "linked.jpg").symlink_to(outside / "d.jpg")  # a linked file is listed
+    (images / "broken.jpg").symlink_to(tmp_path / "missing.jpg")  # a dangling link is not
+    (images / "linked_folder").symlink_to(outside, target_is_directory=True)  # a linked folder is not followed
+    expected = sorted(str(images / p) for p in (".hidden/c.jpg", "linked.jpg", "sub/a.png", "sub/deeper/b.JPG",
+                                                 "z.jpg"))
+    assert list_image_files(images) == expected
+    assert list_image_files(str(images) + "/") == expected

@@ -39,6 +39,26 @@ def _read_list_file(txt: Path) -> list[str]:
     return out
 
 
+def _walk_images(folder: str) -> list[str]:
+    """Image files under ``folder``, recursively, symlinked folders not followed (as Path.rglob does).
+
+    os.scandir's entries know their type from the directory listing, so a million files cost no stat call each
+    (rglob plus is_file stats every one, which made listing most of a large cache's reload time)."""
+    found: list[str] = []
+    pending = [folder]
+    while pending:
+        try:
+            with os.scandir(pending.pop()) as entries:
+                for entry in entries:
+                    if entry.is_dir(follow_symlinks=False):
+                        pending.append(entry.path)
+                    elif is_image_file(entry.name) and entry.is_file():
+                        found.append(entry.path)
+        except PermissionError:  # an unreadable subfolder is skipped, as rglob skips it
+            continue
+    return found
+
+
 def list_image_files(source: str | Path | list[str | Path]) -> list[str]:
     """All image files of a folder (recursive), a ``.txt`` list or a list of those; sorted, no duplicates.
 
@@ -49,7 +69,7 @@ def list_image_files(source: str | Path | list[str | Path]) -> list[str]:
     for src in sources:
         p = Path(src)
         if p.is_dir():
-            files += [str(f) for f in p.rglob("*") if is_image_file(f.name) and f.is_file()]
+            files += _walk_images(str(p))
         elif p.is_file() and p.suffix.lower() == ".txt":
             files += [f for f in _read_list_file(p) if is_image_file(f)]
         elif p.is_file() and is_image_file(p):
