@@ -116,10 +116,10 @@ def test_short_training_learns_more_with_the_new_defaults_than_with_the_old(tmp_
     import train
     from conftest import write_rectangles_dataset
 
-    # 8 epochs of 20 batches (nominal batch 64): 40 optimizer steps. 15 steps, as this test first used, left
+    # 6 epochs of 20 batches (nominal batch 64): 30 optimizer steps. 15 steps, as this test first used, left
     # both runs near 0 mAP, where a one-grey-level change of a few pixels could swing the result several-fold.
     data = write_rectangles_dataset(tmp_path / "data", n_train=320, n_val=16, size=64, seed=1)
-    common = ["--data", str(data), "--imgsz", "64", "--batch-size", "16", "--epochs", "8", "--workers", "0",
+    common = ["--data", str(data), "--imgsz", "64", "--batch-size", "16", "--epochs", "6", "--workers", "0",
               "--noval", "--noautoanchor", "--noplots", "--device", "cpu", "--project", str(tmp_path), "--exist-ok"]
     old_defaults = ["--optimizer", "SGD", "--close-mosaic", "0"]  # YOLOv5's recipe
     # The two runs take one thread each and run side by side (this machine has 2 cores).
@@ -132,5 +132,5 @@ def test_short_training_learns_more_with_the_new_defaults_than_with_the_old(tmp_
         with open(tmp_path / name / "results.csv") as f:
             rows = [{k.strip(): float(v) for k, v in r.items()} for r in csv.DictReader(f)]
         final_map50[name] = rows[-1]["metrics/mAP_0.5"]
-    # Measured with data seeds 0, 1, 2: new 0.636, 0.813, 0.744; old 0.002, 0.001, 0.004.
+    # Measured with data seeds 0, 1, 2 (EPYC, AVX2): new 0.432, 0.652, 0.632; old 0.003, 0.001, 0.003.
     assert final_map50["new"] > 0.4 and final_map50["new"] > final_map50["old"] + 0.3, final_map50
