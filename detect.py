@@ -151,9 +151,9 @@ def run_options(opt: argparse.Namespace) -> DetectResults:
     if opt.augment and meta.kind != "pytorch":
         raise UserError(f"--augment needs a PyTorch .pt model (its passes change the input size); {opt.weights} is "
                         f"{meta.kind}")
-    if opt.augment and meta.layout != "yolov5":
-        raise UserError(f"--augment: test-time augmentation supports YOLOv5 models only so far; {opt.weights} is "
-                        f"{meta.family}")
+    if opt.augment and meta.layout == "end2end":
+        raise UserError("--augment needs predictions before NMS to merge its passes; --end2end gives the one-to-one "
+                        "head's final detections (leave out one of the two)")
     iou_thres = DETECT_IOU[meta.layout] if opt.iou_thres is None else opt.iou_thres
     imgsz = opt.imgsz
     if imgsz is None:

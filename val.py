@@ -107,6 +107,9 @@ def run_options(opt: argparse.Namespace) -> ValResults:
     if opt.augment and meta.kind != "pytorch":
         raise UserError(f"--augment needs a PyTorch .pt model (its passes change the input size); {opt.weights} is "
                         f"{meta.kind}")
+    if opt.augment and meta.layout == "end2end":
+        raise UserError("--augment needs predictions before NMS to merge its passes; --end2end gives the one-to-one "
+                        "head's final detections (leave out one of the two)")
     if half and meta.kind == "pytorch":
         model.half()
     half = half and meta.kind == "pytorch"

@@ -157,3 +157,22 @@ def test_ultralytics_own_export_metadata_is_read() -> None:
     assert (meta.family, meta.layout, meta.batch) == ("yolo11", "anchor_free", 1)
     with pytest.raises(UserError, match=r"an Ultralytics segment model"):
         ModelMeta.from_onnx_props({**props, "task": "segment"}, Path("seg.onnx"))
+
+
+def test_test_time_augmentation_on_ultralytics_checkpoints(tmp_path) -> None:
+    source = _images(tmp_path / "images")
+    # YOLO26 through its one-to-many head, before NMS
+    result = detect.run(weights=str(FIXTURES / FAMILIES["yolo26"]), source=str(source), imgsz=64, conf_thres=0.0,
+                        max_det=20, augment=True, nosave=True, project=str(tmp_path / "runs"))
+    assert len(result.detections) == 3
+    for det in result.detections.values():  # boxes of every pass mapped back inside the 80 x 64 images
+        assert det.shape[1] == 6 and 0 < len(det) <= 20
+        assert (det[:, :4] >= 0).all() and (det[:, [0, 2]] <= 80).all() and (det[:, [1, 3]] <= 64).all()
+    data = write_rectangles_dataset(tmp_path / "data", n_train=2, n_val=4, size=64, n_classes=3)
+    results = val.run(data=str(data), weights=str(FIXTURES / FAMILIES["yolov8"]), imgsz=64, batch_size=2, workers=0,
+                      augment=True, noplots=True, project=str(tmp_path / "val"))
+    assert results.plain is not None and results.n_images == results.plain.n_images == 4
+    # The one-to-one head's detections are final: nothing to merge (val.py makes the same check).
+    with pytest.raises(UserError, match=r"^--augment needs predictions before NMS .*--end2end"):
+        detect.run(weights=str(FIXTURES / FAMILIES["yolo26"]), source=str(source), imgsz=64, augment=True,
+                   end2end=True, project=str(tmp_path / "refused"))
