@@ -144,16 +144,12 @@ def run_options(opt: argparse.Namespace) -> DetectResults:
     from utils.boxes import scale_boxes
     from utils.data.sources import iter_source
     from utils.plots import class_colour
-    from utils.tta import tta_predict
+    from utils.tta import check_tta_applies, tta_predict
 
     device = select_device(opt.device)
     model, meta = load_for_inference(opt.weights, device, end2end=opt.end2end)
-    if opt.augment and meta.kind != "pytorch":
-        raise UserError(f"--augment needs a PyTorch .pt model (its passes change the input size); {opt.weights} is "
-                        f"{meta.kind}")
-    if opt.augment and meta.layout == "end2end":
-        raise UserError("--augment needs predictions before NMS to merge its passes; --end2end gives the one-to-one "
-                        "head's final detections (leave out one of the two)")
+    if opt.augment:
+        check_tta_applies(opt.weights, meta.kind, meta.layout)
     iou_thres = DETECT_IOU[meta.layout] if opt.iou_thres is None else opt.iou_thres
     imgsz = opt.imgsz
     if imgsz is None:

@@ -25,6 +25,7 @@ from utils.log import LOGGER, colorstr, setup_logging
 from utils.process import setup_process
 from utils.run_dir import increment_path
 from utils.torch_utils import select_device
+from utils.tta import check_tta_applies
 from utils.validation import CONF_THRES, MAX_DET, ValResults, tta_comparison, validate
 
 TASKS = ("val", "test", "speed")
@@ -104,12 +105,8 @@ def run_options(opt: argparse.Namespace) -> ValResults:
     half = opt.half and device.type == "cuda"
     model, meta = load_for_inference(opt.weights, device, end2end=opt.end2end)
     family = family_of(meta.family)  # an exported file names it in its metadata (models/backends.py)
-    if opt.augment and meta.kind != "pytorch":
-        raise UserError(f"--augment needs a PyTorch .pt model (its passes change the input size); {opt.weights} is "
-                        f"{meta.kind}")
-    if opt.augment and meta.layout == "end2end":
-        raise UserError("--augment needs predictions before NMS to merge its passes; --end2end gives the one-to-one "
-                        "head's final detections (leave out one of the two)")
+    if opt.augment:
+        check_tta_applies(opt.weights, meta.kind, meta.layout)
     if half and meta.kind == "pytorch":
         model.half()
     half = half and meta.kind == "pytorch"

@@ -15,9 +15,23 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from utils.errors import UserError
+
 TTA_SCALES: tuple[float, ...] = (1.0, 0.83, 0.67)
 TTA_FLIPS: tuple[str | None, ...] = (None, "lr", None)
 PAD_VALUE = 0.447  # grey (114 / 255) for the padding to a stride multiple, as letterboxing uses
+
+
+def check_tta_applies(weights: str, kind: str, layout: str) -> None:
+    """Refuse --augment in one line where it cannot work: for val.py and detect.py alike.
+
+    ``kind`` and ``layout`` are the loaded model's (models/backends.py ModelMeta)."""
+    if kind != "pytorch":
+        raise UserError(f"--augment needs a PyTorch .pt model (its passes change the input size); {weights} is "
+                        f"{kind}")
+    if layout == "end2end":
+        raise UserError("--augment needs predictions before NMS to merge its passes; --end2end gives the one-to-one "
+                        "head's final detections (leave out one of the two)")
 
 
 def scale_images(imgs: torch.Tensor, scale: float, stride: int) -> torch.Tensor:
