@@ -55,19 +55,19 @@ def main() -> int:
         project=str(out / "ultralytics"), name="speed", exist_ok=True)
     print(f"{args.cfg} on {Path(args.data).name}: {args.epochs} epochs at {args.imgsz}, batch {args.batch_size}, "
           f"{args.workers} workers, CPU, last epoch validated", flush=True)
+    def ours() -> dict:
+        runs = {}
+        for label, extra in variants.items():
+            name = label.replace(" --", "_").replace("-", "_")
+            runs[label] = run_timed([sys.executable, "train.py", *common, "--name", name, *extra], ROOT,
+                                    out / f"{name}.log")
+        return runs
+
+    def theirs() -> dict:
+        return {"Ultralytics": run_timed(ultralytics_cmd, out, out / "ultralytics.log", env=ultralytics_env(out))}
+
     ratios: dict[str, list[tuple[float, float]]] = {label: [] for label in variants}
     for pair in range(args.pairs):
-        def ours() -> dict:
-            runs = {}
-            for label, extra in variants.items():
-                name = label.replace(" --", "_").replace("-", "_")
-                runs[label] = run_timed([sys.executable, "train.py", *common, "--name", name, *extra], ROOT,
-                                        out / f"{name}.log")
-            return runs
-
-        def theirs() -> dict:
-            return {"Ultralytics": run_timed(ultralytics_cmd, out, out / "ultralytics.log", env=ultralytics_env(out))}
-
         # Alternate which trainer goes first: the machine's speed drifts, and a fixed order would bias the pairs.
         measured = {**ours(), **theirs()} if pair % 2 == 0 else {**theirs(), **ours()}
         first = "ours" if pair % 2 == 0 else "Ultralytics"
