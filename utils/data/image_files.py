@@ -54,7 +54,7 @@ def _walk_images(folder: str) -> list[str]:
                         pending.append(entry.path)
                     elif is_image_file(entry.name) and entry.is_file():
                         found.append(entry.path)
-        except PermissionError:  # an unreadable subfolder is skipped, as rglob skips it
+        except OSError:  # a subfolder unreadable or gone since it was listed is skipped, as rglob skips it
             continue
     return found
 
