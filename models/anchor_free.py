@@ -41,8 +41,9 @@ def make_anchors(feats_or_shapes: Sequence[torch.Tensor] | Sequence[Sequence[int
         dtype, device = torch.float32, torch.device("cpu")
     points, point_strides = [], []
     for (ny, nx), stride in zip(sizes, strides):
-        xs = torch.arange(nx, device=device, dtype=dtype) + offset
-        ys = torch.arange(ny, device=device, dtype=dtype) + offset
+        # arange in fp32, then cast: the ONNX exporter cannot infer a Range of fp16 (an --half export fails).
+        xs = torch.arange(nx, device=device, dtype=torch.float32).to(dtype) + offset
+        ys = torch.arange(ny, device=device, dtype=torch.float32).to(dtype) + offset
         grid_y, grid_x = torch.meshgrid(ys, xs, indexing="ij")
         points.append(torch.stack((grid_x, grid_y), -1).view(-1, 2))
         # A tensor stride stays a tensor (no host sync on a GPU).

@@ -73,8 +73,9 @@ class Detect(nn.Module):
         # and reading it does not wait for the device.
         key = (level, nx, ny, device, dtype, self.anchors.data_ptr(), self.anchors._version)
         if key not in self._grid_cache:
-            ys, xs = torch.meshgrid(torch.arange(ny, device=device, dtype=dtype),
-                                    torch.arange(nx, device=device, dtype=dtype), indexing="ij")
+            # arange in fp32, then cast: the ONNX exporter cannot infer a Range of fp16 (an --half export fails).
+            ys, xs = torch.meshgrid(torch.arange(ny, device=device, dtype=torch.float32).to(dtype),
+                                    torch.arange(nx, device=device, dtype=torch.float32).to(dtype), indexing="ij")
             grid = torch.stack((xs, ys), 2).view(1, 1, ny, nx, 2) - 0.5
             anchor_grid = (self.anchors[level] * self.stride[level]).view(1, self.na, 1, 1, 2).to(dtype)
             self._grid_cache = {k: v for k, v in self._grid_cache.items() if k[0] != level}

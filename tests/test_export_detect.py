@@ -15,6 +15,7 @@ import export
 from models.backends import load_for_inference, predictions
 from models.yolo import Model
 from utils.checkpoint import model_state, save_checkpoint
+from utils.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -125,3 +126,36 @@ def test_detect_reports_a_missing_source_in_one_line(tmp_path, weights) -> None:
     assert done.returncode == 1
     errors = [line for line in done.stdout.splitlines() if line.startswith("ERROR")]
     assert len(errors) == 1 and "nothing: source not found" in errors[0] and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("family", ["yolov5", "yolo11"])
+def test_an_fp16_model_exports_to_onnx(tmp_path, weights, family) -> None:
+    """What export.py --half does on a GPU, on the CPU's fp16 kernels: the anchor grids' Range must not be fp16,
+    which the ONNX exporter cannot type."""
+    import onnx
+
+    from models.backends import PredictionsOnly
+    from tests.ultralytics_reference import FIXTURES
+
+    source = weights if family == "yolov5" else FIXTURES / "yolo11-final.pt"
+    model, meta = load_for_inference(source)
+    meta.imgsz, meta.batch = (64, 64), 1
+    im = torch.rand(1, 3, 64, 64).half()
+    path, _ = export.export_onnx(PredictionsOnly(model.half()).eval(), im, tmp_path / "fp16.onnx", meta,
+                                 opset=export.DEFAULT_OPSET, dynamic=False, simplify=False)
+    graph = onnx.load(str(path)).graph
+    assert graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+    assert graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+    # export.py's own check of the file: onnxruntime's fp16 against PyTorch's, at the fp16 tolerance.
+    runner, _ = load_for_inference(path)
+    with torch.no_grad():
+        ref = PredictionsOnly(model)(im)
+        out = runner(im)
+    export.check_export("onnx", path, out, ref, meta.layout, torch.float16)
+    assert path.exists()
+    # ... and still refuses a file whose scores are off by 0.05 (a real fault, not rounding).
+    scores = (slice(None), slice(4, None)) if meta.layout == "anchor_free" else (Ellipsis, slice(4, None))
+    wrong = out.clone()
+    wrong[scores] += 0.05
+    with pytest.raises(UserError, match="output differs"):
+        export.check_export("onnx", path, wrong, ref, meta.layout, torch.float16)
