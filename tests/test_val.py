@@ -269,3 +269,19 @@ def test_validate_folds_batchnorm_into_a_copy_with_the_same_outputs(dataset):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     np.testing.assert_allclose(folded.losses, as_is.losses, rtol=1e-4)
     assert abs(folded.map50 - as_is.map50) < 1e-3 and folded.n_images == as_is.n_images == 6
+
+
+def test_validation_runs_without_cudnn_benchmark_and_restores_it(dataset, monkeypatch):
+    """Rectangular batches come in many shapes: cuDNN's benchmark would time each one again (utils/validation.py)."""
+    seen = []
+
+    class Recording(ColourOracle):
+        def forward(self, imgs):
+            seen.append(torch.backends.cudnn.benchmark)
+            return super().forward(imgs)
+
+    loader, _ = create_dataloader(str(dataset.parent / "images" / "val"), 128, 4, 32, rect=True, pad=0.5, workers=0)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    r = validate(Recording(), loader, names=["red", "green"], device="cpu", family=YOLOV5)
+    assert r.n_images == 6 and seen and not any(seen)
+    assert torch.backends.cudnn.benchmark is True

@@ -6,6 +6,8 @@ val.py (the command line) and train.py (each epoch, and the final validation) bo
 from __future__ import annotations
 
 import copy
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +62,25 @@ class ValResults:
 
 # ---- the validation loop ---------------------------------------------------------------------------------
 
+def without_cudnn_benchmark(fn: Callable[..., ValResults]) -> Callable[..., ValResults]:
+    """Run ``fn`` with cuDNN's benchmark off, then restore the caller's setting.
+
+    Training keeps the benchmark: one input shape, timed once, then every step runs the fastest kernels. Rectangular
+    validation batches come in many shapes, and the benchmark times each new one again at several times the cost
+    of cuDNN's heuristic choice, for no faster inference (docs/benchmarks.md, "cuDNN benchmark").
+    """
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> ValResults:
+        before = torch.backends.cudnn.benchmark
+        torch.backends.cudnn.benchmark = False
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.backends.cudnn.benchmark = before
+    return wrapper
+
+
+@without_cudnn_benchmark
 @torch.no_grad()
 def validate(
     model: torch.nn.Module,
