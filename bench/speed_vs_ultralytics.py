@@ -37,6 +37,7 @@ def main() -> int:
     p.add_argument("--imgsz", type=int, default=320)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu, or a CUDA device such as 0 (both trainers)")
     p.add_argument("--out", default=str(ROOT / "runs/bench_speed"))
     p.add_argument("--pairs", type=int, default=1, help="pairs of runs, alternating which trainer goes first")
     p.add_argument("--skip-fp32", action="store_true", help="do not also run ours with --no-amp")
@@ -46,15 +47,15 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     data_yaml = absolute_data_yaml(Path(args.data), out)
     common = ["--data", str(data_yaml), "--cfg", args.cfg, "--epochs", str(args.epochs), "--imgsz", str(args.imgsz),
-              "--batch-size", str(args.batch_size), "--workers", str(args.workers), "--device", "cpu", "--noval",
+              "--batch-size", str(args.batch_size), "--workers", str(args.workers), "--device", args.device, "--noval",
               "--noplots", "--project", str(out / "ours"), "--exist-ok"]
     variants = {"ours": []} if args.skip_fp32 else {"ours": [], "ours --no-amp": ["--no-amp"]}
     ultralytics_cmd = ultralytics_train_cmd(
         args.ultralytics_python, model=args.cfg, data=str(data_yaml), epochs=args.epochs, imgsz=args.imgsz,
-        batch=args.batch_size, workers=args.workers, device="cpu", val=False, plots=False,
+        batch=args.batch_size, workers=args.workers, device=args.device, val=False, plots=False,
         project=str(out / "ultralytics"), name="speed", exist_ok=True)
     print(f"{args.cfg} on {Path(args.data).name}: {args.epochs} epochs at {args.imgsz}, batch {args.batch_size}, "
-          f"{args.workers} workers, CPU, last epoch validated", flush=True)
+          f"{args.workers} workers, device {args.device}, last epoch validated", flush=True)
     def ours() -> dict:
         runs = {}
         for label, extra in variants.items():

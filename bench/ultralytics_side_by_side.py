@@ -4,13 +4,15 @@ Ultralytics' trainer runs as its own program: the ``yolo`` command installed bes
 --ultralytics-python (its own virtual environment), as ``yolo detect train key=value ...``, offline (YOLO_OFFLINE=1).
 Both trainers' final validation tables are read from their logs the same way. Each whole process is run
 under GNU time, which reports its wall time and its peak resident set size (the largest of the process and its
-waited-for children, as GNU time measures it).
+waited-for children, as GNU time measures it). Where GNU time is not installed (some GPU images), a Python parent
+reads the same figure from the kernel (``getrusage(RUSAGE_CHILDREN)``, the call GNU time makes).
 """
 from __future__ import annotations
 
 import os
 import re
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -20,6 +22,10 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 GNU_TIME = "/usr/bin/time"
+# GNU time's "%M %e" for a machine without it: the child's peak RSS in KiB (wait4's rusage) and its wall seconds.
+_PYTHON_TIME = ("import resource, subprocess, sys, time; t = time.perf_counter(); subprocess.call(sys.argv[2:]); "
+                "open(sys.argv[1], 'w').write(f'{resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss} "
+                "{time.perf_counter() - t:.2f}')")
 
 # The summary row of a validation table (ours and Ultralytics' alike): all, images, instances, P, R, mAP50, mAP50-95.
 _NUMBER = r"([\d.]+(?:e[+-]?\d+)?)"
@@ -40,8 +46,9 @@ def run_timed(cmd: list[str], cwd: Path, log: Path, env: dict[str, str] | None =
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log, "w") as out:
         t0 = time.perf_counter()
-        code = subprocess.call([GNU_TIME, "-f", "%M %e", "-o", str(stats), *cmd], cwd=cwd, stdout=out,
-                               stderr=subprocess.STDOUT, env=full_env)
+        timer = ([GNU_TIME, "-f", "%M %e", "-o", str(stats)] if os.access(GNU_TIME, os.X_OK) else
+                 [sys.executable, "-c", _PYTHON_TIME, str(stats)])
+        code = subprocess.call([*timer, *cmd], cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=full_env)
         wall = time.perf_counter() - t0
     fields = stats.read_text().split()
     stats.unlink()
