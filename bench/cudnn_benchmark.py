@@ -1,0 +1,79 @@
+"""cuDNN's benchmark on and off, on a CUDA GPU: what a new input shape costs the first time, and the steady step.
+
+    python bench/cudnn_benchmark.py            # yolo11n, fp16 autocast, channels_last, as train.py runs it
+
+Each setting runs in a fresh process (cuDNN keeps its choices per process). Printed per setting: the first
+inference of four rectangular validation-like shapes (batch 32, 384-480 x 640) and the same calls again, then the
+first training step at batch 64 x 640 x 640 and the median of 12 more. Why it matters: training keeps the
+benchmark (one shape), validation turns it off (utils/validation.py), where every new rectangle would be timed.
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from models.yolo import build_model  # noqa: E402
+
+VAL_HEIGHTS = (384, 416, 448, 480)
+
+
+def _timed(fn) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def measure(cfg: str, benchmark: bool) -> str:
+    torch.backends.cudnn.benchmark = benchmark
+    fmt = torch.channels_last
+    model = build_model(cfg, nc=80).cuda().to(memory_format=fmt)
+
+    def infer(h: int) -> None:
+        x = torch.rand(32, 3, h, 640, device="cuda").contiguous(memory_format=fmt)
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+            model.eval()(x)
+
+    def train_step() -> None:
+        x = torch.rand(64, 3, 640, 640, device="cuda").contiguous(memory_format=fmt)
+        with torch.autocast("cuda", dtype=torch.float16):
+            out = model.train()(x)
+        sum(o.float().mean() for o in out).backward()
+
+    first = [_timed(lambda: infer(h)) for h in VAL_HEIGHTS]
+    again = [_timed(lambda: infer(h)) for h in VAL_HEIGHTS]
+    first_step = _timed(train_step)
+    steady = sorted(_timed(train_step) for _ in range(12))[6]
+    return (f"benchmark {'on ' if benchmark else 'off'}: validation shapes first {' '.join(f'{t:.2f}' for t in first)} s, "
+            f"again {' '.join(f'{t * 1000:.0f}' for t in again)} ms; training first step {first_step:.1f} s, "
+            f"then median {steady * 1000:.1f} ms")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cfg", default="yolo11n.yaml")
+    p.add_argument("--one", choices=("on", "off"), help=argparse.SUPPRESS)  # the child process's own setting
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU")
+        return 1
+    if args.one:
+        print(measure(args.cfg, args.one == "on"), flush=True)
+        return 0
+    print(f"{args.cfg} on {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    for setting in ("off", "on"):
+        subprocess.run([sys.executable, __file__, "--cfg", args.cfg, "--one", setting], check=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
