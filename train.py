@@ -444,42 +444,45 @@ def train(opt: argparse.Namespace, device: torch.device, info: DistInfo, ckpt: d
                 f"logging to {colorstr(str(save_dir))}\nStarting training for {opt.epochs} epochs...")
     t_start, results, epoch = time.time(), (0.0,) * 7, start_epoch
     r = None  # the last validation's ValResults
-    for epoch in itertools.count(start_epoch):  # --time may change opt.epochs on the way
-        t_epoch = time.perf_counter()
-        if opt.image_weights:
-            train_loader.set_image_weights(labels_to_image_weights(dataset.labels, class_weights))
-            check_same_draw(info, train_loader.sampler.global_draw(epoch), epoch, device)
-        compute_loss.set_epoch(epoch, opt.epochs)
-        tally = train_one_epoch(t, train_loader, epoch, start_batch, tally, plots_dir=None if opt.noplots or
-                                epoch != start_epoch or not info.is_main else save_dir)
-        lrs = [g["lr"] for g in optimizer.param_groups]  # the epoch's own rates, for results.csv
-        scheduler.step()
-        decision: dict = {}
-        final = epoch + 1 == opt.epochs
-        ema.update_attributes(model)
-        if not opt.noval or final:
-            r = validate(ema.ema, val_loader, names=names, device=device, compute_loss=t.compute_loss, family=family,
-                         plots=final and not opt.noplots, verbose=final and nc < 50, save_dir=save_dir,
-                         autocast_dtype=precision.dtype, gather=info.is_distributed, main=info.is_main)
-            results = r.as_row()
-        if info.is_main:
-            if opt.image_weights and (not opt.noval or final):
-                class_weights = class_weights_from_maps(base_class_weights, r.maps)
-                decision["class_weights"] = [float(w) for w in class_weights]  # repr round-trips exactly
-            decision["stop"] = record.end_epoch(epoch, tally.means(), results if not opt.noval or
-                                                final else None, lrs, checkpoint(epoch, None), final)
-            t.logger.log_epoch(epoch, dict(zip(columns[1:], [*tally.means().tolist(), *results, *lrs])))
-            if opt.time:
-                decision.update(fit_to_time(opt, epoch, start_epoch, time.time() - t_start,
-                                            time.perf_counter() - t_epoch))
-        decision = json.loads(rank_zero_decides(info, json.dumps(decision)))  # the others wait on the store
-        if decision.get("class_weights") is not None:
-            class_weights = np.array(decision["class_weights"], dtype=np.float64)
-        if decision.get("epochs"):
-            refit_schedule(t, scheduler, train_loader, opt, decision["epochs"])
-        if decision.get("stop") or epoch + 1 >= opt.epochs:
-            break
-        start_batch, tally = 0, LossTally()
+    # On an error, the checkpoint being written in the background is finished first (rank 0 writes them).
+    with record.kept_on_error() if record is not None else contextlib.nullcontext():
+        for epoch in itertools.count(start_epoch):  # --time may change opt.epochs on the way
+            t_epoch = time.perf_counter()
+            if opt.image_weights:
+                train_loader.set_image_weights(labels_to_image_weights(dataset.labels, class_weights))
+                check_same_draw(info, train_loader.sampler.global_draw(epoch), epoch, device)
+            compute_loss.set_epoch(epoch, opt.epochs)
+            tally = train_one_epoch(t, train_loader, epoch, start_batch, tally, plots_dir=None if opt.noplots or
+                                    epoch != start_epoch or not info.is_main else save_dir)
+            lrs = [g["lr"] for g in optimizer.param_groups]  # the epoch's own rates, for results.csv
+            scheduler.step()
+            decision: dict = {}
+            final = epoch + 1 == opt.epochs
+            ema.update_attributes(model)
+            if not opt.noval or final:
+                r = validate(ema.ema, val_loader, names=names, device=device, compute_loss=t.compute_loss,
+                             family=family, plots=final and not opt.noplots, verbose=final and nc < 50,
+                             save_dir=save_dir, autocast_dtype=precision.dtype, gather=info.is_distributed,
+                             main=info.is_main)
+                results = r.as_row()
+            if info.is_main:
+                if opt.image_weights and (not opt.noval or final):
+                    class_weights = class_weights_from_maps(base_class_weights, r.maps)
+                    decision["class_weights"] = [float(w) for w in class_weights]  # repr round-trips exactly
+                decision["stop"] = record.end_epoch(epoch, tally.means(), results if not opt.noval or
+                                                    final else None, lrs, checkpoint(epoch, None), final)
+                t.logger.log_epoch(epoch, dict(zip(columns[1:], [*tally.means().tolist(), *results, *lrs])))
+                if opt.time:
+                    decision.update(fit_to_time(opt, epoch, start_epoch, time.time() - t_start,
+                                                time.perf_counter() - t_epoch))
+            decision = json.loads(rank_zero_decides(info, json.dumps(decision)))  # the others wait on the store
+            if decision.get("class_weights") is not None:
+                class_weights = np.array(decision["class_weights"], dtype=np.float64)
+            if decision.get("epochs"):
+                refit_schedule(t, scheduler, train_loader, opt, decision["epochs"])
+            if decision.get("stop") or epoch + 1 >= opt.epochs:
+                break
+            start_batch, tally = 0, LossTally()
 
     # ---- final validation --------------------------------------------------------------------------------
     del train_loader  # ends the training workers before the last validation

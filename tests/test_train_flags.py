@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import math
 import os
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -319,6 +320,12 @@ def test_diverged_training_stops_with_one_line_and_keeps_the_good_checkpoint(tra
     good = load_checkpoint(last)
     monkeypatch.setattr(train, "MAX_NONFINITE_STEPS", 2)
     _poison_loss(monkeypatch, set(range(1000)))
+    # A slow disk: epoch 1's checkpoint is still being written when epoch 2 fails. The error must wait for it.
+    def slow_save(ckpt, path):
+        time.sleep(1.5)
+        save_checkpoint(ckpt, path)
+
+    monkeypatch.setattr(run_record_module, "save_checkpoint", slow_save)
     status, log = train_here("--resume", last, "--epochs", "4")
     assert status == 1
     assert log.splitlines()[-1].startswith("ERROR epoch 2 batch 1: 2 optimizer steps in a row had non-finite")

@@ -6,7 +6,9 @@ tensor), so training goes on while the file is written and never waits longer th
 """
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -121,3 +123,16 @@ class RunRecord:
     def close(self) -> None:
         """Wait for the checkpoint being written (before reading it back, and before the process ends)."""
         self.writer.flush()
+
+    @contextlib.contextmanager
+    def kept_on_error(self) -> Iterator[None]:
+        """An error leaving the block (a diverged run, Ctrl-C, a lost rank) first waits for the checkpoint being
+        written: the writer is a daemon thread, and the process would end it mid-write, losing the last epoch."""
+        try:
+            yield
+        except BaseException:
+            try:
+                self.writer.flush()
+            except Exception as e:  # the error on its way out is the one to report
+                LOGGER.warning(f"WARNING the last checkpoint was not written: {e}")
+            raise
