@@ -1,6 +1,6 @@
 """Train a YOLOv5, YOLOv8, YOLO11 or YOLO26 detector (the model family decides its loss, NMS and hyp file).
 
-    python train.py                                   # yolov5n on the built-in shapes set, CPU or GPU 0
+    python train.py                                   # yolo11n on the built-in shapes set, CPU or GPU 0
     python train.py --data path/to/data.yaml --cfg yolo11n.yaml --epochs 100 --img 640
     python train.py --data path/to/data.yaml --weights yolo11n.pt   # fine-tune an Ultralytics checkpoint
     python -m torch.distributed.run --nproc_per_node 4 train.py --device 0,1,2,3 --batch-size 64
@@ -67,13 +67,14 @@ from utils.validation import validate
 
 ROOT = Path(__file__).resolve().parent
 MAX_NONFINITE_STEPS = 25  # in a row: training has diverged
-DEFAULT_MODEL = ROOT / "models/yolov5n.yaml"
 
 
 DEMO_DATA = ROOT / "data/shapes.yaml"
-# `python train.py` trains the built-in demo in a few minutes; any other dataset gets YOLOv5's size and length.
-DEMO_PRESET = {"imgsz": 192, "epochs": 30}
-DATASET_PRESET = {"imgsz": 640, "epochs": 100}
+# `python train.py` trains the built-in demo in a few minutes: yolo11n, whose 22 epochs take about the time of
+# yolov5n's 30 on a CPU without bf16, at a far higher mAP (docs/benchmarks.md). Any other dataset gets YOLOv5's model,
+# size and length. The model applies only to a run from scratch (no --weights, no --resume).
+DEMO_PRESET = {"cfg": "yolo11n.yaml", "imgsz": 192, "epochs": 22}
+DATASET_PRESET = {"cfg": "yolov5n.yaml", "imgsz": 640, "epochs": 100}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,7 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     model = p.add_argument_group("model")
     model.add_argument("--weights", default="", help="checkpoint to start from (ours or YOLOv5's; '' trains from "
                                                      "scratch)")
-    model.add_argument("--cfg", default="", help="model YAML (default: yolov5n.yaml, or the config inside --weights)")
+    model.add_argument("--cfg", default=None,
+                       help=f"model YAML (default: the config inside --weights; from scratch {DEMO_PRESET['cfg']} on "
+                            f"the built-in demo, {DATASET_PRESET['cfg']} on any other --data)")
     model.add_argument("--freeze", nargs="+", type=int, default=[0],
                        help="freeze the first N layers, or listed layers")
     model.add_argument("--noautoanchor", action="store_true", help="keep the model's anchors as they are")
@@ -165,8 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_opt(argv: list[str] | None = None) -> tuple[argparse.Namespace, set[str]]:
     """The command line, and the names of the options the user gave explicitly.
 
-    ``--imgsz`` and ``--epochs`` left out take the preset of the data (``training_preset``); a resumed run then
-    replaces them with its own (utils/checkpoint.py resumed_options).
+    ``--cfg`` (from scratch), ``--imgsz`` and ``--epochs`` left out take the preset of the data
+    (``training_preset``); a resumed run then replaces them with its own (utils/checkpoint.py resumed_options).
     """
     argv = sys.argv[1:] if argv is None else argv
     opt = build_parser().parse_args(argv)
@@ -174,11 +177,17 @@ def parse_opt(argv: list[str] | None = None) -> tuple[argparse.Namespace, set[st
     probe = build_parser()
     probe.set_defaults(**{name: unset for name in vars(opt)})
     explicit = {name for name, value in vars(probe.parse_args(argv)).items() if value is not unset}
-    for name, value in training_preset(opt.data)[1].items():
+    for name, value in preset_values(opt, training_preset(opt.data)[1]).items():
         if getattr(opt, name) is None:
             setattr(opt, name, value)
     opt.argv = list(argv)
     return opt, explicit
+
+
+def preset_values(opt: argparse.Namespace, preset: dict[str, int | str]) -> dict[str, int | str]:
+    """The preset's values that can apply to this run: its model only to a run from scratch."""
+    from_scratch = not (opt.weights or opt.resume)
+    return {name: value for name, value in preset.items() if name != "cfg" or from_scratch}
 
 
 def is_demo_data(data: str | Path) -> bool:
@@ -186,7 +195,7 @@ def is_demo_data(data: str | Path) -> bool:
     return data_yaml_path(data) == DEMO_DATA.resolve()
 
 
-def training_preset(data: str | Path) -> tuple[str, dict[str, int]]:
+def training_preset(data: str | Path) -> tuple[str, dict[str, int | str]]:
     """The name and values of the defaults for ``--data``: the demo's for the built-in set, YOLOv5's otherwise."""
     if is_demo_data(data):
         return "the built-in demo's", DEMO_PRESET
@@ -194,9 +203,9 @@ def training_preset(data: str | Path) -> tuple[str, dict[str, int]]:
 
 
 def preset_line(opt: argparse.Namespace, explicit: set[str]) -> str | None:
-    """The one log line saying which preset gave --imgsz/--epochs; None when both were given or a run resumes."""
+    """The one log line saying which preset gave --cfg/--imgsz/--epochs; None when all were given or a run resumes."""
     name, preset = training_preset(opt.data)
-    taken = [f"--{k} {preset[k]}" for k in preset if k not in explicit]
+    taken = [f"--{k} {v}" for k, v in preset_values(opt, preset).items() if k not in explicit]
     if opt.resume or not taken:
         return None
     return f"defaults: {' '.join(taken)} (preset: {name})"
@@ -705,7 +714,7 @@ def model_config(opt: argparse.Namespace, ckpt: dict | None, source: dict | None
     """The config of the model a run trains: the resumed run's, --cfg, the --weights checkpoint's, or the default."""
     if ckpt:
         return ckpt["model_cfg"]
-    return load_model_config(opt.cfg or (source["model_cfg"] if source else DEFAULT_MODEL))
+    return load_model_config(opt.cfg or source["model_cfg"])  # without --weights the preset gave --cfg
 
 
 def create_model(opt: argparse.Namespace, nc: int, names: list[str], hyp: Hyp, ckpt: dict | None,
@@ -718,7 +727,7 @@ def create_model(opt: argparse.Namespace, nc: int, names: list[str], hyp: Hyp, c
         # Anchors come with the weights unless another config or anchor count is asked for (AutoAnchor may refit).
         return build_model(opt.cfg or source["model_cfg"], nc=nc, weights=model_weights(source), transfer=True,
                            keep_anchors=not (opt.cfg or hyp.anchors), anchors=hyp.anchors, names=names)
-    return build_model(opt.cfg or DEFAULT_MODEL, nc=nc, anchors=hyp.anchors, names=names)
+    return build_model(opt.cfg, nc=nc, anchors=hyp.anchors, names=names)
 
 
 def resume_search(opt: argparse.Namespace, explicit: set[str]) -> list[Path]:

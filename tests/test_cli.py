@@ -106,16 +106,21 @@ def test_detect_needs_a_source(capsys) -> None:
 def test_the_demo_preset_applies_to_the_built_in_data_only(rectangles_yaml) -> None:
     for argv in ([], ["--data", "shapes.yaml"], ["--data", str(train.ROOT / "data/shapes.yaml")]):
         opt, explicit = train.parse_opt(argv)
-        assert (opt.imgsz, opt.epochs) == (192, 30), argv
-        assert train.preset_line(opt, explicit) == "defaults: --imgsz 192 --epochs 30 (preset: the built-in demo's)"
+        assert (opt.cfg, opt.imgsz, opt.epochs) == ("yolo11n.yaml", 192, 22), argv
+        assert train.preset_line(opt, explicit) == ("defaults: --cfg yolo11n.yaml --imgsz 192 --epochs 22 "
+                                                    "(preset: the built-in demo's)")
     opt, explicit = train.parse_opt(["--data", str(rectangles_yaml)])
-    assert (opt.imgsz, opt.epochs) == (640, 100)
-    assert "--imgsz 640 --epochs 100 (preset: YOLOv5's, for any --data but" in train.preset_line(opt, explicit)
+    assert (opt.cfg, opt.imgsz, opt.epochs) == ("yolov5n.yaml", 640, 100)
+    assert "--cfg yolov5n.yaml --imgsz 640 --epochs 100 (preset: YOLOv5's, for any --data but" in train.preset_line(
+        opt, explicit)
     opt, explicit = train.parse_opt(["--data", str(rectangles_yaml), "--img", "320"])  # explicit flags win
     assert (opt.imgsz, opt.epochs) == (320, 100)
-    assert train.preset_line(opt, explicit).startswith("defaults: --epochs 100 ")
-    opt, explicit = train.parse_opt(["--epochs", "3", "--imgsz", "64"])
-    assert (opt.imgsz, opt.epochs) == (64, 3) and train.preset_line(opt, explicit) is None
+    assert train.preset_line(opt, explicit).startswith("defaults: --cfg yolov5n.yaml --epochs 100 ")
+    opt, explicit = train.parse_opt(["--cfg", "yolov8n.yaml", "--epochs", "3", "--imgsz", "64"])
+    assert (opt.cfg, opt.imgsz, opt.epochs) == ("yolov8n.yaml", 64, 3) and train.preset_line(opt, explicit) is None
+    # A model from --weights is the checkpoint's own: the preset gives no --cfg then.
+    opt, explicit = train.parse_opt(["--weights", "some.pt", "--epochs", "3", "--imgsz", "64"])
+    assert opt.cfg is None and train.preset_line(opt, explicit) is None
     # The other defaults do not depend on the data.
     assert vars(train.parse_opt([])[0]).keys() == vars(train.parse_opt(["--data", str(rectangles_yaml)])[0]).keys()
     assert train.parse_opt(["--data", str(rectangles_yaml)])[0].batch_size == train.parse_opt([])[0].batch_size
