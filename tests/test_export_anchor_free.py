@@ -147,6 +147,26 @@ def test_detect_and_val_run_on_ultralytics_checkpoints(tmp_path) -> None:
             assert 0 < results.n_detections <= 4 * 300
 
 
+def test_detect_on_a_video_with_an_ultralytics_checkpoint(tmp_path) -> None:
+    import cv2
+
+    video = tmp_path / "clip.mp4"
+    writer = cv2.VideoWriter(str(video), cv2.VideoWriter_fourcc(*"mp4v"), 10, (96, 64))
+    for i in range(3):
+        frame = np.full((64, 96, 3), 120, np.uint8)
+        cv2.rectangle(frame, (5 + 6 * i, 10), (45 + 6 * i, 50), (40, 40, 220), -1)
+        writer.write(frame)
+    writer.release()
+    for family, end2end in (("yolo11", False), ("yolo26", True)):
+        result = detect.run(weights=str(FIXTURES / FAMILIES[family]), source=str(video), imgsz=64, conf_thres=0.0,
+                            max_det=10, project=str(tmp_path / "runs"), name=family, end2end=end2end)
+        assert sorted(result.detections) == [f"{video}:{i}" for i in range(3)]
+        assert all(det.shape[1] == 6 and 0 < len(det) <= 10 for det in result.detections.values())
+        out = cv2.VideoCapture(str(result.save_dir / "clip.mp4"))
+        assert out.isOpened() and int(out.get(cv2.CAP_PROP_FRAME_COUNT)) == 3
+        out.release()
+
+
 def test_ultralytics_own_export_metadata_is_read() -> None:
     """An ONNX file exported by Ultralytics (its metadata_props as committed) describes itself to our backends."""
     from models.backends import ModelMeta

@@ -241,13 +241,14 @@ def test_two_gloo_ranks_exact_epochs_distributed_val_and_node_cache(converted, t
 
 @pytest.mark.slow
 def test_train_py_on_two_ranks_from_shards(converted, tmp_path) -> None:
+    """An anchor-free family (yolo11n) from shards on two ranks: the data path does not depend on the family."""
     _, shard_yaml = converted
     import train
 
     before = set(Path("/dev/shm").glob("yolo-train-cache-*"))  # other tests may run beside this one
-    argv = ["--data", str(shard_yaml), "--project", str(tmp_path), "--name", "exp", "--imgsz", "64", "--batch-size",
-            "8", "--workers", "1", "--noautoanchor", "--device", "cpu", "--epochs", "1", "--noplots", "--cache", "ram",
-            "--shard-window", "8"]
+    argv = ["--data", str(shard_yaml), "--cfg", "yolo11n.yaml", "--project", str(tmp_path), "--name", "exp", "--imgsz",
+            "64", "--batch-size", "8", "--workers", "1", "--device", "cpu", "--epochs", "1", "--noplots", "--cache",
+            "ram", "--shard-window", "8"]
     codes, outputs = main_on_ranks(train.main, argv, 2, tmp_path)
     assert codes == [0, 0], "".join(outputs)[-3000:]
     assert "one copy shared by the 2 ranks of this node" in outputs[0]
