@@ -814,10 +814,12 @@ def refit_schedule(t: Training, scheduler, loader, opt: argparse.Namespace, epoc
 
 
 def freeze_layers(model: nn.Module, freeze: list[int]) -> None:
+    """--freeze: stop training the listed layers. Parameters a model keeps fixed itself (the DFL head's bins) stay
+    fixed: trainable, they would get no gradient, and DDP stops at a parameter that takes no part in the loss."""
     layers = [f"model.{x}." for x in (freeze if len(freeze) > 1 else range(freeze[0]))]
     for name, p in model.named_parameters():
-        p.requires_grad = not any(name.startswith(prefix) for prefix in layers)
-        if not p.requires_grad:
+        if any(name.startswith(prefix) for prefix in layers):
+            p.requires_grad = False
             LOGGER.debug(f"freezing {name}")
 
 

@@ -468,3 +468,17 @@ def test_time_refits_the_schedule_and_close_mosaic(train_here, rectangles_yaml, 
                                                        rel=1e-5)
     assert {e for e, enabled in mosaic_epochs if enabled} == {0, 1} and {e for e, on in mosaic_epochs if not on} == {2}
     assert "1 epochs completed" not in log and "3 epochs completed" in log
+
+
+def test_freeze_keeps_what_the_model_fixes_itself_and_freezes_only_the_layers_asked_for() -> None:
+    """The DFL bins take no part in the training loss: made trainable, DDP stops at them (an unused parameter)."""
+    from models.yolo import build_model
+
+    model = build_model("yolo11n.yaml", nc=2)
+    train.freeze_layers(model, [0])
+    frozen = sorted(name for name, p in model.named_parameters() if not p.requires_grad)
+    assert frozen == ["model.23.dfl.conv.weight"]
+    train.freeze_layers(model, [2])
+    first_two = {name for name, _ in model.named_parameters() if name.startswith(("model.0.", "model.1."))}
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    assert first_two and frozen == {"model.23.dfl.conv.weight"} | first_two
