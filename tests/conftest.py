@@ -52,6 +52,17 @@ def write_rectangles_dataset(root: Path, n_train: int = 16, n_val: int = 8, size
     return yaml_file
 
 
+def write_video(path: Path, frames: int) -> Path:
+    """A small mp4 (96x64, 10 fps) of a red rectangle moving right by 6 px a frame."""
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), 10, (96, 64))
+    for i in range(frames):
+        frame = np.full((64, 96, 3), 120, np.uint8)
+        cv2.rectangle(frame, (5 + 6 * i, 10), (45 + 6 * i, 50), (40, 40, 220), -1)
+        writer.write(frame)
+    writer.release()
+    return path
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

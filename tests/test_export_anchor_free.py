@@ -16,7 +16,7 @@ import detect
 import export
 import val
 from models.backends import load_for_inference
-from tests.conftest import write_rectangles_dataset
+from tests.conftest import write_rectangles_dataset, write_video
 from tests.ultralytics_reference import (FIXTURES, assert_close_to_ultralytics, assert_same_end2end_detections,
                                          reference)
 from utils.errors import UserError
@@ -150,13 +150,7 @@ def test_detect_and_val_run_on_ultralytics_checkpoints(tmp_path) -> None:
 def test_detect_on_a_video_with_an_ultralytics_checkpoint(tmp_path) -> None:
     import cv2
 
-    video = tmp_path / "clip.mp4"
-    writer = cv2.VideoWriter(str(video), cv2.VideoWriter_fourcc(*"mp4v"), 10, (96, 64))
-    for i in range(3):
-        frame = np.full((64, 96, 3), 120, np.uint8)
-        cv2.rectangle(frame, (5 + 6 * i, 10), (45 + 6 * i, 50), (40, 40, 220), -1)
-        writer.write(frame)
-    writer.release()
+    video = write_video(tmp_path / "clip.mp4", frames=3)
     for family, end2end in (("yolo11", False), ("yolo26", True)):
         result = detect.run(weights=str(FIXTURES / FAMILIES[family]), source=str(video), imgsz=64, conf_thres=0.0,
                             max_det=10, project=str(tmp_path / "runs"), name=family, end2end=end2end)

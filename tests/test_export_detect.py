@@ -14,6 +14,7 @@ import detect
 import export
 from models.backends import load_for_inference, predictions
 from models.yolo import Model
+from tests.conftest import write_video
 from utils.checkpoint import model_state, save_checkpoint
 from utils.errors import UserError
 
@@ -104,13 +105,7 @@ def test_detect_skips_a_broken_image_and_agrees_across_formats(tmp_path, weights
 
 
 def test_detect_on_a_video(tmp_path, weights) -> None:
-    video = tmp_path / "clip.mp4"
-    writer = cv2.VideoWriter(str(video), cv2.VideoWriter_fourcc(*"mp4v"), 10, (96, 64))
-    for i in range(4):
-        frame = np.full((64, 96, 3), 120, np.uint8)
-        cv2.rectangle(frame, (5 + 6 * i, 10), (45 + 6 * i, 50), (40, 40, 220), -1)
-        writer.write(frame)
-    writer.release()
+    video = write_video(tmp_path / "clip.mp4", frames=4)
     result = detect.run(weights=str(weights), source=str(video), imgsz=64, conf_thres=0.5, save_txt=True,
                         project=str(tmp_path / "runs"))
     assert sorted(result.detections) == [f"{video}:{i}" for i in range(4)]
