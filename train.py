@@ -70,9 +70,9 @@ MAX_NONFINITE_STEPS = 25  # in a row: training has diverged
 
 
 DEMO_DATA = ROOT / "data/shapes.yaml"
-# `python train.py` trains the built-in demo in a few minutes: yolo11n, whose 22 epochs take about the time of
-# yolov5n's 30 on a CPU without bf16, at a far higher mAP (docs/benchmarks.md). Any other dataset gets YOLOv5's model,
-# size and length. The model applies only to a run from scratch (no --weights, no --resume).
+# `python train.py` trains the built-in demo in a few minutes: yolo11n, whose 22 epochs in fp32 (as a CPU without bf16
+# trains) take about the time of yolov5n's 30, at a far higher mAP (docs/benchmarks.md). Any other dataset gets
+# YOLOv5's model, size and length. The model applies only to a run from scratch (no --weights, no --resume).
 DEMO_PRESET = {"cfg": "yolo11n.yaml", "imgsz": 192, "epochs": 22}
 DATASET_PRESET = {"cfg": "yolov5n.yaml", "imgsz": 640, "epochs": 100}
 
@@ -711,7 +711,8 @@ def close_mosaic_epoch(epochs: int, close_mosaic: int) -> int | None:
 
 
 def model_config(opt: argparse.Namespace, ckpt: dict | None, source: dict | None) -> dict:
-    """The config of the model a run trains: the resumed run's, --cfg, the --weights checkpoint's, or the default."""
+    """The config of the model a run trains: the resumed run's, --cfg (given or the preset's), or the --weights
+    checkpoint's."""
     if ckpt:
         return ckpt["model_cfg"]
     return load_model_config(opt.cfg or source["model_cfg"])  # without --weights the preset gave --cfg
