@@ -53,8 +53,8 @@ def measure(cfg: str, benchmark: bool) -> str:
     again = [_timed(lambda: infer(h)) for h in VAL_HEIGHTS]
     first_step = _timed(train_step)
     steady = sorted(_timed(train_step) for _ in range(12))[6]
-    return (f"benchmark {'on ' if benchmark else 'off'}: validation shapes first {' '.join(f'{t:.2f}' for t in first)} s, "
-            f"again {' '.join(f'{t * 1000:.0f}' for t in again)} ms; training first step {first_step:.1f} s, "
+    return (f"benchmark {'on ' if benchmark else 'off'}: validation shapes first "
+            f"{' '.join(f'{t:.2f}' for t in first)} s, again {' '.join(f'{t * 1000:.0f}' for t in again)} ms; training first step {first_step:.1f} s, "
             f"then median {steady * 1000:.1f} ms")
 
 

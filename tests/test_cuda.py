@@ -42,7 +42,7 @@ def _train(*args: str, nproc: int = 0, timeout: float = 300) -> subprocess.Compl
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-def _tensors_equal(a: dict, b: dict) -> list[str]:
+def _differing_tensors(a: dict, b: dict) -> list[str]:
     return [k for k in b if not torch.equal(a[k], b[k])]
 
 
@@ -75,7 +75,7 @@ def test_resume_on_the_gpu_continues_the_same_run(rectangles_yaml, tmp_path) -> 
     a, b = load_checkpoint(cut / "last.pt"), load_checkpoint(tmp_path / "straight/exp/weights/last.pt")
     assert a["epoch"] == b["epoch"] == 1
     for key in ("model", "ema"):
-        assert not _tensors_equal(a[key], b[key]), key
+        assert not _differing_tensors(a[key], b[key]), key
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank: two ranks need two GPUs")
