@@ -177,6 +177,9 @@ def parse_opt(argv: list[str] | None = None) -> tuple[argparse.Namespace, set[st
     probe = build_parser()
     probe.set_defaults(**{name: unset for name in vars(opt)})
     explicit = {name for name, value in vars(probe.parse_args(argv)).items() if value is not unset}
+    if not opt.cfg:  # YOLOv5's commands often say --cfg '' for "no config": the same as leaving it out
+        opt.cfg = None
+        explicit.discard("cfg")
     for name, value in preset_values(opt, training_preset(opt.data)[1]).items():
         if getattr(opt, name) is None:
             setattr(opt, name, value)

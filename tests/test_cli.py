@@ -118,6 +118,9 @@ def test_the_demo_preset_applies_to_the_built_in_data_only(rectangles_yaml) -> N
     assert train.preset_line(opt, explicit).startswith("defaults: --cfg yolov5n.yaml --epochs 100 ")
     opt, explicit = train.parse_opt(["--cfg", "yolov8n.yaml", "--epochs", "3", "--imgsz", "64"])
     assert (opt.cfg, opt.imgsz, opt.epochs) == ("yolov8n.yaml", 64, 3) and train.preset_line(opt, explicit) is None
+    # --cfg '' (YOLOv5's way of saying "none") is the same as leaving it out.
+    opt, explicit = train.parse_opt(["--cfg", "", "--epochs", "3", "--imgsz", "64"])
+    assert opt.cfg == "yolo11n.yaml" and train.preset_line(opt, explicit).startswith("defaults: --cfg yolo11n.yaml ")
     # A model from --weights is the checkpoint's own: the preset gives no --cfg then.
     opt, explicit = train.parse_opt(["--weights", "some.pt", "--epochs", "3", "--imgsz", "64"])
     assert opt.cfg is None and train.preset_line(opt, explicit) is None
