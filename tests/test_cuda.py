@@ -15,14 +15,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, free_port, write_rectangles_dataset
-from test_train import results_rows
-from ultralytics_reference import FIXTURES, reference
 
 import detect
 import export
 import val
 from models.backends import load_for_inference
+from tests.conftest import ROOT, free_port, write_rectangles_dataset
+from tests.test_train import results_rows
+from tests.ultralytics_reference import FIXTURES, reference
 from utils.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
