@@ -66,8 +66,8 @@ def without_cudnn_benchmark(fn: Callable[..., ValResults]) -> Callable[..., ValR
     """Run ``fn`` with cuDNN's benchmark off, then restore the caller's setting.
 
     Training keeps the benchmark: one input shape, timed once, then every step runs the fastest kernels. Rectangular
-    validation batches come in many shapes, and the benchmark times each new one again at about twice the cost of
-    cuDNN's heuristic choice, for no faster inference (docs/benchmarks.md, "cuDNN benchmark on and off").
+    validation batches come in many shapes, and the benchmark times each new one again, at a higher cost than
+    cuDNN's heuristic choice and for no faster inference (docs/benchmarks.md, "cuDNN benchmark on and off").
     """
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> ValResults:
