@@ -7,7 +7,7 @@ import yaml
 from conftest import write_rectangles_dataset
 
 from models.families import YOLOV5
-from utils.evolve import (N_RESULTS, append_evolve_row, mutate, next_hyp, read_evolve_csv,
+from utils.engine.evolve import (N_RESULTS, append_evolve_row, mutate, next_hyp, read_evolve_csv,
                           select_parent)
 from utils.hyp import EVOLVE_LIMITS, Hyp
 

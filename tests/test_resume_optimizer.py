@@ -42,7 +42,7 @@ def test_a_resume_with_many_more_epochs_or_a_time_budget_keeps_the_runs_optimize
     old = tmp_path / "old/weights/last.pt"
     old.parent.mkdir(parents=True)
     ckpt = load_checkpoint(last)
-    ckpt["opt"]["epochs"], ckpt["opt"]["time"] = 2, None
+    ckpt["config"]["epochs"], ckpt["config"]["time"] = 2, None
     del ckpt["optimizer_choice"]
     save_checkpoint(ckpt, old)
     status, log = train_here("--resume", old, "--epochs", "10002", "--time", "0.000001")

@@ -21,11 +21,16 @@ from conftest import write_rectangles_dataset
 import train
 import utils.data.dataset as dataset_module
 import utils.data.image_source as image_source_module
-import utils.run_record as run_record_module
+import utils.engine.run_record as run_record_module
+import utils.engine.step as step_module
+import utils.engine.trainer as trainer_module
 from utils.checkpoint import load_checkpoint, save_checkpoint, strip_training_state
+from utils.engine.config import TrainConfig
+from utils.engine.run_record import RunRecord
+from utils.engine.setup import freeze_layers
+from utils.engine.time_budget import fit_to_time, time_budget
 from utils.loss import ComputeLoss
 from utils.results_log import result_columns
-from utils.run_record import RunRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -212,7 +217,7 @@ def test_nosave_writes_only_the_final_checkpoint(train_here, rectangles_yaml, tm
 
 def _batch_shapes(monkeypatch) -> list[tuple[int, int]]:
     shapes: list[tuple[int, int]] = []
-    record_calls(monkeypatch, train, "prepare_images", lambda args, imgs: shapes.append(tuple(imgs.shape[2:])))
+    record_calls(monkeypatch, step_module, "prepare_images", lambda args, imgs: shapes.append(tuple(imgs.shape[2:])))
     return shapes
 
 
@@ -318,7 +323,7 @@ def test_diverged_training_stops_with_one_line_and_keeps_the_good_checkpoint(tra
     assert status == 0, log
     last = tmp_path / "exp/weights/last.pt"
     good = load_checkpoint(last)
-    monkeypatch.setattr(train, "MAX_NONFINITE_STEPS", 2)
+    monkeypatch.setattr(step_module, "MAX_NONFINITE_STEPS", 2)
     _poison_loss(monkeypatch, set(range(1000)))
     # A slow disk: epoch 1's checkpoint is still being written when epoch 2 fails. The error must wait for it.
     def slow_save(ckpt, path):
@@ -371,7 +376,7 @@ def test_resume_with_more_epochs_extends_a_finished_run_in_its_folder(train_here
     # stood at epoch 2 (0.1) to lrf (0.1) at the new end: a finished run continues at lr0 * lrf.
     lrs = [r["x/lr0"] for r in rows]
     assert lrs == pytest.approx([0.01, 0.01 * (1 - 0.9 / 2), 0.001, 0.001], rel=1e-5)
-    assert load_checkpoint(last)["opt"]["epochs"] == 4
+    assert load_checkpoint(last)["config"]["epochs"] == 4
 
 
 def test_a_launcher_job_continues_only_its_own_run_folder(train_here, rectangles_yaml, tmp_path, monkeypatch) -> None:
@@ -408,7 +413,7 @@ def test_save_minutes_writes_checkpoints_inside_an_epoch_once_the_time_has_passe
 
 
 def test_an_unfinished_run_extended_continues_its_lr_without_a_jump() -> None:
-    from utils.lr_schedule import LrSchedule
+    from utils.engine.lr_schedule import LrSchedule
 
     schedule = LrSchedule.for_run(10, 0.01)
     longer = schedule.extended(4, 20, 0.01)
@@ -442,16 +447,35 @@ def test_resume_refuses_a_flag_it_cannot_change_and_names_it(train_here, rectang
 # ---- --time ----------------------------------------------------------------------------------------------
 
 def test_time_budget_gives_the_number_of_epochs_after_the_first() -> None:
-    opt = train.parse_opt(["--time", "0.5", "--close-mosaic", "10"])[0]  # 1800 s
-    assert train.fit_to_time(opt, epoch=0, start_epoch=0, elapsed=70.0, epoch_seconds=60.0) == {"epochs": 30}
-    assert train.fit_to_time(opt, epoch=5, start_epoch=0, elapsed=600.0, epoch_seconds=60.0) == {}
-    assert train.fit_to_time(opt, epoch=29, start_epoch=0, elapsed=1750.0, epoch_seconds=60.0) == {"stop": True}
+    config = TrainConfig(time=0.5, close_mosaic=10, epochs=300)  # 1800 s, counted from the first epoch's start
+    budget = time_budget(config, process_started=0.0, loop_started=100.0)
+    assert fit_to_time(budget, epoch=0, start_epoch=0, now=170.0, epoch_seconds=60.0, config=config) == {"epochs": 30}
+    assert fit_to_time(budget, epoch=5, start_epoch=0, now=700.0, epoch_seconds=60.0, config=config) == {}
+    assert fit_to_time(budget, epoch=29, start_epoch=0, now=1850.0, epoch_seconds=60.0, config=config) == {"stop": True}
+    assert fit_to_time(budget, epoch=0, start_epoch=0, now=101.0, epoch_seconds=1.0, config=config) == {"epochs": 1800}
+
+
+def test_the_demo_budget_fits_its_epochs_to_the_whole_run_and_never_more_than_its_own() -> None:
+    # The demo's: 270 s from the process start, at most 22 epochs (train.py's preset). Start-up took 25 s here.
+    config = TrainConfig(epochs=22, time=270 / 3600, time_includes_startup=True, time_max_epochs=22)
+    budget = time_budget(config, process_started=0.0, loop_started=25.0)
+    assert budget.for_epochs == pytest.approx(245.0)
+    # A slow machine (24 s epochs): the 245 s left fit 10 epochs; it stops before an epoch that would overrun.
+    assert fit_to_time(budget, epoch=0, start_epoch=0, now=49.0, epoch_seconds=24.0, config=config) == {"epochs": 10}
+    assert fit_to_time(budget, epoch=8, start_epoch=0, now=241.0, epoch_seconds=24.0, config=config) == {}
+    assert fit_to_time(budget, epoch=8, start_epoch=0, now=247.0, epoch_seconds=24.0, config=config) == {"stop": True}
+    # A fast machine (5 s epochs would fit 49): the preset's 22, so nothing to refit; the run is today's.
+    assert fit_to_time(budget, epoch=0, start_epoch=0, now=30.0, epoch_seconds=5.0, config=config) == {}
+    assert fit_to_time(budget, epoch=21, start_epoch=0, now=135.0, epoch_seconds=5.0, config=config) == {}
+    # Just over: 11.1 s epochs fit 22, exactly the preset.
+    assert fit_to_time(budget, epoch=0, start_epoch=0, now=36.1, epoch_seconds=11.1, config=config) == {}
+    assert fit_to_time(budget, epoch=0, start_epoch=0, now=36.2, epoch_seconds=11.2, config=config) == {"epochs": 21}
 
 
 @pytest.mark.slow
 def test_time_refits_the_schedule_and_close_mosaic(train_here, rectangles_yaml, tmp_path, monkeypatch) -> None:
     # The measured epoch time decides the number of epochs; here that decision is fixed at 3 epochs.
-    monkeypatch.setattr(train, "fit_to_time", lambda opt, epoch, *_: {"epochs": 3} if epoch == 0 else {})
+    monkeypatch.setattr(trainer_module, "fit_to_time", lambda budget, epoch, *_: {"epochs": 3} if epoch == 0 else {})
     mosaic_epochs: list[bool] = []
     record_calls(monkeypatch, dataset_module.YoloDataset, "mosaic_enabled",
                  lambda args, enabled: mosaic_epochs.append((args[1], enabled)))
@@ -475,10 +499,10 @@ def test_freeze_keeps_what_the_model_fixes_itself_and_freezes_only_the_layers_as
     from models.yolo import build_model
 
     model = build_model("yolo11n.yaml", nc=2)
-    train.freeze_layers(model, [0])
+    freeze_layers(model, [0])
     frozen = sorted(name for name, p in model.named_parameters() if not p.requires_grad)
     assert frozen == ["model.23.dfl.conv.weight"]
-    train.freeze_layers(model, [2])
+    freeze_layers(model, [2])
     first_two = {name for name, _ in model.named_parameters() if name.startswith(("model.0.", "model.1."))}
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     assert first_two and frozen == {"model.23.dfl.conv.weight"} | first_two
