@@ -46,7 +46,7 @@ def train_one_epoch(stepper: Stepper, loader: Any, epoch: int, start_batch: int,
     batches = enumerate(loader, start_batch)
     main = stepper.info.is_main
     if main:
-        losses = "".join(f"{name + '_loss':>11}" for name in hooks.loss_names)
+        losses = "".join(f"{name + '_loss':>{width}}" for name, width in zip(hooks.loss_names, column_widths(hooks)))
         LOGGER.info(f"\n{'Epoch':>11}{'GPU_mem':>11}{losses}{'Instances':>11}{'Size':>11}")
         batches = tqdm(batches, total=n_batches, initial=start_batch, bar_format="{l_bar}{bar:10}{r_bar}")
     pending = torch.zeros(stepper.n_losses + 1, device=stepper.device)  # loss items, finite micro-batches
@@ -65,7 +65,7 @@ def train_one_epoch(stepper: Stepper, loader: Any, epoch: int, start_batch: int,
         step_items = forward_backward(stepper, micro, counts, prepared, pending)
         update(stepper, tally, f"epoch {epoch} batch {window[-1][0]}", step_items, hooks.loss_names)
         if main:
-            batches.set_description(progress_line(epoch, hooks.epochs, stepper.device, tally.means(), micro))
+            batches.set_description(progress_line(epoch, hooks, stepper.device, tally.means(), micro))
             _report_step(stepper, hooks, epoch, window)
         t_ready = time.perf_counter()
     tally.add(all_reduce_sum(pending.clone()), stepper.info.world_size)
@@ -103,8 +103,13 @@ def _log_epoch_speed(stepper: Stepper, epoch: int, images: int, elapsed: float, 
                 f"{100 * data_wait / elapsed:.0f}% of the time waiting for data{gpu}{skipped}")
 
 
-def progress_line(epoch: int, epochs: int, device: torch.device, mean_loss: np.ndarray, micro: list) -> str:
+def column_widths(hooks: EpochHooks) -> list[int]:
+    """The progress columns of the loss terms: 11 characters, wider for a long name."""
+    return [max(11, len(name) + 6) for name in hooks.loss_names]
+
+
+def progress_line(epoch: int, hooks: EpochHooks, device: torch.device, mean_loss: np.ndarray, micro: list) -> str:
     mem = f"{torch.cuda.memory_reserved() / 1e9:.3g}G" if device.type == "cuda" else "0G"
-    losses = "".join(f"{x:>11.4g}" for x in mean_loss.tolist())
+    losses = "".join(f"{x:>{width}.4g}" for x, width in zip(mean_loss.tolist(), column_widths(hooks)))
     imgs, targets = micro[-1]
-    return f"{f'{epoch}/{epochs - 1}':>11}{mem:>11}{losses}{targets.shape[0]:>11}{imgs.shape[-1]:>11}"
+    return f"{f'{epoch}/{hooks.epochs - 1}':>11}{mem:>11}{losses}{targets.shape[0]:>11}{imgs.shape[-1]:>11}"

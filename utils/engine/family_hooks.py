@@ -31,3 +31,35 @@ def build_model(family: Any, cfg: Any, **options: Any) -> nn.Module:
     ``models.yolo.build_model`` takes them); a family that builds its own model says so with ``build_model``."""
     own = getattr(family, "build_model", None)
     return (own or build_yolo_model)(cfg, **options)
+
+
+# utils/validation.py sums exactly three loss terms today; a loss with fewer is padded for it, and the row of
+# results keeps the family's own terms. This goes when validation sums the loss's own number of terms.
+VALIDATION_LOSS_TERMS = 3
+
+
+class _PaddedLoss:
+    """A loss whose items are padded with zeros to the three terms validation sums."""
+
+    def __init__(self, loss: Any) -> None:
+        self.loss = loss
+
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        loss, items = self.loss(*args, **kwargs)
+        return loss, torch.nn.functional.pad(items, (0, VALIDATION_LOSS_TERMS - len(items)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loss, name)
+
+
+def validation_loss(loss: Any, n_terms: int) -> Any:
+    """The loss as validation takes it."""
+    if n_terms > VALIDATION_LOSS_TERMS:
+        raise NotImplementedError(f"validation sums {VALIDATION_LOSS_TERMS} loss terms, this family's loss has "
+                                  f"{n_terms}")
+    return loss if n_terms == VALIDATION_LOSS_TERMS else _PaddedLoss(loss)
+
+
+def validation_row(results: Any, n_terms: int) -> tuple[float, ...]:
+    """P, R, mAP50, mAP50-95 and the family's validation loss terms (results.csv's order)."""
+    return results.as_row()[:4 + n_terms]

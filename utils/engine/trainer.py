@@ -159,7 +159,7 @@ class Trainer:
         optim.ema.update_attributes(self.stepper.model)
         if validated:
             self.last_val = self.validate(optim.ema.ema, plots=final and not config.noplots, verbose=final)
-            self.results = self.last_val.as_row()
+            self.results = family_hooks.validation_row(self.last_val, len(self.loss_names))
         decision: dict = {}
         if self.info.is_main:
             if config.image_weights and validated:
@@ -188,7 +188,8 @@ class Trainer:
     def validate(self, model: torch.nn.Module, plots: bool, verbose: bool) -> Any:
         """Every rank validates its part of the split; the results are gathered, so every rank has the figures."""
         run = self.run
-        return validate(model, run.val_loader, names=run.names, device=self.device, compute_loss=self.stepper.loss,
+        loss = family_hooks.validation_loss(self.stepper.loss, len(self.loss_names))
+        return validate(model, run.val_loader, names=run.names, device=self.device, compute_loss=loss,
                         family=run.family, plots=plots, verbose=verbose and run.nc < 50, save_dir=run.save_dir,
                         autocast_dtype=run.precision.dtype, gather=self.info.is_distributed, main=self.info.is_main)
 
@@ -213,7 +214,7 @@ class Trainer:
             final_model = family_hooks.build_model(run.family, best[0], weights=best[1], names=run.names)
             self.last_val = self.validate(final_model.to(self.device, memory_format=torch.channels_last),
                                           plots=not self.config.noplots, verbose=True)
-            self.results = self.last_val.as_row()
+            self.results = family_hooks.validation_row(self.last_val, len(self.loss_names))
         if info.is_main:
             r = self.last_val
             if r is not None and r.class_metrics is not None and len(r.class_metrics.pr_curve):
