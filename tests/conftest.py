@@ -152,6 +152,20 @@ TINY_IN_PROCESS = ["--imgsz", "64", "--batch-size", "8", "--workers", "0", "--no
                    "--noplots"]
 
 
+@pytest.fixture(scope="session")
+def finished_run(rectangles_yaml, tmp_path_factory) -> tuple[Path, str]:
+    """A finished 1-epoch run (TINY_IN_PROCESS, --noval: yolov5n, AdamW by the automatic choice) made once, in a
+    forked process: its weights/last.pt and its log. Tests that resume it copy its folder first."""
+    import train
+
+    project = tmp_path_factory.mktemp("finished")
+    argv = [*TINY_IN_PROCESS, "--data", str(rectangles_yaml), "--project", str(project), "--name", "exp",
+            "--epochs", "1", "--noval"]
+    codes, outputs = main_on_ranks(train.main, argv, 1, project / "logs")
+    assert codes == [0], outputs[0][-3000:]
+    return project / "exp/weights/last.pt", outputs[0]
+
+
 class _Lines(logging.Handler):
     def __init__(self) -> None:
         super().__init__()

@@ -136,10 +136,8 @@ def test_bad_inputs_are_one_line_errors(train_here, rectangles_yaml, tmp_path) -
 
 
 @pytest.mark.slow
-def test_fine_tune_with_optional_flags(train_here, rectangles_yaml, tmp_path) -> None:
-    status, log = train_here("--data", rectangles_yaml, "--project", tmp_path / "base", "--epochs", "1")
-    assert status == 0, log
-    start = tmp_path / "base/exp/weights/last.pt"
+def test_fine_tune_with_optional_flags(train_here, finished_run, rectangles_yaml, tmp_path) -> None:
+    start = finished_run[0]
     status, log = train_here("--data", rectangles_yaml, "--project", tmp_path / "tuned", "--weights", start,
                              "--epochs", "2", "--single-cls", "--multi-scale", "--rect", "--freeze", "2", "--cos-lr",
                              "--label-smoothing", "0.1", "--save-period", "1", "--optimizer", "SGD")
@@ -448,10 +446,8 @@ def test_an_unfinished_run_extended_continues_its_lr_without_a_jump() -> None:
 
 
 @pytest.mark.slow
-def test_resume_refuses_a_flag_it_cannot_change_and_names_it(train_here, rectangles_yaml, tmp_path) -> None:
-    status, log = train_here("--data", rectangles_yaml, "--project", tmp_path, "--epochs", "1", "--noval")
-    assert status == 0, log
-    last = tmp_path / "exp/weights/last.pt"
+def test_resume_refuses_a_flag_it_cannot_change_and_names_it(train_here, finished_run, tmp_path) -> None:
+    last = finished_run[0]
     for flag, value in (("--imgsz", "96"), ("--cfg", "models/yolov5s.yaml"), ("--single-cls", None)):
         status, log = train_here("--resume", last, flag, *([value] if value else []))
         assert status == 1, log
