@@ -75,33 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--sync-bn", action="store_true",
                        help="synchronised BatchNorm across ranks (DDP); on one CPU process: exact two-pass statistics")
 
-    schedule = p.add_argument_group("schedule")
-    schedule.add_argument("--epochs", type=int, default=None,
-                          help=f"total training epochs, with --resume: extend the run (default: "
-                               f"{DEMO_PRESET['epochs']} on the built-in demo, {DATASET_PRESET['epochs']} on any "
-                               f"other --data)")
-    schedule.add_argument("--time", type=float, default=None, help="train for this many hours (overrides --epochs)")
-    schedule.add_argument("--batch-size", type=int, default=16, help="total batch size over all ranks")
-    schedule.add_argument("--hyp", default="", help="hyper-parameter YAML (default: the model family's: "
-                          "data/hyps/hyp.scratch-low.yaml, hyp.anchor-free.yaml for YOLOv8/11/26)")
-    schedule.add_argument("--optimizer", default="auto", choices=["auto", "SGD", "Adam", "AdamW"],
-                          help="auto: AdamW for short runs, SGD for long ones (see utils/optimizer.py)")
-    schedule.add_argument("--cos-lr", action="store_true", help="cosine learning-rate decay instead of linear")
-    schedule.add_argument("--label-smoothing", type=float, default=0.0, help="label smoothing epsilon")
-    schedule.add_argument("--patience", type=int, default=100,
-                          help="stop after this many epochs without improvement (0: never)")
-    schedule.add_argument("--noval", action="store_true",
-                          help="only validate after the final epoch (no early stopping)")
-    schedule.add_argument("--seed", type=int, default=0, help="global seed: model init, data order, augmentations")
-    schedule.add_argument("--deterministic", action="store_true", help="bit-for-bit repeatable kernels (slower)")
-    schedule.add_argument("--amp", action=argparse.BooleanOptionalAction, default=True,
-                          help="mixed precision where it helps: fp16 on CUDA, bf16 on CPUs with native bf16")
-    schedule.add_argument("--evolve", type=int, nargs="?", const=300, default=None, metavar="N",
-                          help="evolve hyper-parameters for N generations (300 when N is left out) in "
-                               "runs/evolve/exp")
-    schedule.add_argument("--resume-evolve", "--resume_evolve", default=None, metavar="CSV",
-                          help="with --evolve N: continue this evolve.csv up to N generations in total")
-
+    add_schedule_options(p.add_argument_group("schedule"))
     augmentation = p.add_argument_group("augmentation (the rates are in --hyp)")
     augmentation.add_argument("--multi-scale", action="store_true", help="vary the image size by +/- 50%% per batch")
     augmentation.add_argument("--close-mosaic", type=int, default=10,
@@ -132,6 +106,35 @@ def build_parser() -> argparse.ArgumentParser:
                         help="save last.pt inside an epoch once this many minutes passed since the last save (0: "
                              "never)")
     return p
+
+
+def add_schedule_options(schedule: argparse._ArgumentGroup) -> None:
+    """The run's length, optimisation, seed, precision and evolution."""
+    schedule.add_argument("--epochs", type=int, default=None,
+                          help=f"total training epochs, with --resume: extend the run (default: "
+                               f"{DEMO_PRESET['epochs']} on the built-in demo, {DATASET_PRESET['epochs']} on any "
+                               f"other --data)")
+    schedule.add_argument("--time", type=float, default=None, help="train for this many hours (overrides --epochs)")
+    schedule.add_argument("--batch-size", type=int, default=16, help="total batch size over all ranks")
+    schedule.add_argument("--hyp", default="", help="hyper-parameter YAML (default: the model family's: "
+                          "data/hyps/hyp.scratch-low.yaml, hyp.anchor-free.yaml for YOLOv8/11/26)")
+    schedule.add_argument("--optimizer", default="auto", choices=["auto", "SGD", "Adam", "AdamW"],
+                          help="auto: AdamW for short runs, SGD for long ones (see utils/optimizer.py)")
+    schedule.add_argument("--cos-lr", action="store_true", help="cosine learning-rate decay instead of linear")
+    schedule.add_argument("--label-smoothing", type=float, default=0.0, help="label smoothing epsilon")
+    schedule.add_argument("--patience", type=int, default=100,
+                          help="stop after this many epochs without improvement (0: never)")
+    schedule.add_argument("--noval", action="store_true",
+                          help="only validate after the final epoch (no early stopping)")
+    schedule.add_argument("--seed", type=int, default=0, help="global seed: model init, data order, augmentations")
+    schedule.add_argument("--deterministic", action="store_true", help="bit-for-bit repeatable kernels (slower)")
+    schedule.add_argument("--amp", action=argparse.BooleanOptionalAction, default=True,
+                          help="mixed precision where it helps: fp16 on CUDA, bf16 on CPUs with native bf16")
+    schedule.add_argument("--evolve", type=int, nargs="?", const=300, default=None, metavar="N",
+                          help="evolve hyper-parameters for N generations (300 when N is left out) in "
+                               "runs/evolve/exp")
+    schedule.add_argument("--resume-evolve", "--resume_evolve", default=None, metavar="CSV",
+                          help="with --evolve N: continue this evolve.csv up to N generations in total")
 
 
 def parse_opt(argv: list[str] | None = None) -> tuple[argparse.Namespace, set[str]]:

@@ -30,6 +30,7 @@ from utils.engine.setup import RunSetup, close_mosaic_epoch, set_up
 from utils.engine.step import BatchOptions, SavePolicy, Stepper
 from utils.engine.tally import LossTally
 from utils.engine.time_budget import TimeBudget, fit_to_time, time_budget
+from utils.hyp import Hyp
 from utils.log import LOGGER, colorstr
 from utils.loggers import make_logger
 from utils.metrics import RECALL_POINTS
@@ -44,12 +45,11 @@ class TrainResult:
 
 
 def train(config: TrainConfig, device: torch.device, info: DistInfo, resumed: Resumed | None = None,
-          hyp: Any = None, process_started: float | None = None) -> TrainResult:
+          hyp: Hyp | None = None, process_started: float | None = None) -> TrainResult:
     """One training run. ``hyp`` (an evolution's generation) replaces reading --hyp; ``process_started`` (the
     monotonic clock at the process start) is where a budget that includes start-up counts from."""
     run = set_up(config, device, info, resumed, hyp)
-    trainer = Trainer(run, resumed, device, info)
-    trainer.process_started = process_started
+    trainer = Trainer(run, resumed, device, info, process_started)
     epoch = trainer.train_epochs()
     return trainer.finish(epoch)
 
@@ -57,9 +57,10 @@ def train(config: TrainConfig, device: torch.device, info: DistInfo, resumed: Re
 class Trainer:
     """A run's state between its setup and its end; rank 0 keeps the record (results.csv, checkpoints)."""
 
-    def __init__(self, run: RunSetup, resumed: Resumed | None, device: torch.device, info: DistInfo) -> None:
+    def __init__(self, run: RunSetup, resumed: Resumed | None, device: torch.device, info: DistInfo,
+                 process_started: float | None = None) -> None:
         self.run, self.config, self.info, self.device = run, run.config, info, device
-        self.process_started: float | None = None
+        self.process_started = process_started
         ckpt = resumed.ckpt if resumed else None
         self.loss_names = family_hooks.loss_names(run.family)
         self.optim, self.position, best = start_optimization(run, ckpt, len(self.loss_names))
