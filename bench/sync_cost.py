@@ -3,7 +3,7 @@
     python bench/sync_cost.py [--imgsz 320] [--batch-size 8] [--steps 4]
 
 Each optimizer step makes one all-reduce of a few scalars (the positive counts of its micro-batches, the
-previous step's losses, a save flag: see train.py's train_one_epoch). This prints that collective's time per
+previous step's losses, a save flag: see utils/engine/step.py's sync). This prints that collective's time per
 step beside the time of a DDP step of yolov5n (forward, loss, backward with its gradient all-reduce, SGD) on
 the same two ranks, and their ratio.
 """

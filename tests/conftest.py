@@ -8,6 +8,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 import cv2
@@ -80,6 +81,13 @@ def _forked(target: Callable[..., int | None], args: tuple, env: dict[str, str])
     sys.exit(target(*args) or 0)
 
 
+def start_forked(target: Callable[..., int | None], args: tuple, env: dict[str, str]) -> BaseProcess:
+    """``target(*args)`` in a forked process of one thread with ``env`` set, started (see ``run_forked``)."""
+    proc = multiprocessing.get_context("fork").Process(target=_forked, args=(target, args, env))
+    proc.start()
+    return proc
+
+
 def run_forked(jobs: list[tuple[Callable[..., int | None], tuple, dict[str, str]]], timeout: float = 120) -> list[int]:
     """Run each ``(target, args, env)`` as ``target(*args)`` in a forked process of one thread, all at once;
     returns their exit codes (``target``'s return value, 1 if it raised).
@@ -87,10 +95,7 @@ def run_forked(jobs: list[tuple[Callable[..., int | None], tuple, dict[str, str]
     Forked from this process, a job starts without importing torch again: several seconds less per process
     than a launched one on a small machine. Tests of the launcher and of start-up launch real processes.
     """
-    context = multiprocessing.get_context("fork")
-    procs = [context.Process(target=_forked, args=job) for job in jobs]
-    for proc in procs:
-        proc.start()
+    procs = [start_forked(*job) for job in jobs]
     deadline = time.monotonic() + timeout
     for proc in procs:
         proc.join(max(0.0, deadline - time.monotonic()))
@@ -136,9 +141,29 @@ def rectangles_yaml(tmp_path_factory) -> Path:
     return write_rectangles_dataset(tmp_path_factory.mktemp("rectangles"))
 
 
+@pytest.fixture(scope="session")
+def rectangles96_yaml(tmp_path_factory) -> Path:
+    """96 training images of 64 px (3 batches of 32: a step boundary inside an epoch) and 4 to validate."""
+    return write_rectangles_dataset(tmp_path_factory.mktemp("rectangles96"), n_train=96, n_val=4, size=64)
+
+
 # train.py in this process: yolov5n at 64 px, batch 8, no workers, no AutoAnchor, no plots (later flags override).
 TINY_IN_PROCESS = ["--imgsz", "64", "--batch-size", "8", "--workers", "0", "--noautoanchor", "--device", "cpu",
                    "--noplots"]
+
+
+@pytest.fixture(scope="session")
+def finished_run(rectangles_yaml, tmp_path_factory) -> tuple[Path, str]:
+    """A finished 1-epoch run (TINY_IN_PROCESS, --noval: yolov5n, AdamW by the automatic choice) made once, in a
+    forked process: its weights/last.pt and its log. Tests that resume it copy its folder first."""
+    import train
+
+    project = tmp_path_factory.mktemp("finished")
+    argv = [*TINY_IN_PROCESS, "--data", str(rectangles_yaml), "--project", str(project), "--name", "exp",
+            "--epochs", "1", "--noval"]
+    codes, outputs = main_on_ranks(train.main, argv, 1, project / "logs")
+    assert codes == [0], outputs[0][-3000:]
+    return project / "exp/weights/last.pt", outputs[0]
 
 
 class _Lines(logging.Handler):

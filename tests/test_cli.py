@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import types
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,8 @@ import train
 import val
 from models.backends import ModelMeta, load_for_inference
 from models.yolo import Model
-from utils.checkpoint import model_state, resumed_options, save_checkpoint
+from utils.checkpoint import latest_last_checkpoint, model_state, save_checkpoint
+from utils.engine.resume import resumed_config
 from utils.errors import UserError
 from utils.log import LOGGER
 
@@ -107,8 +109,8 @@ def test_the_demo_preset_applies_to_the_built_in_data_only(rectangles_yaml) -> N
     for argv in ([], ["--data", "shapes.yaml"], ["--data", str(train.ROOT / "data/shapes.yaml")]):
         opt, explicit = train.parse_opt(argv)
         assert (opt.cfg, opt.imgsz, opt.epochs) == ("yolo11n.yaml", 192, 22), argv
-        assert train.preset_line(opt, explicit) == ("defaults: --cfg yolo11n.yaml --imgsz 192 --epochs 22 "
-                                                    "(preset: the built-in demo's)")
+        assert train.preset_line(opt, explicit) == ("defaults: --cfg yolo11n.yaml --imgsz 192 --epochs 22, fewer if the "
+                                                    "whole run would not end within 270 s (preset: the built-in demo's)")
     opt, explicit = train.parse_opt(["--data", str(rectangles_yaml)])
     assert (opt.cfg, opt.imgsz, opt.epochs) == ("yolov5n.yaml", 640, 100)
     assert "--cfg yolov5n.yaml --imgsz 640 --epochs 100 (preset: YOLOv5's, for any --data but" in train.preset_line(
@@ -129,16 +131,34 @@ def test_the_demo_preset_applies_to_the_built_in_data_only(rectangles_yaml) -> N
     assert train.parse_opt(["--data", str(rectangles_yaml)])[0].batch_size == train.parse_opt([])[0].batch_size
 
 
+def _budget(*argv: str) -> tuple:
+    config = train.make_launch(*train.parse_opt(list(argv))).config
+    return config.epochs, config.time, config.time_includes_startup, config.time_max_epochs
+
+
+def test_the_demo_budgets_the_whole_run_unless_epochs_or_time_are_given(rectangles_yaml, tmp_path) -> None:
+    assert _budget() == (22, 270 / 3600, True, 22)  # at most its 22 epochs, as many as end within 270 s
+    assert _budget("--epochs", "5") == (5, None, False, None)  # an explicit length is kept as it is
+    assert _budget("--time", "0.5") == (22, 0.5, False, None)  # --time: the training's hours, no cap
+    assert _budget("--data", str(rectangles_yaml)) == (100, None, False, None)  # any other data: no budget
+    assert _budget("--evolve", "2") == (22, None, False, None)  # generations would share one process's budget
+    assert _budget("--resume", str(tmp_path / "last.pt")) == (22, None, False, None)  # a run keeps its own
+
+
 def test_a_resumed_run_keeps_its_own_size_and_length_unless_epochs_is_given(tmp_path) -> None:
     last = tmp_path / "exp/weights/last.pt"
     run_opt = vars(train.parse_opt(["--data", "some/data.yaml", "--imgsz", "96", "--epochs", "7"])[0])
-    ckpt = {"optimizer": {}, "epoch": 3, "opt": run_opt}
-    opt, explicit = train.parse_opt(["--resume", str(last)])  # the demo's defaults: not the run's
-    assert train.preset_line(opt, explicit) is None
-    restored = resumed_options(opt, explicit, last, ckpt)
-    assert (restored.imgsz, restored.epochs, restored.data) == (96, 7, "some/data.yaml")
-    opt, explicit = train.parse_opt(["--resume", str(last), "--epochs", "12"])
-    assert resumed_options(opt, explicit, last, ckpt).epochs == 12
+    ckpt = {"optimizer": {}, "epoch": 3, "opt": run_opt}  # the options as checkpoints before config_schema 1 held them
+    for stored in (ckpt, {"optimizer": {}, "epoch": 3, "config_schema": 1,
+                          "config": train.make_launch(*train.parse_opt(["--data", "some/data.yaml", "--imgsz", "96",
+                                                                         "--epochs", "7"])).config.to_dict()}):
+        opt, explicit = train.parse_opt(["--resume", str(last)])  # the demo's defaults: not the run's
+        assert train.preset_line(opt, explicit) is None
+        launch = train.make_launch(opt, explicit)
+        restored = resumed_config(launch.config, launch.resume.explicit, last, stored)
+        assert (restored.imgsz, restored.epochs, restored.data, restored.time) == (96, 7, "some/data.yaml", None)
+        launch = train.make_launch(*train.parse_opt(["--resume", str(last), "--epochs", "12"]))
+        assert resumed_config(launch.config, launch.resume.explicit, last, stored).epochs == 12
 
 
 # ---- run folders -----------------------------------------------------------------------------------------
@@ -150,14 +170,16 @@ def test_every_script_saves_runs_under_the_current_directory() -> None:
 
 
 def test_evolve_goes_under_the_current_directory_with_its_absolute_folder(tmp_path, monkeypatch) -> None:
+    import utils.engine.evolve as evolution
     from utils.distributed import DistInfo
 
     trained = []
-    monkeypatch.setattr(train, "train", lambda opt, *a, **k: trained.append(opt.project) or {"results": [0.5] * 7})
-    monkeypatch.setattr(train, "plot_evolve", lambda *a: None)
+    monkeypatch.setattr(evolution, "train", lambda config, *a, **k: trained.append(config.project) or
+                        types.SimpleNamespace(results=[0.5] * 7))
+    monkeypatch.setattr(evolution, "plot_evolve", lambda *a: None)
     monkeypatch.chdir(tmp_path)
-    opt, explicit = train.parse_opt(["--evolve", "1"])
-    folder = train.evolve(opt, explicit, torch.device("cpu"), DistInfo(rank=-1, local_rank=-1, world_size=1))
+    launch = train.make_launch(*train.parse_opt(["--evolve", "1"]))
+    folder = evolution.evolve(launch.config, torch.device("cpu"), DistInfo(rank=-1, local_rank=-1, world_size=1))
     assert folder == tmp_path.resolve() / "runs/evolve/exp" and trained == [str(folder)]
     assert (folder / "evolve.csv").is_file()
 
@@ -173,12 +195,14 @@ def test_resume_without_a_path_takes_the_newest_last_pt_here_or_beside_train_py(
         path.write_bytes(b"")
     os.utime(old_style, (1000, 1000))
     monkeypatch.chdir(here)
-    opt, explicit = train.parse_opt(["--resume"])
-    assert train.latest_last_checkpoint(*train.resume_search(opt, explicit)) == new_style
+
+    def newest(*argv: str) -> Path:
+        return latest_last_checkpoint(*train.make_launch(*train.parse_opt(list(argv))).resume.latest_under)
+
+    assert newest("--resume") == new_style
     os.utime(new_style, (10, 10))  # the run beside train.py is the newer one
-    assert train.latest_last_checkpoint(*train.resume_search(opt, explicit)) == old_style
-    opt, explicit = train.parse_opt(["--resume", "--project", "runs/train"])  # an explicit project: only there
-    assert train.latest_last_checkpoint(*train.resume_search(opt, explicit)) == new_style
+    assert newest("--resume") == old_style
+    assert newest("--resume", "--project", "runs/train") == new_style  # an explicit project: only there
 
 
 @pytest.mark.slow
@@ -196,7 +220,7 @@ def test_a_run_under_the_current_directory_records_its_absolute_folder_and_resum
     status, log = train_here("--resume", "../a/runs/train/exp/weights/last.pt", "--epochs", "2", "--noval")
     assert status == 0, log
     ckpt = torch.load(folder / "weights/last.pt", weights_only=True)
-    assert ckpt["epoch"] == 1 and ckpt["opt"]["save_dir"] == str(folder.resolve())
+    assert ckpt["epoch"] == 1 and ckpt["config"]["save_dir"] == str(folder.resolve())
     assert not (tmp_path / "b/runs").exists()
 
 

@@ -10,7 +10,7 @@ import torch.nn as nn
 from conftest import fork_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from train import gradient_sync
+from utils.engine.step import gradient_sync
 
 ACCUMULATE = 4
 STEPS = 2

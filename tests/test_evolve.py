@@ -7,7 +7,7 @@ import yaml
 from conftest import write_rectangles_dataset
 
 from models.families import YOLOV5
-from utils.evolve import (N_RESULTS, append_evolve_row, mutate, next_hyp, read_evolve_csv,
+from utils.engine.evolve import (N_RESULTS, append_evolve_row, mutate, next_hyp, read_evolve_csv,
                           select_parent)
 from utils.hyp import EVOLVE_LIMITS, Hyp
 
@@ -63,42 +63,46 @@ def test_evolve_csv_round_trip_and_wrong_columns(tmp_path) -> None:
         read_evolve_csv(csv_file, KEYS[:-1], LOSS_NAMES)
 
 
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory):
+    return write_rectangles_dataset(tmp_path_factory.mktemp("small"), n_train=8, n_val=4)
+
+
 @pytest.mark.slow
-def test_evolve_two_generations_then_continue_to_three(train_here, tmp_path) -> None:  # noqa: F811
-    data = write_rectangles_dataset(tmp_path / "data", n_train=8, n_val=4)
-    common = ("--data", data, "--epochs", "1", "--project", tmp_path / "evolve", "--name", "ev")
-    status, log = train_here(*common, "--evolve", "2")
+def test_evolve_one_generation_then_continue_to_two(train_here, small_data, tmp_path) -> None:
+    common = ("--data", small_data, "--epochs", "1", "--project", tmp_path / "evolve", "--name", "ev")
+    status, log = train_here(*common, "--evolve", "1")
     assert status == 0, log
     folder = tmp_path / "evolve/ev"
     csv_file = folder / "evolve.csv"
     rows = read_evolve_csv(csv_file, KEYS, LOSS_NAMES)
-    assert len(rows) == 2
-    assert sorted(p.name for p in folder.glob("gen*")) == ["gen0", "gen1"]
+    assert len(rows) == 1
+    assert sorted(p.name for p in folder.glob("gen*")) == ["gen0"]
     assert (folder / "evolve.png").stat().st_size > 0
     best = yaml.safe_load((folder / "hyp_evolve.yaml").read_text())
     assert Hyp.from_dict(best) is not None and set(best) == set(KEYS)
     np.testing.assert_allclose(rows[0, N_RESULTS:], [BASE.to_dict()[k] for k in KEYS], rtol=1e-4)
 
-    status, log = train_here(*common, "--evolve", "3", "--resume_evolve", csv_file)  # YOLOv5's spelling
+    status, log = train_here(*common, "--evolve", "2", "--resume_evolve", csv_file)  # YOLOv5's spelling
     assert status == 0, log
     more = read_evolve_csv(csv_file, KEYS, LOSS_NAMES)
-    assert len(more) == 3 and np.array_equal(more[:2], rows)
-    # Generation 2 is what (seed, 2) and the first two rows give: the same as an uninterrupted evolution.
-    expected = next_hyp(BASE, rows, KEYS, np.random.default_rng([0, 2]))
-    np.testing.assert_allclose(more[2, N_RESULTS:], [expected.to_dict()[k] for k in KEYS], rtol=1e-4)
-    assert not (tmp_path / "evolve/ev2").exists()
+    assert len(more) == 2 and np.array_equal(more[:1], rows)
+    # Generation 1 is what (seed, 1) and the first row give: the same as an uninterrupted evolution.
+    expected = next_hyp(BASE, rows, KEYS, np.random.default_rng([0, 1]))
+    assert expected != BASE
+    np.testing.assert_allclose(more[1, N_RESULTS:], [expected.to_dict()[k] for k in KEYS], rtol=1e-4)
+    assert sorted(p.name for p in folder.glob("gen*")) == ["gen0", "gen1"] and not (tmp_path / "evolve/ev2").exists()
 
-    status, log = train_here(*common, "--evolve", "3", "--resume-evolve", csv_file)
-    assert status == 0 and "already holds 3 generations" in log
+    status, log = train_here(*common, "--evolve", "2", "--resume-evolve", csv_file)
+    assert status == 0 and "already holds 2 generations" in log
 
 
 @pytest.mark.slow
-def test_evolve_under_two_gloo_ranks_trains_each_generation_together(tmp_path) -> None:
+def test_evolve_under_two_gloo_ranks_trains_each_generation_together(small_data, tmp_path) -> None:
     import train
     from conftest import main_on_ranks
 
-    data = write_rectangles_dataset(tmp_path / "data", n_train=8, n_val=4)
-    argv = ["--data", str(data), "--epochs", "1", "--imgsz", "64", "--batch-size", "8", "--workers", "0",
+    argv = ["--data", str(small_data), "--epochs", "1", "--imgsz", "64", "--batch-size", "8", "--workers", "0",
             "--noautoanchor", "--device", "cpu", "--project", str(tmp_path / "evolve"), "--name", "ev", "--evolve", "2"]
     codes, outputs = main_on_ranks(train.main, argv, 2, tmp_path)
     assert codes == [0, 0], "".join(outputs)[-3000:]

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import train
+import utils.engine.step as step_module
 from conftest import main_on_ranks, write_rectangles_dataset
 from test_train import train_args
 from utils.checkpoint import load_checkpoint
@@ -125,8 +126,8 @@ def test_image_weights_resume_continues_the_draw_and_quad_trains(train_here, sma
 
     monkeypatch.setattr(WeightedShardedSampler, "global_draw", record)
     shapes = []
-    original_step = train.prepare_images
-    monkeypatch.setattr(train, "prepare_images", lambda imgs, *a: shapes.append(tuple(imgs.shape)) or
+    original_step = step_module.prepare_images
+    monkeypatch.setattr(step_module, "prepare_images", lambda imgs, *a: shapes.append(tuple(imgs.shape)) or
                         original_step(imgs, *a))
     status, log = train_here("--data", small_yaml, "--project", tmp_path, "--epochs", "2", "--save-period", "1",
                              "--image-weights", "--quad")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import train
-from conftest import free_port, main_on_ranks, run_forked, write_rectangles_dataset
+from conftest import free_port, main_on_ranks, run_forked
 
 from utils.checkpoint import load_checkpoint
 
@@ -255,13 +255,13 @@ def kill_run(proc: subprocess.Popen) -> None:
 
 @pytest.mark.slow
 def test_a_2_rank_run_cut_mid_epoch_resumes_on_1_and_on_4_ranks_with_the_unseen_samples_and_on_3_at_the_next_epoch(
-        tmp_path, monkeypatch) -> None:
+        rectangles96_yaml, tmp_path, monkeypatch) -> None:
     # Global batch 32 on 96 images: 3 batches per epoch, 2 per optimizer step (an explicit optimizer accumulates
     # up to the nominal batch of 64), so there is a step boundary inside each epoch; --save-steps 1 writes a
-    # checkpoint there.
-    rectangles_yaml = write_rectangles_dataset(tmp_path / "data", n_train=96, n_val=4, size=64)
+    # checkpoint there. At 32 px: which samples each rank sees does not depend on the size.
+    rectangles_yaml = rectangles96_yaml
     common = ("--epochs", "2", "--noplots", "--noval", "--batch-size", "32", "--save-steps", "1", "--optimizer",
-              "AdamW")
+              "AdamW", "--imgsz", "32")
     env = dict(_env(), YOLO_LOG_LEVEL="DEBUG")
     log = tmp_path / "cut.log"
     with open(log, "w") as out:
@@ -292,11 +292,12 @@ def test_a_2_rank_run_cut_mid_epoch_resumes_on_1_and_on_4_ranks_with_the_unseen_
 
     # The resumed runs are forked from this process (the cut one above is the launched run).
     monkeypatch.setenv("YOLO_LOG_LEVEL", "DEBUG")
-    for ranks in (1, 4):
+    for ranks in (1, 4):  # --epochs: only the cut epoch, which is what these check
         resumed_last = tmp_path / f"on{ranks}/exp/weights/last.pt"
         resumed_last.parent.mkdir(parents=True)
         shutil.copy(snapshot, resumed_last)
-        codes, outputs = main_on_ranks(train.main, ["--resume", str(resumed_last)], ranks, tmp_path / f"logs{ranks}")
+        codes, outputs = main_on_ranks(train.main, ["--resume", str(resumed_last), "--epochs", str(epoch + 1)], ranks,
+                                       tmp_path / f"logs{ranks}")
         output = "".join(outputs)
         assert codes == [0] * ranks, output[-3000:]
         assert f"Resuming training at batch {cut} of epoch {epoch}" in output
@@ -304,26 +305,27 @@ def test_a_2_rank_run_cut_mid_epoch_resumes_on_1_and_on_4_ranks_with_the_unseen_
         # The rest of the cut epoch is exactly the samples not yet seen: every image once over the epoch.
         epoch_files = seen_before_cut + files_trained_on(output, epoch)
         assert sorted(epoch_files) == sorted(p.name for p in (rectangles_yaml.parent / "images/train").iterdir())
-        assert load_checkpoint(resumed_last)["epoch"] == 1
+        assert load_checkpoint(resumed_last)["epoch"] == epoch
         assert sorted(p.name for p in resumed_last.parents[2].iterdir()) == ["exp"]
 
     # 3 ranks cannot split the global batch of 32: one line says so, the cut epoch is left, the next one trained.
     resumed_last = tmp_path / "on3/exp/weights/last.pt"
     resumed_last.parent.mkdir(parents=True)
     shutil.copy(snapshot, resumed_last)
-    codes, outputs = main_on_ranks(train.main, ["--resume", str(resumed_last)], 3, tmp_path / "logs3")
+    codes, outputs = main_on_ranks(train.main, ["--resume", str(resumed_last), "--epochs", str(epoch + 2)], 3,
+                                   tmp_path / "logs3")
     output = "".join(outputs)
     assert codes == [0] * 3, output[-3000:]
     assert "the global batch 32 cannot be split over 3 ranks: continuing with 30 from the next epoch boundary" in output
     assert not files_trained_on(output, epoch) and files_trained_on(output, epoch + 1)
-    assert load_checkpoint(resumed_last)["epoch"] == 1
+    assert load_checkpoint(resumed_last)["epoch"] == epoch + 1
 
 
 @pytest.mark.slow
 def test_a_launcher_restart_resumes_the_run_by_itself_and_ends_as_an_uninterrupted_run(rectangles_yaml,
                                                                                        tmp_path) -> None:
     # yolo26n: its one-to-one loss weight follows the epoch, so a restart that lost its place would show.
-    common = ("--cfg", "yolo26n.yaml", "--epochs", "4", "--noplots", "--noval", "--deterministic")
+    common = ("--cfg", "yolo26n.yaml", "--epochs", "3", "--noplots", "--noval", "--deterministic", "--imgsz", "32")
     # The uninterrupted run is forked from this process; the restarted one is launched.
     codes, outputs = main_on_ranks(train.main, train_args(rectangles_yaml, tmp_path / "straight", *common), 2,
                                    tmp_path / "logs")
@@ -349,6 +351,6 @@ def test_a_launcher_restart_resumes_the_run_by_itself_and_ends_as_an_uninterrupt
     assert proc.returncode == 0, output[-3000:]
     assert "restart 1 of launcher run elastic-job" in output
     assert sorted(p.name for p in (tmp_path / "restarted").iterdir()) == ["exp"]  # the same run folder, no exp2
-    assert [int(r["epoch"]) for r in results_rows(tmp_path / "restarted/exp")] == list(range(4))
+    assert [int(r["epoch"]) for r in results_rows(tmp_path / "restarted/exp")] == list(range(3))
     assert max_difference(weights(tmp_path / "restarted/exp/weights/last.pt"),
                           weights(tmp_path / "straight/exp/weights/last.pt")) == 0.0

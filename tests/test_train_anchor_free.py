@@ -17,7 +17,7 @@ from test_train import relative_l2, results_rows, weights
 import train
 import val
 from utils.checkpoint import load_checkpoint
-from utils.evolve import read_evolve_csv
+from utils.engine.evolve import read_evolve_csv
 
 # yolo11n at 32 px on 16 images of 96 px, batch 8; AutoAnchor left on (it must say that it does not apply).
 TINY = ["--imgsz", "32", "--batch-size", "8", "--workers", "0", "--device", "cpu", "--noplots"]

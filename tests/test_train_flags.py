@@ -9,6 +9,7 @@ import csv
 import math
 import os
 import time
+import types
 from collections import Counter
 from pathlib import Path
 
@@ -21,11 +22,21 @@ from conftest import write_rectangles_dataset
 import train
 import utils.data.dataset as dataset_module
 import utils.data.image_source as image_source_module
-import utils.run_record as run_record_module
+import utils.engine.run_record as run_record_module
+import utils.engine.step as step_module
+import utils.engine.trainer as trainer_module
 from utils.checkpoint import load_checkpoint, save_checkpoint, strip_training_state
+from utils.data.config import load_data_config
+from utils.data.loader import load_labels
+from utils.distributed import DistInfo
+from utils.engine.config import TrainConfig
+from utils.engine.run_record import RunRecord
+from utils.engine.setup import freeze_layers, make_loaders
+from utils.engine.step import BatchOptions, SavePolicy
+from utils.engine.time_budget import fit_to_time, time_budget
+from utils.hyp import Hyp
 from utils.loss import ComputeLoss
 from utils.results_log import result_columns
-from utils.run_record import RunRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -125,10 +136,8 @@ def test_bad_inputs_are_one_line_errors(train_here, rectangles_yaml, tmp_path) -
 
 
 @pytest.mark.slow
-def test_fine_tune_with_optional_flags(train_here, rectangles_yaml, tmp_path) -> None:
-    status, log = train_here("--data", rectangles_yaml, "--project", tmp_path / "base", "--epochs", "1")
-    assert status == 0, log
-    start = tmp_path / "base/exp/weights/last.pt"
+def test_fine_tune_with_optional_flags(train_here, finished_run, rectangles_yaml, tmp_path) -> None:
+    start = finished_run[0]
     status, log = train_here("--data", rectangles_yaml, "--project", tmp_path / "tuned", "--weights", start,
                              "--epochs", "2", "--single-cls", "--multi-scale", "--rect", "--freeze", "2", "--cos-lr",
                              "--label-smoothing", "0.1", "--save-period", "1", "--optimizer", "SGD")
@@ -183,75 +192,87 @@ def test_best_pt_is_the_improving_epochs_last_pt_byte_for_byte_and_stays_through
 
 
 @pytest.mark.slow
-def test_noval_trains_every_epoch_validates_the_last_and_writes_best(train_here, rectangles_yaml, tmp_path) -> None:
+def test_noval_validates_the_last_epoch_and_nosave_writes_only_its_checkpoint(train_here, rectangles_yaml, tmp_path,
+                                                                              monkeypatch) -> None:
+    written: list[str] = []
+    for writer in ("save_checkpoint", "copy_checkpoint"):  # best.pt is a copy of last.pt
+        record_calls(monkeypatch, run_record_module, writer, lambda args, _: written.append(Path(args[1]).name))
     status, log = train_here("--data", rectangles_yaml, "--project", tmp_path, "--epochs", "3", "--noval",
-                             "--patience", "1")
+                             "--patience", "1", "--nosave")
     assert status == 0, log
     rows = results(tmp_path / "exp")
     assert [int(r["epoch"]) for r in rows] == [0, 1, 2]
     assert [r["metrics/mAP_0.5"] for r in rows[:2]] == [0.0, 0.0] and rows[2]["val/obj_loss"] > 0
     assert (tmp_path / "exp/weights/best.pt").is_file()
     assert load_checkpoint(tmp_path / "exp/weights/best.pt")["best_epoch"] == 2
+    assert written.count("last.pt") == 1 and set(written) <= {"last.pt", "best.pt"}  # --nosave: the final one only
 
 
-@pytest.mark.slow
-def test_nosave_writes_only_the_final_checkpoint(train_here, rectangles_yaml, tmp_path, monkeypatch) -> None:
-    written: list[str] = []
-    for writer in ("save_checkpoint", "copy_checkpoint"):  # best.pt is a copy of last.pt
-        record_calls(monkeypatch, run_record_module, writer, lambda args, _: written.append(Path(args[1]).name))
-    status, log = train_here("--data", rectangles_yaml, "--project", tmp_path / "nosave", "--epochs", "3", "--nosave")
-    assert status == 0, log
-    assert written.count("last.pt") == 1 and set(written) <= {"last.pt", "best.pt"}
-    written.clear()
-    status, log = train_here("--data", rectangles_yaml, "--project", tmp_path / "save", "--epochs", "3")
-    assert status == 0, log
-    assert written.count("last.pt") == 3  # one per epoch
+def test_nosave_writes_the_final_epochs_checkpoint_and_saving_writes_every_epochs(tmp_path) -> None:
+    for nosave, expected in ((True, [2]), (False, [0, 1, 2])):
+        record = _record(tmp_path / str(nosave), nosave=nosave, patience=0)
+        saved = []
+        for epoch in range(3):
+            ckpt = {"model_cfg": {}, "model": {"w": torch.full((1,), float(epoch))}, "ema": None, "epoch": epoch}
+            record.end_epoch(epoch, np.zeros(3), None, [0.01] * 3, ckpt, final=epoch == 2)
+            record.close()
+            if record.last.exists():
+                saved.append(load_checkpoint(record.last)["epoch"])
+        assert sorted(set(saved)) == expected, nosave
 
 
 # ---- what the flags change in training -------------------------------------------------------------------
 
-def _batch_shapes(monkeypatch) -> list[tuple[int, int]]:
-    shapes: list[tuple[int, int]] = []
-    record_calls(monkeypatch, train, "prepare_images", lambda args, imgs: shapes.append(tuple(imgs.shape[2:])))
-    return shapes
+def _training_batches(data: Path, epochs: int, **options):
+    """``(epoch, batch)`` of the training loader the engine builds for these options (utils/engine/setup.py),
+    iterated for ``epochs`` without a model: what a flag changes in the batches needs no training."""
+    config = TrainConfig(data=str(data), imgsz=64, batch_size=8, workers=0, epochs=epochs, **options)
+    data_config = load_data_config(config.data)
+    labels = [load_labels(data_config[split], nc=data_config["nc"], workers=0, verbose=False)
+              for split in ("train", "val")]
+    hyp = Hyp.from_yaml(ROOT / "data/hyps/hyp.scratch-low.yaml")
+    loader, _, _ = make_loaders(config, DistInfo(rank=-1, local_rank=-1, world_size=1), hyp, 32, labels)
+    for epoch in range(epochs):
+        loader.set_epoch(epoch, 0)
+        for batch in loader:
+            yield epoch, batch
 
 
-@pytest.mark.slow
-def test_rect_batches_keep_the_aspect_ratio(train_here, tmp_path, monkeypatch) -> None:
+def test_rect_batches_keep_the_aspect_ratio(tmp_path) -> None:
     wide = write_rectangles_dataset(tmp_path / "wide", size=48, width=96)  # 2:1 images
-    shapes = _batch_shapes(monkeypatch)
-    status, log = train_here("--data", wide, "--project", tmp_path, "--epochs", "1", "--rect")
-    assert status == 0, log
-    assert shapes and set(shapes) == {(32, 64)}  # letterboxed to the 2:1 batch shape, stride-aligned
-    shapes.clear()
-    status, log = train_here("--data", wide, "--project", tmp_path, "--epochs", "1")
-    assert status == 0, log
-    assert set(shapes) == {(64, 64)}
+    options = BatchOptions(seed=0, imgsz=64, grid=32, multi_scale=False, quad=False)
+    for rect, expected in ((True, {(32, 64)}), (False, {(64, 64)})):  # letterboxed to the 2:1 batch shape
+        shapes = {tuple(step_module.prepare_images(b[0], options, torch.device("cpu"), e, i).shape[2:])
+                  for i, (e, b) in enumerate(_training_batches(wide, 1, rect=rect))}
+        assert shapes == expected, rect
+
+
+def test_multi_scale_draws_stride_aligned_sizes_per_step() -> None:
+    images = torch.zeros(8, 3, 64, 64, dtype=torch.uint8)
+    for multi_scale in (True, False):
+        options = BatchOptions(seed=0, imgsz=64, grid=32, multi_scale=multi_scale, quad=False)
+        shapes = [tuple(step_module.prepare_images(images, options, torch.device("cpu"), epoch, batch).shape[2:])
+                  for epoch in range(3) for batch in range(2)]  # what 3 epochs of 2 batches draw
+        if multi_scale:
+            assert all(h == w and h % 32 == 0 and 32 <= h <= 96 + 32 for h, w in shapes), shapes
+            assert len(set(shapes)) > 1  # 6 steps, 3 possible sizes
+            again = step_module.prepare_images(images, options, torch.device("cpu"), 2, 1)
+            assert tuple(again.shape[2:]) == shapes[-1]  # a function of (seed, epoch, batch): a resume redraws it
+        else:
+            assert set(shapes) == {(64, 64)}
 
 
 @pytest.mark.slow
-def test_multi_scale_draws_stride_aligned_sizes_per_step(train_here, rectangles_yaml, tmp_path, monkeypatch) -> None:
-    shapes = _batch_shapes(monkeypatch)
-    status, log = train_here("--data", rectangles_yaml, "--project", tmp_path, "--epochs", "3", "--multi-scale")
-    assert status == 0, log
-    sizes = [h for h, w in shapes]
-    assert all(h == w and h % 32 == 0 and 32 <= h <= 96 + 32 for h, w in shapes), shapes
-    assert len(set(sizes)) > 1  # 6 batches, 3 possible sizes
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("cosine", [False, True])
-def test_lr_curve_is_linear_or_cosine(train_here, rectangles_yaml, tmp_path, cosine) -> None:
+def test_cos_lr_makes_the_lr_curve_a_cosine(train_here, rectangles_yaml, tmp_path) -> None:
+    # The linear curve, the default, is checked in results.csv by the resume and --time tests below.
     hyp = yaml.safe_load((ROOT / "data/hyps/hyp.scratch-low.yaml").read_text())
     hyp.update(warmup_epochs=0, lr0=0.01, lrf=0.1)
     (tmp_path / "hyp.yaml").write_text(yaml.safe_dump(hyp))
-    flags = ["--cos-lr"] if cosine else []
     status, log = train_here("--data", rectangles_yaml, "--project", tmp_path, "--epochs", "4", "--noval",
-                             "--optimizer", "SGD", "--hyp", tmp_path / "hyp.yaml", *flags)
+                             "--optimizer", "SGD", "--hyp", tmp_path / "hyp.yaml", "--cos-lr")
     assert status == 0, log
     for row in results(tmp_path / "exp"):
-        t = row["epoch"] / 4
-        ramp = (1 - math.cos(math.pi * t)) / 2 if cosine else t
+        ramp = (1 - math.cos(math.pi * row["epoch"] / 4)) / 2
         expected = 0.01 * (1 + (0.1 - 1) * ramp)
         assert [row[f"x/lr{j}"] for j in range(3)] == pytest.approx([expected] * 3, rel=1e-5), row  # csv keeps 6 digits
 
@@ -263,13 +284,11 @@ def _reads_per_image(monkeypatch) -> Counter:
     return reads
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["off", "ram", "disk"])
-def test_cache_decides_where_images_are_read_from(train_here, tmp_path, monkeypatch, mode) -> None:
+def test_cache_decides_where_images_are_read_from(tmp_path, monkeypatch, mode) -> None:
     data = write_rectangles_dataset(tmp_path / "data", n_train=8, n_val=4)
     reads = _reads_per_image(monkeypatch)
-    status, log = train_here("--data", data, "--project", tmp_path, "--epochs", "2", "--noval", "--cache", mode)
-    assert status == 0, log
+    assert len(list(_training_batches(data, 2, cache=mode))) == 2  # two epochs of one batch
     train_files = {f"train/{i:04d}.jpg" for i in range(8)}
     train_reads = {name: n for name, n in reads.items() if name in train_files}
     npy = sorted((tmp_path / "data/images/train").glob("*.npy"))
@@ -318,7 +337,7 @@ def test_diverged_training_stops_with_one_line_and_keeps_the_good_checkpoint(tra
     assert status == 0, log
     last = tmp_path / "exp/weights/last.pt"
     good = load_checkpoint(last)
-    monkeypatch.setattr(train, "MAX_NONFINITE_STEPS", 2)
+    monkeypatch.setattr(step_module, "MAX_NONFINITE_STEPS", 2)
     _poison_loss(monkeypatch, set(range(1000)))
     # A slow disk: epoch 1's checkpoint is still being written when epoch 2 fails. The error must wait for it.
     def slow_save(ckpt, path):
@@ -371,7 +390,7 @@ def test_resume_with_more_epochs_extends_a_finished_run_in_its_folder(train_here
     # stood at epoch 2 (0.1) to lrf (0.1) at the new end: a finished run continues at lr0 * lrf.
     lrs = [r["x/lr0"] for r in rows]
     assert lrs == pytest.approx([0.01, 0.01 * (1 - 0.9 / 2), 0.001, 0.001], rel=1e-5)
-    assert load_checkpoint(last)["opt"]["epochs"] == 4
+    assert load_checkpoint(last)["config"]["epochs"] == 4
 
 
 def test_a_launcher_job_continues_only_its_own_run_folder(train_here, rectangles_yaml, tmp_path, monkeypatch) -> None:
@@ -392,23 +411,30 @@ def test_a_launcher_job_continues_only_its_own_run_folder(train_here, rectangles
 
 
 @pytest.mark.slow
-def test_save_minutes_writes_checkpoints_inside_an_epoch_once_the_time_has_passed(train_here, tmp_path,
-                                                                                monkeypatch) -> None:
+def test_save_minutes_writes_checkpoints_inside_an_epoch_once_the_time_has_passed(train_here, rectangles96_yaml,
+                                                                                tmp_path, monkeypatch) -> None:
     # 96 images, global batch 32: 3 batches, 2 per optimizer step (an explicit optimizer accumulates up to the
     # nominal batch of 64), so one step boundary inside each epoch.
-    data = write_rectangles_dataset(tmp_path / "data", n_train=96, n_val=4, size=64)
     saved: list[dict] = []
     record_calls(monkeypatch, RunRecord, "save_mid_epoch", lambda args, result: saved.append(args[1]["mid_epoch"]))
-    for minutes, expected in (("10", 0), ("0.00001", 2)):  # the default 10 minutes never pass in this short run
-        saved.clear()
-        status, log = train_here("--data", data, "--project", tmp_path / minutes, "--epochs", "2", "--noval",
-                                 "--batch-size", "32", "--save-minutes", minutes, "--optimizer", "AdamW")
-        assert status == 0, log
-        assert [(m["epoch"], m["batch"]) for m in saved] == [(e, 2) for e in range(expected)]
+    status, log = train_here("--data", rectangles96_yaml, "--project", tmp_path, "--epochs", "2", "--noval",
+                             "--batch-size", "32", "--save-minutes", "0.00001", "--optimizer", "AdamW")
+    assert status == 0, log
+    assert [(m["epoch"], m["batch"]) for m in saved] == [(0, 2), (1, 2)]
+
+
+def test_save_minutes_and_save_steps_decide_when_rank_0_wants_a_checkpoint(monkeypatch) -> None:
+    stepper = types.SimpleNamespace(steps_done=3, last_save=1000.0)
+    monkeypatch.setattr(step_module.time, "monotonic", lambda: 1000.0 + 9.9 * 60)
+    assert not SavePolicy(every_steps=0, every_minutes=10).wants_save(stepper)  # 10 minutes have not passed
+    assert SavePolicy(every_steps=0, every_minutes=9.9).wants_save(stepper)
+    assert SavePolicy(every_steps=3, every_minutes=0).wants_save(stepper)  # every 3rd step
+    assert not SavePolicy(every_steps=2, every_minutes=0).wants_save(stepper)
+    assert not SavePolicy(every_steps=0, every_minutes=0).wants_save(stepper)  # 0: never
 
 
 def test_an_unfinished_run_extended_continues_its_lr_without_a_jump() -> None:
-    from utils.lr_schedule import LrSchedule
+    from utils.engine.lr_schedule import LrSchedule
 
     schedule = LrSchedule.for_run(10, 0.01)
     longer = schedule.extended(4, 20, 0.01)
@@ -420,10 +446,8 @@ def test_an_unfinished_run_extended_continues_its_lr_without_a_jump() -> None:
 
 
 @pytest.mark.slow
-def test_resume_refuses_a_flag_it_cannot_change_and_names_it(train_here, rectangles_yaml, tmp_path) -> None:
-    status, log = train_here("--data", rectangles_yaml, "--project", tmp_path, "--epochs", "1", "--noval")
-    assert status == 0, log
-    last = tmp_path / "exp/weights/last.pt"
+def test_resume_refuses_a_flag_it_cannot_change_and_names_it(train_here, finished_run, tmp_path) -> None:
+    last = finished_run[0]
     for flag, value in (("--imgsz", "96"), ("--cfg", "models/yolov5s.yaml"), ("--single-cls", None)):
         status, log = train_here("--resume", last, flag, *([value] if value else []))
         assert status == 1, log
@@ -442,16 +466,35 @@ def test_resume_refuses_a_flag_it_cannot_change_and_names_it(train_here, rectang
 # ---- --time ----------------------------------------------------------------------------------------------
 
 def test_time_budget_gives_the_number_of_epochs_after_the_first() -> None:
-    opt = train.parse_opt(["--time", "0.5", "--close-mosaic", "10"])[0]  # 1800 s
-    assert train.fit_to_time(opt, epoch=0, start_epoch=0, elapsed=70.0, epoch_seconds=60.0) == {"epochs": 30}
-    assert train.fit_to_time(opt, epoch=5, start_epoch=0, elapsed=600.0, epoch_seconds=60.0) == {}
-    assert train.fit_to_time(opt, epoch=29, start_epoch=0, elapsed=1750.0, epoch_seconds=60.0) == {"stop": True}
+    config = TrainConfig(time=0.5, close_mosaic=10, epochs=300)  # 1800 s, counted from the first epoch's start
+    budget = time_budget(config, process_started=0.0, loop_started=100.0)
+    assert fit_to_time(budget, epoch=0, start_epoch=0, now=170.0, epoch_seconds=60.0, config=config) == {"epochs": 30}
+    assert fit_to_time(budget, epoch=5, start_epoch=0, now=700.0, epoch_seconds=60.0, config=config) == {}
+    assert fit_to_time(budget, epoch=29, start_epoch=0, now=1850.0, epoch_seconds=60.0, config=config) == {"stop": True}
+    assert fit_to_time(budget, epoch=0, start_epoch=0, now=101.0, epoch_seconds=1.0, config=config) == {"epochs": 1800}
+
+
+def test_the_demo_budget_fits_its_epochs_to_the_whole_run_and_never_more_than_its_own() -> None:
+    # The demo's: 270 s from the process start, at most 22 epochs (train.py's preset). Start-up took 25 s here.
+    config = TrainConfig(epochs=22, time=270 / 3600, time_includes_startup=True, time_max_epochs=22)
+    budget = time_budget(config, process_started=0.0, loop_started=25.0)
+    assert budget.for_epochs == pytest.approx(245.0)
+    # A slow machine (24 s epochs): the 245 s left fit 10 epochs; it stops before an epoch that would overrun.
+    assert fit_to_time(budget, epoch=0, start_epoch=0, now=49.0, epoch_seconds=24.0, config=config) == {"epochs": 10}
+    assert fit_to_time(budget, epoch=8, start_epoch=0, now=241.0, epoch_seconds=24.0, config=config) == {}
+    assert fit_to_time(budget, epoch=8, start_epoch=0, now=247.0, epoch_seconds=24.0, config=config) == {"stop": True}
+    # A fast machine (5 s epochs would fit 49): the preset's 22, so nothing to refit; the run is today's.
+    assert fit_to_time(budget, epoch=0, start_epoch=0, now=30.0, epoch_seconds=5.0, config=config) == {}
+    assert fit_to_time(budget, epoch=21, start_epoch=0, now=135.0, epoch_seconds=5.0, config=config) == {}
+    # Just over: 11.1 s epochs fit 22, exactly the preset.
+    assert fit_to_time(budget, epoch=0, start_epoch=0, now=36.1, epoch_seconds=11.1, config=config) == {}
+    assert fit_to_time(budget, epoch=0, start_epoch=0, now=36.2, epoch_seconds=11.2, config=config) == {"epochs": 21}
 
 
 @pytest.mark.slow
 def test_time_refits_the_schedule_and_close_mosaic(train_here, rectangles_yaml, tmp_path, monkeypatch) -> None:
     # The measured epoch time decides the number of epochs; here that decision is fixed at 3 epochs.
-    monkeypatch.setattr(train, "fit_to_time", lambda opt, epoch, *_: {"epochs": 3} if epoch == 0 else {})
+    monkeypatch.setattr(trainer_module, "fit_to_time", lambda budget, epoch, *_: {"epochs": 3} if epoch == 0 else {})
     mosaic_epochs: list[bool] = []
     record_calls(monkeypatch, dataset_module.YoloDataset, "mosaic_enabled",
                  lambda args, enabled: mosaic_epochs.append((args[1], enabled)))
@@ -475,10 +518,10 @@ def test_freeze_keeps_what_the_model_fixes_itself_and_freezes_only_the_layers_as
     from models.yolo import build_model
 
     model = build_model("yolo11n.yaml", nc=2)
-    train.freeze_layers(model, [0])
+    freeze_layers(model, [0])
     frozen = sorted(name for name, p in model.named_parameters() if not p.requires_grad)
     assert frozen == ["model.23.dfl.conv.weight"]
-    train.freeze_layers(model, [2])
+    freeze_layers(model, [2])
     first_two = {name for name, _ in model.named_parameters() if name.startswith(("model.0.", "model.1."))}
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     assert first_two and frozen == {"model.23.dfl.conv.weight"} | first_two

@@ -14,8 +14,10 @@ import torch
 
 from models.loading import load_model
 from models.yolo import Detect, Model, build_model
-from utils.checkpoint import load_checkpoint, model_weights, resumed_options
+from utils.checkpoint import load_checkpoint, model_weights
 from utils.convert_yolov5 import main as convert_main
+from utils.engine.config import TrainConfig
+from utils.engine.resume import resumed_config
 from utils.errors import UserError
 
 # Our classes under the names YOLOv5 pickles them with (the blocks already share YOLOv5's module paths).
@@ -107,7 +109,7 @@ def test_converted_file_loads_weights_only_and_cannot_be_resumed(tmp_path) -> No
     model, _ = load_model(dst)
     assert model.names == ["class0", "class1", "class2"]
     with pytest.raises(UserError, match="a YOLOv5 checkpoint"):
-        resumed_options(types.SimpleNamespace(), set(), dst, raw)
+        resumed_config(TrainConfig(), frozenset(), dst, raw)
     assert convert_main([str(dst), str(tmp_path / "again.pt")]) == 1  # already ours
 
 

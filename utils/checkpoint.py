@@ -8,17 +8,18 @@ checkpoint is the models' job (``models.yolo.build_model``); this module only ha
 Training state (what ``--resume`` and launcher restarts need): ``optimizer``, ``scaler``, ``ema``/``updates``,
 ``epoch`` (the last completed epoch, -1 before the first), ``mid_epoch`` (None, or where a checkpoint written
 inside an epoch stands: the epoch, the batches done and the epoch's loss sums so far), ``best_fitness``,
-``best_epoch``, ``lr_schedule`` (see utils/lr_schedule.py), ``optimizer_choice`` (the optimizer, lr0, momentum
-and accumulation the run started with; see utils/optimizer.py), ``opt``, ``hyp``, ``world_size`` and ``run_id``;
-train.py adds ``class_weights`` (--image-weights: the class weights of the next epoch's draw, or None).
+``best_epoch``, ``lr_schedule`` (see utils/engine/lr_schedule.py), ``optimizer_choice`` (the optimizer, lr0,
+momentum and accumulation the run started with; see utils/optimizer.py), ``config`` with ``config_schema`` (the
+run's configuration, utils/engine/config.py; files written before it hold the argparse options as ``opt``),
+``hyp``, ``world_size``, ``run_id`` and ``class_weights`` (--image-weights: the class weights of the next
+epoch's draw, or None). The resume rules are the engine's (utils/engine/resume.py).
 """
 from __future__ import annotations
 
-import argparse
-import math
 import pickle
 import shutil
 import zipfile
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -32,12 +33,6 @@ from utils.files import atomic_output
 from utils.torch_utils import cpu_fp32_state
 
 FORMAT_VERSION = 1
-
-# Options a resumed run may take anew; any other option given with --resume must equal the run's own.
-RESUME_OVERRIDABLE = frozenset({
-    "epochs", "device", "workers", "patience", "save_period", "save_steps", "save_minutes", "noval", "nosave",
-    "noplots", "cache", "exist_ok", "deterministic", "amp", "dist_timeout", "time", "local_rank",
-})
 
 
 # ---- format, save, load ----------------------------------------------------------------------------------
@@ -98,10 +93,11 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
 
 
 def trained_imgsz(ckpt: dict[str, Any]) -> int | None:
-    """The image size a checkpoint was trained at: ours (``opt``), YOLOv5's (``opt``) or Ultralytics'
-    (``train_args``) record; None when it records none."""
+    """The image size a checkpoint was trained at: ours (``config``, or ``opt`` in older files), YOLOv5's (``opt``)
+    or Ultralytics' (``train_args``) record; None when it records none."""
     imported = ckpt.get("yolov5") or {}
-    for record in (ckpt.get("opt"), imported.get("opt"), imported.get("train_args"), ckpt.get("train_args")):
+    for record in (ckpt.get("config"), ckpt.get("opt"), imported.get("opt"), imported.get("train_args"),
+                   ckpt.get("train_args")):
         size = record.get("imgsz", record.get("img_size")) if isinstance(record, dict) else None
         if isinstance(size, (list, tuple)) and size:
             size = max(size)
@@ -117,34 +113,41 @@ def model_weights(ckpt: dict[str, Any], prefer_ema: bool = True) -> dict[str, to
 
 # ---- training state ---------------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class RunPosition:
+    """Where a run stands when a checkpoint is written."""
+
+    epoch: int  # the last completed epoch, -1 before the first
+    mid_epoch: dict[str, Any] | None  # inside an epoch: the epoch, the batches done, the epoch's loss sums so far
+    best_fitness: float
+    best_epoch: int
+
+
 def training_checkpoint(model: nn.Module, ema, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                        *, epoch: int, mid_epoch: dict[str, Any] | None, best_fitness: float, best_epoch: int,
-                        lr_schedule: list[list[float]], optimizer_choice: dict[str, Any], opt: argparse.Namespace,
-                        hyp: dict[str, float], world_size: int, run_id: str) -> dict[str, Any]:
-    """Everything needed to resume, in the safe format: tensors, state_dicts and plain values only."""
+                        position: RunPosition, run: dict[str, Any]) -> dict[str, Any]:
+    """Everything needed to resume, in the safe format: tensors, state_dicts and plain values only.
+
+    ``run`` holds the plain values of the run itself (``lr_schedule``, ``optimizer_choice``, ``config`` and
+    ``config_schema``, ``hyp``, ``world_size``, ``run_id``, ``class_weights``).
+    """
     return {
         **model_state(model),
         "ema": cpu_fp32_state(ema.ema),
         "updates": ema.updates,
         "optimizer": optimizer.state_dict(),
         "scaler": scaler.state_dict() if scaler.is_enabled() else None,
-        "epoch": epoch,
-        "mid_epoch": mid_epoch,
-        "best_fitness": float(best_fitness),
-        "best_epoch": best_epoch,
-        "lr_schedule": lr_schedule,
-        "optimizer_choice": dict(optimizer_choice),
-        "opt": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opt).items()},
-        "hyp": dict(hyp),
-        "world_size": world_size,
-        "run_id": run_id,
+        "epoch": position.epoch,
+        "mid_epoch": position.mid_epoch,
+        "best_fitness": float(position.best_fitness),
+        "best_epoch": position.best_epoch,
+        **run,
         "torch_rng": torch.get_rng_state(),
         "date": datetime.now().isoformat(timespec="seconds"),
     }
 
 
 def has_training_state(ckpt: dict[str, Any]) -> bool:
-    return ckpt.get("optimizer") is not None and "epoch" in ckpt and "opt" in ckpt
+    return ckpt.get("optimizer") is not None and "epoch" in ckpt and ("config" in ckpt or "opt" in ckpt)
 
 
 def restore_training_state(ckpt: dict[str, Any], optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
@@ -197,7 +200,7 @@ def run_folder_of(run_id: str, project: str | Path, not_before: float | None = N
     return max(mine)[1].resolve() if mine else None
 
 
-def _not_resumable(path: Path, ckpt: dict[str, Any]) -> UserError:
+def not_resumable(path: Path, ckpt: dict[str, Any]) -> UserError:
     if ckpt.get("source") in ("yolov5", "ultralytics"):
         what = {"yolov5": "a YOLOv5 checkpoint", "ultralytics": "an Ultralytics checkpoint"}[ckpt["source"]]
         owner = {"yolov5": "YOLOv5's", "ultralytics": "Ultralytics'"}[ckpt["source"]]
@@ -209,36 +212,3 @@ def _not_resumable(path: Path, ckpt: dict[str, Any]) -> UserError:
         what = "weights without training state"
         instead = f"fine-tune from them with --weights {path}, or resume from a run's weights/last.pt"
     return UserError(f"{path}: cannot resume: {what}; {instead}")
-
-
-def resumed_options(opt: argparse.Namespace, explicit: set[str], path: Path,
-                    ckpt: dict[str, Any]) -> argparse.Namespace:
-    """The run's own options with the flags given now applied: overridable ones replace, others must agree.
-
-    ``--epochs`` may extend (or shorten) a run, a finished one included; see utils/lr_schedule.py for how
-    the learning rate continues. Any other option that differs from the run's is a one-line error naming it.
-    """
-    if not has_training_state(ckpt):
-        raise _not_resumable(path, ckpt)
-    restored = argparse.Namespace(**{**vars(opt), **ckpt["opt"]})
-    for name in sorted(explicit - {"resume"}):
-        given, saved = getattr(opt, name), ckpt["opt"].get(name)
-        if name in RESUME_OVERRIDABLE:
-            setattr(restored, name, given)
-        elif saved is not None and _comparable(given) != _comparable(saved):
-            flag = "--" + name.replace("_", "-")
-            raise UserError(f"{flag} {given} cannot change when resuming {path} (the run has {saved}); "
-                            f"start a new run with --weights {path} instead")
-    restored.resume = str(path)
-    restored.weights = str(path)
-    if path.parent.name == "weights":  # the run folder is where its checkpoint lies now (moved, or mounted elsewhere)
-        restored.save_dir = str(path.parent.parent.resolve())
-    return restored
-
-
-def _comparable(value: Any) -> Any:
-    if isinstance(value, (list, tuple)):
-        return [_comparable(v) for v in value]
-    if isinstance(value, float) and math.isfinite(value) and value == int(value):
-        return int(value)
-    return str(value) if isinstance(value, Path) else value

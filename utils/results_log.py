@@ -6,11 +6,12 @@ from pathlib import Path
 METRIC_COLUMNS = ("metrics/precision", "metrics/recall", "metrics/mAP_0.5", "metrics/mAP_0.5:0.95")
 
 
-def result_columns(loss_names: tuple[str, str, str]) -> tuple[str, ...]:
-    """results.csv's columns (and TensorBoard's tags) for a loss with these three terms (the model family's:
-    box, obj, cls for YOLOv5; box, cls, dfl for YOLOv8/11; box, cls, l1 for YOLO26)."""
+def result_columns(loss_names: tuple[str, ...], n_param_groups: int = 3) -> tuple[str, ...]:
+    """results.csv's columns (and TensorBoard's tags) for a loss with these terms (the model family's, any number:
+    box, obj, cls for YOLOv5; box, cls, dfl for YOLOv8/11; box, cls, l1 for YOLO26) and the learning rate of each
+    of the optimizer's parameter groups."""
     return ("epoch", *(f"train/{n}_loss" for n in loss_names), *METRIC_COLUMNS,
-            *(f"val/{n}_loss" for n in loss_names), "x/lr0", "x/lr1", "x/lr2")
+            *(f"val/{n}_loss" for n in loss_names), *(f"x/lr{j}" for j in range(n_param_groups)))
 
 
 def append_results_row(csv_file: Path, values: list[float], columns: tuple[str, ...]) -> None:

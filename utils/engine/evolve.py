@@ -1,5 +1,7 @@
 """--evolve: hyper-parameter evolution, generation by generation, recorded in evolve.csv.
 
+``evolve`` trains the generations; the functions before it are the record and the mutation.
+
 A generation mutates a parent chosen from the best rows of evolve.csv (the first generation trains the base
 hyper-parameters as given), trains, and appends its validation results and hyper-parameters as one row.
 Mutation scales and bounds are the model family's (``utils.hyp.EVOLVE_LIMITS`` for YOLOv5); everything here
@@ -12,12 +14,21 @@ import math
 from pathlib import Path
 
 import numpy as np
+import torch
 import yaml
 
+from models.families import family_of
+from utils.checkpoint import load_checkpoint
+from utils.distributed import DistInfo, broadcast_object
+from utils.engine.config import TrainConfig
+from utils.engine.setup import model_config
+from utils.engine.trainer import train
 from utils.errors import UserError
 from utils.hyp import EVOLVE_LIMITS, Hyp, Limit
+from utils.log import LOGGER, colorstr
 from utils.metrics import fitness
 from utils.results_log import METRIC_COLUMNS
+from utils.run_dir import increment_path
 
 N_RESULTS = 7  # a row's validation results: P, R, mAP50, mAP50-95 and the three validation losses
 N_PARENTS = 5  # parents are drawn from this many best rows
@@ -134,3 +145,61 @@ def plot_evolve(rows: np.ndarray, keys: list[str], path: Path) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def evolve(config: TrainConfig, device: torch.device, info: DistInfo) -> Path:
+    """--evolve N: train generations until evolve.csv holds N; returns the folder (``config.project``/name, or
+    that of --resume-evolve's csv).
+
+    Each generation is a normal run (validated after its last epoch only, final weights only) in
+    ``<folder>/gen<i>``; every rank of a distributed launch trains it together. Rank 0 keeps the record and
+    decides each generation's hyper-parameters, drawn from ``(seed, generation)`` and the csv so far.
+    """
+    if config.evolve is None:
+        raise UserError(f"--resume-evolve {config.resume_evolve} needs --evolve N, the number of generations in total")
+    if config.evolve < 1:
+        raise UserError(f"--evolve {config.evolve}: give the number of generations, at least 1 (e.g. --evolve 10)")
+    family = family_of(model_config(config, None, load_checkpoint(config.weights) if config.weights else None))
+    base = Hyp.from_yaml(config.hyp or family.default_hyp_path)
+    family.check_hyp(base, config.hyp or family.default_hyp)
+    keys, loss_names = family.evolve_keys(base), family.loss_names
+    folder, csv_file = _record_files(config, info)
+    rows = np.zeros((0, len(result_keys(loss_names)) + len(keys)))
+    if info.is_main:
+        folder.mkdir(parents=True, exist_ok=True)
+        if csv_file.exists():
+            rows = read_evolve_csv(csv_file, keys, loss_names)
+    rows = broadcast_object(rows, info)
+    if len(rows) >= config.evolve:
+        LOGGER.info(f"{csv_file} already holds {len(rows)} generations (--evolve {config.evolve}): nothing to do")
+        return folder
+    LOGGER.info(f"Evolving hyper-parameters: generations {len(rows)} to {config.evolve - 1} in {colorstr(str(folder))}")
+    for generation in range(len(rows), config.evolve):
+        hyp = next_hyp(base, rows, keys, np.random.default_rng([config.seed, generation]), family.evolve_limits)
+        hyp = Hyp.from_dict(broadcast_object(hyp.to_dict(), info), f"generation {generation}")
+        generation_config = config.replace(project=str(folder), name=f"gen{generation}", exist_ok=True, noval=True,
+                                           nosave=True, noplots=True, evolve=None, resume_evolve=None)
+        out = train(generation_config, device, info, None, hyp=hyp)
+        if info.is_main:
+            append_evolve_row(csv_file, out.results, hyp, keys, loss_names)
+            rows = read_evolve_csv(csv_file, keys, loss_names)  # the rounded values, as a resumed evolution reads
+            write_best_hyp(rows, keys, base, folder / "hyp_evolve.yaml")
+            LOGGER.info(f"generation {generation}: fitness {float(fitness(np.array(out.results[:4]))):.5g}; "
+                        f"best so far in {folder / 'hyp_evolve.yaml'}")
+        rows = broadcast_object(rows, info)
+    if info.is_main:  # once at the end: a figure of every hyper-parameter costs seconds
+        plot_evolve(rows, keys, folder / "evolve.png")
+    LOGGER.info(f"Evolution done: {csv_file}, {folder / 'hyp_evolve.yaml'}, {folder / 'evolve.png'}")
+    return folder
+
+
+def _record_files(config: TrainConfig, info: DistInfo) -> tuple[Path, Path]:
+    """The evolution's folder and evolve.csv: --resume-evolve's, or a new folder under ``config.project``."""
+    if config.resume_evolve:
+        csv_file = Path(config.resume_evolve)
+        if not csv_file.is_file():
+            raise UserError(f"--resume-evolve {csv_file}: file not found")
+        return csv_file.parent, csv_file
+    folder = Path(broadcast_object(str(increment_path(Path(config.project) / config.name,
+                                                      config.exist_ok).resolve()), info))
+    return folder, folder / "evolve.csv"

@@ -89,7 +89,8 @@ class RunRecord:
         ``results`` is None for an epoch that was not validated (--noval): it cannot be best, and its row
         holds zeros for the metrics. ``ckpt`` holds this epoch's training state; it is snapshotted here.
         """
-        row = results if results is not None else (0.0,) * 7
+        n_results = len(self.columns) - 1 - len(train_losses) - len(lrs)  # the metrics and validation losses
+        row = results if results is not None else (0.0,) * n_results
         improved = False
         if results is not None:
             current = float(fitness(np.array(results[:4])))

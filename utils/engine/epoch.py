@@ -1,0 +1,115 @@
+"""One epoch of optimizer steps (step.py), from a given batch on (a resumed epoch), with its progress and timing."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from utils.distributed import all_reduce_sum, de_parallel
+from utils.engine.step import (SaveMidEpoch, SavePolicy, Stepper, Window, accumulation_windows, forward_backward,
+                               micro_batches, sync, update)
+from utils.engine.tally import LossTally
+from utils.log import LOGGER
+from utils.loggers import NullLogger, RunLogger
+
+
+@dataclass
+class EpochHooks:
+    """What an epoch reports to and saves through (rank 0's; the other ranks get no-ops)."""
+
+    epochs: int  # the run's length now (the progress bar's "epoch/epochs")
+    batch_size: int  # global, over all ranks (the epoch's images per second)
+    loss_names: tuple[str, ...]
+    save_policy: SavePolicy
+    save_mid_epoch: SaveMidEpoch | None = None
+    logger: RunLogger = field(default_factory=NullLogger)
+    plots_dir: Path | None = None  # train_batch*.jpg of the epoch's first batches
+
+
+def train_one_epoch(stepper: Stepper, loader: Any, epoch: int, start_batch: int, tally: LossTally,
+                    hooks: EpochHooks) -> LossTally:
+    """One epoch of optimizer steps, from ``start_batch`` on, with one all-reduce per step (step.py: ``sync``).
+
+    A checkpoint that rank 0 wished for is written at the start of a step, with the state after the previous one.
+    Each step has four phases: waiting for data, the sync, the forward and backward passes, the update; a
+    per-phase profile or a tracker call wraps the calls below.
+    """
+    stepper.model.train()
+    loader.set_epoch(epoch, start_batch)
+    n_batches = len(loader)
+    batches = enumerate(loader, start_batch)
+    main = stepper.info.is_main
+    if main:
+        losses = "".join(f"{name + '_loss':>{width}}" for name, width in zip(hooks.loss_names, column_widths(hooks)))
+        LOGGER.info(f"\n{'Epoch':>11}{'GPU_mem':>11}{losses}{'Instances':>11}{'Size':>11}")
+        batches = tqdm(batches, total=n_batches, initial=start_batch, bar_format="{l_bar}{bar:10}{r_bar}")
+    pending = torch.zeros(stepper.n_losses + 1, device=stepper.device)  # loss items, finite micro-batches
+    t0, data_wait, t_ready = time.perf_counter(), 0.0, time.perf_counter()
+    for window in accumulation_windows(batches, stepper.optim.accumulate, n_batches):
+        data_wait += time.perf_counter() - t_ready
+        first = window[0][0]
+        _log_batch_files(stepper, epoch, window)
+        micro, prepared, counts = micro_batches(stepper, window, epoch)
+        save_now = hooks.save_mid_epoch is not None and first > start_batch and hooks.save_policy.wants_save(stepper)
+        counts, save = sync(stepper, counts, pending, save_now, tally)
+        if save and hooks.save_mid_epoch is not None:
+            hooks.save_mid_epoch(epoch, first, tally)
+            stepper.last_save = time.monotonic()
+        stepper.optim.warm_up(window[-1][0] + n_batches * epoch, epoch)
+        step_items = forward_backward(stepper, micro, counts, prepared, pending)
+        update(stepper, tally, f"epoch {epoch} batch {window[-1][0]}", step_items, hooks.loss_names)
+        if main:
+            batches.set_description(progress_line(epoch, hooks, stepper.device, tally.means(), micro))
+            _report_step(stepper, hooks, epoch, window)
+        t_ready = time.perf_counter()
+    tally.add(all_reduce_sum(pending.clone()), stepper.info.world_size)
+    _log_epoch_speed(stepper, epoch, (n_batches - start_batch) * hooks.batch_size, time.perf_counter() - t0,
+                     data_wait, tally)
+    return tally
+
+
+def _log_batch_files(stepper: Stepper, epoch: int, window: Window) -> None:
+    if LOGGER.isEnabledFor(logging.DEBUG):
+        for i, b in window:
+            LOGGER.debug(f"rank {max(stepper.info.rank, 0)} epoch {epoch} batch {i}: "
+                         f"{' '.join(Path(f).name for f in b[2])}")
+
+
+def _report_step(stepper: Stepper, hooks: EpochHooks, epoch: int, window: Window) -> None:
+    """Rank 0 after a step: the epoch's first images to the logger, its first batches as plots."""
+    first = window[0][0]
+    if first == 0:
+        hooks.logger.log_batch(window[0][1][0], epoch)
+    if hooks.plots_dir is not None and first < 3:
+        from utils.plots import plot_images
+
+        for i, b in window:
+            if i < 3:
+                plot_images(b[0], b[1], b[2], hooks.plots_dir / f"train_batch{i}.jpg", de_parallel(stepper.model).names)
+
+
+def _log_epoch_speed(stepper: Stepper, epoch: int, images: int, elapsed: float, data_wait: float,
+                     tally: LossTally) -> None:
+    gpu = (f", peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB"
+           if stepper.device.type == "cuda" else "")
+    skipped = f", {tally.skipped_steps} steps skipped (non-finite gradients)" if tally.skipped_steps else ""
+    LOGGER.info(f"epoch {epoch}: {images / elapsed:.1f} images/s, "
+                f"{100 * data_wait / elapsed:.0f}% of the time waiting for data{gpu}{skipped}")
+
+
+def column_widths(hooks: EpochHooks) -> list[int]:
+    """The progress columns of the loss terms: 11 characters, wider for a long name."""
+    return [max(11, len(name) + 6) for name in hooks.loss_names]
+
+
+def progress_line(epoch: int, hooks: EpochHooks, device: torch.device, mean_loss: np.ndarray, micro: list) -> str:
+    mem = f"{torch.cuda.memory_reserved() / 1e9:.3g}G" if device.type == "cuda" else "0G"
+    losses = "".join(f"{x:>{width}.4g}" for x, width in zip(mean_loss.tolist(), column_widths(hooks)))
+    imgs, targets = micro[-1]
+    return f"{f'{epoch}/{hooks.epochs - 1}':>11}{mem:>11}{losses}{targets.shape[0]:>11}{imgs.shape[-1]:>11}"

@@ -1,0 +1,118 @@
+"""What updates the weights: the optimizer (utils/optimizer.py chooses it), its learning-rate schedule and warmup,
+the gradient scaler and the EMA; made once per run, restored on resume, refitted by a time budget."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from utils.checkpoint import restore_training_state
+from utils.engine.config import TrainConfig, stored_config
+from utils.engine.lr_schedule import LrSchedule, apply_warmup, warmup_iterations
+from utils.ema import ModelEMA
+from utils.hyp import Hyp
+from utils.log import LOGGER
+from utils.optimizer import (NOMINAL_BATCH, OptimizerChoice, build_optimizer, choose_optimizer, resumed_choice,
+                             unused_hyp_values)
+
+
+@dataclass
+class Optimization:
+    """The optimizer and what steers it. ``scheduler`` is made once the start epoch is known (``start_schedule``)."""
+
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    ema: ModelEMA
+    schedule: LrSchedule
+    choice: OptimizerChoice
+    hyp: Hyp
+    scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+    n_warmup: int = 0  # warmup iterations (batches)
+
+    @property
+    def accumulate(self) -> int:
+        return self.choice.accumulate
+
+    def start_schedule(self, start_epoch: int, batches_per_epoch: int) -> None:
+        """The scheduler, made at ``start_epoch - 1`` and stepped once on creation, sets this epoch's rates (a fresh
+        LambdaLR would restart a resumed run at lr0 * schedule(0)); the warmup length in batches."""
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda=self.schedule,
+                                                           last_epoch=start_epoch - 1)
+        self.n_warmup = warmup_iterations(self.hyp.warmup_epochs, batches_per_epoch)
+
+    def warm_up(self, iteration: int, epoch: int) -> None:
+        """During warmup, ramp the learning rates and the momentum for the step ending at batch ``iteration``."""
+        if iteration <= self.n_warmup:
+            apply_warmup(self.optimizer, iteration, self.n_warmup, self.schedule(epoch), self.hyp,
+                         self.choice.momentum)
+
+    def learning_rates(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def refit(self, epochs: int) -> None:
+        """A new run length (a time budget): the schedule from epoch 0 to ``epochs``, the next epoch's rates set."""
+        self.schedule = LrSchedule.for_run(epochs, self.hyp.lrf, self.schedule.cosine)
+        self.scheduler.lr_lambdas = [self.schedule] * len(self.scheduler.lr_lambdas)
+        for group, base_lr in zip(self.optimizer.param_groups, self.scheduler.base_lrs):  # the next epoch's
+            group["lr"] = base_lr * self.schedule(self.scheduler.last_epoch)
+
+    def step(self, model: nn.Module) -> bool:
+        """Clip, step, update the EMA; False (and no step) when the gradients are not finite.
+
+        The gradients are all-reduced, so every rank makes the same decision. With a gradient scaler (fp16) the
+        scaler skips overflowing steps itself, as it should early in training; those are not counted.
+        """
+        self.scaler.unscale_(self.optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=10.0)
+        finite = self.scaler.is_enabled() or bool(torch.isfinite(norm))
+        if finite:
+            self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad()
+        if finite:
+            self.ema.update(model)
+        return finite
+
+
+@dataclass(frozen=True)
+class OptimizerInputs:
+    """What the optimizer's choice depends on besides the configuration."""
+
+    n_images: int
+    nc: int
+    hyp: Hyp
+    adamw_lr_per_class_term: float  # the family's (utils/optimizer.py)
+
+
+def choose(config: TrainConfig, inputs: OptimizerInputs, ckpt: dict[str, Any] | None) -> OptimizerChoice:
+    """The run's optimizer: a resumed run's own choice, whatever the length asked now; else chosen for this run."""
+    if ckpt:
+        choice = resumed_choice(ckpt.get("optimizer_choice"), stored_config(ckpt, "checkpoint"), inputs.n_images,
+                                inputs.nc, inputs.hyp, ckpt["optimizer"])
+    else:
+        choice = choose_optimizer(config.optimizer, config.epochs, inputs.n_images, config.batch_size, inputs.nc,
+                                  inputs.hyp, inputs.adamw_lr_per_class_term)
+    LOGGER.info(f"optimizer: {choice.name} lr0={choice.lr0} momentum={choice.momentum} accumulate={choice.accumulate} "
+                f"({choice.reason})")
+    if unused := unused_hyp_values(choice, inputs.hyp):
+        LOGGER.info(f"optimizer: the hyp file's {' and '.join(unused)} not used ({choice.name}'s own instead)")
+    return choice
+
+
+def build_optimization(model: nn.Module, config: TrainConfig, choice: OptimizerChoice, hyp: Hyp,
+                       needs_scaler: bool) -> Optimization:
+    """The optimizer over ``model``'s parameter groups, the run's schedule, the EMA and the gradient scaler."""
+    decay = hyp.weight_decay * config.batch_size * choice.accumulate / NOMINAL_BATCH
+    optimizer = build_optimizer(model, choice.name, choice.lr0, choice.momentum, decay)
+    schedule = LrSchedule.for_run(config.epochs, hyp.lrf, config.cos_lr)
+    ema = ModelEMA(model)  # on every rank: each validates its part with the same EMA weights
+    scaler = torch.amp.GradScaler(next(model.parameters()).device.type, enabled=needs_scaler)
+    return Optimization(optimizer, scaler, ema, schedule, choice, hyp)
+
+
+def restore(optim: Optimization, ckpt: dict[str, Any]) -> None:
+    """Load a training checkpoint's optimizer, scaler, EMA and RNG state."""
+    restore_training_state(ckpt, optim.optimizer, optim.scaler, optim.ema)
+

@@ -1,0 +1,66 @@
+"""A run from its configuration, as train.py starts it: the device and process group, then an evolution, or a
+training run (new, resumed, or continued after a launcher restart); a failed collective ends it in one line."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from utils.distributed import DistInfo, collective_failure, destroy_process_group, init_process_group
+from utils.engine.config import TrainConfig
+from utils.engine.evolve import evolve
+from utils.engine.resume import ResumeRequest, is_finished, resume_point
+from utils.engine.setup import check_global_batch
+from utils.engine.trainer import train
+from utils.errors import UserError
+from utils.log import LOGGER
+from utils.torch_utils import select_device
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What a process is asked to do."""
+
+    config: TrainConfig
+    resume: ResumeRequest = ResumeRequest()
+    process_started: float | None = None  # the monotonic clock at the process start (a whole-run time budget)
+
+
+def run(launch: Launch, info: DistInfo) -> int:
+    """Train (or evolve) as ``launch`` says; the exit status."""
+    config = launch.config
+    if not launch.resume.asked:  # before joining the process group, so that every rank says so at once
+        check_global_batch(config.batch_size, info.world_size)
+    device = setup_device(config, info)
+    try:
+        if config.evolve is not None or config.resume_evolve:
+            if launch.resume.asked:
+                raise UserError("--evolve trains new runs and cannot --resume one; continue an evolution with "
+                                "--resume-evolve path/to/evolve.csv")
+            evolve(config, device, info)
+            return 0
+        config, resumed = resume_point(config, launch.resume, info)
+        if resumed is not None and is_finished(resumed, config):
+            LOGGER.info(f"{resumed.path}: this run already finished its {config.epochs} epochs; nothing to resume "
+                        f"(add --epochs N to train it further)")
+            return 0
+        train(config, device, info, resumed, process_started=launch.process_started)
+    except RuntimeError as e:  # dist.DistError and CollectiveError are RuntimeErrors
+        failure = collective_failure(e, info)
+        if failure is None:
+            raise
+        LOGGER.error(failure)
+        return 1
+    finally:
+        destroy_process_group()
+    return 0
+
+
+def setup_device(config: TrainConfig, info: DistInfo) -> torch.device:
+    """This process's device; in a distributed run, also join the process group."""
+    device = select_device(config.device, local_rank=info.local_rank, local_world_size=info.local_world_size)
+    if info.is_distributed:
+        init_process_group(device, info, config.dist_timeout)
+        LOGGER.info(f"DDP: world size {info.world_size}, backend {dist.get_backend()}, rank {info.rank} on {device}")
+    return device

@@ -1,0 +1,223 @@
+"""A training run's parts, made before its first step: checked options, hyper-parameters, data, model, loaders
+and the run folder (made last, once every start-up check has passed)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from models.families import family_of
+from models.yolo import load_model_config
+from utils.amp import Precision, choose_precision
+from utils.checkpoint import load_checkpoint, model_weights, run_folder_of
+from utils.data.config import load_data_config
+from utils.data.loader import create_dataloader, load_labels
+from utils.data.webshards import ShardSet
+from utils.distributed import DistInfo, broadcast_object
+from utils.engine import family_hooks
+from utils.engine.config import TrainConfig
+from utils.engine.resume import Resumed
+from utils.errors import UserError
+from utils.hyp import Hyp
+from utils.log import LOGGER, colorstr
+from utils.process import kernel_choice
+from utils.run_dir import increment_path
+from utils.sync_bn import convert_sync_batchnorm
+from utils.torch_utils import init_torch_seeds, torch_distributed_zero_first
+
+
+@dataclass
+class RunSetup:
+    """What ``set_up`` made."""
+
+    config: TrainConfig  # with the run folder (and a batch size kept on another number of ranks)
+    family: Any
+    hyp: Hyp
+    nc: int
+    names: list[str]
+    model: nn.Module  # on the device, not yet wrapped for DDP
+    grid: int  # image sizes are multiples of it
+    precision: Precision
+    train_loader: Any
+    dataset: Any  # the training set
+    val_loader: Any
+    save_dir: Path
+
+
+def set_up(config: TrainConfig, device: torch.device, info: DistInfo, resumed: Resumed | None,
+           hyp: Hyp | None) -> RunSetup:
+    """Check, read and build everything a run trains with; ``hyp`` (an evolution's generation) replaces --hyp."""
+    config = check_options(config, info, resumed=resumed is not None)
+    ckpt = resumed.ckpt if resumed else None
+    source = load_checkpoint(config.weights) if config.weights and not ckpt else None  # --weights to start from
+    family = family_of(model_config(config, ckpt, source))
+    hyp = run_hyp(config, family, resumed, hyp)
+    if ckpt and config.deterministic != torch.backends.cudnn.deterministic:  # the resumed run's own, or given now
+        LOGGER.info(kernel_choice(config.deterministic) or "kernels: cuDNN benchmark (the resumed run's own)")
+    init_torch_seeds(config.seed)
+    with torch_distributed_zero_first(info.local_rank):  # local rank 0 makes built-in data and label caches first
+        data = load_data_config(config.data)
+        check_data_options(config, data)  # before a shard index or label cache is built
+        labels = [load_labels(data[split], nc=data["nc"], workers=config.workers, prefix=colorstr(f"{split}: "),
+                              verbose=info.is_local_main) for split in ("train", "val")]
+    # Labels were checked against the data YAML's classes above; --single-cls folds them into one afterwards.
+    nc, names = (1, ["item"]) if config.single_cls else (data["nc"], data["names"])
+    model = create_model(config, family, ModelSource(nc, names, hyp, ckpt, source)).to(
+        device, memory_format=torch.channels_last)
+    freeze_layers(model, list(config.freeze))
+    # Before the optimizer and the EMA take the parameters. On one CPU process --sync-bn still swaps in the CPU
+    # SyncBN for its exact statistics, so that the run equals a W-rank --sync-bn run up to rounding.
+    if config.sync_bn and (info.is_distributed or device.type == "cpu"):
+        model = convert_sync_batchnorm(model, device)
+    grid = max(int(model.stride.max()), 32)
+    if config.imgsz % grid:
+        raise UserError(f"--imgsz {config.imgsz} must be a multiple of the largest stride ({grid})")
+    precision = choose_precision(device, config.amp)
+    LOGGER.info(f"precision: {precision.reason}")
+    train_loader, dataset, val_loader = make_loaders(config, info, hyp, grid, labels)
+    if not ckpt and not config.noautoanchor:
+        family.fit_anchors(dataset, model, thr=hyp.anchor_t, imgsz=config.imgsz)
+    save_dir = run_folder(config, info, hyp, resumed is not None)  # only now that every check has passed
+    return RunSetup(config.replace(save_dir=str(save_dir)), family, hyp, nc, names, model, grid, precision, train_loader,
+                    dataset, val_loader, save_dir)
+
+
+def check_options(config: TrainConfig, info: DistInfo, resumed: bool) -> TrainConfig:
+    """The options that cannot train, as one-line UserErrors, before any data is read or folder made.
+
+    A run ``resumed`` on a number of ranks that does not split its global batch keeps the nearest batch that does.
+    """
+    if config.epochs < 1 or config.batch_size < 1:
+        raise UserError(f"--epochs {config.epochs} and --batch-size {config.batch_size} must be at least 1")
+    if config.time is not None and not config.time > 0:
+        raise UserError(f"--time {config.time}: give the training time in hours, more than 0 (e.g. --time 0.5)")
+    if config.batch_size % info.world_size and resumed:
+        kept = max(config.batch_size // info.world_size, 1) * info.world_size
+        LOGGER.warning(f"WARNING the global batch {config.batch_size} cannot be split over {info.world_size} ranks: "
+                       f"continuing with {kept} from the next epoch boundary")
+        config = config.replace(batch_size=kept)
+    for flag in ("image_weights", "quad"):
+        if getattr(config, flag) and config.rect:
+            raise UserError(f"--{flag.replace('_', '-')} needs shuffled square batches: drop --rect")
+    if config.quad and config.batch_size // info.world_size < 4:
+        raise UserError(f"--quad merges 4 images into one: --batch-size {config.batch_size} must give every rank at "
+                        f"least 4 (it gives {config.batch_size // info.world_size})")
+    check_global_batch(config.batch_size, info.world_size)
+    return config
+
+
+def check_global_batch(batch_size: int, world_size: int) -> None:
+    if batch_size % world_size:
+        raise UserError(f"--batch-size {batch_size} must be a multiple of WORLD_SIZE {world_size}")
+
+
+def check_data_options(config: TrainConfig, data: dict) -> None:
+    """The options that the form of the training data rules out, as one-line UserErrors, once the YAML is read."""
+    if config.image_weights and isinstance(data["train"], ShardSet):
+        raise UserError(f"--image-weights draws images by index and is not available for tar shards "
+                        f"({data['yaml_file']} names shards for 'train'): drop --image-weights or train on image files")
+
+
+def run_hyp(config: TrainConfig, family: Any, resumed: Resumed | None, hyp: Hyp | None) -> Hyp:
+    """The run's hyper-parameters: a resumed run's own, an evolution's generation, --hyp, or the family's file."""
+    if resumed:
+        return Hyp.from_dict(resumed.ckpt["hyp"], f"{resumed.path} (hyp)")
+    if hyp is None:
+        hyp = Hyp.from_yaml(config.hyp or family.default_hyp_path)
+        family.check_hyp(hyp, config.hyp or family.default_hyp)
+    return hyp
+
+
+def model_config(config: TrainConfig, ckpt: dict | None, source: dict | None) -> dict:
+    """The config of the model a run trains: the resumed run's, --cfg (given or the preset's), or the --weights
+    checkpoint's."""
+    if ckpt:
+        return ckpt["model_cfg"]
+    return load_model_config(config.cfg or source["model_cfg"])  # without --weights the preset gave --cfg
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a run's model comes from besides its config."""
+
+    nc: int
+    names: list[str]
+    hyp: Hyp
+    ckpt: dict | None  # a resumed run's checkpoint
+    weights: dict | None  # --weights, to start from
+
+
+def create_model(config: TrainConfig, family: Any, source: ModelSource) -> nn.Module:
+    """The resumed model, a new one with the tensors of --weights that fit, or a new one from --cfg."""
+    if source.ckpt:
+        return family_hooks.build_model(family, source.ckpt["model_cfg"], weights=source.ckpt["model"],
+                                        names=source.names)
+    hyp = source.hyp
+    if source.weights is not None:
+        LOGGER.info(f"Starting from {config.weights}")
+        # Anchors come with the weights unless another config or anchor count is asked for (AutoAnchor may refit).
+        return family_hooks.build_model(family, config.cfg or source.weights["model_cfg"], nc=source.nc,
+                                        weights=model_weights(source.weights), transfer=True,
+                                        keep_anchors=not (config.cfg or hyp.anchors), anchors=hyp.anchors,
+                                        names=source.names)
+    return family_hooks.build_model(family, config.cfg, nc=source.nc, anchors=hyp.anchors, names=source.names)
+
+
+def freeze_layers(model: nn.Module, freeze: list[int]) -> None:
+    """--freeze: stop training the listed layers. Parameters a model keeps fixed itself (the DFL head's bins) stay
+    fixed: trainable, they would get no gradient, and DDP stops at a parameter that takes no part in the loss."""
+    layers = [f"model.{x}." for x in (freeze if len(freeze) > 1 else range(freeze[0]))]
+    for name, p in model.named_parameters():
+        if any(name.startswith(prefix) for prefix in layers):
+            p.requires_grad = False
+            LOGGER.debug(f"freezing {name}")
+
+
+def make_loaders(config: TrainConfig, info: DistInfo, hyp: Hyp, grid: int, labels: list) -> tuple[Any, Any, Any]:
+    """The training loader (and its dataset), and the validation loader over this rank's part of the split."""
+    batch_per_rank = config.batch_size // info.world_size
+    cache = None if config.cache == "off" else config.cache
+    train_loader, dataset = create_dataloader(
+        None, config.imgsz, batch_per_rank, grid, hyp=hyp, augment=True, cache=cache, rect=config.rect,
+        global_rank=max(info.rank, 0), world_size=info.world_size, workers=config.workers, shuffle=True,
+        seed=config.seed, single_cls=config.single_cls, prefix=colorstr("train: "), label_set=labels[0],
+        close_mosaic_epoch=close_mosaic_epoch(config.epochs, config.close_mosaic), image_weights=config.image_weights,
+        quad=config.quad, shard_window=config.shard_window, resampled=config.resampled)
+    # Every rank validates its own part of the split; the results are gathered (validate(gather=True)).
+    val_loader, _ = create_dataloader(
+        None, config.imgsz, batch_per_rank * 2, grid, hyp=hyp, cache=cache, rect=True, pad=0.5,
+        workers=config.workers, single_cls=config.single_cls, prefix=colorstr("val: "), label_set=labels[1],
+        world_size=info.world_size, global_rank=max(info.rank, 0))
+    return train_loader, dataset, val_loader
+
+
+def close_mosaic_epoch(epochs: int, close_mosaic: int) -> int | None:
+    return max(epochs - close_mosaic, 0) if close_mosaic > 0 else None
+
+
+def run_folder(config: TrainConfig, info: DistInfo, hyp: Hyp, resumed: bool) -> Path:
+    """The run's folder: a resumed run keeps its own; rank 0 makes a new one and writes the options into it."""
+    restarted = (run_folder_of(info.run_id, config.project, info.launcher_started)
+                 if info.restart_count > 0 and info.is_main else None)
+    if resumed:
+        save_dir = Path(config.save_dir)
+    elif restarted is not None:  # the launcher restarted the group before the run's first checkpoint
+        save_dir = restarted
+    else:
+        save_dir = increment_path(Path(config.project) / config.name, config.exist_ok)
+    # Rank 0's absolute path: every node (and a later resume) finds the folder whatever its working directory.
+    save_dir = Path(broadcast_object(str(save_dir.resolve()), info))
+    if info.is_main:
+        (save_dir / "weights").mkdir(parents=True, exist_ok=True)
+        import yaml
+
+        options = config.replace(save_dir=str(save_dir)).to_dict()
+        (save_dir / "opt.yaml").write_text(yaml.safe_dump(options, sort_keys=False))
+        hyp.to_yaml(save_dir / "hyp.yaml")
+        if info.run_id:  # launcher restarts find the folder by it
+            (save_dir / "run_id").write_text(info.run_id)
+        LOGGER.info(colorstr("hyperparameters: ") + ", ".join(f"{k}={v}" for k, v in hyp.to_dict().items()))
+    return save_dir

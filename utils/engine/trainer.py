@@ -1,0 +1,258 @@
+"""One training run, stage by stage: its parts (setup.py), the optimizer (optimization.py), the epochs
+(epoch.py), what follows each epoch (validation, the record, the decisions all ranks take together) and the final
+validation of the best weights."""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from utils.checkpoint import RunPosition, load_checkpoint, model_weights, strip_training_state, training_checkpoint
+from utils.data.image_weights import (class_weights_from_maps, draw_digest, labels_to_class_weights,
+                                      labels_to_image_weights)
+from utils.distributed import DistInfo, broadcast_object, collective, rank_zero_decides
+from utils.engine import family_hooks
+from utils.engine.config import CONFIG_SCHEMA, TrainConfig
+from utils.engine.epoch import EpochHooks, train_one_epoch
+from utils.engine.optimization import Optimization, OptimizerInputs, build_optimization, choose, restore
+from utils.engine.resume import ResumePosition, Resumed, resumed_position
+from utils.engine.run_record import RunRecord
+from utils.engine.setup import RunSetup, close_mosaic_epoch, set_up
+from utils.engine.step import BatchOptions, SavePolicy, Stepper
+from utils.engine.tally import LossTally
+from utils.engine.time_budget import TimeBudget, fit_to_time, time_budget
+from utils.hyp import Hyp
+from utils.log import LOGGER, colorstr
+from utils.loggers import make_logger
+from utils.metrics import RECALL_POINTS
+from utils.results_log import result_columns
+from utils.validation import validate
+
+
+@dataclass
+class TrainResult:
+    save_dir: Path
+    results: tuple[float, ...]  # the last validation's P, R, mAP50, mAP50-95 and validation losses
+
+
+def train(config: TrainConfig, device: torch.device, info: DistInfo, resumed: Resumed | None = None,
+          hyp: Hyp | None = None, process_started: float | None = None) -> TrainResult:
+    """One training run. ``hyp`` (an evolution's generation) replaces reading --hyp; ``process_started`` (the
+    monotonic clock at the process start) is where a budget that includes start-up counts from."""
+    run = set_up(config, device, info, resumed, hyp)
+    trainer = Trainer(run, resumed, device, info, process_started)
+    epoch = trainer.train_epochs()
+    return trainer.finish(epoch)
+
+
+class Trainer:
+    """A run's state between its setup and its end; rank 0 keeps the record (results.csv, checkpoints)."""
+
+    def __init__(self, run: RunSetup, resumed: Resumed | None, device: torch.device, info: DistInfo,
+                 process_started: float | None = None) -> None:
+        self.run, self.config, self.info, self.device = run, run.config, info, device
+        self.process_started = process_started
+        ckpt = resumed.ckpt if resumed else None
+        self.loss_names = family_hooks.loss_names(run.family)
+        self.optim, self.position, best = start_optimization(run, ckpt, len(self.loss_names))
+        model = DDP(run.model, device_ids=[device.index] if device.type == "cuda" else None) \
+            if info.is_distributed else run.model
+        loss = run.family.make_loss(model, run.hyp, imgsz=self.config.imgsz,
+                                    label_smoothing=self.config.label_smoothing)
+        batch = BatchOptions(self.config.seed, self.config.imgsz, run.grid, self.config.multi_scale, self.config.quad)
+        self.stepper = Stepper(model, run.family, loss, self.optim, run.precision, device, info, batch,
+                               len(self.loss_names))
+        self.columns = result_columns(self.loss_names, len(self.optim.optimizer.param_groups))
+        # --image-weights: the class weights of the next epoch's draw (on every rank; rank 0 updates them).
+        self.base_class_weights = labels_to_class_weights(run.dataset.labels, run.nc)
+        self.class_weights = np.array(ckpt["class_weights"]) if ckpt and ckpt.get("class_weights") is not None \
+            else self.base_class_weights
+        self.results: tuple[float, ...] = (0.0,) * (4 + len(self.loss_names))
+        self.last_val = None  # the last validation's ValResults
+        self.record: RunRecord | None = None
+        self.hooks = EpochHooks(self.config.epochs, self.config.batch_size, self.loss_names,
+                                SavePolicy(self.config.save_steps, self.config.save_minutes))
+        if info.is_main:
+            self.start_record(best, first_run=ckpt is None)
+
+    # ---- rank 0's record ---------------------------------------------------------------------------------
+
+    def start_record(self, best: tuple[float, int], first_run: bool) -> None:
+        config, run = self.config, self.run
+        start = self.position.start_epoch + (self.position.start_batch > 0)
+        self.record = RunRecord(run.save_dir, self.columns, patience=config.patience, noval=config.noval,
+                                nosave=config.nosave, save_period=config.save_period, best_fitness=best[0],
+                                best_epoch=best[1], start_epoch=start)
+        self.hooks.logger = make_logger(run.save_dir, True)
+        self.hooks.save_mid_epoch = self.save_mid_epoch
+        if first_run and not config.noplots:
+            from utils.plots import plot_labels
+
+            plot_labels(np.concatenate([lb for lb in run.dataset.labels if len(lb)] or [np.zeros((0, 5))]), run.names,
+                        run.save_dir)
+
+    def checkpoint(self, epoch: int, mid_epoch: dict | None) -> dict:
+        """Everything a resume needs, after ``epoch`` (and inside the next one with ``mid_epoch``)."""
+        position = RunPosition(epoch, mid_epoch, self.record.best_fitness, self.record.best_epoch)
+        run = {"lr_schedule": self.optim.schedule.segments, "optimizer_choice": self.optim.choice.to_dict(),
+               "config": self.config.to_dict(), "config_schema": CONFIG_SCHEMA, "hyp": self.run.hyp.to_dict(),
+               "world_size": self.info.world_size, "run_id": self.info.run_id,
+               # The weights of the epoch after `epoch` (the one a resume draws next), set before this is called.
+               "class_weights": [float(w) for w in self.class_weights] if self.config.image_weights else None}
+        return training_checkpoint(self.stepper.model, self.optim.ema, self.optim.optimizer, self.optim.scaler,
+                                   position, run)
+
+    def save_mid_epoch(self, epoch: int, batch: int, tally: LossTally) -> None:
+        self.record.save_mid_epoch(self.checkpoint(epoch - 1, {"epoch": epoch, "batch": batch, **tally.state()}))
+
+    # ---- the epochs --------------------------------------------------------------------------------------
+
+    def train_epochs(self) -> int:
+        """Train until the run's length, early stopping or the time budget ends it; returns the last epoch."""
+        config, run = self.config, self.run
+        workers = getattr(run.train_loader, "loader", run.train_loader).num_workers  # --workers capped by cores
+        LOGGER.info(f"Image sizes {config.imgsz} train, {config.imgsz} val; {workers} dataloader workers per rank; "
+                    f"logging to {colorstr(str(run.save_dir))}\nStarting training for {config.epochs} epochs...")
+        self.loop_started = time.monotonic()
+        budget = time_budget(config, self.process_started or self.loop_started, self.loop_started)
+        start, epoch, tally = self.position.start_epoch, self.position.start_epoch, self.position.tally
+        # On an error, the checkpoint being written in the background is finished first (rank 0 writes them).
+        with self.record.kept_on_error() if self.record is not None else contextlib.nullcontext():
+            for epoch in itertools.count(start):  # a time budget may change the run's length on the way
+                t_epoch = time.monotonic()
+                self.draw_images(epoch)
+                self.stepper.loss.set_epoch(epoch, self.config.epochs)
+                self.hooks.epochs = self.config.epochs
+                self.hooks.plots_dir = run.save_dir if epoch == start and self.info.is_main and not config.noplots \
+                    else None
+                start_batch = self.position.start_batch if epoch == start else 0
+                tally = train_one_epoch(self.stepper, run.train_loader, epoch, start_batch, tally, self.hooks)
+                decision = self.end_epoch(epoch, tally, budget, t_epoch)
+                if decision.get("stop") or epoch + 1 >= self.config.epochs:
+                    break
+                tally = LossTally(len(self.loss_names))
+        return epoch
+
+    def draw_images(self, epoch: int) -> None:
+        """--image-weights: the epoch's weighted draw, checked to be the same on every rank."""
+        if not self.config.image_weights:
+            return
+        loader = self.run.train_loader
+        loader.set_image_weights(labels_to_image_weights(self.run.dataset.labels, self.class_weights))
+        check_same_draw(self.info, loader.sampler.global_draw(epoch), epoch, self.device)
+
+    def end_epoch(self, epoch: int, tally: LossTally, budget: TimeBudget | None, t_epoch: float) -> dict:
+        """Validation, the record, and what every rank decides together: stop, refit the length, class weights."""
+        config, optim = self.config, self.optim
+        lrs = optim.learning_rates()  # the epoch's own rates, for results.csv
+        optim.scheduler.step()
+        final = epoch + 1 == config.epochs
+        validated = not config.noval or final
+        optim.ema.update_attributes(self.stepper.model)
+        if validated:
+            self.last_val = self.validate(optim.ema.ema, plots=final and not config.noplots, verbose=final)
+            self.results = family_hooks.validation_row(self.last_val, len(self.loss_names))
+        decision: dict = {}
+        if self.info.is_main:
+            if config.image_weights and validated:
+                self.class_weights = class_weights_from_maps(self.base_class_weights, self.last_val.maps)
+                decision["class_weights"] = [float(w) for w in self.class_weights]  # repr round-trips exactly
+            decision["stop"] = self.record.end_epoch(epoch, tally.means(), self.results if validated else None, lrs,
+                                                     self.checkpoint(epoch, None), final)
+            self.hooks.logger.log_epoch(epoch, dict(zip(self.columns[1:],
+                                                        [*tally.means().tolist(), *self.results, *lrs])))
+            if budget is not None:
+                decision.update(fit_to_time(budget, epoch, self.position.start_epoch, time.monotonic(),
+                                            time.monotonic() - t_epoch, config))
+        decision = json.loads(rank_zero_decides(self.info, json.dumps(decision)))  # the others wait on the store
+        if decision.get("class_weights") is not None:
+            self.class_weights = np.array(decision["class_weights"], dtype=np.float64)
+        if decision.get("epochs"):
+            self.refit(decision["epochs"])
+        return decision
+
+    def refit(self, epochs: int) -> None:
+        """A time budget's run length: the schedule and the close-mosaic epoch follow it."""
+        self.config = self.config.replace(epochs=epochs)
+        self.optim.refit(epochs)
+        self.run.train_loader.update_dataset(close_mosaic_epoch=close_mosaic_epoch(epochs, self.config.close_mosaic))
+
+    def validate(self, model: torch.nn.Module, plots: bool, verbose: bool) -> Any:
+        """Every rank validates its part of the split; the results are gathered, so every rank has the figures."""
+        run = self.run
+        loss = family_hooks.validation_loss(self.stepper.loss, len(self.loss_names))
+        return validate(model, run.val_loader, names=run.names, device=self.device, compute_loss=loss,
+                        family=run.family, plots=plots, verbose=verbose and run.nc < 50, save_dir=run.save_dir,
+                        autocast_dtype=run.precision.dtype, gather=self.info.is_distributed, main=self.info.is_main)
+
+    # ---- the end -----------------------------------------------------------------------------------------
+
+    def finish(self, epoch: int) -> TrainResult:
+        """The final record and, when the last epoch's report was not for the best weights, their validation."""
+        run, info = self.run, self.info
+        run.train_loader = None  # ends the training workers before the last validation
+        best = None
+        if info.is_main:
+            LOGGER.info(f"\n{epoch - self.position.start_epoch + 1} epochs completed in "
+                        f"{(time.monotonic() - self.loop_started) / 3600:.3f} hours.")
+            self.record.close()
+            strip_training_state(self.record.best)
+            if self.record.best.exists() and self.record.best_epoch != epoch:
+                best_ckpt = load_checkpoint(self.record.best)
+                best = (best_ckpt["model_cfg"], model_weights(best_ckpt))
+                LOGGER.info(f"\nValidating {self.record.best} (epoch {self.record.best_epoch})...")
+        best = broadcast_object(best, info)  # every rank validates its part of the split with rank 0's best weights
+        if best is not None:
+            final_model = family_hooks.build_model(run.family, best[0], weights=best[1], names=run.names)
+            self.last_val = self.validate(final_model.to(self.device, memory_format=torch.channels_last),
+                                          plots=not self.config.noplots, verbose=True)
+            self.results = family_hooks.validation_row(self.last_val, len(self.loss_names))
+        if info.is_main:
+            r = self.last_val
+            if r is not None and r.class_metrics is not None and len(r.class_metrics.pr_curve):
+                self.hooks.logger.log_pr_curve(r.class_metrics.pr_curve.mean(0), RECALL_POINTS, epoch)
+            self.hooks.logger.close()
+            if not self.config.noplots:
+                from utils.plots import plot_results
+
+                plot_results(run.save_dir / "results.csv")
+            LOGGER.info(f"Results saved to {colorstr(str(run.save_dir))}")
+        return TrainResult(run.save_dir, self.results)
+
+
+def start_optimization(run: RunSetup, ckpt: dict | None,
+                       n_losses: int) -> tuple[Optimization, ResumePosition, tuple[float, int]]:
+    """The run's optimizer, EMA and schedule, a resumed run's restored; where the run starts; its best so far."""
+    inputs = OptimizerInputs(len(run.dataset), run.nc, run.hyp, run.family.adamw_lr_per_class_term)
+    optim = build_optimization(run.model, run.config, choose(run.config, inputs, ckpt), run.hyp,
+                               run.precision.needs_scaler)
+    position, best = ResumePosition(optim.schedule, 0, 0, LossTally(n_losses)), (0.0, -1)
+    if ckpt:
+        restore(optim, ckpt)
+        position = resumed_position(ckpt, run.config, run.hyp, n_losses)
+        optim.schedule = position.schedule
+        best = float(ckpt["best_fitness"]), int(ckpt.get("best_epoch", -1))
+    optim.start_schedule(position.start_epoch, len(run.train_loader))
+    return optim, position, best
+
+
+def check_same_draw(info: DistInfo, draw: list[int], epoch: int, device: torch.device) -> None:
+    """--image-weights under DDP: stop when the ranks' global draws of ``epoch`` differ (their shards would overlap)."""
+    if not info.is_distributed:
+        return
+    digest = draw_digest(np.array(draw))
+    extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+    with collective("all_reduce"):
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)  # the largest and (negated) the smallest digest
+    if int(extremes[0]) != -int(extremes[1]):
+        raise RuntimeError(f"--image-weights: the ranks drew different image lists for epoch {epoch}")
+    LOGGER.info(f"image weights: epoch {epoch} draw {digest:08x} is the same on all {info.world_size} ranks")
