@@ -156,12 +156,10 @@ def _predictor(opt: argparse.Namespace, device: torch.device) -> tuple[Any, int]
 
 
 def run_options(opt: argparse.Namespace) -> DetectResults:
-    from utils.data.sources import iter_source
-    from utils.evaluation.predictor import to_original
+    from utils.evaluation.predictor import threads_for
 
     device = select_device(opt.device)
     predictor, imgsz = _predictor(opt, device)
-    names = predictor.meta.names
     batch_size = predictor.meta.batch or max(opt.batch_size, 1)
     view = opt.view_img and _display_available()
     if opt.view_img and not view:
@@ -172,17 +170,8 @@ def run_options(opt: argparse.Namespace) -> DetectResults:
     results = DetectResults(save_dir)
     writers = _Writers(save_dir)
     try:
-        for frames, images, ratio_pads in _frame_batches(iter_source(opt.source), predictor, imgsz, batch_size,
-                                                         results.skipped):
-            t0 = time.perf_counter()
-            pred = predictor.predict(images)
-            per_image_ms = (time.perf_counter() - t0) * 1e3 / len(frames)
-            input_hw = tuple(pred.images.shape[2:])
-            for frame, ratio_pad, det in zip(frames, ratio_pads, pred.detections):
-                det = to_original(det, input_hw, frame.image.shape[:2], ratio_pad).numpy()
-                _handle_frame(frame, det, names, opt, save_dir, writers, view, results)
-                print(f"{_where(frame)} {frame.path}: {input_hw[0]}x{input_hw[1]} {_found(det, names)}, "
-                      f"{per_image_ms:.1f}ms")
+        with threads_for(predictor.runner):
+            _detect_all(opt, predictor, (imgsz, batch_size), save_dir, writers, view, results)
     finally:
         writers.close()
         if view:
@@ -195,6 +184,25 @@ def run_options(opt: argparse.Namespace) -> DetectResults:
     n_labels = len(list((save_dir / "labels").glob("*.txt"))) if opt.save_txt else 0
     print(f"Results saved to {colorstr(str(save_dir))}" + (f", {n_labels} label files in labels/" if opt.save_txt else ""))
     return results
+
+
+def _detect_all(opt: argparse.Namespace, predictor: Any, size: tuple[int, int], save_dir: Path, writers: _Writers,
+                view: bool, results: DetectResults) -> None:
+    """Every frame of --source: predicted in batches of ``size`` = (image size, batch size), then handled."""
+    from utils.data.sources import iter_source
+    from utils.evaluation.predictor import to_original
+
+    names = predictor.meta.names
+    for frames, images, ratio_pads in _frame_batches(iter_source(opt.source), predictor, *size, results.skipped):
+        t0 = time.perf_counter()
+        pred = predictor.predict(images)
+        per_image_ms = (time.perf_counter() - t0) * 1e3 / len(frames)
+        input_hw = tuple(pred.images.shape[2:])
+        for frame, ratio_pad, det in zip(frames, ratio_pads, pred.detections):
+            det = to_original(det, input_hw, frame.image.shape[:2], ratio_pad).numpy()
+            _handle_frame(frame, det, names, opt, save_dir, writers, view, results)
+            print(f"{_where(frame)} {frame.path}: {input_hw[0]}x{input_hw[1]} {_found(det, names)}, "
+                  f"{per_image_ms:.1f}ms")
 
 
 def _where(frame: Any) -> str:

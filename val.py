@@ -81,7 +81,7 @@ def run_options(opt: argparse.Namespace) -> ValResults:
     """Load a model (any format) and a dataset split, validate, and save the outputs in a new run folder."""
     from utils.data.config import load_data_config
     from utils.distributed import dist_info, init_process_group
-    from utils.evaluation.predictor import open_for_prediction
+    from utils.evaluation.predictor import open_for_prediction, threads_for
 
     if opt.task not in TASKS:
         raise UserError(f"--task {opt.task!r}: expected one of {', '.join(TASKS)}")
@@ -102,9 +102,17 @@ def run_options(opt: argparse.Namespace) -> ValResults:
     loader, save_dir = _loader_and_folder(opt, data_cfg, split, info, (imgsz, batch_size, rect), runner.meta.stride)
     if device.type == "cuda":  # the first CUDA call pays for context and kernel set-up: keep it out of the timings
         runner.warmup((imgsz, imgsz))
-    results = None
+    with threads_for(runner):
+        results = _passes(opt, runner, loader, data_cfg, split, save_dir, info)
+    LOGGER.info(f"Results saved to {colorstr(str(save_dir))}")
+    return results
+
+
+def _passes(opt: argparse.Namespace, runner: Any, loader: Any, data_cfg: dict, split: str, save_dir: Path,
+            info: Any) -> ValResults:
+    """The validation pass; with --augment the plain pass first, on the same loader, for the comparison."""
     plain = None
-    if opt.augment:  # the plain pass first, on the same loader, for the comparison
+    if opt.augment:
         LOGGER.info("Plain pass (for comparison with --augment):")
         plain = _validate(opt, runner, loader, data_cfg, split, save_dir=None, augment=False, gather=info.is_distributed,
                           main=info.is_main)
@@ -114,7 +122,6 @@ def run_options(opt: argparse.Namespace) -> ValResults:
     if plain is not None:
         results.plain = plain
         LOGGER.info(tta_comparison(plain, results))
-    LOGGER.info(f"Results saved to {colorstr(str(save_dir))}")
     return results
 
 
@@ -132,8 +139,7 @@ def input_size(opt: argparse.Namespace, meta: Any) -> tuple[int, int, bool]:
                             "square one (export with a single --imgsz)")
         if imgsz != meta.imgsz[0]:
             LOGGER.info(f"{opt.weights}: exported for {meta.imgsz[0]}x{meta.imgsz[1]} input; using that size")
-        imgsz, rect = meta.imgsz[0], False
-        batch_size = meta.batch or batch_size
+        imgsz, rect = meta.imgsz[0], False  # a file fixed to a batch size runs any loader batch, that many at a time
     if imgsz % meta.stride:
         asked, imgsz = imgsz, (imgsz // meta.stride + 1) * meta.stride
         LOGGER.warning(f"image size {asked} is not a multiple of the stride {meta.stride}: using {imgsz}")

@@ -6,6 +6,7 @@ end-to-end output), and rescaling to the original image. It times each of the th
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -176,3 +177,17 @@ def open_for_prediction(weights: str | Path, device: torch.device, *, end2end: b
     elif half:
         runner.half()
     return runner
+
+
+@contextlib.contextmanager
+def threads_for(runner: Runner) -> Iterator[None]:
+    """PyTorch's threads while ``runner`` predicts: for a runtime with its own thread pool (onnxruntime, ...) one,
+    so that PyTorch's threads never spin on the cores the runtime computes on between their small pre- and
+    post-processing ops; restored afterwards."""
+    before = torch.get_num_threads()
+    if runner.own_threads and runner.device.type == "cpu" and before > 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

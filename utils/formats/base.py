@@ -45,6 +45,9 @@ class Runner:
     meta: ModelMeta
     device: torch.device = torch.device("cpu")
     input_dtype: torch.dtype = torch.float32
+    # A runtime with its own thread pool (onnxruntime, OpenVINO, ...) rather than PyTorch's: PyTorch's threads then
+    # only pre- and post-process, and are kept to one so that they never spin on the cores the runtime computes on.
+    own_threads: bool = True
 
     def run(self, images: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
-import torchvision
 
 from utils.formats.base import NmsSpec
+from utils.nms import nms_kernel
 
 
 class _NonMaxSuppression(torch.autograd.Function):
@@ -30,7 +30,7 @@ class _NonMaxSuppression(torch.autograd.Function):
         for b in range(boxes.shape[0]):
             for c in range(scores.shape[1]):
                 keep = (scores[b, c] > conf).nonzero().flatten()
-                kept = keep[torchvision.ops.nms(boxes[b, keep], scores[b, c, keep], float(iou))]
+                kept = keep[nms_kernel()(boxes[b, keep], scores[b, c, keep], float(iou))]
                 kept = kept[: int(max_per_class)]
                 selected.append(torch.stack([torch.full_like(kept, b), torch.full_like(kept, c), kept], 1))
         return torch.cat(selected) if selected else torch.zeros((0, 3), dtype=torch.long)

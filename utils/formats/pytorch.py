@@ -17,6 +17,8 @@ class PytorchRunner(Runner):
     """A detector in eval mode. ``model`` returns (predictions, raw level outputs), which losses and test-time
     augmentation need; calling the runner returns the predictions only, as every format's runner does."""
 
+    own_threads = False  # PyTorch computes it
+
     def __init__(self, model: nn.Module, meta: ModelMeta, device: torch.device):
         self.model, self.meta, self.device = model, meta, device
 

@@ -15,6 +15,8 @@ METADATA_FILE = "config.txt"
 
 
 class TorchScriptRunner(Runner):
+
+    own_threads = False  # PyTorch computes it
     def __init__(self, path: Path, device: torch.device):
         extra = {METADATA_FILE: ""}
         try:
