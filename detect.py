@@ -9,7 +9,8 @@ Usage:
 Results go to runs/detect/exp (then exp2, ...): annotated images and videos, ``labels/*.txt`` in YOLO format
 (``cls x y w h [conf]`` normalised; video frames as ``<stem>_<frame>.txt``), ``crops/<class>/`` with
 --save-crop. Weights: a .pt (ours, YOLOv5's, or an Ultralytics YOLOv8 / YOLO11 / YOLO26 detection checkpoint),
-or a .onnx / .torchscript written by export.py. Inputs that cannot be read are reported and skipped.
+or any file or folder export.py wrote; every format runs through the same predictor (utils/evaluation/predictor.py).
+Inputs that cannot be read are reported and skipped.
 """
 from __future__ import annotations
 
@@ -251,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--batch-size", type=int, default=1, help="images per forward pass")
     model = parser.add_argument_group("model and inference")
     model.add_argument("--weights", type=str, required=True,
-                       help=".pt (ours, YOLOv5's or Ultralytics' detection model), .onnx or .torchscript")
+                       help=".pt (ours, YOLOv5's or Ultralytics' detection model), or a file or folder export.py wrote "
+                            "(.onnx, .torchscript, ...)")
     model.add_argument("--conf-thres", type=float, default=0.25, help="confidence threshold")
     model.add_argument("--iou-thres", type=float, default=None,
                        help="NMS IoU threshold (default: 0.45 for YOLOv5 models, 0.7 for YOLOv8 / 11 / 26)")

@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     output.add_argument("--dynamic", action="store_true", help="ONNX: any batch size")
     output.add_argument("--opset", type=int, default=DEFAULT_OPSET, help="ONNX opset")
     output.add_argument("--no-simplify", dest="simplify", action="store_false",
-                        help="ONNX: keep the graph as traced (default: simplified with onnxslim)")
+                        help="ONNX: keep the graph as traced (default: simplified with onnxslim, when installed)")
     output.add_argument("--nms", action="store_true",
                         help="ONNX: NMS inside the graph; output (B, max-det, 6) = x1 y1 x2 y2 score class")
     output.add_argument("--conf-thres", type=float, default=DETECT_CONF, help="--nms: confidence threshold")

@@ -3,7 +3,8 @@
 Usage:
     python val.py --data data/shapes.yaml --weights runs/train/exp/weights/best.pt --imgsz 640
 
-This is the command line; the validation itself is ``utils.validation.validate``, which training calls too.
+This is the command line: any weights file or export runs through the predictor and the evaluator
+(utils/evaluation), the same ones training's ``utils.validation.validate`` and export.py's accuracy gate use.
 """
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_workers(data)
     model = parser.add_argument_group("model and inference")
     model.add_argument("--weights", type=str, required=True,
-                       help="checkpoint (this project's or YOLOv5's .pt), or .onnx / .torchscript from export.py")
+                       help="checkpoint (.pt: this project's, YOLOv5's or Ultralytics'), or a file or folder export.py "
+                            "wrote (.onnx, .torchscript, ...)")
     model.add_argument("--conf-thres", type=float, default=CONF_THRES, help="confidence threshold")
     model.add_argument("--iou-thres", type=float, default=None,
                        help="NMS IoU threshold (default: the model family's, 0.6 YOLOv5, 0.7 YOLOv8/11/26)")

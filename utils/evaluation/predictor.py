@@ -130,6 +130,19 @@ class Predictor:
         self.timer.images += len(images)
         return BatchPrediction(dets, x, raw)
 
+    def detect(self, images: list[np.ndarray], imgsz: int | None = None) -> list[np.ndarray]:
+        """Detections (n, 6) = x1 y1 x2 y2 conf cls in pixels of each BGR image (any sizes, one at a time when their
+        letterboxes differ): the whole path of detect.py, for your own code."""
+        from utils.formats.metadata import default_imgsz
+
+        imgsz = imgsz or default_imgsz(self.meta)[0]
+        out = []
+        for image, (boxed, ratio_pad) in zip(images, self.letterboxed(images, imgsz)):
+            pred = self.predict(to_batch([boxed]))
+            det = to_original(pred.detections[0], tuple(pred.images.shape[2:]), image.shape[:2], ratio_pad)
+            out.append(det.numpy())
+        return out
+
     def input_shape(self, imgsz: int) -> tuple[tuple[int, int], bool]:
         """The letterbox target and whether it is fixed (an exported file's own shape) or padded only to a stride
         multiple (a PyTorch model takes any)."""
@@ -177,6 +190,17 @@ def open_for_prediction(weights: str | Path, device: torch.device, *, end2end: b
     elif half:
         runner.half()
     return runner
+
+
+def load_predictor(weights: str | Path, device: torch.device | str = "cpu", **options: Any) -> Predictor:
+    """A predictor at detect.py's thresholds (``options``: PredictOptions' fields) for any weights file or export
+    folder."""
+    from utils.formats import open_runner
+    from utils.formats.family_hooks import hooks_for
+
+    runner = open_runner(weights, torch.device(device))
+    return Predictor(runner, hooks_for(runner.meta.family), PredictOptions(**{"conf_thres": 0.25, **options}),
+                     purpose="detect")
 
 
 @contextlib.contextmanager

@@ -97,8 +97,8 @@ class OnnxFormat(Format):
             raise UserError(f"--include onnx: no {precision} files in this version (onnx writes "
                             f"{', '.join(self.precisions)})")
         if options.simplify and importlib.util.find_spec("onnxslim") is None:
-            raise UserError("--include onnx: simplifying the graph needs onnxslim (pip install onnxslim), or pass "
-                            "--no-simplify")
+            LOGGER.warning("WARNING --include onnx: onnxslim is not installed, the graph is written as traced, "
+                           "not simplified (pip install onnxslim; --no-simplify to ask for that)")
 
     def reference_module(self, job: ExportJob) -> torch.nn.Module:
         module = job.module_in(job.precision)[0]
@@ -117,7 +117,12 @@ class OnnxFormat(Format):
         if job.options.dynamic:
             notes.append("dynamic batch")
         trace_to_onnx(module, example, job.path, job.options.opset, job.options.dynamic)
-        notes.append(_simplify(job.path) if job.options.simplify else "not simplified (--no-simplify)")
+        if not job.options.simplify:
+            notes.append("not simplified (--no-simplify)")
+        elif importlib.util.find_spec("onnxslim") is None:
+            notes.append("not simplified (onnxslim not installed)")
+        else:
+            notes.append(_simplify(job.path))
         _store_metadata(job.path, job.meta, job.export_batch)
         LOGGER.debug(f"{job.path}: written")
         return ", ".join(notes)
