@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from utils.cli import (INFERENCE_IMGSZ_HELP, add_device, add_end2end, add_half, add_imgsz, add_run_folder,
                        add_workers, make_parser)

@@ -21,7 +21,6 @@ from utils.formats import open_runner
 from utils.formats.metadata import ModelMeta
 from models.yolo import Model
 from utils.checkpoint import model_state, resumed_options, save_checkpoint
-from utils.errors import UserError
 from utils.log import LOGGER
 
 SCRIPTS = {"train.py": train, "val.py": val, "detect.py": detect, "export.py": export, "shards.py": shards,
