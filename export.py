@@ -198,14 +198,13 @@ def export_one(fmt: Any, source: Source, weights: Path) -> tuple[Path, str]:
             reference = fmt.reference_module(job)(job.module_in(source.precision)[1])
             diff = check_numerics(runner(source.example), reference, meta.layout, source.precision)
         shown = "n/a (INT8: the gate judges it)" if diff != diff else f"{diff:.3g}"
-        print(f"{fmt.name}: {path} ({file_size(path) / 1e6:.1f} MB, {note}, {time.time() - t0:.1f}s); "
-              f"max abs difference from PyTorch {shown}")
-        if source.gate is not None:
-            source.gate.judge(fmt.name, path, runner)
     except Rejected as e:
-        reason = str(e)
-    if source.gate is not None and not reason:
-        reason = source.gate.rows[-1].rejected
+        reason, shown = str(e), "past the tolerance"
+    print(f"{fmt.name}: {path} ({file_size(path) / 1e6:.1f} MB, {note}, {time.time() - t0:.1f}s); "
+          f"max abs difference from PyTorch {shown}")
+    if source.gate is not None:
+        reason = source.gate.judge(fmt.name, path, runner, failed=reason).rejected
+    del runner  # the runtime lets go of the file before it is renamed
     if reason:
         target = set_aside(path)
         LOGGER.error(f"{path}: {reason}; set aside as {target.name}")

@@ -3,6 +3,7 @@ ONNX graph against the PyTorch path, the accuracy gate and its table, files set 
 the format registry, metadata in export folders and INT8 calibration data."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -81,7 +82,7 @@ def test_export_py_sets_aside_a_file_past_the_gate_and_exits_1_naming_it(trained
     weights = _copy(trained["yolov5"], tmp_path).rename(tmp_path / "w.pt")
     done = subprocess.run([sys.executable, "export.py", "--weights", str(weights), "--include", "onnx", "--data",
                            str(deploy_data), "--max-drop", "-1", "--no-simplify"], capture_output=True, text=True, cwd=ROOT,
-                          timeout=300)
+                          timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     errors = [line for line in done.stdout.splitlines() if line.startswith("ERROR")]
     assert errors[-1] == f"ERROR 1 file(s) set aside: {weights.with_name('w.onnx.rejected')}"
@@ -126,6 +127,18 @@ def test_val_py_scores_the_onnx_as_the_pt(layout, trained, exported_onnx, deploy
     cfg = load_data_config(str(deploy_data))
     reference = split_map(runner, hooks_for(runner.meta.family), cfg, cfg["val"], 64, 0, batch_size=4)
     assert abs(onnx.map - reference) <= 1e-3
+
+
+def test_a_file_that_fails_the_numeric_check_is_set_aside(trained, tmp_path, monkeypatch) -> None:
+    """A runtime that computes otherwise than PyTorch (scores off by 0.05): the file is renamed .rejected, not kept."""
+    from utils.formats.onnx import OnnxRunner
+
+    real = OnnxRunner.run
+    monkeypatch.setattr(OnnxRunner, "run", lambda self, images: real(self, images) + 0.05)
+    weights = _copy(trained["yolov5"], tmp_path)
+    with pytest.raises(UserError, match=r"^1 file\(s\) set aside: .*narrow_yolov5\.onnx\.rejected$"):
+        export.run(weights=str(weights), include=["onnx"], simplify=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["narrow_yolov5.onnx.rejected", "narrow_yolov5.pt"]
 
 
 def test_one_line_for_what_cannot_be_exported(trained, tmp_path) -> None:

@@ -116,17 +116,20 @@ class AccuracyGate:
         predictor = Predictor(runner, self.family, self.options)
         return evaluate(predictor, self.loader, DetectionEvaluator(self.data_cfg["names"]))
 
-    def judge(self, format_name: str, path: Path, runner: Runner) -> GateRow:
-        """Validate a written file; its row says whether it passed."""
+    def judge(self, format_name: str, path: Path, runner: Runner, failed: str = "") -> GateRow:
+        """Validate a written file; its row says whether it passed. ``failed``: why it failed an earlier check (the
+        row then gives its mAP beside the reason)."""
         from utils.formats.base import file_size
 
         precision = runner.meta.precision
         value = self.measure(runner).map
         change = value - self.reference.map
         row = GateRow(format_name, precision, path, file_size(path), value, change, latency_ms(runner, self.image))
-        if -change > self.max_drop[precision] + 1e-12:
-            row.rejected = (f"mAP50-95 {value:.4f} against {self.reference.map:.4f} for the PyTorch model (drop "
-                            f"{-change:.4f} > {self.max_drop[precision]:g})")
+        both = f"mAP50-95 {value:.4f} against {self.reference.map:.4f} for the PyTorch model"
+        if failed:
+            row.rejected = f"{failed}; {both}"
+        elif -change > self.max_drop[precision] + 1e-12:
+            row.rejected = f"{both} (drop {-change:.4f} > {self.max_drop[precision]:g})"
         self.rows.append(row)
         return row
 
