@@ -9,7 +9,8 @@ Usage:
 Results go to runs/detect/exp (then exp2, ...): annotated images and videos, ``labels/*.txt`` in YOLO format
 (``cls x y w h [conf]`` normalised; video frames as ``<stem>_<frame>.txt``), ``crops/<class>/`` with
 --save-crop. Weights: a .pt (ours, YOLOv5's, or an Ultralytics YOLOv8 / YOLO11 / YOLO26 detection checkpoint),
-or a .onnx / .torchscript written by export.py. Inputs that cannot be read are reported and skipped.
+or any file or folder export.py wrote; every format runs through the same predictor (utils/evaluation/predictor.py).
+Inputs that cannot be read are reported and skipped.
 """
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ require_supported_versions()  # first: on an older Python or torch the imports b
 import argparse
 import os
 import sys
+import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +38,7 @@ from utils.errors import UserError, run_reporting_errors
 from utils.log import LOGGER, colorstr, setup_logging
 from utils.process import setup_process
 from utils.run_dir import increment_path
-from utils.torch_utils import select_device, time_synchronized
+from utils.torch_utils import select_device
 
 
 @dataclass
@@ -73,18 +76,6 @@ def save_crop(img: np.ndarray, box: np.ndarray, path: Path, gain: float = 1.02, 
     cv2.imwrite(str(increment_path(path)), img[y1:y2, x1:x2])
 
 
-def label_lines(det: np.ndarray, shape: tuple[int, int], save_conf: bool) -> list[str]:
-    """YOLO-format rows for detections (n, 6) in pixels of an image of ``shape`` (h, w)."""
-    from utils.boxes import xyxy2xywhn
-
-    h, w = shape
-    rows = []
-    for (x, y, bw, bh), conf, cls in zip(xyxy2xywhn(det[:, :4], w, h), det[:, 4], det[:, 5]):
-        values = (int(cls), x, y, bw, bh, conf) if save_conf else (int(cls), x, y, bw, bh)
-        rows.append(("%g " * len(values)).rstrip() % values)
-    return rows
-
-
 def _display_available() -> bool:
     return sys.platform in ("win32", "darwin") or bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
 
@@ -114,43 +105,43 @@ class _Writers:
         self.videos = {}
 
 
-def _batches(frames, meta, imgsz: int, batch_size: int, skipped: list[str]):
-    """Letterboxed batches of same-shape frames: (frames, array (b, 3, h, w), ratio_pads). Bad frames are skipped."""
-    from utils.data.augmentations import letterbox
+def _frame_batches(frames: Iterator[Any], predictor: Any, imgsz: int, batch_size: int, skipped: list[str]
+                   ) -> Iterator[tuple[list[Any], torch.Tensor, list[Any]]]:
+    """Batches of same-shape letterboxed frames: (frames, uint8 (b, 3, h, w), ratio_pads). Unreadable frames are
+    reported and skipped. The letterbox time counts as pre-processing."""
+    from utils.evaluation.predictor import to_batch
 
-    fixed = meta.imgsz is not None
-    shape = meta.imgsz if fixed else (imgsz, imgsz)
-    pending: list[tuple[Any, np.ndarray, tuple]] = []
+    pending: list[tuple[Any, np.ndarray, Any]] = []
     for frame in frames:
         if frame.image is None:
             LOGGER.warning(f"WARNING {frame.path}: skipped ({frame.error})")
             skipped.append(frame.path)
             continue
-        # PyTorch models take any multiple of the stride: pad only that far, as YOLOv5 does for .pt files.
-        img, ratio, pad = letterbox(frame.image, shape, auto=not fixed, stride=meta.stride)
-        if pending and pending[0][1].shape != img.shape:
-            yield pending
+        t0 = time.perf_counter()
+        boxed, ratio_pad = next(predictor.letterboxed([frame.image], imgsz))
+        predictor.timer.seconds[0] += time.perf_counter() - t0
+        if pending and pending[0][1].shape != boxed.shape:
+            yield [p[0] for p in pending], to_batch([p[1] for p in pending]), [p[2] for p in pending]
             pending = []
-        pending.append((frame, img, ((ratio[1], ratio[0]), pad)))
+        pending.append((frame, boxed, ratio_pad))
         if len(pending) == batch_size:
-            yield pending
+            yield [p[0] for p in pending], to_batch([p[1] for p in pending]), [p[2] for p in pending]
             pending = []
     if pending:
-        yield pending
+        yield [p[0] for p in pending], to_batch([p[1] for p in pending]), [p[2] for p in pending]
 
 
-def run_options(opt: argparse.Namespace) -> DetectResults:
-    from models.backends import DETECT_IOU, default_imgsz, detections, load_for_inference, predictions
-    from utils.boxes import scale_boxes
-    from utils.data.sources import iter_source
-    from utils.plots import class_colour
-    from utils.tta import check_tta_applies, tta_predict
+def _predictor(opt: argparse.Namespace, device: torch.device) -> tuple[Any, int]:
+    """The predictor at detect.py's thresholds, and the image size."""
+    from utils.evaluation.predictor import PredictOptions, Predictor, open_for_prediction
+    from utils.formats.family_hooks import hooks_for
+    from utils.formats.metadata import default_imgsz
 
-    device = select_device(opt.device)
-    model, meta = load_for_inference(opt.weights, device, end2end=opt.end2end)
-    if opt.augment:
-        check_tta_applies(opt.weights, meta.kind, meta.layout)
-    iou_thres = DETECT_IOU[meta.layout] if opt.iou_thres is None else opt.iou_thres
+    runner = open_for_prediction(opt.weights, device, end2end=opt.end2end, augment=opt.augment, half=opt.half)
+    meta = runner.meta
+    options = PredictOptions(conf_thres=opt.conf_thres, iou_thres=opt.iou_thres, max_det=opt.max_det,
+                             classes=opt.classes, agnostic=opt.agnostic_nms, augment=opt.augment)
+    predictor = Predictor(runner, hooks_for(meta.family), options, purpose="detect")
     imgsz = opt.imgsz
     if imgsz is None:
         imgsz, source = default_imgsz(meta)
@@ -158,58 +149,37 @@ def run_options(opt: argparse.Namespace) -> DetectResults:
     if imgsz % meta.stride:
         asked, imgsz = imgsz, (imgsz // meta.stride + 1) * meta.stride
         LOGGER.warning(f"image size {asked} is not a multiple of the stride {meta.stride}: using {imgsz}")
-    if opt.half and device.type != "cuda":
-        LOGGER.warning("--half needs a CUDA device: running in fp32")
-    half = opt.half and device.type == "cuda" and meta.kind == "pytorch"
-    if half:
-        model.half()
     if meta.imgsz is not None and meta.imgsz != (imgsz, imgsz):
         LOGGER.info(f"{opt.weights}: exported for {meta.imgsz[0]}x{meta.imgsz[1]} input; using that size")
-    batch_size = meta.batch or max(opt.batch_size, 1)
     if opt.classes and max(opt.classes) >= meta.nc:
         raise UserError(f"--classes {' '.join(map(str, opt.classes))}: the model has classes 0..{meta.nc - 1}")
+    return predictor, imgsz
+
+
+def run_options(opt: argparse.Namespace) -> DetectResults:
+    from utils.evaluation.predictor import threads_for
+
+    device = select_device(opt.device)
+    predictor, imgsz = _predictor(opt, device)
+    batch_size = predictor.meta.batch or max(opt.batch_size, 1)
     view = opt.view_img and _display_available()
     if opt.view_img and not view:
         LOGGER.warning("WARNING --view-img: no display available, images are not shown")
-
     save_dir = increment_path(Path(opt.project) / opt.name, exist_ok=opt.exist_ok, mkdir=True)
     if opt.save_txt:
         (save_dir / "labels").mkdir(exist_ok=True)
     results = DetectResults(save_dir)
     writers = _Writers(save_dir)
-    times, seen = np.zeros(3), 0
     try:
-        for batch in _batches(iter_source(opt.source), meta, imgsz, batch_size, results.skipped):
-            t0 = time_synchronized()
-            im = torch.from_numpy(np.stack([b[1] for b in batch])[..., ::-1].transpose(0, 3, 1, 2).copy())
-            im = (im.to(device).half() if half else im.to(device).float()) / 255
-            t1 = time_synchronized()
-            with torch.no_grad():
-                pred = tta_predict(model, im, meta.stride) if opt.augment else predictions(model(im))
-            t2 = time_synchronized()
-            dets = detections(meta, pred.float(), opt.conf_thres, iou_thres, classes=opt.classes,
-                              agnostic=opt.agnostic_nms, max_det=opt.max_det)
-            t3 = time_synchronized()
-            times += (t1 - t0, t2 - t1, t3 - t2)
-            per_image_ms = (t3 - t0) * 1e3 / len(batch)
-            for (frame, _, ratio_pad), det in zip(batch, dets):
-                seen += 1
-                det = det.cpu()
-                scale_boxes(tuple(im.shape[2:]), det[:, :4], frame.image.shape[:2], ratio_pad)
-                det = det.numpy()
-                _handle_frame(frame, det, meta.names, opt, save_dir, writers, view, results, class_colour)
-                counts = Counter(meta.names[int(c)] for c in det[:, 5])
-                found = ", ".join(f"{n} {name}{'s' if n > 1 else ''}" for name, n in counts.items()) or "no detections"
-                where = f"video {frame.index + 1}/{frame.n_frames}" if frame.kind == "video" else frame.kind
-                print(f"{where} {frame.path}: {im.shape[2]}x{im.shape[3]} {found}, {per_image_ms:.1f}ms")
+        with threads_for(predictor.runner):
+            _detect_all(opt, predictor, (imgsz, batch_size), save_dir, writers, view, results)
     finally:
         writers.close()
         if view:
             cv2.destroyAllWindows()
-
-    results.speed = tuple(float(t) for t in times / max(seen, 1) * 1e3)
-    print(f"Speed: %.1fms pre-process, %.1fms inference, %.1fms NMS per image ({seen} images, batch {batch_size})"
-          % results.speed)
+    results.speed = predictor.timer.per_image_ms()
+    print(f"Speed: %.1fms pre-process, %.1fms inference, %.1fms NMS per image ({predictor.timer.images} images, "
+          f"batch {batch_size})" % results.speed)
     if results.skipped:
         print(f"{len(results.skipped)} input(s) skipped: {', '.join(results.skipped)}")
     n_labels = len(list((save_dir / "labels").glob("*.txt"))) if opt.save_txt else 0
@@ -217,12 +187,44 @@ def run_options(opt: argparse.Namespace) -> DetectResults:
     return results
 
 
+def _detect_all(opt: argparse.Namespace, predictor: Any, size: tuple[int, int], save_dir: Path, writers: _Writers,
+                view: bool, results: DetectResults) -> None:
+    """Every frame of --source: predicted in batches of ``size`` = (image size, batch size), then handled."""
+    from utils.data.sources import iter_source
+    from utils.evaluation.predictor import to_original
+
+    names = predictor.meta.names
+    for frames, images, ratio_pads in _frame_batches(iter_source(opt.source), predictor, *size, results.skipped):
+        t0 = time.perf_counter()
+        pred = predictor.predict(images)
+        per_image_ms = (time.perf_counter() - t0) * 1e3 / len(frames)
+        input_hw = tuple(pred.images.shape[2:])
+        for frame, ratio_pad, det in zip(frames, ratio_pads, pred.detections):
+            det = to_original(det, input_hw, frame.image.shape[:2], ratio_pad).numpy()
+            _handle_frame(frame, det, names, opt, save_dir, writers, view, results)
+            print(f"{_where(frame)} {frame.path}: {input_hw[0]}x{input_hw[1]} {_found(det, names)}, "
+                  f"{per_image_ms:.1f}ms")
+
+
+def _where(frame: Any) -> str:
+    return f"video {frame.index + 1}/{frame.n_frames}" if frame.kind == "video" else frame.kind
+
+
+def _found(det: np.ndarray, names: list[str]) -> str:
+    counts = Counter(names[int(c)] for c in det[:, 5])
+    return ", ".join(f"{n} {name}{'s' if n > 1 else ''}" for name, n in counts.items()) or "no detections"
+
+
 def _handle_frame(frame: Any, det: np.ndarray, names: list[str], opt: argparse.Namespace, save_dir: Path,
-                  writers: _Writers, view: bool, results: DetectResults, class_colour) -> None:
+                  writers: _Writers, view: bool, results: DetectResults) -> None:
     """Labels, crops, annotated image and display for one frame's detections (n, 6) in original pixels."""
+    from utils.plots import class_colour
+
     stem = Path(frame.path).stem + (f"_{frame.index}" if frame.kind != "image" else "")
     results.detections[frame.path if frame.kind == "image" else f"{frame.path}:{frame.index}"] = det
     if opt.save_txt and len(det):  # as in YOLOv5, a frame without detections gets no label file
+        from utils.evaluation.outputs import label_lines
+
         lines = label_lines(det, frame.image.shape[:2], opt.save_conf)
         (save_dir / "labels" / f"{stem}.txt").write_text("".join(f"{line}\n" for line in lines))
     original = frame.image.copy() if opt.save_crop else None
@@ -250,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--batch-size", type=int, default=1, help="images per forward pass")
     model = parser.add_argument_group("model and inference")
     model.add_argument("--weights", type=str, required=True,
-                       help=".pt (ours, YOLOv5's or Ultralytics' detection model), .onnx or .torchscript")
+                       help=".pt (ours, YOLOv5's or Ultralytics' detection model), or a file or folder export.py wrote "
+                            "(.onnx, .torchscript, ...)")
     model.add_argument("--conf-thres", type=float, default=0.25, help="confidence threshold")
     model.add_argument("--iou-thres", type=float, default=None,
                        help="NMS IoU threshold (default: 0.45 for YOLOv5 models, 0.7 for YOLOv8 / 11 / 26)")

@@ -1,16 +1,20 @@
-"""Export a checkpoint (ours, YOLOv5's or Ultralytics') to ONNX and TorchScript, next to the weights.
+"""Export a checkpoint (ours, YOLOv5's or Ultralytics') to deployable formats, next to the weights, and prove each
+file still detects.
 
 Usage:
     python export.py --weights runs/train/exp/weights/best.pt --include onnx torchscript --imgsz 640
+    python export.py --weights best.pt --include onnx --half --data data.yaml      # fp16, checked on the val split
+    python export.py --weights best.pt --include onnx --nms                       # NMS inside the ONNX graph
     python export.py --weights yolo26n.pt --end2end          # YOLO26's NMS-free output (B, 300, 6)
 
-Writes ``best.onnx`` and ``best.torchscript``: input ``images`` (B, 3, H, W) in [0, 1], output ``output0`` in
-the model's layout: YOLOv5 (B, A, 5 + nc); YOLOv8 / YOLO11 / YOLO26 (B, 4 + nc, A), xywh in input pixels then
-class scores, as Ultralytics' exports; with --end2end (YOLO26) (B, 300, 6) = x1 y1 x2 y2 score class. Each
-file's output is compared with the PyTorch model's on the same input before it is kept (the largest absolute
-difference is printed); a file that disagrees is deleted and reported. Both carry their metadata under the keys
-Ultralytics' exporter writes (names, stride, task, batch, imgsz, end2end, ...) and this project's own record,
-which detect.py and val.py read (models/backends.py).
+One precision per call: fp32, ``--half`` (fp16) or ``--int8`` (calibrated on the data YAML's train split). Files are
+named as Ultralytics names them (``best.onnx``, ``best_int8.onnx``, ``best_openvino_model/``, ...), with ``_fp16``
+where Ultralytics would write fp16 under the fp32 name. Each file is run on the same input as the PyTorch model
+and kept only if it agrees; with ``--data`` each is also validated on the val split through the same predictor as
+the PyTorch model, and a file whose mAP50-95 drops by more than ``--max-drop`` is set aside as ``<name>.rejected``.
+One table gives format, precision, size, mAP50-95, its change and the latency per image. Exit status 1 names
+every file set aside. The formats are modules of utils/formats/; each file carries its metadata where
+Ultralytics' exports keep it.
 """
 from __future__ import annotations
 
@@ -21,105 +25,28 @@ require_supported_versions()  # first: on an older Python or torch the imports b
 import argparse
 import sys
 import time
-import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from models.backends import METADATA_FILE, ModelMeta, OnnxRuntimeModel, PredictionsOnly, TorchScriptModel
 from utils.cli import INFERENCE_IMGSZ_HELP, add_device, add_end2end, add_half, add_imgsz, make_parser
 from utils.errors import UserError, run_reporting_errors
 from utils.log import LOGGER, colorstr, setup_logging
 from utils.process import setup_process
 from utils.torch_utils import select_device
 
-FORMATS = ("onnx", "torchscript")
-# The torch.onnx TorchScript-based exporter used here writes opsets up to 20; onnxruntime 1.16+ runs opset 20.
-DEFAULT_OPSET = 20
-# An exported file is kept when it agrees with PyTorch within these (predictions in pixels and scores): (rtol, atol)
-# for fp32, and for fp16 (--half), whose 11-bit significand two runtimes' kernels round apart by a few units.
-# fp16 box coordinates also get 4 units of the largest one: a centre near 0 is the difference of corners that
-# may be hundreds of pixels, and keeps their rounding.
-CHECK_TOLERANCE = {torch.float32: (1e-4, 1e-3), torch.float16: (1e-2, 1e-2)}
-
-
-def _difference(out: torch.Tensor, ref: torch.Tensor, layout: str) -> torch.Tensor:
-    """Elementwise |out - ref|; for end-to-end outputs (B, k, 6) each row against its nearest row of the other,
-    as top-k may order rows of equal score either way."""
-    if layout != "end2end":
-        return (out - ref).abs()
-    gaps = (out[:, :, None, :] - ref[:, None, :, :]).abs()  # (B, k, k, 6)
-    nearest = gaps.amax(-1).argmin(2)  # for each row of out, the closest row of ref
-    return (out - ref.gather(1, nearest[..., None].expand(-1, -1, ref.shape[-1]))).abs()
-
-
-def check_export(kind: str, path: Path, out: torch.Tensor, ref: torch.Tensor, layout: str,
-                 dtype: torch.dtype = torch.float32) -> float:
-    """Compare an exported file's output with PyTorch's (the model computing in ``dtype``); delete the file and raise
-    when they disagree."""
-    out, ref = out.float(), ref.float()
-    rtol, atol = CHECK_TOLERANCE[dtype]
-    allowed = atol + rtol * ref.abs()
-    if dtype == torch.float16:
-        boxes = torch.zeros_like(ref, dtype=torch.bool)
-        (boxes[:, :4] if layout == "anchor_free" else boxes[..., :4]).fill_(True)  # (B, 4 + nc, A) or (B, N, 4 + ...)
-        allowed = torch.where(boxes, allowed + 2**-8 * ref[boxes].abs().max(), allowed)
-    difference = _difference(out, ref, layout) if out.shape == ref.shape else None
-    diff = float(difference.max()) if difference is not None else float("inf")
-    if difference is None or (difference > allowed).any():
-        path.unlink(missing_ok=True)
-        raise UserError(f"{path}: {kind} output differs from PyTorch's (shape {tuple(out.shape)} vs "
-                        f"{tuple(ref.shape)}, max abs difference {diff:.3g}); file removed")
-    return diff
-
-
-def export_torchscript(model: torch.nn.Module, im: torch.Tensor, path: Path, meta: ModelMeta) -> Path:
-    """Trace the model (fixed input shape) and save it with its metadata as an extra file."""
-    with warnings.catch_warnings():  # tracing is deprecated in favour of torch.export, but is what TorchScript needs
-        warnings.simplefilter("ignore", FutureWarning)
-        traced = torch.jit.trace(model, im, strict=False, check_trace=False)
-    traced.save(str(path), _extra_files={METADATA_FILE: meta.to_json(export_batch=im.shape[0])})
-    return path
-
-
-def _simplify(path: Path) -> str:
-    """Simplify the ONNX graph in place with onnxslim when it is installed; say what happened."""
-    try:
-        import onnxslim
-    except ImportError:
-        return "not simplified (pip install onnxslim to simplify)"
-    import onnx
-
-    slim = onnxslim.slim(onnx.load(str(path)))
-    onnx.save(slim, str(path))
-    return f"simplified by onnxslim {getattr(onnxslim, '__version__', '')}".rstrip()
-
-
-def export_onnx(model: torch.nn.Module, im: torch.Tensor, path: Path, meta: ModelMeta, opset: int, dynamic: bool,
-                simplify: bool) -> tuple[Path, str]:
-    """Export with torch.onnx (TorchScript-based exporter), optionally simplify, then store the metadata."""
-    try:
-        import onnx
-    except ImportError as e:
-        raise UserError("ONNX export needs the onnx package (pip install onnx onnxruntime)") from e
-    dynamic_axes = {"images": {0: "batch"}, "output0": {0: "batch"}} if dynamic else None
-    with warnings.catch_warnings():  # the TorchScript-based exporter is deprecated, not removed; it needs no onnxscript
-        warnings.simplefilter("ignore", DeprecationWarning)
-        torch.onnx.export(model, (im,), str(path), dynamo=False, opset_version=opset, do_constant_folding=True,
-                          input_names=["images"], output_names=["output0"], dynamic_axes=dynamic_axes)
-    note = _simplify(path) if simplify else "not simplified (--no-simplify)"
-    proto = onnx.load(str(path))
-    onnx.checker.check_model(proto)
-    for key, value in meta.onnx_props(export_batch=im.shape[0]).items():
-        entry = proto.metadata_props.add()
-        entry.key, entry.value = key, value
-    onnx.save(proto, str(path))
-    return path, note
+DEFAULT_INCLUDE = ("onnx", "torchscript")
+# --nms bakes detect.py's defaults into the graph: with them it finds what detect.py finds with the .pt.
+DETECT_CONF, DETECT_MAX_DET = 0.25, 1000
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = make_parser("Export a detector checkpoint to ONNX and TorchScript")
+    from utils.formats import export_names
+    from utils.formats.onnx import DEFAULT_OPSET
+
+    parser = make_parser("Export a detector checkpoint and check each file on the user's data")
     model = parser.add_argument_group("model")
     model.add_argument("--weights", type=str, required=True,
                        help="checkpoint (.pt: this project's, YOLOv5's or Ultralytics' detection model)")
@@ -127,19 +54,36 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--batch-size", type=int, default=1, help="batch size of the exported input")
     # Traced on the CPU unless asked otherwise, as YOLOv5 does: the exported graph does not depend on a GPU.
     add_device(model, default="cpu")
-    add_half(model)
+    add_end2end(model)
+    precision = parser.add_argument_group("precision of the written files (one per call; default fp32)")
+    add_half(precision)
+    precision.add_argument("--int8", action="store_true",
+                           help="INT8 files, calibrated on images of --data's train split (needs --data)")
     output = parser.add_argument_group("output (written beside --weights)")
-    output.add_argument("--include", nargs="+", default=list(FORMATS), help=f"formats: {', '.join(FORMATS)}")
+    output.add_argument("--include", nargs="+", default=list(DEFAULT_INCLUDE),
+                        help=f"formats: {', '.join(export_names())}")
     output.add_argument("--dynamic", action="store_true", help="ONNX: any batch size")
-    add_end2end(output)
     output.add_argument("--opset", type=int, default=DEFAULT_OPSET, help="ONNX opset")
     output.add_argument("--no-simplify", dest="simplify", action="store_false",
-                        help="ONNX: keep the graph as traced (default: simplified with onnxslim when installed)")
+                        help="ONNX: keep the graph as traced (default: simplified with onnxslim, when installed)")
+    output.add_argument("--nms", action="store_true",
+                        help="ONNX: NMS inside the graph; output (B, max-det, 6) = x1 y1 x2 y2 score class")
+    output.add_argument("--conf-thres", type=float, default=DETECT_CONF, help="--nms: confidence threshold")
+    output.add_argument("--iou-thres", type=float, default=None,
+                        help="--nms: NMS IoU threshold (default: detect.py's, 0.45 YOLOv5, 0.7 YOLOv8 / 11 / 26)")
+    output.add_argument("--max-det", type=int, default=DETECT_MAX_DET, help="--nms: detections kept per image")
+    gate = parser.add_argument_group("accuracy gate")
+    gate.add_argument("--data", type=str, default=None,
+                      help="dataset YAML: validate every file on its val split against the PyTorch model (and "
+                           "calibrate --int8 on its train split)")
+    gate.add_argument("--max-drop", type=float, default=None,
+                      help="largest allowed mAP50-95 drop, absolute (default: 0.001 fp32, 0.003 fp16, 0.01 int8)")
     return parser
 
 
 def run(**options: Any) -> list[Path]:
-    """``python export.py`` from Python: the same option names and defaults; returns the files written."""
+    """``python export.py`` from Python: the same option names and defaults; returns the files kept. Raises
+    ``UserError`` naming every file set aside."""
     defaults = vars(build_parser().parse_args(["--weights", ""]))
     unknown = sorted(set(options) - set(defaults))
     if unknown:
@@ -147,23 +91,44 @@ def run(**options: Any) -> list[Path]:
     return run_options(argparse.Namespace(**{**defaults, **options}))
 
 
-def run_options(opt: argparse.Namespace) -> list[Path]:
-    from models.backends import default_imgsz, load_for_inference
+@dataclass
+class Source:
+    """The PyTorch model every file is exported from, and what each file's job shares."""
 
-    include = [f.lower() for f in opt.include]
-    unknown = sorted(set(include) - set(FORMATS))
-    if unknown:
-        raise UserError(f"--include {' '.join(unknown)}: unknown format; choose from {', '.join(FORMATS)}")
-    weights = Path(opt.weights)
-    if weights.suffix != ".pt":
-        raise UserError(f"{weights}: export starts from a .pt checkpoint")
-    device = select_device(opt.device)
-    if opt.half and device.type != "cuda":  # an fp16 file is what was asked for: no silent fp32 one instead
-        raise UserError(f"--half exports fp16 on a CUDA device; --device {opt.device or device.type} is not one "
-                        "(use --device 0)")
-    model, meta = load_for_inference(weights, device, end2end=opt.end2end)
-    if opt.half:
-        model.half()
+    runner: Any  # utils.formats.pytorch.PytorchRunner
+    family: Any  # the family's hooks
+    module: torch.nn.Module  # images in [0, 1] to output0
+    imgsz: tuple[int, int]
+    example: torch.Tensor
+    precision: str
+    options: Any  # utils.formats.base.ExportOptions
+    meta: Any = None  # what every file says about itself (before its own precision, batch, nms)
+    calibration: Any = None
+    gate: Any = None  # the accuracy gate, with --data
+    rows: list = field(default_factory=list)
+
+
+def _precision(opt: argparse.Namespace) -> str:
+    if opt.half and opt.int8:
+        raise UserError("--half and --int8: one precision per call (run export.py once for each)")
+    if opt.int8 and not opt.data:
+        raise UserError("--int8 needs --data: INT8 is calibrated on images of the data YAML's train split")
+    return "int8" if opt.int8 else "fp16" if opt.half else "fp32"
+
+
+def _formats(opt: argparse.Namespace, precision: str, options: Any) -> list[Any]:
+    from utils.formats import format_named
+
+    names = list(dict.fromkeys(f.lower() for f in opt.include))
+    formats = [format_named(name) for name in names]
+    for fmt in formats:
+        fmt.check_request(options, precision)
+    return formats
+
+
+def _imgsz(opt: argparse.Namespace, meta: Any) -> tuple[int, int]:
+    from utils.formats.metadata import default_imgsz
+
     asked = opt.imgsz
     if asked is None:
         size, source = default_imgsz(meta)
@@ -172,41 +137,105 @@ def run_options(opt: argparse.Namespace) -> list[Path]:
     imgsz = list(asked) * 2 if len(asked) == 1 else list(asked)
     if len(imgsz) != 2 or any(s % meta.stride for s in imgsz):
         raise UserError(f"--imgsz {' '.join(map(str, asked))}: give one or two multiples of the stride {meta.stride}")
+    return imgsz[0], imgsz[1]
+
+
+def prepare(opt: argparse.Namespace) -> tuple[Source, list[Any]]:
+    """Every check that can fail before a file is written, then the source model and its example input."""
+    from utils.formats.base import ExportOptions, NmsSpec
+    from utils.formats.family_hooks import hooks_for
+    from utils.formats.pytorch import load_pytorch
+
+    precision = _precision(opt)
+    weights = Path(opt.weights)
+    if weights.suffix != ".pt":
+        raise UserError(f"{weights}: export starts from a .pt checkpoint")
     if opt.batch_size < 1:
         raise UserError(f"--batch-size {opt.batch_size}: must be at least 1")
-    meta.imgsz, meta.batch = (imgsz[0], imgsz[1]), None if opt.dynamic and "onnx" in include else opt.batch_size
-    wrapped = PredictionsOnly(model).eval()
-    for p in wrapped.parameters():
-        p.requires_grad_(False)
-    # A reproducible input in [0, 1] like a real image; zeros would leave most activations untested.
-    im = torch.rand(opt.batch_size, 3, *imgsz, generator=torch.Generator().manual_seed(0)).to(device)
-    if opt.half:
-        im = im.half()
-    with torch.no_grad():
-        ref = wrapped(im).float()
-    LOGGER.info(f"{colorstr('export:')} {weights} input {tuple(im.shape)}, output {tuple(ref.shape)} "
-                f"({meta.family}, {meta.layout} layout), {meta.nc} classes, stride {meta.stride}")
+    if opt.nms and opt.end2end:
+        raise UserError("--nms and --end2end: the end-to-end output is already final; it needs no NMS")
+    if not weights.is_file():
+        from utils.ultralytics_compat import missing_weights_message
 
-    written = []
-    for kind in include:
-        t0 = time.time()
-        if kind == "torchscript":
-            ts_meta = ModelMeta(**{**vars(meta), "batch": opt.batch_size})
-            path = export_torchscript(wrapped, im, weights.with_suffix(".torchscript"), ts_meta)
-            note = "traced"
-            loaded = TorchScriptModel(path, device)
-        else:
-            path, note = export_onnx(wrapped, im, weights.with_suffix(".onnx"), meta, opset=opt.opset,
-                                     dynamic=opt.dynamic, simplify=opt.simplify)
-            note = f"opset {opt.opset}{', dynamic batch' if opt.dynamic else ''}, {note}"
-            loaded = OnnxRuntimeModel(path, device)
+        raise UserError(missing_weights_message(weights, "weights file"))
+    runner = load_pytorch(weights, select_device(opt.device))
+    family = hooks_for(runner.meta.family)
+    nms = NmsSpec(opt.conf_thres, family.detect_iou if opt.iou_thres is None else opt.iou_thres, opt.max_det) \
+        if opt.nms else None
+    options = ExportOptions(opset=opt.opset, dynamic=opt.dynamic, simplify=opt.simplify, nms=nms)
+    formats = _formats(opt, precision, options)
+    if opt.end2end:
+        runner.use_end2end(weights)
+    module = family.export_module(runner.model, end2end=opt.end2end)
+    for p in module.parameters():
+        p.requires_grad_(False)
+    imgsz = _imgsz(opt, runner.meta)
+    # A reproducible input in [0, 1] like a real image; zeros would leave most activations untested.
+    example = torch.rand(opt.batch_size, 3, *imgsz, generator=torch.Generator().manual_seed(0)).to(runner.device)
+    meta = runner.meta.copy(imgsz=imgsz, batch=None if opt.dynamic else opt.batch_size, trained_imgsz=None)
+    return Source(runner, family, module, imgsz, example, precision, options, meta), formats
+
+
+def export_one(fmt: Any, source: Source, weights: Path) -> tuple[Path, str]:
+    """Write one file, run the numeric check on it and, with --data, the gate; returns (path kept or set aside, why
+    it was set aside or '')."""
+    from utils.evaluation.gate import Rejected, check_numerics, set_aside
+    from utils.formats.base import ExportJob, file_size
+
+    path = fmt.output_path(weights, source.precision)
+    nms = source.options.nms
+    meta = source.meta.copy(kind=fmt.name, precision=source.precision, nms=None if nms is None else nms.as_dict(),
+                            layout="end2end" if nms is not None else source.meta.layout)
+    job = ExportJob(module=source.module, model=source.runner.model, family=source.family, example=source.example,
+                    meta=meta, path=path, precision=source.precision, options=source.options,
+                    int8_scope=source.family.int8_float_scope(source.runner.model), calibration=source.calibration)
+    t0 = time.time()
+    note = fmt.write(job)
+    runner = fmt.open(path, source.runner.device)
+    reason = ""
+    try:
         with torch.no_grad():
-            diff = check_export(kind, path, loaded(im), ref, meta.layout, im.dtype)
-        size_mb = path.stat().st_size / 1e6
-        print(f"{kind}: {path} ({size_mb:.1f} MB, {note}, {time.time() - t0:.1f}s); "
-              f"max abs difference from PyTorch {diff:.3g}")
-        written.append(path)
-    return written
+            reference = fmt.reference_module(job)(job.module_in(source.precision)[1])
+            diff = check_numerics(runner(source.example), reference, meta.layout, source.precision)
+        shown = "n/a (INT8: the gate judges it)" if diff != diff else f"{diff:.3g}"
+    except Rejected as e:
+        reason, shown = str(e), "past the tolerance"
+    print(f"{fmt.name}: {path} ({file_size(path) / 1e6:.1f} MB, {note}, {time.time() - t0:.1f}s); "
+          f"max abs difference from PyTorch {shown}")
+    if source.gate is not None:
+        reason = source.gate.judge(fmt.name, path, runner, failed=reason).rejected
+    del runner  # the runtime lets go of the file before it is renamed
+    if reason:
+        target = set_aside(path)
+        LOGGER.error(f"{path}: {reason}; set aside as {target.name}")
+        return target, reason
+    return path, ""
+
+
+def run_options(opt: argparse.Namespace) -> list[Path]:
+    source, formats = prepare(opt)
+    weights = Path(opt.weights)
+    LOGGER.info(f"{colorstr('export:')} {weights} input {tuple(source.example.shape)} ({source.meta.family}, "
+                f"{source.meta.layout} layout), {source.meta.nc} classes, stride {source.meta.stride}, "
+                f"{source.precision}")
+    if opt.data:
+        from utils.evaluation.gate import AccuracyGate
+
+        source.gate = AccuracyGate.for_source(opt, source)
+        if source.precision == "int8":
+            from utils.evaluation.calibration import make_calibration
+
+            source.calibration = make_calibration(source.gate.data_cfg, source.imgsz[0], source.meta.stride,
+                                                  source.family, workers=source.gate.workers)
+    kept, rejected = [], []
+    for fmt in formats:
+        path, reason = export_one(fmt, source, weights)
+        (rejected if reason else kept).append(path)
+    if source.gate is not None:
+        print(source.gate.table())
+    if rejected:
+        raise UserError(f"{len(rejected)} file(s) set aside: {', '.join(str(p) for p in rejected)}")
+    return kept
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,8 @@
 Usage:
     python val.py --data data/shapes.yaml --weights runs/train/exp/weights/best.pt --imgsz 640
 
-This is the command line; the validation itself is ``utils.validation.validate``, which training calls too.
+This is the command line: any weights file or export runs through the predictor and the evaluator
+(utils/evaluation), the same ones training's ``utils.validation.validate`` and export.py's accuracy gate use.
 """
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from utils.cli import (INFERENCE_IMGSZ_HELP, add_device, add_end2end, add_half, add_imgsz, add_run_folder,
                        add_workers, make_parser)
@@ -25,8 +25,7 @@ from utils.log import LOGGER, colorstr, setup_logging
 from utils.process import setup_process
 from utils.run_dir import increment_path
 from utils.torch_utils import select_device
-from utils.tta import check_tta_applies
-from utils.validation import CONF_THRES, MAX_DET, ValResults, tta_comparison, validate
+from utils.validation import CONF_THRES, MAX_DET, ValResults, tta_comparison
 
 TASKS = ("val", "test", "speed")
 
@@ -45,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_workers(data)
     model = parser.add_argument_group("model and inference")
     model.add_argument("--weights", type=str, required=True,
-                       help="checkpoint (this project's or YOLOv5's .pt), or .onnx / .torchscript from export.py")
+                       help="checkpoint (.pt: this project's, YOLOv5's or Ultralytics'), or a file or folder export.py "
+                            "wrote (.onnx, .torchscript, ...)")
     model.add_argument("--conf-thres", type=float, default=CONF_THRES, help="confidence threshold")
     model.add_argument("--iou-thres", type=float, default=None,
                        help="NMS IoU threshold (default: the model family's, 0.6 YOLOv5, 0.7 YOLOv8/11/26)")
@@ -79,18 +79,13 @@ def run(**options: Any) -> ValResults:
 
 
 def run_options(opt: argparse.Namespace) -> ValResults:
-    """Load a checkpoint and a dataset split, validate, and save the outputs in a new run folder."""
-    from models.backends import default_imgsz, load_for_inference
-    from models.families import family_of
+    """Load a model (any format) and a dataset split, validate, and save the outputs in a new run folder."""
     from utils.data.config import load_data_config
-    from utils.data.loader import create_dataloader, load_labels
-    from utils.distributed import broadcast_object, dist_info, init_process_group
-    from utils.torch_utils import torch_distributed_zero_first
+    from utils.distributed import dist_info, init_process_group
+    from utils.evaluation.predictor import open_for_prediction, threads_for
 
     if opt.task not in TASKS:
         raise UserError(f"--task {opt.task!r}: expected one of {', '.join(TASKS)}")
-    if not Path(opt.weights).is_file():
-        raise UserError(f"{opt.weights}: weights file not found")
     info = dist_info()  # under torch.distributed.run every rank validates its part of the split
     device = select_device(opt.device, local_rank=info.local_rank, local_world_size=info.local_world_size)
     if info.is_distributed:
@@ -99,22 +94,42 @@ def run_options(opt: argparse.Namespace) -> ValResults:
     split = "test" if opt.task == "test" else "val"
     if not data_cfg.get(split):
         raise UserError(f"{data_cfg.get('yaml_file', opt.data)}: no '{split}' split to validate on")
-
-    if opt.half and device.type != "cuda":
-        LOGGER.warning("--half needs a CUDA device: running in fp32")
-    half = opt.half and device.type == "cuda"
-    model, meta = load_for_inference(opt.weights, device, end2end=opt.end2end)
-    family = family_of(meta.family)  # an exported file names it in its metadata (models/backends.py)
-    if opt.augment:
-        check_tta_applies(opt.weights, meta.kind, meta.layout)
-    if half and meta.kind == "pytorch":
-        model.half()
-    half = half and meta.kind == "pytorch"
+    runner = open_for_prediction(opt.weights, device, end2end=opt.end2end, augment=opt.augment, half=opt.half)
     nc = int(data_cfg["nc"])
-    if not opt.single_cls and meta.nc != nc:
-        raise UserError(f"{opt.weights}: the model predicts {meta.nc} classes but {opt.data} has {nc}; "
+    if not opt.single_cls and runner.meta.nc != nc:
+        raise UserError(f"{opt.weights}: the model predicts {runner.meta.nc} classes but {opt.data} has {nc}; "
                         "use matching weights or --single-cls")
-    stride = meta.stride
+    imgsz, batch_size, rect = input_size(opt, runner.meta)
+    loader, save_dir = _loader_and_folder(opt, data_cfg, split, info, (imgsz, batch_size, rect), runner.meta.stride)
+    if device.type == "cuda":  # the first CUDA call pays for context and kernel set-up: keep it out of the timings
+        runner.warmup((imgsz, imgsz))
+    with threads_for(runner):
+        results = _passes(opt, runner, loader, data_cfg, split, save_dir, info)
+    LOGGER.info(f"Results saved to {colorstr(str(save_dir))}")
+    return results
+
+
+def _passes(opt: argparse.Namespace, runner: Any, loader: Any, data_cfg: dict, split: str, save_dir: Path,
+            info: Any) -> ValResults:
+    """The validation pass; with --augment the plain pass first, on the same loader, for the comparison."""
+    plain = None
+    if opt.augment:
+        LOGGER.info("Plain pass (for comparison with --augment):")
+        plain = _validate(opt, runner, loader, data_cfg, split, save_dir=None, augment=False, gather=info.is_distributed,
+                          main=info.is_main)
+        LOGGER.info("Test-time augmentation pass:")
+    results = _validate(opt, runner, loader, data_cfg, split, save_dir=save_dir, augment=opt.augment,
+                        gather=info.is_distributed, main=info.is_main)
+    if plain is not None:
+        results.plain = plain
+        LOGGER.info(tta_comparison(plain, results))
+    return results
+
+
+def input_size(opt: argparse.Namespace, meta: Any) -> tuple[int, int, bool]:
+    """(image size, batch size, rectangular batches): an exported file takes one square input shape."""
+    from utils.formats.metadata import default_imgsz
+
     imgsz, batch_size, rect = opt.imgsz, opt.batch_size, True
     if imgsz is None:
         imgsz, source = default_imgsz(meta)
@@ -125,47 +140,59 @@ def run_options(opt: argparse.Namespace) -> ValResults:
                             "square one (export with a single --imgsz)")
         if imgsz != meta.imgsz[0]:
             LOGGER.info(f"{opt.weights}: exported for {meta.imgsz[0]}x{meta.imgsz[1]} input; using that size")
-        imgsz, rect = meta.imgsz[0], False
-        batch_size = meta.batch or batch_size
-    if imgsz % stride:
-        asked, imgsz = imgsz, (imgsz // stride + 1) * stride
-        LOGGER.warning(f"image size {asked} is not a multiple of the stride {stride}: using {imgsz}")
-    conf_thres, iou_thres, save_json = opt.conf_thres, opt.iou_thres, opt.save_json
-    if opt.task == "speed":  # timing at deployment thresholds, not the mAP sweep
-        conf_thres, iou_thres, save_json = 0.25, 0.45, False
+        imgsz, rect = meta.imgsz[0], False  # a file fixed to a batch size runs any loader batch, that many at a time
+    if imgsz % meta.stride:
+        asked, imgsz = imgsz, (imgsz // meta.stride + 1) * meta.stride
+        LOGGER.warning(f"image size {asked} is not a multiple of the stride {meta.stride}: using {imgsz}")
+    return imgsz, batch_size, rect
 
+
+def _loader_and_folder(opt: argparse.Namespace, data_cfg: dict, split: str, info: Any, shape: tuple[int, int, bool],
+                       stride: int) -> tuple[Any, Path]:
+    """This rank's loader over the split, and the run folder (named by rank 0)."""
+    from utils.data.loader import create_dataloader, load_labels
+    from utils.distributed import broadcast_object
+    from utils.torch_utils import torch_distributed_zero_first
+
+    imgsz, batch_size, rect = shape
     save_dir = increment_path(Path(opt.project) / opt.name, exist_ok=opt.exist_ok, mkdir=True) \
         if info.is_main else None
     save_dir = Path(broadcast_object(str(save_dir), info))  # one run folder, named by rank 0
+    nc = int(data_cfg["nc"])
     with torch_distributed_zero_first(info.local_rank):  # local rank 0 builds label caches and shard indexes
         labels = load_labels(data_cfg[split], nc=nc, workers=opt.workers, prefix=colorstr(f"{split}: "),
                              verbose=info.is_local_main)
     loader, _ = create_dataloader(None, imgsz, batch_size, stride, augment=False, rect=rect, pad=0.5 if rect else 0.0,
                                   world_size=info.world_size, global_rank=max(info.rank, 0), workers=opt.workers,
                                   single_cls=opt.single_cls, nc=nc, prefix=colorstr(f"{split}: "), label_set=labels)
-    if device.type == "cuda":  # the first CUDA call pays for context and kernel set-up: keep it out of the timings
-        model(torch.zeros(1, 3, imgsz, imgsz, device=device, dtype=torch.float16 if half else torch.float32))
+    return loader, save_dir
 
-    plain = None
-    if opt.augment:  # the plain pass first, on the same loader, for the comparison
-        LOGGER.info("Plain pass (for comparison with --augment):")
-        plain = validate(model, loader, names=data_cfg["names"], device=device, family=family, conf_thres=conf_thres,
-                         iou_thres=iou_thres, max_det=opt.max_det, single_cls=opt.single_cls, half=half,
-                         gather=info.is_distributed, main=info.is_main)
-        LOGGER.info("Test-time augmentation pass:")
-    results = validate(
-        model, loader, names=data_cfg["names"], device=device, family=family, conf_thres=conf_thres,
-        iou_thres=iou_thres,
-        max_det=opt.max_det, single_cls=opt.single_cls, save_dir=save_dir, plots=not opt.noplots,
-        verbose=opt.verbose, save_json=save_json, save_txt=opt.save_txt, save_conf=opt.save_conf, half=half,
-        annotations_json=data_cfg.get("annotations") if split == "val" else None, augment=opt.augment,
-        gather=info.is_distributed, main=info.is_main,
-    )
-    if plain is not None:
-        results.plain = plain
-        LOGGER.info(tta_comparison(plain, results))
-    LOGGER.info(f"Results saved to {colorstr(str(save_dir))}")
-    return results
+
+def _validate(opt: argparse.Namespace, runner: Any, loader: Any, data_cfg: dict, split: str, save_dir: Path | None,
+              augment: bool, gather: bool, main: bool) -> ValResults:
+    """One pass over the loader: the predictor at val.py's thresholds, the evaluator, and (with ``save_dir``) the
+    outputs."""
+    from utils.coco_json import json_identities
+    from utils.evaluation.evaluator import DetectionEvaluator
+    from utils.evaluation.loop import evaluate
+    from utils.evaluation.outputs import OutputOptions, ValOutputs
+    from utils.evaluation.predictor import PredictOptions, Predictor
+    from utils.formats.family_hooks import hooks_for
+
+    conf_thres, iou_thres, save_json = opt.conf_thres, opt.iou_thres, opt.save_json and save_dir is not None
+    if opt.task == "speed":  # timing at deployment thresholds, not the mAP sweep
+        conf_thres, iou_thres, save_json = 0.25, 0.45, False
+    options = PredictOptions(conf_thres=conf_thres, iou_thres=iou_thres, max_det=opt.max_det, multi_label=True,
+                             agnostic=opt.single_cls, augment=augment)
+    predictor = Predictor(runner, hooks_for(runner.meta.family), options)
+    evaluator = DetectionEvaluator(data_cfg["names"], single_cls=opt.single_cls,
+                                   confusion=save_dir is not None and not opt.noplots and main)
+    if save_json:
+        evaluator.json_ids = json_identities(loader.dataset, evaluator.names)
+    outputs = OutputOptions(save_dir=save_dir, main=main) if save_dir is None else OutputOptions(
+        save_dir=save_dir, plots=not opt.noplots, verbose=opt.verbose, save_json=save_json, save_txt=opt.save_txt,
+        save_conf=opt.save_conf, annotations_json=data_cfg.get("annotations") if split == "val" else None, main=main)
+    return evaluate(predictor, loader, evaluator, ValOutputs(outputs, evaluator.names), gather=gather)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -230,3 +230,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # The slow tests first: with one worker per core (pytest-xdist) the long ones then run side by side and the
     # many short ones fill the gaps, instead of one long test running alone at the end.
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+# The deploy tests' session fixtures (narrow trained checkpoints per layout, files exported once): shared here so
+# that every module that uses them gets the same ones.
+from tests.deploy_fixtures import deploy_data, exported_onnx, trained  # noqa: E402, F401

@@ -18,7 +18,8 @@ import export
 import shards
 import train
 import val
-from models.backends import ModelMeta, load_for_inference
+from utils.formats import open_runner
+from utils.formats.metadata import ModelMeta
 from models.yolo import Model
 from utils.checkpoint import latest_last_checkpoint, model_state, save_checkpoint
 from utils.engine.resume import resumed_config
@@ -92,9 +93,10 @@ def test_help_shows_every_default_and_groups_the_options() -> None:
         assert any(word in title for title in titles), (word, titles)
 
 
-def test_export_half_is_refused_without_cuda(trained_at_64) -> None:
-    with pytest.raises(UserError, match="--half exports fp16 on a CUDA device; --device cpu is not one"):
-        export.run(weights=str(trained_at_64), half=True, device="cpu")
+def test_export_half_writes_fp16_files_on_the_cpu(trained_at_64) -> None:
+    """In export.py --half is the precision of the written file, on any device; the name says it."""
+    (path,) = export.run(weights=str(trained_at_64), half=True, device="cpu", include=["torchscript"])
+    assert path.name == "at64_fp16.torchscript" and open_runner(path).meta.precision == "fp16"
 
 
 def test_detect_needs_a_source(capsys) -> None:
@@ -255,7 +257,7 @@ def log_lines():
 
 
 def test_trained_size_is_read_from_ours_yolov5s_and_ultralytics_records() -> None:
-    from models.backends import default_imgsz
+    from utils.formats.metadata import default_imgsz
     from utils.checkpoint import trained_imgsz
 
     assert trained_imgsz({"opt": {"imgsz": 64}}) == 64
@@ -291,7 +293,7 @@ def test_val_detect_and_export_default_to_the_size_the_checkpoint_was_trained_at
     log_lines.clear()
     (path,) = export.run(weights=str(trained_at_64), include=["torchscript"])
     assert "image size 64 (from the checkpoint)" in log_lines
-    assert load_for_inference(path)[1].imgsz == (64, 64)
+    assert open_runner(path).meta.imgsz == (64, 64)
     log_lines.clear()
     detect.run(weights=str(path), source=str(next(source.iterdir())), device="cpu", nosave=True,
                project=str(tmp_path / "detect"))

@@ -19,7 +19,7 @@ import torch
 import detect
 import export
 import val
-from models.backends import load_for_inference
+from utils.formats import open_runner
 from tests.conftest import ROOT, free_port, write_rectangles_dataset
 from tests.test_train import results_rows
 from tests.ultralytics_reference import FIXTURES, reference
@@ -97,9 +97,9 @@ def test_val_detect_and_export_on_the_gpu_in_fp16(tmp_path) -> None:
     weights = tmp_path / "yolo11-final.pt"
     shutil.copyfile(FIXTURES / "yolo11-final.pt", weights)  # trained by Ultralytics, fp16 as it is stored
     x, ref = reference("yolo11")
-    model, _ = load_for_inference(weights, device="cuda:0")
+    model = open_runner(weights, device="cuda:0")
     with torch.no_grad():
-        out = model(x.cuda())[0].float().cpu()
+        out = model(x.cuda()).float().cpu()
     # TF32 convolutions and cuDNN's kernels round otherwise than the CPU's; boxes are in input pixels.
     torch.testing.assert_close(out, ref["pred"], atol=2e-2, rtol=1e-3)
 
@@ -116,9 +116,11 @@ def test_val_detect_and_export_on_the_gpu_in_fp16(tmp_path) -> None:
     files = export.run(weights=str(weights), imgsz=list(x.shape[2:]), batch_size=x.shape[0],
                        include=["onnx", "torchscript"], device="0", half=True)
     assert {p.suffix for p in files} == {".onnx", ".torchscript"}
-    runner, meta = load_for_inference(next(p for p in files if p.suffix == ".torchscript"), device="cuda:0")
-    assert meta.layout == "anchor_free"
+    runner = open_runner(next(p for p in files if p.suffix == ".torchscript"), device="cuda:0")
+    assert runner.meta.layout == "anchor_free"
     with torch.no_grad():
         got = runner(x.cuda().half()).float().cpu()
-    # export.py's own fp16 rule (export.check_export), against Ultralytics' fp32 output on the CPU.
-    export.check_export("torchscript", Path("unused"), got, ref["pred"], "anchor_free", torch.float16)
+    # export.py's own fp16 rule (utils/evaluation/gate.py check_numerics), against Ultralytics' fp32 output on the CPU.
+    from utils.evaluation.gate import check_numerics
+
+    check_numerics(got, ref["pred"], "anchor_free", "fp16")

@@ -15,7 +15,7 @@ import torch
 import detect
 import export
 import val
-from models.backends import load_for_inference
+from utils.formats import open_runner
 from tests.conftest import write_rectangles_dataset, write_video
 from tests.ultralytics_reference import (FIXTURES, assert_close_to_ultralytics, assert_same_end2end_detections,
                                          reference)
@@ -58,7 +58,8 @@ def test_exported_files_compute_ultralytics_outputs(exported, family) -> None:
     assert set(files) == {".onnx", ".torchscript"}
     x, ref = reference(family)
     for path in files.values():
-        runner, meta = load_for_inference(path)
+        runner = open_runner(path)
+        meta = runner.meta
         assert meta.layout == "anchor_free" and meta.family == family and meta.imgsz == tuple(x.shape[2:])
         with torch.no_grad():
             assert_close_to_ultralytics(runner(x), ref["pred"], str(path))  # (B, 4 + nc, A)
@@ -73,8 +74,8 @@ def test_yolo26_end2end_export_computes_ultralytics_end2end_output(tmp_path) -> 
     files = {p.suffix: p for p in export.run(weights=str(weights), imgsz=list(x.shape[2:]), batch_size=x.shape[0],
                                              include=["onnx"], end2end=True)}
     for path in files.values():
-        runner, meta = load_for_inference(path, end2end=True)
-        assert meta.layout == "end2end"
+        runner = open_runner(path, end2end=True)
+        assert runner.meta.layout == "end2end"
         with torch.no_grad():
             out = runner(x)
         assert out.shape == (2, 300, 6)
@@ -105,7 +106,7 @@ def test_onnx_metadata_as_ultralytics_writes_it(exported) -> None:
     assert ast.literal_eval(props["imgsz"]) == [64, 96] and int(props["batch"]) == 2
     ours = json.loads(props["yolo_train"])
     assert ours["family"] == "yolo11" and ours["layout"] == "anchor_free" and ours["batch"] is None  # dynamic
-    ts_meta = load_for_inference(files[".torchscript"])[1]
+    ts_meta = open_runner(files[".torchscript"]).meta
     assert ts_meta.names == [f"class{i}" for i in range(20)] and ts_meta.batch == 2
 
 
@@ -163,7 +164,7 @@ def test_detect_on_a_video_with_an_ultralytics_checkpoint(tmp_path) -> None:
 
 def test_ultralytics_own_export_metadata_is_read() -> None:
     """An ONNX file exported by Ultralytics (its metadata_props as committed) describes itself to our backends."""
-    from models.backends import ModelMeta
+    from utils.formats.metadata import ModelMeta
 
     props = json.loads((FIXTURES / "onnx_metadata.json").read_text())
     meta = ModelMeta.from_onnx_props(props, Path("yolo11n.onnx"))

@@ -12,11 +12,10 @@ import torch
 
 import detect
 import export
-from models.backends import load_for_inference, predictions
+from utils.formats import open_runner
 from models.yolo import Model
 from tests.conftest import write_video
 from utils.checkpoint import model_state, save_checkpoint
-from utils.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,11 +62,11 @@ def test_exported_files_agree_with_pytorch_and_carry_metadata(weights, exported)
     assert set(exported) == {".onnx", ".torchscript"}
     assert all(p.parent == weights.parent and p.stem == weights.stem for p in exported.values())
     x = torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
-    model, _ = load_for_inference(weights)
     with torch.no_grad():
-        ref = predictions(model(x))
+        ref = open_runner(weights)(x)
     for suffix, path in exported.items():
-        runner, meta = load_for_inference(path)
+        runner = open_runner(path)
+        meta = runner.meta
         assert meta.names == ["red", "blue"] and meta.stride == 32 and meta.imgsz == (64, 64)
         with torch.no_grad():
             out = runner(x)  # batch 2: dynamic for ONNX, split into the traced batch of 1 for TorchScript
@@ -124,33 +123,34 @@ def test_detect_reports_a_missing_source_in_one_line(tmp_path, weights) -> None:
 
 
 @pytest.mark.parametrize("family", ["yolov5", "yolo11"])
-def test_an_fp16_model_exports_to_onnx(tmp_path, weights, family) -> None:
-    """What export.py --half does on a GPU, on the CPU's fp16 kernels: the anchor grids' Range must not be fp16,
-    which the ONNX exporter cannot type."""
+def test_half_exports_fp16_onnx_on_the_cpu(tmp_path, weights, family) -> None:
+    """export.py --half on the CPU's fp16 kernels: an fp16 graph (the anchor grids' Range must not be fp16, which the
+    ONNX exporter cannot type) named best_fp16.onnx beside an fp32 best.onnx, which it does not overwrite."""
     import onnx
 
-    from models.backends import PredictionsOnly
     from tests.ultralytics_reference import FIXTURES
+    from utils.evaluation.gate import Rejected, check_numerics
 
-    source = weights if family == "yolov5" else FIXTURES / "yolo11-final.pt"
-    model, meta = load_for_inference(source)
-    meta.imgsz, meta.batch = (64, 64), 1
-    im = torch.rand(1, 3, 64, 64).half()
-    path, _ = export.export_onnx(PredictionsOnly(model.half()).eval(), im, tmp_path / "fp16.onnx", meta,
-                                 opset=export.DEFAULT_OPSET, dynamic=False, simplify=False)
-    graph = onnx.load(str(path)).graph
+    source = tmp_path / f"{family}.pt"
+    source.write_bytes((weights if family == "yolov5" else FIXTURES / "yolo11-final.pt").read_bytes())
+    (fp32,) = export.run(weights=str(source), imgsz=[64], include=["onnx"], simplify=False)
+    (fp16,) = export.run(weights=str(source), imgsz=[64], include=["onnx"], half=True, simplify=False)
+    assert (fp32.name, fp16.name) == (f"{family}.onnx", f"{family}_fp16.onnx") and fp32.exists()
+    graph = onnx.load(str(fp16)).graph
     assert graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
     assert graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
-    # export.py's own check of the file: onnxruntime's fp16 against PyTorch's, at the fp16 tolerance.
-    runner, _ = load_for_inference(path)
+    runner = open_runner(fp16)
+    assert runner.meta.precision == "fp16" and runner.input_dtype == torch.float16
+    # export.py's own check of the file: onnxruntime's fp16 against PyTorch's, at the fp16 tolerance ...
+    model = open_runner(source).model
+    im = torch.rand(1, 3, 64, 64).half()
     with torch.no_grad():
-        ref = PredictionsOnly(model)(im)
+        ref = model.half()(im)[0]
         out = runner(im)
-    export.check_export("onnx", path, out, ref, meta.layout, torch.float16)
-    assert path.exists()
+    check_numerics(out, ref, runner.meta.layout, "fp16")
     # ... and still refuses a file whose scores are off by 0.05 (a real fault, not rounding).
-    scores = (slice(None), slice(4, None)) if meta.layout == "anchor_free" else (Ellipsis, slice(4, None))
+    scores = (slice(None), slice(4, None)) if runner.meta.layout == "anchor_free" else (Ellipsis, slice(4, None))
     wrong = out.clone()
     wrong[scores] += 0.05
-    with pytest.raises(UserError, match="output differs"):
-        export.check_export("onnx", path, wrong, ref, meta.layout, torch.float16)
+    with pytest.raises(Rejected, match="output differs"):
+        check_numerics(wrong, ref, runner.meta.layout, "fp16")

@@ -105,8 +105,6 @@ def test_boxes_map_back_to_original_coordinates_through_letterbox(original_hw):
 
 @pytest.mark.parametrize("spread", [600.0, 4.0])  # boxes scattered (few suppressed) or piled up (most suppressed)
 def test_nms_over_the_best_prefix_keeps_what_full_nms_keeps(monkeypatch, spread):
-    import torchvision
-
     import utils.nms as nms
 
     rng = np.random.default_rng(0)
@@ -116,10 +114,21 @@ def test_nms_over_the_best_prefix_keeps_what_full_nms_keeps(monkeypatch, spread)
     pred = torch.tensor(np.concatenate((xy, wh, rng.uniform(0.01, 1, (n, 1)), rng.uniform(0, 1, (n, nc))), 1),
                         dtype=torch.float32)[None]
     calls = []
-    real_nms = torchvision.ops.batched_nms
-    monkeypatch.setattr(torchvision.ops, "batched_nms", lambda b, *a: calls.append(len(b)) or real_nms(b, *a))
+    real_nms = nms.batched_nms
+    monkeypatch.setattr(nms, "batched_nms", lambda b, *a: calls.append(len(b)) or real_nms(b, *a))
     (fast,) = non_max_suppression(pred, conf_thres=0.001, iou_thres=0.6, multi_label=True, max_det=100)
     assert calls[0] == 1000 and (len(calls) == 1 if spread > 100 else len(calls) > 1)  # prefix, then longer ones
     monkeypatch.setattr(nms, "NMS_PREFIX_PER_DETECTION", 10**9)  # one NMS over every candidate
     (full,) = non_max_suppression(pred, conf_thres=0.001, iou_thres=0.6, multi_label=True, max_det=100)
     assert len(fast) == min(100, len(full)) and len(full) > 20 and torch.equal(fast, full)
+
+
+def test_the_nms_kernel_is_torchvisions_compiled_op_loaded_without_the_package() -> None:
+    """val.py and detect.py start without torchvision's package import (and the torch._dynamo that it imports): the
+    kernel is the compiled op itself, not the fallback through ``import torchvision``."""
+    from utils.nms import nms_kernel
+
+    kernel = nms_kernel()
+    assert kernel is torch.ops.torchvision.nms
+    boxes = torch.tensor([[0.0, 0, 10, 10], [1, 1, 10, 10], [20, 20, 30, 30]])
+    assert kernel(boxes, torch.tensor([0.9, 0.8, 0.7]), 0.5).tolist() == [0, 2]

@@ -64,8 +64,8 @@ def add_run_folder(group, task: str) -> None:
 
 def add_half(group) -> None:
     group.add_argument("--half", action="store_true",
-                       help="fp16 half precision, CUDA devices only (val.py, detect.py: fp32 elsewhere, with a "
-                            "warning; export.py: refused elsewhere)")
+                       help="fp16: val.py and detect.py compute in fp16 (CUDA devices, PyTorch models; fp32 "
+                            "elsewhere, with a warning); export.py writes fp16 files (on any device)")
 
 
 def add_end2end(group) -> None:

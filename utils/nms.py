@@ -1,8 +1,12 @@
 """Non-maximum suppression of the model's decoded predictions."""
 from __future__ import annotations
 
+import functools
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+
 import torch
-import torchvision
 
 from utils.boxes import xywh2xyxy
 
@@ -141,8 +145,34 @@ def _first_kept(det: torch.Tensor, iou_thres: float, agnostic: bool, max_det: in
     n, prefix = det.shape[0], max(NMS_PREFIX_PER_DETECTION * max_det, 1)
     while prefix < n:
         top = scores.topk(prefix).indices  # sorted, best first
-        keep = torchvision.ops.batched_nms(boxes[top], scores[top], group[top], iou_thres)
+        keep = batched_nms(boxes[top], scores[top], group[top], iou_thres)
         if keep.numel() >= max_det:
             return top[keep[:max_det]]
         prefix *= 4  # heavy suppression: a longer prefix
-    return torchvision.ops.batched_nms(boxes, scores, group, iou_thres)[:max_det]
+    return batched_nms(boxes, scores, group, iou_thres)[:max_det]
+
+
+@functools.lru_cache(maxsize=1)
+def nms_kernel() -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]:
+    """torchvision's NMS kernel (boxes (n, 4) xyxy, scores (n,), IoU threshold -> kept indices, best first), loaded
+    from its compiled library without importing the torchvision package: that import brings in torch._dynamo for
+    operators NMS does not use, a second or more of every val.py and detect.py start. Falls back to the import."""
+    spec = importlib.util.find_spec("torchvision")
+    folder = Path(spec.origin).parent if spec is not None and spec.origin else None
+    libraries = sorted(folder.glob("_C*.so"), key=lambda p: "_stable" not in p.name) if folder else []
+    try:
+        torch.ops.load_library(str(libraries[0]))
+        return torch.ops.torchvision.nms
+    except (IndexError, OSError, RuntimeError, AttributeError):
+        import torchvision
+
+        return torchvision.ops.nms
+
+
+def batched_nms(boxes: torch.Tensor, scores: torch.Tensor, groups: torch.Tensor, iou_thres: float) -> torch.Tensor:
+    """Indices of the boxes greedy NMS keeps within each group (class), best score first: one NMS over the boxes
+    shifted apart by group, so that boxes of different groups never overlap."""
+    if boxes.numel() == 0:
+        return torch.empty((0,), dtype=torch.int64, device=boxes.device)
+    shift = groups.to(boxes.dtype)[:, None] * (boxes.max() + 1)
+    return nms_kernel()(boxes + shift, scores, iou_thres)

@@ -22,10 +22,11 @@ TTA_FLIPS: tuple[str | None, ...] = (None, "lr", None)
 PAD_VALUE = 0.447  # grey (114 / 255) for the padding to a stride multiple, as letterboxing uses
 
 
-def check_tta_applies(weights: str, kind: str, layout: str) -> None:
+def check_tta_applies(weights: str, kind: str, layout: str | None = None) -> None:
     """Refuse --augment in one line where it cannot work: for val.py and detect.py alike.
 
-    ``kind`` and ``layout`` are the loaded model's (models/backends.py ModelMeta)."""
+    ``kind`` (the format's name) and ``layout`` are the model's (utils/formats/metadata.py ModelMeta); without the
+    layout only the format is checked."""
     if kind != "pytorch":
         raise UserError(f"--augment needs a PyTorch .pt model (its passes change the input size); {weights} is "
                         f"{kind}")

@@ -1,0 +1,71 @@
+"""Session fixtures of the deploy tests (export, formats, val.py and detect.py on exported files), shared through
+tests/conftest.py so that every test module, the format modules' included, uses the same files.
+
+* ``deploy_data``: the generated rectangles set the narrow checkpoints were trained on (its data YAML);
+* ``trained``: a narrow trained checkpoint per output layout (``yolov5``, ``anchor_free``, ``end2end``), copied
+  into a session folder so exports land beside it; the end-to-end one is YOLO26, exported with ``end2end=True``;
+* ``exported_onnx``: each layout's fp32 ONNX (dynamic batch), exported once.
+
+The checkpoints are tests/fixtures/deploy/*.pt, written by tests/fixtures/deploy/make_checkpoints.py.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "deploy"
+# The rectangles set the checkpoints were trained on (tests/conftest.py: write_rectangles_dataset).
+DATASET = {"n_train": 32, "n_val": 16, "size": 96, "n_classes": 2, "seed": 0}
+IMGSZ = 64
+CHECKPOINTS = {"yolov5": "narrow_yolov5.pt", "yolo11": "narrow_yolo11.pt", "yolo26": "narrow_yolo26.pt"}
+LAYOUTS = {"yolov5": "yolov5", "anchor_free": "yolo11", "end2end": "yolo26"}  # layout: the checkpoint giving it
+
+
+def write_dataset(root: Path) -> Path:
+    from tests.conftest import write_rectangles_dataset
+
+    return write_rectangles_dataset(root, **DATASET)
+
+
+def end2end(layout: str) -> bool:
+    """Whether a layout's checkpoint runs and exports with ``end2end=True``."""
+    return layout == "end2end"
+
+
+@pytest.fixture(scope="session")
+def deploy_data(tmp_path_factory) -> Path:
+    return write_dataset(tmp_path_factory.mktemp("deploy_data"))
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("deploy_weights")
+    out = {}
+    for layout, key in LAYOUTS.items():
+        out[layout] = folder / layout / CHECKPOINTS[key]
+        out[layout].parent.mkdir()
+        shutil.copyfile(FIXTURES / CHECKPOINTS[key], out[layout])
+    return out
+
+
+class _ExportedOnce(dict):
+    """A layout's fp32 ONNX, exported on first use, once per test process."""
+
+    def __init__(self, trained: dict[str, Path]):
+        super().__init__()
+        self.trained = trained
+
+    def __missing__(self, layout: str) -> Path:
+        import export
+
+        (path,) = export.run(weights=str(self.trained[layout]), include=["onnx"], dynamic=True,
+                             end2end=end2end(layout))
+        self[layout] = path
+        return path
+
+
+@pytest.fixture(scope="session")
+def exported_onnx(trained) -> dict[str, Path]:
+    return _ExportedOnce(trained)

@@ -1,0 +1,202 @@
+"""What an exported file says about itself, and where each format keeps it.
+
+Every exported file carries its metadata twice: under the keys and value forms Ultralytics' exporter writes
+(``names`` as ``{0: 'person', ...}``, ``stride``, ``task``, ``batch``, ``imgsz``, ``end2end``, ``args``, ...), so
+applications written for its files read ours, and this project's own record as JSON under ``yolo_train``.
+Reading falls back, in order, to Ultralytics' keys and to the flat JSON record of older exports of this project
+(which were all YOLOv5-layout files).
+
+Where the metadata lives depends on the format: ONNX ``metadata_props`` (values as ``str()`` of Python literals);
+a ``config.txt`` extra file in TorchScript (JSON); ``metadata.yaml`` inside an export folder (OpenVINO, NCNN);
+each format module calls the reader and writer of its place here.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import re
+from dataclasses import dataclass, field, fields, replace
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from utils.cli import INFERENCE_IMGSZ
+from utils.errors import UserError
+
+OWN_METADATA_KEY = "yolo_train"  # this project's record among the exported metadata
+METADATA_YAML = "metadata.yaml"  # inside an export folder, as Ultralytics writes it
+LAYOUTS = ("yolov5", "anchor_free", "end2end")
+PRECISIONS = ("fp32", "fp16", "int8")
+
+
+@dataclass
+class ModelMeta:
+    """What an inference caller needs besides the network."""
+
+    names: list[str]
+    stride: int
+    kind: str  # the format's name: "pytorch", "onnx", "torchscript", ...
+    imgsz: tuple[int, int] | None = None  # (h, w) the file only accepts, None when any multiple of the stride fits
+    batch: int | None = None  # the batch size the file only accepts, None when any
+    family: str = "yolov5"  # the family's name; files exported before families were recorded are YOLOv5's
+    layout: str = "yolov5"  # see LAYOUTS: (B, A, 5 + nc), (B, 4 + nc, A) or (B, k, 6)
+    trained_imgsz: int | None = None  # the image size a .pt was trained at, when its checkpoint says
+    precision: str = "fp32"  # of the file's weights and arithmetic: fp32, fp16 or int8
+    nms: dict[str, float] | None = None  # NMS inside the graph: {"conf": .., "iou": .., "max_det": ..}
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nc(self) -> int:
+        return len(self.names)
+
+    def copy(self, **changes: Any) -> ModelMeta:
+        return replace(self, **changes)
+
+    def own_record(self) -> dict[str, Any]:
+        return {"names": self.names, "stride": self.stride, "imgsz": self.imgsz, "batch": self.batch,
+                "family": self.family, "layout": self.layout, "precision": self.precision, "nms": self.nms,
+                "producer": "yolo-train export.py", **self.extra}
+
+    def ultralytics_style(self, export_batch: int) -> dict[str, Any]:
+        """The metadata keys and values Ultralytics' exporter writes for a detection model."""
+        args: dict[str, Any] = {"batch": export_batch, "half": self.precision == "fp16",
+                                "int8": self.precision == "int8", "dynamic": self.batch is None,
+                                "nms": self.nms is not None}
+        if self.nms is not None:
+            args.update(conf=self.nms["conf"], iou=self.nms["iou"], max_det=int(self.nms["max_det"]))
+        return {
+            "description": f"{self.family} detection model exported by yolo-train export.py",
+            "author": "yolo-train",
+            "date": datetime.now().astimezone().isoformat(timespec="seconds"),
+            "version": "yolo-train",
+            "stride": self.stride,
+            "task": "detect",
+            "batch": export_batch,
+            "imgsz": list(self.imgsz) if self.imgsz else None,
+            "names": dict(enumerate(self.names)),
+            "args": args,
+            "channels": 3,
+            "end2end": self.layout == "end2end",
+        }
+
+    def to_json(self, export_batch: int = 1) -> str:
+        """JSON holding Ultralytics' keys (as its exporter writes them) and ours: TorchScript's extra file."""
+        return json.dumps({**self.ultralytics_style(export_batch), OWN_METADATA_KEY: self.own_record()})
+
+    def onnx_props(self, export_batch: int = 1) -> dict[str, str]:
+        """ONNX metadata_props: Ultralytics' keys with values as ``str()`` of Python values (as it writes them,
+        read back there with ``ast.literal_eval``), and ours as JSON."""
+        props = {k: str(v) for k, v in self.ultralytics_style(export_batch).items()}
+        return {**props, OWN_METADATA_KEY: json.dumps(self.own_record())}
+
+    def write_yaml(self, folder: Path, export_batch: int = 1) -> Path:
+        """``metadata.yaml`` in an export folder (OpenVINO, NCNN, ...), where Ultralytics' apps look for it."""
+        path = Path(folder) / METADATA_YAML
+        record = {**self.ultralytics_style(export_batch), OWN_METADATA_KEY: json.dumps(self.own_record())}
+        path.write_text(yaml.safe_dump(record, sort_keys=False, allow_unicode=True), encoding="utf-8")
+        return path
+
+    @classmethod
+    def from_record(cls, raw: dict[str, Any], kind: str, path: Path) -> ModelMeta:
+        """From this project's record, or the flat JSON of files exported before it had one (YOLOv5 layout)."""
+        try:
+            names, stride = [str(n) for n in raw["names"]], int(raw["stride"])
+            imgsz = tuple(int(v) for v in raw["imgsz"]) if raw.get("imgsz") else None
+            batch = int(raw["batch"]) if raw.get("batch") else None
+            family, layout = str(raw.get("family", "yolov5")), str(raw.get("layout", "yolov5"))
+            precision = str(raw.get("precision") or "fp32")
+            nms = {k: float(v) for k, v in raw["nms"].items()} if raw.get("nms") else None
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise UserError(f"{path}: metadata unreadable ({e.__class__.__name__}: {e}); re-export it with export.py")
+        if layout not in LAYOUTS:
+            raise UserError(f"{path}: unknown output layout {layout!r} in its metadata (known: {', '.join(LAYOUTS)})")
+        known = {f.name for f in fields(cls)} | {"producer"}
+        extra = {k: v for k, v in raw.items() if k not in known}
+        return cls(names=names, stride=stride, kind=kind, imgsz=imgsz, batch=batch, family=family, layout=layout,
+                   precision=precision, nms=nms, extra=extra)
+
+    @classmethod
+    def from_json(cls, text: str, kind: str, path: Path) -> ModelMeta:
+        """From JSON: our record; else Ultralytics' keys; else older exports' flat record."""
+        try:
+            raw = json.loads(text)
+        except ValueError as e:
+            raise UserError(f"{path}: metadata unreadable ({e}); re-export it with export.py") from e
+        if not isinstance(raw, dict):
+            raise UserError(f"{path}: metadata unreadable (not a JSON object); re-export it with export.py")
+        return cls.from_mapping(raw, kind, path)
+
+    @classmethod
+    def from_mapping(cls, raw: dict[str, Any], kind: str, path: Path) -> ModelMeta:
+        """From parsed metadata (JSON or YAML): our record when present, else Ultralytics' keys, else a flat
+        record of an older export."""
+        if OWN_METADATA_KEY in raw:
+            own = raw[OWN_METADATA_KEY]
+            return cls.from_json(own, kind, path) if isinstance(own, str) else cls.from_record(own, kind, path)
+        return cls.from_ultralytics(raw, kind, path) if "task" in raw else cls.from_record(raw, kind, path)
+
+    @classmethod
+    def from_yaml(cls, folder: Path, kind: str) -> ModelMeta:
+        """From ``metadata.yaml`` in an export folder (ours, or Ultralytics')."""
+        path = Path(folder) / METADATA_YAML
+        if not path.is_file():
+            raise UserError(f"{folder}: no {METADATA_YAML} in it; export it with export.py")
+        try:
+            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except yaml.YAMLError as e:
+            raise UserError(f"{path}: metadata unreadable ({str(e).splitlines()[0]})") from e
+        if not isinstance(raw, dict):
+            raise UserError(f"{path}: metadata unreadable (not a mapping)")
+        return cls.from_mapping(raw, kind, path)
+
+    @classmethod
+    def from_onnx_props(cls, props: dict[str, str], path: Path) -> ModelMeta:
+        """From our record; else the flat JSON values of older exports; else Ultralytics' own props."""
+        if OWN_METADATA_KEY in props:
+            return cls.from_json(props[OWN_METADATA_KEY], "onnx", path)
+        if not props.get("names"):
+            raise UserError(f"{path}: no class names in its metadata; export it with export.py")
+        try:
+            return cls.from_record({k: json.loads(v) for k, v in props.items()
+                                    if k in ("names", "stride", "imgsz", "batch")}, "onnx", path)
+        except ValueError:  # not JSON: Ultralytics' exporter writes Python literals
+            pass
+        try:  # literal_eval reads literals only, never calls anything
+            values = {k: ast.literal_eval(v) if k in ("names", "imgsz", "end2end", "args") else v
+                      for k, v in props.items()}
+        except (ValueError, SyntaxError) as e:
+            raise UserError(f"{path}: metadata unreadable ({e.__class__.__name__}: {e})") from e
+        return cls.from_ultralytics(values, "onnx", path)
+
+    @classmethod
+    def from_ultralytics(cls, values: dict[str, Any], kind: str, path: Path) -> ModelMeta:
+        """From the metadata Ultralytics' exporter writes, its values already parsed."""
+        task = values.get("task", "detect")
+        if task != "detect":
+            raise UserError(f"{path}: an Ultralytics {task} model; only detection models are supported")
+        names = values.get("names")
+        if isinstance(names, dict):  # {0: 'person', ...}; JSON makes the keys strings
+            names = [names[k] for k in sorted(names, key=int)]
+        args = values.get("args") if isinstance(values.get("args"), dict) else {}
+        named = re.search(r"YOLO(v8|11|26)", str(values.get("description", "")))
+        family = f"yolo{named.group(1)}" if named else "yolov8"  # the anchor-free families decode alike
+        end2end = values.get("end2end") in (True, "True") or args.get("nms") in (True, "True")
+        nms = {"conf": args.get("conf") or 0.25, "iou": args.get("iou") or 0.7, "max_det": args.get("max_det") or 300} \
+            if args.get("nms") in (True, "True") else None
+        precision = "int8" if args.get("int8") in (True, "True") else "fp16" if args.get("half") in (True, "True") \
+            else "fp32"
+        return cls.from_record({"names": names, "stride": values.get("stride", 32), "imgsz": values.get("imgsz"),
+                                "batch": None if args.get("dynamic") else values.get("batch"), "family": family,
+                                "layout": "end2end" if end2end else "anchor_free", "precision": precision,
+                                "nms": nms}, kind, path)
+
+
+def default_imgsz(meta: ModelMeta) -> tuple[int, str]:
+    """The inference size when --imgsz is left out, and where it comes from (for the one log line)."""
+    if meta.imgsz is not None:
+        return max(meta.imgsz), "from the exported file"
+    if meta.trained_imgsz is not None:
+        return meta.trained_imgsz, "from the checkpoint"
+    return INFERENCE_IMGSZ, "the default; the checkpoint does not record its training size"

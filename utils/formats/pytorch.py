@@ -1,0 +1,75 @@
+"""PyTorch checkpoints (``.pt``): this project's, YOLOv5's v6+ and Ultralytics' detection checkpoints, imported without
+running pickled code. The source of every export, and a runner like any other format's."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from utils.errors import UserError
+from utils.formats.base import ExportJob, Format, Runner
+from utils.formats.family_hooks import hooks_for
+from utils.formats.metadata import ModelMeta
+
+
+class PytorchRunner(Runner):
+    """A detector in eval mode. ``model`` returns (predictions, raw level outputs), which losses and test-time
+    augmentation need; calling the runner returns the predictions only, as every format's runner does."""
+
+    own_threads = False  # PyTorch computes it
+
+    def __init__(self, model: nn.Module, meta: ModelMeta, device: torch.device):
+        self.model, self.meta, self.device = model, meta, device
+
+    @property
+    def input_dtype(self) -> torch.dtype:  # type: ignore[override]
+        first = next(self.model.parameters(), None)
+        return first.dtype if first is not None else torch.float32
+
+    def run(self, images: torch.Tensor) -> torch.Tensor:
+        out = self.model(images)
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    def half(self) -> None:
+        """Compute in fp16 (val.py and detect.py ``--half`` on a CUDA device)."""
+        self.model.half()
+        self.meta.precision = "fp16"
+
+    def use_end2end(self, path: Path | str) -> None:
+        head = self.model.model[-1]
+        if not getattr(head, "end2end", False):
+            raise UserError(f"--end2end: {path} has no one-to-one head (YOLO26 only)")
+        head.end2end_output = True
+        self.meta.layout = hooks_for(self.model).layout(self.model)
+
+
+def load_pytorch(path: Path, device: torch.device, fuse: bool = True) -> PytorchRunner:
+    """The checkpoint's model (EMA weights when present) in fp32 eval mode, BatchNorm folded, with its metadata."""
+    from models.loading import load_model
+    from utils.checkpoint import trained_imgsz
+
+    model, ckpt = load_model(path, device)
+    model = model.float()
+    if fuse:
+        model.fuse()
+    hooks = hooks_for(model)
+    meta = ModelMeta(names=list(model.names), stride=int(model.stride.max()), kind="pytorch", family=hooks.name,
+                     layout=hooks.layout(model), trained_imgsz=trained_imgsz(ckpt))
+    return PytorchRunner(model.eval(), meta, device)
+
+
+class PytorchFormat(Format):
+    name = "pytorch"
+    suffix = ".pt"
+    precisions = ("fp32",)
+    description = "PyTorch checkpoint (the source of exports)"
+
+    def write(self, job: ExportJob) -> str:
+        raise UserError("export.py starts from a .pt checkpoint; it does not write one")
+
+    def open(self, path: Path, device: torch.device) -> Runner:
+        return load_pytorch(path, device)
+
+
+FORMAT = PytorchFormat()
