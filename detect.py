@@ -140,7 +140,8 @@ def _batches(frames, meta, imgsz: int, batch_size: int, skipped: list[str]):
 
 
 def run_options(opt: argparse.Namespace) -> DetectResults:
-    from models.backends import DETECT_IOU, default_imgsz, detections, load_for_inference, predictions
+    from models.backends import default_imgsz, detections, load_for_inference, predictions
+    from models.families import family_of
     from utils.boxes import scale_boxes
     from utils.data.sources import iter_source
     from utils.plots import class_colour
@@ -150,7 +151,7 @@ def run_options(opt: argparse.Namespace) -> DetectResults:
     model, meta = load_for_inference(opt.weights, device, end2end=opt.end2end)
     if opt.augment:
         check_tta_applies(opt.weights, meta.kind, meta.layout)
-    iou_thres = DETECT_IOU[meta.layout] if opt.iou_thres is None else opt.iou_thres
+    iou_thres = family_of(meta.family).detect_iou if opt.iou_thres is None else opt.iou_thres
     imgsz = opt.imgsz
     if imgsz is None:
         imgsz, source = default_imgsz(meta)

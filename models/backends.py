@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ast
 import json
-import re
 import warnings
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -29,16 +28,15 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from models.families import (UNRECORDED_EXPORT_FAMILY, family_of, known_layouts, missing_weights_message,
+                             ultralytics_export_family)
 from utils.cli import INFERENCE_IMGSZ
 from utils.errors import UserError
-from utils.ultralytics_compat import missing_weights_message
 
 METADATA_FILE = "config.txt"  # the TorchScript extra file holding the metadata (YOLOv5's and Ultralytics' name)
 OWN_METADATA_KEY = "yolo_train"  # this project's record among the exported metadata
 SUFFIXES = (".pt", ".onnx", ".torchscript")
-LAYOUTS = ("yolov5", "anchor_free", "end2end")
-# detect.py's default NMS IoU per layout: YOLOv5's detect.py uses 0.45, Ultralytics' predictor 0.7.
-DETECT_IOU = {"yolov5": 0.45, "anchor_free": 0.7, "end2end": 0.7}
+LAYOUTS = known_layouts()
 
 
 @dataclass
@@ -50,8 +48,8 @@ class ModelMeta:
     kind: str  # "pytorch", "onnx" or "torchscript"
     imgsz: tuple[int, int] | None = None  # (h, w) the file only accepts, None when any multiple of the stride fits
     batch: int | None = None  # the batch size the file only accepts, None when any
-    family: str = "yolov5"  # models/families.py's name; files exported before families were recorded are YOLOv5's
-    layout: str = "yolov5"  # see LAYOUTS and the module docstring
+    family: str = UNRECORDED_EXPORT_FAMILY.name  # models/families/' name; for files exported before it was recorded
+    layout: str = UNRECORDED_EXPORT_FAMILY.layouts[0]  # see LAYOUTS and the module docstring
     trained_imgsz: int | None = None  # the image size a .pt was trained at, when its checkpoint says
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -96,7 +94,8 @@ class ModelMeta:
             names, stride = [str(n) for n in raw["names"]], int(raw["stride"])
             imgsz = tuple(int(v) for v in raw["imgsz"]) if raw.get("imgsz") else None
             batch = int(raw["batch"]) if raw.get("batch") else None
-            family, layout = str(raw.get("family", "yolov5")), str(raw.get("layout", "yolov5"))
+            family = str(raw.get("family", UNRECORDED_EXPORT_FAMILY.name))
+            layout = str(raw.get("layout", UNRECORDED_EXPORT_FAMILY.layouts[0]))
         except (ValueError, KeyError, TypeError) as e:
             raise UserError(f"{path}: metadata unreadable ({e.__class__.__name__}: {e}); re-export it with export.py")
         if layout not in LAYOUTS:
@@ -145,8 +144,7 @@ class ModelMeta:
         if isinstance(names, dict):  # {0: 'person', ...}; JSON makes the keys strings
             names = [names[k] for k in sorted(names, key=int)]
         args = values.get("args") if isinstance(values.get("args"), dict) else {}
-        named = re.search(r"YOLO(v8|11|26)", str(values.get("description", "")))
-        family = f"yolo{named.group(1)}" if named else "yolov8"  # the anchor-free families decode alike
+        family = ultralytics_export_family(str(values.get("description", ""))).name
         return cls.from_record({"names": names, "stride": values.get("stride", 32), "imgsz": values.get("imgsz"),
                                 "batch": None if args.get("dynamic") else values.get("batch"), "family": family,
                                 "layout": "end2end" if values.get("end2end") in (True, "True") else "anchor_free"},
@@ -226,19 +224,12 @@ class FixedBatch(nn.Module):
 
 def output_layout(model: nn.Module) -> str:
     """A PyTorch model's prediction layout (see LAYOUTS) as it is set now."""
-    from models.families import family_name
-
-    if family_name(model.yaml) == "yolov5":
-        return "yolov5"
-    return "end2end" if getattr(model.model[-1], "end2end_output", False) else "anchor_free"
+    return family_of(model).layout(model)
 
 
 def use_end_to_end_head(model: nn.Module, weights: str | Path) -> None:
-    """Switch a YOLO26 model to its NMS-free one-to-one output (B, 300, 6); one line for other models."""
-    head = model.model[-1]
-    if not getattr(head, "end2end", False):
-        raise UserError(f"--end2end: {weights} has no one-to-one head (YOLO26 only)")
-    head.end2end_output = True
+    """Switch a model to its NMS-free output (B, 300, 6); one line for a family that has none."""
+    family_of(model).use_end_to_end(model, weights)
 
 
 def load_for_inference(weights: str | Path, device: torch.device | str = "cpu", fuse: bool = True,
@@ -265,7 +256,6 @@ def load_for_inference(weights: str | Path, device: torch.device | str = "cpu", 
         return (FixedBatch(model, meta.batch) if meta.batch else model).eval(), meta
     if suffix != ".pt":
         raise UserError(f"{path}: unknown weights format (expected {', '.join(SUFFIXES)})")
-    from models.families import family_name
     from models.loading import load_model
 
     from utils.checkpoint import trained_imgsz
@@ -277,7 +267,7 @@ def load_for_inference(weights: str | Path, device: torch.device | str = "cpu", 
     if fuse:
         model.fuse()
     return model.eval(), ModelMeta(names=list(model.names), stride=int(model.stride.max()), kind="pytorch",
-                                   family=family_name(model.yaml), layout=output_layout(model),
+                                   family=family_of(model).name, layout=output_layout(model),
                                    trained_imgsz=trained_imgsz(ckpt))
 
 
@@ -285,12 +275,11 @@ def detections(meta: ModelMeta, pred: torch.Tensor, conf_thres: float, iou_thres
                classes: list[int] | None = None, agnostic: bool = False, multi_label: bool = False,
                max_det: int = 300) -> list[torch.Tensor]:
     """Per image (n, 6) = x1 y1 x2 y2 conf cls, best first: the family's decoding of predictions (NMS, or only a
-    confidence filter for an end-to-end output), at ``iou_thres`` or detect.py's default for the layout."""
-    from models.families import family_of
-
-    iou = DETECT_IOU[meta.layout] if iou_thres is None else iou_thres
-    return family_of(meta.family).detections(pred, conf_thres, iou, classes=classes, agnostic=agnostic,
-                                             multi_label=multi_label, max_det=max_det)
+    confidence filter for an end-to-end output), at ``iou_thres`` or the family's detect.py default."""
+    family = family_of(meta.family)
+    iou = family.detect_iou if iou_thres is None else iou_thres
+    return family.detections(pred, conf_thres, iou, classes=classes, agnostic=agnostic, multi_label=multi_label,
+                             max_det=max_det)
 
 
 def default_imgsz(meta: ModelMeta) -> tuple[int, str]:

@@ -55,10 +55,19 @@ class C3k2(C2f):
     - ``attn`` (YOLO26's last neck block): a Bottleneck followed by a PSABlock.
     """
 
+    C3K_SCALES = ("m", "l", "x")  # scales at which every C3k2 uses C3k inner blocks, whatever the YAML says
+
     def __init__(self, c1: int, c2: int, n: int = 1, c3k: bool = False, e: float = 0.5, attn: bool = False,
                  g: int = 1, shortcut: bool = True):
         super().__init__(c1, c2, n, shortcut, g, e)
         self.m = nn.ModuleList(self._inner_block(c3k, attn, g, shortcut) for _ in range(n))
+
+    @classmethod
+    def adjust_yaml_args(cls, args: list, *, scale: str | None, given: int) -> list:
+        """[c1, c2, n, c3k, ...] of a YAML row at ``scale``: ``c3k`` forced on at the large scales."""
+        if scale in cls.C3K_SCALES:
+            args[3:4] = [True]
+        return args
 
     def _inner_block(self, c3k: bool, attn: bool, g: int, shortcut: bool) -> nn.Module:
         c = self.c

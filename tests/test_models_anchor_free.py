@@ -16,7 +16,8 @@ import torch.nn as nn
 from models.anchor_free import DFL, AnchorFreeDetect, bbox2dist, dist2bbox, make_anchors
 from models.blocks import C3k, C3k2, PSABlock
 from models.common import SPPF
-from models.yolo import Detect, Model, family_name, load_model_config, parse_model
+from models.families import family_name, family_of
+from models.yolo import Detect, Model, load_model_config, parse_model
 from utils.errors import UserError
 from utils.log import LOGGER
 
@@ -97,7 +98,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 def test_outputs_equal_ultralytics(reference: dict, family: str) -> None:
     model, x = reference_model(reference, family)
     head = model.model[-1]
-    assert model.family == family and isinstance(head, AnchorFreeDetect)
+    assert family_of(model).name == family and isinstance(head, AnchorFreeDetect)
     assert head.legacy == (family == "yolov8") and head.end2end == (family == "yolo26")
 
     model.eval()

@@ -1,4 +1,4 @@
-"""Importing Ultralytics checkpoints (utils/ultralytics_compat.py): the committed fixtures, made by Ultralytics' own
+"""Importing Ultralytics checkpoints (models/families/ultralytics_import.py): the committed fixtures, made by Ultralytics' own
 trainer (tests/fixtures/ultralytics, see its README), load without running pickled code and compute
 Ultralytics' own outputs; payloads, other tasks, missing files and --resume get one line each."""
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from tests.ultralytics_reference import (FIXTURES, assert_close_to_ultralytics, assert_same_end2end_detections,
                                          reference)
+from models.families import family_of
 from utils.checkpoint import load_checkpoint
 from utils.errors import UserError
 
@@ -180,7 +181,7 @@ def test_ultralytics_checkpoints_import_and_compute_ultralytics_outputs(name) ->
     assert all(v.dtype == torch.float32 for v in ckpt["model"].values() if v.is_floating_point())
     assert ckpt["model_cfg"]["scale"] == "n" and ckpt["model_cfg"]["scales"]["n"][1] == 0.015625  # its own description
     model, _ = load_model(FIXTURES / name)
-    assert model.family == family
+    assert family_of(model).name == family and ckpt["model_cfg"]["family"] == family
     x, ref = reference(family)
     assert sum(p.numel() for p in model.parameters()) == int(ref["n_params"])
     assert torch.equal(model.stride.float(), ref["stride"])

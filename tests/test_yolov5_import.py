@@ -18,8 +18,8 @@ from utils.checkpoint import load_checkpoint, model_weights, resumed_options
 from utils.convert_yolov5 import main as convert_main
 from utils.errors import UserError
 
-# Our classes under the names YOLOv5 pickles them with (the blocks already share YOLOv5's module paths).
-_YOLOV5_NAMES = {Model: ("models.yolo", "DetectionModel")}
+# Our classes under the names YOLOv5 pickles them with (the other blocks already share YOLOv5's module paths).
+_YOLOV5_NAMES = {Model: ("models.yolo", "DetectionModel"), Detect: ("models.yolo", "Detect")}
 
 
 class _YoloV5Pickler(pickle._Pickler):
@@ -47,7 +47,7 @@ def yolov5_style_model(model: Model, half: bool) -> Model:
     stride = detect._buffers.pop("stride")
     detect.__dict__["stride"] = stride
     detect._grid_cache = {}
-    m.yaml = {k: v for k, v in m.yaml.items() if k not in ("ch", "yaml_file")}
+    m.yaml = {k: v for k, v in m.yaml.items() if k not in ("ch", "yaml_file", "family")}
     m.yaml_file = "yolov5n.yaml"
     m.names = {i: n for i, n in enumerate(model.names)}
     m.__dict__["stride"] = stride  # YOLOv5 keeps it on the model too (a property here)
