@@ -159,6 +159,14 @@ class AnchorFreeDetect(DetectionHead):
         return [args[0], cfg.get("reg_max", 16), bool(cfg.get("end2end", False)), channels, legacy,
                 cfg.get("head_class_width")]
 
+    @classmethod
+    def fine_tune_config(cls, weights: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """The source's class-branch hidden width (input channels of its last layer; by default it follows nc)."""
+        for key, tensor in weights.items():
+            if key.endswith(".cv3.0.2.weight") and tensor.ndim == 4:
+                return {"head_class_width": int(tensor.shape[1])}
+        return {}
+
     def setup(self, model: nn.Module) -> None:
         """Strides from a probe forward in eval mode (the BatchNorm statistics stay as they are), then the biases."""
         model.eval()

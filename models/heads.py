@@ -39,6 +39,12 @@ class DetectionHead(nn.Module):
         """Finish the head inside ``model`` (all its layers built): strides and the first biases."""
         raise NotImplementedError
 
+    @classmethod
+    def fine_tune_config(cls, weights: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """Config keys that build this head in the shape of ``weights``' head where the class count alone would
+        build it otherwise (fine-tuning to another number of classes); none by default."""
+        return {}
+
 
 def probe_input(model: nn.Module) -> torch.Tensor:
     """The blank image a head's strides are measured with: the model's input channels, ``PROBE_SIZE`` square."""

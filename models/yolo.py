@@ -262,14 +262,14 @@ def build_model(cfg: str | Path | dict, *, nc: int | None = None, weights: dict[
     each tensor whose name and shape fit is copied and the rest keep their initialisation (fine-tuning with
     another number of classes: the head's class outputs do not fit); the count is logged. An anchor-free head
     is then built with the source's class-branch width (``head_class_width``; its default depends on the class
-    count), so only the class branch's last layer starts afresh. ``keep_anchors`` False leaves the config's
-    anchors (AutoAnchor may then fit new ones).
+    count), so only the class branch's last layer starts afresh (the head says which config keys keep the source's
+    shape: ``DetectionHead.fine_tune_config``). ``keep_anchors`` False leaves the config's anchors (AutoAnchor may
+    then fit new ones).
     """
     config = load_model_config(cfg)
-    if transfer and weights is not None and "head_class_width" not in config:
-        width = _class_branch_width(weights)
-        if width is not None:
-            config["head_class_width"] = width
+    if transfer and weights is not None:
+        tuned = _head_class(config).fine_tune_config(weights)
+        config.update({k: v for k, v in tuned.items() if k not in config})  # the config's own keys win
     model = Model(config, nc=nc, anchors=anchors)
     if weights is not None:
         if transfer:
@@ -285,12 +285,13 @@ def build_model(cfg: str | Path | dict, *, nc: int | None = None, weights: dict[
     return model
 
 
-def _class_branch_width(weights: dict[str, torch.Tensor]) -> int | None:
-    """The hidden width of an anchor-free head's class branch in ``weights`` (input channels of its last layer)."""
-    for key, tensor in weights.items():
-        if key.endswith(".cv3.0.2.weight") and tensor.ndim == 4:
-            return int(tensor.shape[1])
-    return None
+def _head_class(cfg: dict) -> type[DetectionHead]:
+    """The head class the last row of ``cfg`` builds."""
+    rows = cfg.get("head") or []
+    name = rows[-1][2] if rows and len(rows[-1]) > 2 else None
+    if name not in HEADS:
+        raise UserError(f"{cfg.get('yaml_file', 'model config')}: the last layer must be one of {', '.join(HEADS)}")
+    return head_for(name, cfg, HEADS[name])
 
 
 def main() -> None:
