@@ -84,8 +84,8 @@ _TEMPLATE_HEAD = re.compile(r"yolov?$", re.IGNORECASE)
 
 
 def _docstrings(tree: ast.AST) -> set[int]:
-    return {id(node.value) for node in ast.walk(tree)
-            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)}
+    return {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)}
 
 
 def family_names_in(source: str) -> list[str]:
