@@ -27,9 +27,9 @@ from models.blocks import DWConv
 from models.common import Conv
 from models.heads import PROBE_SIZE, DetectionHead, probe_input
 
-# Blocks whose presence in a config gives the head YOLO11's depthwise class branch; without them (YOLOv8) the
-# class branch keeps two full 3x3 convs, as Ultralytics builds both.
-DEPTHWISE_CLASS_BRANCH_BLOCKS = frozenset({"C3k2"})
+# Blocks whose presence in a config gives the head the depthwise class branch (YOLO11 and later); without them
+# (YOLOv8) the class branch keeps two full 3x3 convs, as Ultralytics builds both.
+DEPTHWISE_CLASS_BRANCH_BLOCKS = frozenset({"C3k2", "A2C2f"})
 
 
 def make_anchors(feats_or_shapes: Sequence[torch.Tensor] | Sequence[Sequence[int]] | torch.Tensor,

@@ -23,7 +23,7 @@ if __name__ == "__main__" and __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.anchor_free import AnchorFreeDetect
-from models.blocks import C2PSA, C2f, C3k2, DWConv
+from models.blocks import A2C2f, C2PSA, C2f, C3k2, DWConv
 from models.common import C3, SPPF, Bottleneck, Concat, Conv, fuse_conv_and_bn
 from models.heads import Detect, DetectionHead, head_for
 from models.summary import model_info
@@ -41,6 +41,7 @@ MODULES: dict[str, type[nn.Module]] = {
     "C3k2": C3k2,
     "SPPF": SPPF,
     "C2PSA": C2PSA,
+    "A2C2f": A2C2f,
     "Concat": Concat,
     "Upsample": nn.Upsample,
     "nn.Upsample": nn.Upsample,
@@ -49,8 +50,8 @@ MODULES: dict[str, type[nn.Module]] = {
 }
 # Heads a YAML may name; of several under one name, the first whose ``accepts`` takes the config is built.
 HEADS: dict[str, tuple[type[DetectionHead], ...]] = {"Detect": (Detect, AnchorFreeDetect)}
-_CHANNEL_BLOCKS = (Conv, DWConv, Bottleneck, C3, C2f, C3k2, SPPF, C2PSA)
-_REPEATED_INSIDE = (C3, C2f, C3k2, C2PSA)  # blocks that take the repeat count as an argument
+_CHANNEL_BLOCKS = (Conv, DWConv, Bottleneck, C3, C2f, C3k2, SPPF, C2PSA, A2C2f)
+_REPEATED_INSIDE = (C3, C2f, C3k2, C2PSA, A2C2f)  # blocks that take the repeat count as an argument
 # A scale letter after the model's number: yolov8n, yolo11s, yolo26x. Files that exist (yolov5n.yaml,
 # yolov5n6.yaml) are read as they are; the letter only matters for a config with a ``scales`` table.
 _SCALED_NAME = re.compile(r"^(\D*\d+)([nslmx])(.*)$")

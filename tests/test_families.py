@@ -41,12 +41,13 @@ def test_family_name_follows_the_family_key_or_else_the_contents() -> None:
     assert family_name({"backbone": _layers("Conv", "C3k2", "C2PSA"), "head": []}) == "yolo11"
     assert family_name({"end2end": True, "backbone": _layers("C3k2"), "head": []}) == "yolo26"
     assert family_name({"reg_max": 1, "backbone": _layers("C3k2"), "head": []}) == "yolo26"
+    assert family_name({"backbone": _layers("C3k2", "A2C2f"), "head": _layers("A2C2f", "C3k2")}) == "yolo12"
     # The key wins over the contents; an unknown key is one line naming the file.
     assert family_name({"family": "yolov8", "backbone": _layers("C3k2"), "head": []}) == "yolov8"
     with pytest.raises(UserError, match=r"^mine\.yaml: model family 'yolov4' is not supported here \(known: "):
         family_name({"family": "yolov4", "yaml_file": "mine.yaml", "backbone": [], "head": []})
     # Every YAML of ours says its family, and the contents rule agrees with it (for configs saved without the key).
-    for file in ("yolov5n.yaml", "yolov5s6.yaml", "yolov8n.yaml", "yolo11n.yaml", "yolo26n.yaml"):
+    for file in ("yolov5n.yaml", "yolov5s6.yaml", "yolov8n.yaml", "yolo11n.yaml", "yolo26n.yaml", "yolo12n.yaml"):
         cfg = load_model_config(file)
         assert cfg["family"] == family_name({k: v for k, v in cfg.items() if k != "family"}), file
 
@@ -218,11 +219,12 @@ def test_int8_scope_names_the_decoding_and_the_dfl_of_the_model(models) -> None:
 def test_importers_release_names_and_exports_of_other_tools(tmp_path) -> None:
     assert importer_of_source("yolov5").title == "YOLOv5" and importer_of_source("ultralytics").title == "Ultralytics"
     assert importer_of_source(None) is None
-    for name in ("yolo26n.pt", "yolov8x-seg.pt", "YOLO11s.pt", "yolov5su.pt"):
+    for name in ("yolo26n.pt", "yolov8x-seg.pt", "YOLO11s.pt", "yolo12m.pt", "yolov5su.pt"):
         assert "one of Ultralytics' released weights" in missing_weights_message(name), name
     assert missing_weights_message(tmp_path / "yolov5s.pt") == f"{tmp_path / 'yolov5s.pt'}: checkpoint not found"
     assert ultralytics_export_family("Ultralytics YOLO11n model trained on coco.yaml") is YOLO11
     assert ultralytics_export_family("Ultralytics YOLO26s model") is YOLO26
+    assert ultralytics_export_family("Ultralytics YOLO12x model") is family_of("yolo12")
     assert ultralytics_export_family("Ultralytics YOLOv5nu model") is YOLOV8  # the anchor-free families decode alike
     junk = tmp_path / "junk.pt"
     junk.write_bytes(b"not a checkpoint")

@@ -1,4 +1,4 @@
-"""YOLOv8 / YOLO11 / YOLO26 models: sizes, key names and outputs equal to Ultralytics' own models.
+"""YOLOv8 / YOLO11 / YOLO26 / YOLO12 models: sizes, key names and outputs equal to Ultralytics' own models.
 
 The reference numbers and fixtures were made with Ultralytics 8.4 (tests/fixtures/ultralytics/README.md).
 """
@@ -31,6 +31,8 @@ ULTRALYTICS_PARAMS = {
     "yolo11x": 56_966_176,
     "yolo26n": 2_572_280, "yolo26s": 10_009_784, "yolo26m": 21_896_248, "yolo26l": 26_299_704,
     "yolo26x": 58_993_368,
+    "yolo12n": 2_602_288, "yolo12s": 9_284_096, "yolo12m": 20_199_168, "yolo12l": 26_450_784,
+    "yolo12x": 59_210_784,
 }
 
 
@@ -48,7 +50,7 @@ def test_parameter_counts_equal_ultralytics(name: str) -> None:
     assert sum(p.numel() for p in layers.parameters()) == ULTRALYTICS_PARAMS[name]
 
 
-@pytest.mark.parametrize("name", ["yolov8n", "yolo11n", "yolo26n"])
+@pytest.mark.parametrize("name", ["yolov8n", "yolo11n", "yolo26n", "yolo12n"])
 def test_state_dict_names_and_shapes_equal_ultralytics(name: str) -> None:
     reference = json.loads((FIXTURES / "state_dict_keys.json").read_text())[name]
     ours = [[k, list(v.shape)] for k, v in layers_on_meta(f"{name}.yaml").state_dict().items()]

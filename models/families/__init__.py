@@ -3,8 +3,8 @@ another tool's checkpoint is imported, what a missing release file is.
 
 Each family is one module here (the contract: models/families/base.py and docs/design.md). ``FAMILIES`` lists them
 most specific first: a config without a ``family:`` key (YOLOv5's and Ultralytics' files, and ours written before
-the key existed) belongs to the first family that recognises its contents (a YOLO26 config also has YOLO11's
-C3k2 blocks, and every anchor-free config would pass for YOLOv8's).
+the key existed) belongs to the first family that recognises its contents (YOLO26 and YOLO12 configs also have
+YOLO11's C3k2 blocks, and every anchor-free config would pass for YOLOv8's).
 """
 from __future__ import annotations
 
@@ -16,19 +16,20 @@ import torch.nn as nn
 
 from models.families.base import CheckpointImporter, ExportModule, Family, Int8Scope
 from models.families.ultralytics_import import ULTRALYTICS_IMPORTER
+from models.families.yolo12 import YOLO12
 from models.families.yolo26 import YOLO26
 from models.families.yolov5 import YOLOV5
 from models.families.yolov8 import YOLO11, YOLOV8
 from utils.distributed import de_parallel
 from utils.errors import UserError
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (YOLOV5, YOLO26, YOLO11, YOLOV8)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (YOLOV5, YOLO26, YOLO12, YOLO11, YOLOV8)}
 Family.register(*FAMILIES.values())
 
 # The family of exported files of this project that record none (the first exports were all YOLOv5 models).
 UNRECORDED_EXPORT_FAMILY = YOLOV5
 
-__all__ = ["FAMILIES", "YOLO11", "YOLO26", "YOLOV5", "YOLOV8", "CheckpointImporter", "ExportModule", "Family",
+__all__ = ["FAMILIES", "YOLO11", "YOLO12", "YOLO26", "YOLOV5", "YOLOV8", "CheckpointImporter", "ExportModule", "Family",
            "Int8Scope", "UNRECORDED_EXPORT_FAMILY", "family_name", "family_of", "import_checkpoint",
            "importer_of_source", "known_layouts", "missing_weights_message", "ultralytics_export_family"]
 
