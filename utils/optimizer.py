@@ -62,7 +62,7 @@ def choose_optimizer(requested: str, epochs: int, n_images: int, batch_size: int
                      lr_per_class_term: float = ADAMW_LR_PER_CLASS_TERM) -> OptimizerChoice:
     """The explicit --optimizer with the hyp file's lr0/momentum and YOLOv5's accumulation, or the automatic
     choice for ``auto``: the length of the run at the nominal batch decides. A short run's AdamW takes
-    lr0 = ``lr_per_class_term`` / (4 + nc) (the model family's, see models/families.py)."""
+    lr0 = ``lr_per_class_term`` / (4 + nc) (the model family's: ``Family.adamw_lr_per_class_term``)."""
     accumulate = max(round(NOMINAL_BATCH / batch_size), 1)
     steps = optimizer_steps(epochs, n_images, batch_size, accumulate)
     if requested != "auto":

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 MODULE_ALIASES = {"__builtin__": "builtins", "copy_reg": "copyreg", "numpy._core.multiarray": "numpy.core.multiarray",
-                   "pathlib._local": "pathlib"}
+                  "pathlib._local": "pathlib"}
 _NUMERIC_KINDS = "biufc"  # bool, signed, unsigned, float, complex: never objects, strings or records
 
 
