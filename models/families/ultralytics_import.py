@@ -308,7 +308,8 @@ class UltralyticsImporter(CheckpointImporter):
 
     def export_family(self, description: str, families: Sequence[Family]) -> Family:
         """The family of a file Ultralytics' exporter wrote, from the model name in its description ("Ultralytics
-        YOLO11n model ..."): the family whose name, YOLO-cased, it holds; else the first (they decode alike)."""
+        YOLO11n model ..."): the family whose name, YOLO-cased, it holds; else the least specific of ``families``
+        (listed most specific first; the anchor-free families decode alike)."""
         for family in families:
             if re.search(rf"\b{re.escape(family.name.replace('yolo', 'YOLO', 1))}[nsmlx]?\b", description):
                 return family
