@@ -95,6 +95,7 @@ class Family:
     detect_iou: ClassVar[float] = 0.7  # NMS IoU of detect.py
     importers: ClassVar[tuple[CheckpointImporter, ...]] = ()  # readers of other tools' checkpoints of its models
     end_to_end: ClassVar[bool] = False  # whether its models have an NMS-free output (``use_end_to_end``)
+    anchor_based: ClassVar[bool] = False  # whether its head predicts relative to anchor boxes (AutoAnchor applies)
     # The automatic optimizer's AdamW learning rate for short runs is this / (4 + nc) (see utils/optimizer.py). Every
     # family keeps the value measured for YOLOv5; Ultralytics' own rule (0.01 / (4 + nc)) is not measured against it.
     adamw_lr_per_class_term: ClassVar[float] = 0.05

@@ -53,6 +53,7 @@ class YOLOv5Family(Family):
     val_iou = 0.6  # YOLOv5's val.py
     detect_iou = 0.45  # YOLOv5's detect.py
     importers = (YOLOV5_IMPORTER,)
+    anchor_based = True
 
     def recognizes_contents(self, cfg: Mapping[str, Any]) -> bool:
         return "anchors" in cfg
