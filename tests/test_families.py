@@ -193,7 +193,11 @@ def test_layout_export_module_and_the_end_to_end_switch(models) -> None:
         exported = family.export_module(model)
         with torch.no_grad():
             assert torch.equal(exported(x), model(x)[0])
-        assert family.layout(model) == family.layouts[0]
+        assert family.layout(model) == family.layouts[0] and isinstance(model.model[-1], family.head)
+        with torch.no_grad():  # the default training forward is the model's own: the targets are not needed
+            trained, plain = family.forward_train(model.train(), x, torch.zeros(0, 6)), model(x)
+        assert type(trained) is type(plain) and len(trained) == len(plain)
+        model.eval()
     with pytest.raises(UserError, match=r"--end2end: m\.pt has no one-to-one head \(YOLO26 only\)"):
         YOLO11.use_end_to_end(models["yolo11"], "m.pt")
     end2end = YOLO26.export_module(models["yolo26"], end2end=True)

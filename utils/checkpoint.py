@@ -93,8 +93,10 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
 def trained_imgsz(ckpt: dict[str, Any]) -> int | None:
     """The image size a checkpoint was trained at: ours (``opt``), YOLOv5's (``opt``) or Ultralytics'
     (``train_args``) record; None when it records none."""
-    imported = ckpt.get(str(ckpt.get("source"))) or {}  # an importer's own record of the file
-    for record in (ckpt.get("opt"), imported.get("opt"), imported.get("train_args"), ckpt.get("train_args")):
+    from models.families import imported_records
+
+    imported = [r.get(key) for r in imported_records(ckpt) for key in ("opt", "train_args")]
+    for record in (ckpt.get("opt"), *imported, ckpt.get("train_args")):
         size = record.get("imgsz", record.get("img_size")) if isinstance(record, dict) else None
         if isinstance(size, (list, tuple)) and size:
             size = max(size)

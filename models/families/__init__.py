@@ -29,9 +29,10 @@ Family.register(*FAMILIES.values())
 # The family of exported files of this project that record none (the first exports were all YOLOv5 models).
 UNRECORDED_EXPORT_FAMILY = YOLOV5
 
-__all__ = ["FAMILIES", "YOLO11", "YOLO12", "YOLO26", "YOLOV5", "YOLOV8", "CheckpointImporter", "ExportModule", "Family",
-           "Int8Scope", "UNRECORDED_EXPORT_FAMILY", "family_name", "family_of", "import_checkpoint",
-           "importer_of_source", "known_layouts", "missing_weights_message", "ultralytics_export_family"]
+__all__ = ["FAMILIES", "YOLO11", "YOLO12", "YOLO26", "YOLOV5", "YOLOV8", "CheckpointImporter", "ExportModule",
+           "Family", "Int8Scope", "UNRECORDED_EXPORT_FAMILY", "family_name", "family_of", "import_checkpoint",
+           "imported_records", "importer_of_source", "known_layouts", "missing_weights_message",
+           "ultralytics_export_family"]
 
 
 def family_name(cfg: Mapping[str, Any]) -> str:
@@ -93,6 +94,11 @@ def import_checkpoint(path: str | Path) -> dict[str, Any]:
         if ckpt is not None:
             return ckpt
     raise UserError(f"{path}: not a checkpoint of this project, nor one any importer here reads")
+
+
+def imported_records(ckpt: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The other tools' own records a checkpoint holds (each importer keeps its tool's under its ``source``)."""
+    return [ckpt[importer.source] for importer in _importers() if isinstance(ckpt.get(importer.source), dict)]
 
 
 def importer_of_source(source: Any) -> CheckpointImporter | None:
