@@ -15,7 +15,7 @@ from utils.loss import ComputeLoss
 from utils.nms import end_to_end_detections, non_max_suppression, non_max_suppression_anchor_free
 from utils.optimizer import build_optimizer
 
-NARROW = {"n": [0.33, 0.125, 1024]}  # narrow scale: the anchor-free models of these tests build in milliseconds
+NARROW = {"n": [0.33, 0.125, 1024]}  # narrow scale (YOLOv5: width 1/8): the models of these tests build fast
 
 
 def _layers(*modules: str) -> list:
@@ -26,13 +26,15 @@ def narrow(name: str, nc: int = 3) -> Model:
     cfg = load_model_config(f"{name}.yaml")
     if "scales" in cfg:
         cfg = {**cfg, "scales": NARROW, "scale": "n"}
+    else:
+        cfg = {**cfg, "width_multiple": 0.125}
     return Model(cfg, nc=nc)
 
 
 @pytest.fixture(scope="module")
 def models() -> dict[str, Model]:
     torch.manual_seed(0)
-    return {"yolov5": Model("yolov5n.yaml", nc=3), "yolo11": narrow("yolo11"), "yolo26": narrow("yolo26")}
+    return {name: narrow(name) for name in ("yolov5n", "yolo11", "yolo26")}
 
 
 def test_family_name_follows_the_family_key_or_else_the_contents() -> None:
@@ -53,7 +55,7 @@ def test_family_name_follows_the_family_key_or_else_the_contents() -> None:
 
 
 def test_family_of_a_model_and_unknown_names(models) -> None:
-    model = models["yolov5"]
+    model = models["yolov5n"]
     assert family_of(model) is YOLOV5 and family_of(model.yaml) is YOLOV5 and family_of("yolov5") is YOLOV5
     assert family_of(models["yolo26"]) is YOLO26 and family_of(YOLO11) is YOLO11
     with pytest.raises(UserError, match="'yolov4' is not supported"):
@@ -64,7 +66,7 @@ def test_family_of_a_model_and_unknown_names(models) -> None:
 
 def test_yolov5_loss_is_computeloss_with_gains_scaled_for_levels_classes_and_size(models) -> None:
     hyp = YOLOV5.read_hyp(YOLOV5.default_hyp_path)
-    loss = YOLOV5.make_loss(models["yolov5"], hyp, imgsz=320, label_smoothing=0.1)
+    loss = YOLOV5.make_loss(models["yolov5n"], hyp, imgsz=320, label_smoothing=0.1)
     assert isinstance(loss, ComputeLoss) and loss.item_names == YOLOV5.loss_names == ("box", "obj", "cls")
     assert loss.hyp.box == pytest.approx(hyp.box) and loss.hyp.cls == pytest.approx(hyp.cls * 3 / 80)
     assert loss.hyp.obj == pytest.approx(hyp.obj * (320 / 640) ** 2)

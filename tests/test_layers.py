@@ -83,29 +83,32 @@ _BUILDER = re.compile(r"yolov?(\(|\[|\\d|\{)", re.IGNORECASE)
 _TEMPLATE_HEAD = re.compile(r"yolov?$", re.IGNORECASE)
 
 
-def _docstrings(tree: ast.AST) -> set[int]:
-    return {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)
-            and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)}
+_IDENTIFIER_FIELDS = {ast.Name: "id", ast.Attribute: "attr", ast.FunctionDef: "name", ast.AsyncFunctionDef: "name",
+                      ast.ClassDef: "name", ast.arg: "arg", ast.keyword: "arg", ast.alias: "asname"}
 
 
 def family_names_in(source: str) -> list[str]:
     """Where ``source`` names a model family in its code (docstrings and comments aside): 'line: text'."""
+    if not re.search("yolo", source, re.IGNORECASE):
+        return []
     tree = ast.parse(source)
-    skip = _docstrings(tree)
+    docstrings = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}
     found = []
     for node in ast.walk(tree):
-        texts: list[str] = []
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip:
-            if _NAME.search(node.value) or _BUILDER.search(node.value):
-                texts.append(node.value)
-        elif isinstance(node, ast.JoinedStr):
+        kind = type(node)
+        if kind is ast.Constant:
+            if isinstance(node.value, str) and id(node) not in docstrings and (
+                    _NAME.search(node.value) or _BUILDER.search(node.value)):
+                found.append(f"{node.lineno}: {node.value}")
+        elif kind is ast.JoinedStr:
             parts = node.values
-            texts += [p.value for p, after in zip(parts, [*parts[1:], None]) if isinstance(p, ast.Constant)
-                      and isinstance(after, ast.FormattedValue) and _TEMPLATE_HEAD.search(str(p.value))]
-        for identifier in (getattr(node, attr, None) for attr in ("id", "attr", "name", "arg", "asname")):
+            found += [f"{node.lineno}: {p.value}" for p, after in zip(parts, [*parts[1:], None])
+                      if isinstance(p, ast.Constant) and isinstance(after, ast.FormattedValue)
+                      and _TEMPLATE_HEAD.search(str(p.value))]
+        elif kind in _IDENTIFIER_FIELDS:
+            identifier = getattr(node, _IDENTIFIER_FIELDS[kind])
             if isinstance(identifier, str) and _IDENTIFIER.search(identifier):
-                texts.append(identifier)
-        found += [f"{getattr(node, 'lineno', '?')}: {text}" for text in texts]
+                found.append(f"{getattr(node, 'lineno', '?')}: {identifier}")
     return found
 
 

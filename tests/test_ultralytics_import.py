@@ -25,9 +25,7 @@ CHECKPOINTS = {  # file -> (family, number of classes, the slot its weights come
     "yolo11-final.pt": ("yolo11", 20, "model", "n", 0.015625),
     "yolo26-final.pt": ("yolo26", 5, "model", "n", 0.015625),
     "yolo26-last.pt": ("yolo26", 5, "ema", "n", 0.015625),
-    # YOLO12's narrowest: its attention needs heads of 32 channels. Scale letter l: residual attention, C3k blocks.
-    "yolo12-final.pt": ("yolo12", 4, "model", "l", 0.25),
-}
+}  # yolo12-final.pt: tests/test_yolo12.py
 
 
 # ---- fake Ultralytics module paths, to pickle objects that name them (the real package is never imported) ----
