@@ -134,14 +134,14 @@ def _frame_batches(frames: Iterator[Any], predictor: Any, imgsz: int, batch_size
 def _predictor(opt: argparse.Namespace, device: torch.device) -> tuple[Any, int]:
     """The predictor at detect.py's thresholds, and the image size."""
     from utils.evaluation.predictor import PredictOptions, Predictor, open_for_prediction
-    from utils.formats.family_hooks import hooks_for
+    from models.families import family_of
     from utils.formats.metadata import default_imgsz
 
     runner = open_for_prediction(opt.weights, device, end2end=opt.end2end, augment=opt.augment, half=opt.half)
     meta = runner.meta
     options = PredictOptions(conf_thres=opt.conf_thres, iou_thres=opt.iou_thres, max_det=opt.max_det,
                              classes=opt.classes, agnostic=opt.agnostic_nms, augment=opt.augment)
-    predictor = Predictor(runner, hooks_for(meta.family), options, purpose="detect")
+    predictor = Predictor(runner, family_of(meta.family), options, purpose="detect")
     imgsz = opt.imgsz
     if imgsz is None:
         imgsz, source = default_imgsz(meta)

@@ -143,7 +143,7 @@ def _imgsz(opt: argparse.Namespace, meta: Any) -> tuple[int, int]:
 def prepare(opt: argparse.Namespace) -> tuple[Source, list[Any]]:
     """Every check that can fail before a file is written, then the source model and its example input."""
     from utils.formats.base import ExportOptions, NmsSpec
-    from utils.formats.family_hooks import hooks_for
+    from models.families import family_of
     from utils.formats.pytorch import load_pytorch
 
     precision = _precision(opt)
@@ -155,11 +155,11 @@ def prepare(opt: argparse.Namespace) -> tuple[Source, list[Any]]:
     if opt.nms and opt.end2end:
         raise UserError("--nms and --end2end: the end-to-end output is already final; it needs no NMS")
     if not weights.is_file():
-        from utils.ultralytics_compat import missing_weights_message
+        from models.families import missing_weights_message
 
         raise UserError(missing_weights_message(weights, "weights file"))
     runner = load_pytorch(weights, select_device(opt.device))
-    family = hooks_for(runner.meta.family)
+    family = family_of(runner.meta.family)
     nms = NmsSpec(opt.conf_thres, family.detect_iou if opt.iou_thres is None else opt.iou_thres, opt.max_det) \
         if opt.nms else None
     options = ExportOptions(opset=opt.opset, dynamic=opt.dynamic, simplify=opt.simplify, nms=nms)

@@ -177,14 +177,14 @@ def _validate(opt: argparse.Namespace, runner: Any, loader: Any, data_cfg: dict,
     from utils.evaluation.loop import evaluate
     from utils.evaluation.outputs import OutputOptions, ValOutputs
     from utils.evaluation.predictor import PredictOptions, Predictor
-    from utils.formats.family_hooks import hooks_for
+    from models.families import family_of
 
     conf_thres, iou_thres, save_json = opt.conf_thres, opt.iou_thres, opt.save_json and save_dir is not None
     if opt.task == "speed":  # timing at deployment thresholds, not the mAP sweep
         conf_thres, iou_thres, save_json = 0.25, 0.45, False
     options = PredictOptions(conf_thres=conf_thres, iou_thres=iou_thres, max_det=opt.max_det, multi_label=True,
                              agnostic=opt.single_cls, augment=augment)
-    predictor = Predictor(runner, hooks_for(runner.meta.family), options)
+    predictor = Predictor(runner, family_of(runner.meta.family), options)
     evaluator = DetectionEvaluator(data_cfg["names"], single_cls=opt.single_cls,
                                    confusion=save_dir is not None and not opt.noplots and main)
     if save_json:

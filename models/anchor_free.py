@@ -16,14 +16,20 @@ Tensor layout (shared with the loss, validation and export):
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from copy import deepcopy
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn as nn
 
 from models.blocks import DWConv
 from models.common import Conv
+from models.heads import PROBE_SIZE, DetectionHead, probe_input
+
+# Blocks whose presence in a config gives the head the depthwise class branch (YOLO11 and later); without them
+# (YOLOv8) the class branch keeps two full 3x3 convs, as Ultralytics builds both.
+DEPTHWISE_CLASS_BRANCH_BLOCKS = frozenset({"C3k2", "A2C2f"})
 
 
 def make_anchors(feats_or_shapes: Sequence[torch.Tensor] | Sequence[Sequence[int]] | torch.Tensor,
@@ -106,7 +112,7 @@ def _class_branch(c_in: int, c_hidden: int, nc: int, legacy: bool) -> nn.Sequent
                          nn.Conv2d(c_hidden, nc, 1))
 
 
-class AnchorFreeDetect(nn.Module):
+class AnchorFreeDetect(DetectionHead):
     """Anchor-free head: per level a box branch (``cv2``) and a class branch (``cv3``); see the module docstring.
 
     ``legacy`` picks YOLOv8's plain class branch; ``end2end`` adds YOLO26's one-to-one branches
@@ -140,6 +146,36 @@ class AnchorFreeDetect(nn.Module):
             # Same structure and same starting weights as the one-to-many branches.
             self.one2one_cv2 = deepcopy(self.cv2)
             self.one2one_cv3 = deepcopy(self.cv3)
+
+    @classmethod
+    def accepts(cls, cfg: Mapping[str, Any]) -> bool:
+        return "anchors" not in cfg
+
+    @classmethod
+    def yaml_args(cls, args: list, cfg: Mapping[str, Any], channels: list[int]) -> list:
+        """(nc, reg_max, end2end, channels, legacy, class_width) from the row's [nc] and the config's keys."""
+        rows = list(cfg.get("backbone") or []) + list(cfg.get("head") or [])
+        legacy = not any(len(row) > 2 and row[2] in DEPTHWISE_CLASS_BRANCH_BLOCKS for row in rows)
+        return [args[0], cfg.get("reg_max", 16), bool(cfg.get("end2end", False)), channels, legacy,
+                cfg.get("head_class_width")]
+
+    @classmethod
+    def fine_tune_config(cls, weights: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """The source's class-branch hidden width (input channels of its last layer; by default it follows nc)."""
+        for key, tensor in weights.items():
+            if key.endswith(".cv3.0.2.weight") and tensor.ndim == 4:
+                return {"head_class_width": int(tensor.shape[1])}
+        return {}
+
+    def setup(self, model: nn.Module) -> None:
+        """Strides from a probe forward in eval mode (the BatchNorm statistics stay as they are), then the biases."""
+        model.eval()
+        with torch.no_grad():
+            _, raw = model(probe_input(model))
+        model.train()
+        levels = raw["one2many"] if isinstance(raw, dict) else raw
+        self.stride.copy_(torch.tensor([PROBE_SIZE / level.shape[-2] for level in levels]))
+        self.bias_init()
 
     def _branches(self, x: list[torch.Tensor], box: nn.ModuleList, cls: nn.ModuleList) -> list[torch.Tensor]:
         return [torch.cat((box[i](x[i]), cls[i](x[i])), 1) for i in range(self.nl)]

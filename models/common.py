@@ -83,6 +83,15 @@ class SPPF(nn.Module):
         self.n = n
         self.add = shortcut and c1 == c2
 
+    @classmethod
+    def adjust_yaml_args(cls, args: list, *, scale: str | None, given: int) -> list:
+        """[c1, c2, k, ...] of a YAML row: rows that give the pool count (YOLO26: [c2, k, n, shortcut], ``given``
+        > 2 values) have an unactivated ``cv1``; shorter rows (YOLOv5/v8/11: [c2, k]) keep SiLU there."""
+        if given <= 2:
+            return args
+        c1, c2, k, n, *rest = args
+        return [c1, c2, k, n, rest[0] if rest else False, False]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pooled = [self.cv1(x)]
         for _ in range(self.n):

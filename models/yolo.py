@@ -12,7 +12,7 @@ import re
 import sys
 from copy import deepcopy
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -23,68 +23,15 @@ if __name__ == "__main__" and __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.anchor_free import AnchorFreeDetect
-from models.blocks import C2PSA, C2f, C3k2, DWConv
-from models.families import family_name
+from models.blocks import A2C2f, C2PSA, C2f, C3k2, DWConv
 from models.common import C3, SPPF, Bottleneck, Concat, Conv, fuse_conv_and_bn
+from models.heads import Detect, DetectionHead, head_for
 from models.summary import model_info
 from utils.errors import UserError
 from utils.log import LOGGER
 
 
-class Detect(nn.Module):
-    """Detection head: a 1x1 conv per level predicting (x, y, w, h, obj, classes) for each anchor."""
-
-    def __init__(self, nc: int = 80, anchors: list | tuple = (), ch: list[int] | tuple[int, ...] = ()):
-        super().__init__()
-        self.nc = nc
-        self.no = nc + 5
-        self.nl = len(anchors)
-        self.na = len(anchors[0]) // 2
-        # Anchors in pixels until Model divides them by the strides; registered so they move with .to() and
-        # are saved and broadcast with the weights.
-        self.register_buffer("anchors", torch.tensor(anchors, dtype=torch.float32).view(self.nl, -1, 2))
-        self.register_buffer("stride", torch.zeros(self.nl))
-        self.m = nn.ModuleList(nn.Conv2d(c, self.no * self.na, 1) for c in ch)
-        self._grid_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def forward(self, x: list[torch.Tensor]) -> list[torch.Tensor] | tuple[torch.Tensor, list[torch.Tensor]]:
-        outputs = []
-        for i in range(self.nl):
-            bs, _, ny, nx = x[i].shape
-            # (bs, na, ny, nx, no) as a view, not a copy: on channels-last activations the memory already
-            # holds the values in that order, so neither forward nor backward copies them.
-            y = self.m[i](x[i]).permute(0, 2, 3, 1).view(bs, ny, nx, self.na, self.no)
-            outputs.append(y.permute(0, 3, 1, 2, 4))
-        if self.training:
-            return outputs
-        decoded = [self._decode(i, p) for i, p in enumerate(outputs)]
-        return torch.cat(decoded, 1), outputs
-
-    def _decode(self, level: int, p: torch.Tensor) -> torch.Tensor:
-        bs, _, ny, nx, _ = p.shape
-        grid, anchor_grid = self._grids(level, nx, ny, p.device, p.dtype)
-        y = p.sigmoid()
-        xy = (y[..., :2] * 2 + grid) * self.stride[level]
-        wh = (y[..., 2:4] * 2) ** 2 * anchor_grid
-        return torch.cat((xy, wh, y[..., 4:]), -1).reshape(bs, -1, self.no)
-
-    def _grids(self, level: int, nx: int, ny: int, device: torch.device, dtype: torch.dtype):
-        # The anchors' version counter changes with every in-place edit (AutoAnchor, EMA, loading weights),
-        # and reading it does not wait for the device.
-        key = (level, nx, ny, device, dtype, self.anchors.data_ptr(), self.anchors._version)
-        if key not in self._grid_cache:
-            # arange in fp32, then cast: the ONNX exporter cannot infer a Range of fp16 (an --half export fails).
-            ys, xs = torch.meshgrid(torch.arange(ny, device=device, dtype=torch.float32).to(dtype),
-                                    torch.arange(nx, device=device, dtype=torch.float32).to(dtype), indexing="ij")
-            grid = torch.stack((xs, ys), 2).view(1, 1, ny, nx, 2) - 0.5
-            anchor_grid = (self.anchors[level] * self.stride[level]).view(1, self.na, 1, 1, 2).to(dtype)
-            self._grid_cache = {k: v for k, v in self._grid_cache.items() if k[0] != level}
-            self._grid_cache[key] = (grid, anchor_grid)
-        return self._grid_cache[key]
-
-
-# Names a model YAML may use for its blocks. YAMLs are data: they are never passed to eval/exec. "Detect" is
-# YOLOv5's anchor head in a config with ``anchors`` and the anchor-free head otherwise.
+# Names a model YAML may use for its blocks. YAMLs are data: they are never passed to eval/exec.
 MODULES: dict[str, type[nn.Module]] = {
     "Conv": Conv,
     "DWConv": DWConv,
@@ -94,19 +41,20 @@ MODULES: dict[str, type[nn.Module]] = {
     "C3k2": C3k2,
     "SPPF": SPPF,
     "C2PSA": C2PSA,
+    "A2C2f": A2C2f,
     "Concat": Concat,
-    "Detect": Detect,
     "Upsample": nn.Upsample,
     "nn.Upsample": nn.Upsample,
     "BatchNorm2d": nn.BatchNorm2d,
     "nn.BatchNorm2d": nn.BatchNorm2d,
 }
-_CHANNEL_BLOCKS = (Conv, DWConv, Bottleneck, C3, C2f, C3k2, SPPF, C2PSA)
-_REPEATED_INSIDE = (C3, C2f, C3k2, C2PSA)  # blocks that take the repeat count as an argument
-_FORCED_C3K_SCALES = ("m", "l", "x")  # C3k2 uses C3k inner blocks at these scales whatever the YAML says
-# A scale letter after the family's number: yolov8n, yolo11s, yolo26x. Files that exist (yolov5n.yaml, yolov5n6.yaml)
-# are read as they are; the letter only matters for a config with a ``scales`` table.
-_SCALED_NAME = re.compile(r"^(yolo(?:v)?\d+)([nslmx])(.*)$")
+# Heads a YAML may name; of several under one name, the first whose ``accepts`` takes the config is built.
+HEADS: dict[str, tuple[type[DetectionHead], ...]] = {"Detect": (Detect, AnchorFreeDetect)}
+_CHANNEL_BLOCKS = (Conv, DWConv, Bottleneck, C3, C2f, C3k2, SPPF, C2PSA, A2C2f)
+_REPEATED_INSIDE = (C3, C2f, C3k2, C2PSA, A2C2f)  # blocks that take the repeat count as an argument
+# A scale letter after the model's number: yolov8n, yolo11s, yolo26x. Files that exist (yolov5n.yaml,
+# yolov5n6.yaml) are read as they are; the letter only matters for a config with a ``scales`` table.
+_SCALED_NAME = re.compile(r"^(\D*\d+)([nslmx])(.*)$")
 
 
 def make_divisible(x: float, divisor: int = 8) -> int:
@@ -138,70 +86,69 @@ def _scaling(cfg: dict) -> tuple[float, float, float, str | None]:
     return depth, width, max_channels, scale
 
 
+def _layer_args(block: type[nn.Module], args: list, where: str, *, channels: list[int], source: Any,
+                repeats: int, scaling: Scaling) -> tuple[list, int, int]:
+    """(constructor arguments, output channels, repeats left to stack) of one YAML row's ``block``."""
+    if block in _CHANNEL_BLOCKS:
+        if not args or isinstance(args[0], bool) or not isinstance(args[0], (int, float)):
+            raise UserError(f"{where}: the first argument must be a channel count, got "
+                            f"{args[0] if args else 'nothing'!r}")
+        c_in, c_out = channels[source], args[0]
+        if c_out != scaling.head_outputs:
+            c_out = make_divisible(min(c_out, scaling.max_channels) * scaling.width, 8)
+        built = [c_in, c_out, *args[1:]]
+        if block in _REPEATED_INSIDE:
+            built.insert(2, repeats)
+            repeats = 1
+        adjust = getattr(block, "adjust_yaml_args", None)  # a block's own rules for its YAML rows
+        if adjust is not None:
+            built = adjust(built, scale=scaling.scale, given=len(args))
+        return built, c_out, repeats
+    if block is nn.BatchNorm2d:
+        return [channels[source]], channels[source], repeats
+    if block is Concat:
+        return args, sum(channels[s] for s in source), repeats
+    return args, channels[source], repeats
+
+
+class Scaling(NamedTuple):
+    """How a config's rows scale: depth and width multiples, the channel cap, the scale letter, and the output
+    channels of an anchor head (YOLOv5 leaves a layer of that width unscaled)."""
+
+    depth: float
+    width: float
+    max_channels: float
+    scale: str | None
+    head_outputs: int | None
+
+
 def parse_model(cfg: dict, ch: int) -> tuple[nn.Sequential, list[int]]:
     """Build the layers described by ``cfg`` and the sorted indices of the outputs later layers reuse."""
     nc, anchors = cfg["nc"], cfg.get("anchors")
-    depth, width, max_channels, scale = _scaling(cfg)
-    anchor_based = anchors is not None
-    if anchor_based:
-        na = (len(anchors[0]) // 2) if isinstance(anchors, list) else anchors
-        no = na * (nc + 5)
-    else:
-        no = None
-    # YOLOv8's head keeps full 3x3 convs in its class branch; configs with the newer blocks use depthwise ones.
-    legacy_head = not any(row[2] == "C3k2" for row in cfg["backbone"] + cfg["head"])
+    na = None if anchors is None else (len(anchors[0]) // 2) if isinstance(anchors, list) else anchors
+    scaling = Scaling(*_scaling(cfg), head_outputs=None if na is None else na * (nc + 5))
 
     channels = [ch]
     layers, save = [], []
     LOGGER.debug(f"{'':>3}{'from':>18}{'n':>3}{'params':>10}  {'module':<24}{'arguments':<30}")
     for i, (source, repeats, name, args) in enumerate(cfg["backbone"] + cfg["head"]):
-        if name not in MODULES:
-            raise UserError(f"model YAML layer {i}: unknown module '{name}'; known modules: {', '.join(MODULES)}")
-        block = MODULES[name]
+        where = f"model YAML layer {i} ({name})"
         args = [_resolve_arg(a, nc, anchors) for a in args]
-        repeats = max(round(repeats * depth), 1) if repeats > 1 else repeats
-        yaml_arg_count = len(args)
-
-        if block in _CHANNEL_BLOCKS:
-            if not args or isinstance(args[0], bool) or not isinstance(args[0], (int, float)):
-                raise UserError(f"model YAML layer {i} ({name}): the first argument must be a channel count, "
-                                f"got {args[0] if args else 'nothing'!r}")
-            c_in, c_out = channels[source], args[0]
-            if c_out != no:
-                c_out = make_divisible(min(c_out, max_channels) * width, 8)
-            args = [c_in, c_out, *args[1:]]
-            if block in _REPEATED_INSIDE:
-                args.insert(2, repeats)
-                repeats = 1
-            if block is C3k2 and scale in _FORCED_C3K_SCALES:
-                args[3:4] = [True]
-            if block is SPPF and yaml_arg_count > 2:
-                # Rows that give the pool count (YOLO26: [c2, k, n, shortcut]) have an unactivated cv1;
-                # shorter rows (YOLOv5/v8/11: [c2, k]) keep SiLU there.
-                c1, c2, k, n, *rest = args
-                args = [c1, c2, k, n, rest[0] if rest else False, False]
-        elif block is nn.BatchNorm2d:
-            args = [channels[source]]
-            c_out = channels[source]
-        elif block is Concat:
-            c_out = sum(channels[s] for s in source)
-        elif block is Detect and anchor_based:
-            args.append([channels[s] for s in source])
-            if isinstance(args[1], int):  # a number of anchors per level instead of their sizes
-                args[1] = [list(range(args[1] * 2))] * len(source)
-            c_out = channels[source[-1]]
-        elif block is Detect:
-            block = AnchorFreeDetect
-            args = [args[0], cfg.get("reg_max", 16), bool(cfg.get("end2end", False)),
-                    [channels[s] for s in source], legacy_head, cfg.get("head_class_width")]
-            c_out = channels[source[-1]]
+        repeats = max(round(repeats * scaling.depth), 1) if repeats > 1 else repeats
+        if name in HEADS:
+            block = head_for(name, cfg, HEADS[name])
+            args, c_out = block.yaml_args(args, cfg, [channels[s] for s in source]), channels[source[-1]]
+        elif name in MODULES:
+            block = MODULES[name]
+            args, c_out, repeats = _layer_args(block, args, where, channels=channels, source=source,
+                                               repeats=repeats, scaling=scaling)
         else:
-            c_out = channels[source]
-
+            raise UserError(f"model YAML layer {i}: unknown module '{name}'; known modules: "
+                            f"{', '.join([*MODULES, *HEADS])}")
         try:
             module = nn.Sequential(*(block(*args) for _ in range(repeats))) if repeats > 1 else block(*args)
         except (TypeError, ValueError) as e:
-            raise UserError(f"model YAML layer {i} ({name}): cannot build it from arguments {args} ({e})") from e
+            raise UserError(f"{where}: cannot build it from arguments {args} ({e})") from e
         module.layer_index, module.source = i, source  # used by Model.forward to route inputs
         n_params = sum(p.numel() for p in module.parameters())
         LOGGER.debug(f"{i:>3}{str(source):>18}{repeats:>3}{n_params:10.0f}  {name:<24}{str(args):<30}")
@@ -259,8 +206,8 @@ def load_model_config(cfg: str | Path | dict) -> dict:
 
 
 class Model(nn.Module):
-    """A detector whose layers come from a YAML config; the last layer is a detection head (anchor-based Detect for
-    YOLOv5, AnchorFreeDetect for YOLOv8/11/26)."""
+    """A detector whose layers come from a YAML config; the last layer is a detection head (models/heads.py), which
+    finishes itself once the model is built (its strides, anchors and first biases)."""
 
     def __init__(self, cfg: str | Path | dict = "yolov5s.yaml", ch: int = 3, nc: int | None = None, anchors=None):
         super().__init__()
@@ -276,28 +223,10 @@ class Model(nn.Module):
         self.model, self.save = parse_model(self.yaml, ch)
         self.nc = self.yaml["nc"]
         self.names = [str(i) for i in range(self.nc)]
-        self.family = family_name(self.yaml)
-
-        detect = self.model[-1]
-        probe_size = 256
-        if isinstance(detect, Detect):
-            with torch.no_grad():
-                outputs = self.forward(torch.zeros(1, ch, probe_size, probe_size))
-            detect.stride.copy_(torch.tensor([probe_size / o.shape[-2] for o in outputs]))
-            _check_anchor_order(detect)
-            detect.anchors /= detect.stride.view(-1, 1, 1)
-            self._initialize_detect_biases()
-        elif isinstance(detect, AnchorFreeDetect):
-            # In eval mode, so the probe leaves the BatchNorm statistics as they are.
-            self.eval()
-            with torch.no_grad():
-                _, raw = self.forward(torch.zeros(1, ch, probe_size, probe_size))
-            self.train()
-            levels = raw["one2many"] if isinstance(raw, dict) else raw
-            detect.stride.copy_(torch.tensor([probe_size / o.shape[-2] for o in levels]))
-            detect.bias_init()
-        else:
+        head = self.model[-1]
+        if not isinstance(head, DetectionHead):
             raise UserError(f"{self.yaml.get('yaml_file', 'model config')}: the last layer must be Detect")
+        head.setup(self)
 
     def forward(self, x: torch.Tensor):
         cache: list[torch.Tensor | None] = []
@@ -309,17 +238,8 @@ class Model(nn.Module):
             cache.append(x if module.layer_index in self.save else None)
         return x
 
-    def _initialize_detect_biases(self) -> None:
-        """Start objectness near 8 objects per 640 image and classes near 0.6 / nc, so early losses are sane."""
-        detect = self.model[-1]
-        for conv, s in zip(detect.m, detect.stride):
-            b = conv.bias.view(detect.na, -1)
-            with torch.no_grad():
-                b[:, 4] += math.log(8 / (640 / float(s)) ** 2)
-                b[:, 5:5 + detect.nc] += math.log(0.6 / (detect.nc - 0.99999))
-
     def fuse(self) -> Model:
-        """Fold every BatchNorm into its convolution (for inference); both YOLO26 heads stay."""
+        """Fold every BatchNorm into its convolution (for inference); every head branch stays."""
         for m in self.modules():
             if isinstance(m, Conv) and isinstance(m.bn, nn.BatchNorm2d):
                 m.conv = fuse_conv_and_bn(m.conv, m.bn)
@@ -334,14 +254,6 @@ class Model(nn.Module):
         return self.model[-1].stride
 
 
-def _check_anchor_order(detect: Detect) -> None:
-    """Pixel anchors must grow with the stride; flip them if a config lists them the other way round."""
-    area = detect.anchors.prod(-1).mean(-1).view(-1)
-    if (area[-1] - area[0]).sign() != (detect.stride[-1] - detect.stride[0]).sign():
-        LOGGER.info("Reversing anchor order to match the strides")
-        detect.anchors[:] = detect.anchors.flip(0)
-
-
 def build_model(cfg: str | Path | dict, *, nc: int | None = None, weights: dict[str, torch.Tensor] | None = None,
                 transfer: bool = False, keep_anchors: bool = True, anchors: float | None = None,
                 names: list[str] | None = None) -> Model:
@@ -351,14 +263,14 @@ def build_model(cfg: str | Path | dict, *, nc: int | None = None, weights: dict[
     each tensor whose name and shape fit is copied and the rest keep their initialisation (fine-tuning with
     another number of classes: the head's class outputs do not fit); the count is logged. An anchor-free head
     is then built with the source's class-branch width (``head_class_width``; its default depends on the class
-    count), so only the class branch's last layer starts afresh. ``keep_anchors`` False leaves the config's
-    anchors (AutoAnchor may then fit new ones).
+    count), so only the class branch's last layer starts afresh (the head says which config keys keep the source's
+    shape: ``DetectionHead.fine_tune_config``). ``keep_anchors`` False leaves the config's anchors (AutoAnchor may
+    then fit new ones).
     """
     config = load_model_config(cfg)
-    if transfer and weights is not None and "head_class_width" not in config:
-        width = _class_branch_width(weights)
-        if width is not None:
-            config["head_class_width"] = width
+    if transfer and weights is not None:
+        tuned = _head_class(config).fine_tune_config(weights)
+        config.update({k: v for k, v in tuned.items() if k not in config})  # the config's own keys win
     model = Model(config, nc=nc, anchors=anchors)
     if weights is not None:
         if transfer:
@@ -374,12 +286,13 @@ def build_model(cfg: str | Path | dict, *, nc: int | None = None, weights: dict[
     return model
 
 
-def _class_branch_width(weights: dict[str, torch.Tensor]) -> int | None:
-    """The hidden width of an anchor-free head's class branch in ``weights`` (input channels of its last layer)."""
-    for key, tensor in weights.items():
-        if key.endswith(".cv3.0.2.weight") and tensor.ndim == 4:
-            return int(tensor.shape[1])
-    return None
+def _head_class(cfg: dict) -> type[DetectionHead]:
+    """The head class the last row of ``cfg`` builds."""
+    rows = cfg.get("head") or []
+    name = rows[-1][2] if rows and len(rows[-1]) > 2 else None
+    if name not in HEADS:
+        raise UserError(f"{cfg.get('yaml_file', 'model config')}: the last layer must be one of {', '.join(HEADS)}")
+    return head_for(name, cfg, HEADS[name])
 
 
 def main() -> None:

@@ -122,10 +122,10 @@ def test_val_py_scores_the_onnx_as_the_pt(layout, trained, exported_onnx, deploy
     runner = open_runner(trained[layout], end2end=end2end(layout))
     from utils.evaluation.gate import split_map
     from utils.data.config import load_data_config
-    from utils.formats.family_hooks import hooks_for
+    from models.families import family_of
 
     cfg = load_data_config(str(deploy_data))
-    reference = split_map(runner, hooks_for(runner.meta.family), cfg, cfg["val"], 64, 0, batch_size=4)
+    reference = split_map(runner, family_of(runner.meta.family), cfg, cfg["val"], 64, 0, batch_size=4)
     assert abs(onnx.map - reference) <= 1e-3
 
 

@@ -1,4 +1,4 @@
-"""YOLOv8 / YOLO11 / YOLO26 models: sizes, key names and outputs equal to Ultralytics' own models.
+"""YOLOv8 / YOLO11 / YOLO26 / YOLO12 models: sizes, key names and outputs equal to Ultralytics' own models.
 
 The reference numbers and fixtures were made with Ultralytics 8.4 (tests/fixtures/ultralytics/README.md).
 """
@@ -16,7 +16,8 @@ import torch.nn as nn
 from models.anchor_free import DFL, AnchorFreeDetect, bbox2dist, dist2bbox, make_anchors
 from models.blocks import C3k, C3k2, PSABlock
 from models.common import SPPF
-from models.yolo import Detect, Model, family_name, load_model_config, parse_model
+from models.families import family_name, family_of
+from models.yolo import Detect, Model, load_model_config, parse_model
 from utils.errors import UserError
 from utils.log import LOGGER
 
@@ -30,6 +31,8 @@ ULTRALYTICS_PARAMS = {
     "yolo11x": 56_966_176,
     "yolo26n": 2_572_280, "yolo26s": 10_009_784, "yolo26m": 21_896_248, "yolo26l": 26_299_704,
     "yolo26x": 58_993_368,
+    "yolo12n": 2_602_288, "yolo12s": 9_284_096, "yolo12m": 20_199_168, "yolo12l": 26_450_784,
+    "yolo12x": 59_210_784,
 }
 
 
@@ -47,7 +50,7 @@ def test_parameter_counts_equal_ultralytics(name: str) -> None:
     assert sum(p.numel() for p in layers.parameters()) == ULTRALYTICS_PARAMS[name]
 
 
-@pytest.mark.parametrize("name", ["yolov8n", "yolo11n", "yolo26n"])
+@pytest.mark.parametrize("name", ["yolov8n", "yolo11n", "yolo26n", "yolo12n"])
 def test_state_dict_names_and_shapes_equal_ultralytics(name: str) -> None:
     reference = json.loads((FIXTURES / "state_dict_keys.json").read_text())[name]
     ours = [[k, list(v.shape)] for k, v in layers_on_meta(f"{name}.yaml").state_dict().items()]
@@ -97,7 +100,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 def test_outputs_equal_ultralytics(reference: dict, family: str) -> None:
     model, x = reference_model(reference, family)
     head = model.model[-1]
-    assert model.family == family and isinstance(head, AnchorFreeDetect)
+    assert family_of(model).name == family and isinstance(head, AnchorFreeDetect)
     assert head.legacy == (family == "yolov8") and head.end2end == (family == "yolo26")
 
     model.eval()

@@ -76,17 +76,18 @@ class ToyLoss:
         return items.sum(), items.detach()
 
 
-class ToyFamily:
-    """Only what the engine asks of a family."""
+class ToyFamily(families.Family):
+    """What differs from the YOLO defaults of the family contract."""
 
     name = "toy"
+    title = "Toy"
     loss_names = ToyLoss.item_names
-    nms_iou = 0.5
-    adamw_lr_per_class_term = 0.05
+    layouts = ("end2end",)  # (B, k, 6) = x1 y1 x2 y2 score class: final, no NMS
+    val_iou = 0.5
     evolve_limits: dict = {}
 
     def __init__(self, hyp_file: Path) -> None:
-        self.default_hyp = self.default_hyp_path = hyp_file
+        self.default_hyp = str(hyp_file)  # absolute: default_hyp_path is it
         self.targets_seen: list[int] = []
 
     def check_hyp(self, hyp: Hyp, source: str) -> None:
@@ -124,9 +125,7 @@ def toy_family(tmp_path, monkeypatch) -> tuple[ToyFamily, Path]:
     hyp_file = tmp_path / "hyp.toy.yaml"
     hyp_file.write_text(yaml.safe_dump({**Hyp().to_dict(), **PRESET}))
     family = ToyFamily(hyp_file)
-    monkeypatch.setitem(families.FAMILIES, "toy", family)
-    recognise = families.family_name
-    monkeypatch.setattr(families, "family_name", lambda cfg: "toy" if cfg.get("family") == "toy" else recognise(cfg))
+    monkeypatch.setitem(families.FAMILIES, "toy", family)  # configs saying `family: toy` are its own
     cfg = tmp_path / "toy.yaml"
     cfg.write_text(yaml.safe_dump({"family": "toy", "nc": 2, "backbone": [], "head": []}))
     return family, cfg

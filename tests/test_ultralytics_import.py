@@ -1,5 +1,5 @@
-"""Importing Ultralytics checkpoints (utils/ultralytics_compat.py): the committed fixtures, made by Ultralytics' own
-trainer (tests/fixtures/ultralytics, see its README), load without running pickled code and compute
+"""Importing Ultralytics checkpoints (models/families/ultralytics_import.py): the committed fixtures, made by
+Ultralytics' own trainer (tests/fixtures/ultralytics, see its README), load without running pickled code and compute
 Ultralytics' own outputs; payloads, other tasks, missing files and --resume get one line each."""
 from __future__ import annotations
 
@@ -16,15 +16,16 @@ import torch.nn as nn
 
 from tests.ultralytics_reference import (FIXTURES, assert_close_to_ultralytics, assert_same_end2end_detections,
                                          reference)
+from models.families import family_of
 from utils.checkpoint import load_checkpoint
 from utils.errors import UserError
 
-CHECKPOINTS = {  # file -> (family, number of classes, the slot its weights come from)
-    "yolov8-final.pt": ("yolov8", 3, "model"),
-    "yolo11-final.pt": ("yolo11", 20, "model"),
-    "yolo26-final.pt": ("yolo26", 5, "model"),
-    "yolo26-last.pt": ("yolo26", 5, "ema"),
-}
+CHECKPOINTS = {  # file -> (family, number of classes, the slot its weights come from, scale letter, width)
+    "yolov8-final.pt": ("yolov8", 3, "model", "n", 0.015625),
+    "yolo11-final.pt": ("yolo11", 20, "model", "n", 0.015625),
+    "yolo26-final.pt": ("yolo26", 5, "model", "n", 0.015625),
+    "yolo26-last.pt": ("yolo26", 5, "ema", "n", 0.015625),
+}  # yolo12-final.pt: tests/test_yolo12.py
 
 
 # ---- fake Ultralytics module paths, to pickle objects that name them (the real package is never imported) ----
@@ -174,13 +175,13 @@ def test_a_missing_release_checkpoint_says_where_such_files_come_from(tmp_path, 
 def test_ultralytics_checkpoints_import_and_compute_ultralytics_outputs(name) -> None:
     from models.loading import load_model
 
-    family, nc, _ = CHECKPOINTS[name]
+    family, nc, _, scale, width = CHECKPOINTS[name]
     ckpt = load_checkpoint(FIXTURES / name)
     assert ckpt["source"] == "ultralytics" and len(ckpt["names"]) == nc and ckpt["ema"] is None
     assert all(v.dtype == torch.float32 for v in ckpt["model"].values() if v.is_floating_point())
-    assert ckpt["model_cfg"]["scale"] == "n" and ckpt["model_cfg"]["scales"]["n"][1] == 0.015625  # its own description
+    assert ckpt["model_cfg"]["scale"] == scale and ckpt["model_cfg"]["scales"][scale][1] == width  # its own description
     model, _ = load_model(FIXTURES / name)
-    assert model.family == family
+    assert family_of(model).name == family and ckpt["model_cfg"]["family"] == family
     x, ref = reference(family)
     assert sum(p.numel() for p in model.parameters()) == int(ref["n_params"])
     assert torch.equal(model.stride.float(), ref["stride"])

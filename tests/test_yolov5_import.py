@@ -13,15 +13,15 @@ import pytest
 import torch
 
 from models.loading import load_model
-from models.yolo import Detect, Model, build_model
+from models.yolo import Detect, Model, build_model, load_model_config
 from utils.checkpoint import load_checkpoint, model_weights
 from utils.convert_yolov5 import main as convert_main
 from utils.engine.config import TrainConfig
 from utils.engine.resume import resumed_config
 from utils.errors import UserError
 
-# Our classes under the names YOLOv5 pickles them with (the blocks already share YOLOv5's module paths).
-_YOLOV5_NAMES = {Model: ("models.yolo", "DetectionModel")}
+# Our classes under the names YOLOv5 pickles them with (the other blocks already share YOLOv5's module paths).
+_YOLOV5_NAMES = {Model: ("models.yolo", "DetectionModel"), Detect: ("models.yolo", "Detect")}
 
 
 class _YoloV5Pickler(pickle._Pickler):
@@ -49,7 +49,7 @@ def yolov5_style_model(model: Model, half: bool) -> Model:
     stride = detect._buffers.pop("stride")
     detect.__dict__["stride"] = stride
     detect._grid_cache = {}
-    m.yaml = {k: v for k, v in m.yaml.items() if k not in ("ch", "yaml_file")}
+    m.yaml = {k: v for k, v in m.yaml.items() if k not in ("ch", "yaml_file", "family")}
     m.yaml_file = "yolov5n.yaml"
     m.names = {i: n for i, n in enumerate(model.names)}
     m.__dict__["stride"] = stride  # YOLOv5 keeps it on the model too (a property here)
@@ -69,8 +69,9 @@ def write_yolov5_checkpoint(path: Path, model: Model, *, half: bool = True, ema:
 
 
 def _random_model(nc: int = 3, seed: int = 0) -> Model:
+    """yolov5n's layers at an eighth of its width (YOLOv5's files record their width; nothing here needs more)."""
     torch.manual_seed(seed)
-    model = Model("models/yolov5n.yaml", nc=nc)
+    model = Model({**load_model_config("models/yolov5n.yaml"), "width_multiple": 0.125}, nc=nc)
     with torch.no_grad():  # BN statistics away from their defaults, so a wrong mapping shows in the outputs
         for m in model.modules():
             if isinstance(m, torch.nn.BatchNorm2d):

@@ -114,7 +114,7 @@ class AnchorFreeLoss:
         self.strides: list[float] = [float(s) for s in head.stride]  # fixed once the model is built
         self.nc: int = int(head.nc)
         self.reg_max: int = int(head.reg_max)
-        self.item_names: tuple[str, str, str] = ("box", "cls", "dfl" if self.reg_max > 1 else "l1")
+        self.item_names: tuple[str, ...] = ("box", "cls", "dfl" if self.reg_max > 1 else "l1")
         if gains is None:
             if not all(hasattr(hyp, key) for key in ("box", "cls", "dfl")):
                 raise ValueError("AnchorFreeLoss needs the gains box, cls and dfl: in hyp or as gains=(box, cls, dfl)")

@@ -64,10 +64,10 @@ def copy_checkpoint(src: str | Path, dst: str | Path) -> None:
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Open a checkpoint safely; a file that needs arbitrary unpickling is refused, never executed.
 
-    A YOLOv5 v6+ or an Ultralytics (YOLOv8 / YOLO11 / YOLO26) detection ``.pt`` is imported without running
-    anything from it and returned in this project's format.
+    Another tool's checkpoint (YOLOv5 v6+, Ultralytics' detection ``.pt``) is imported without running anything from
+    it, by the importer of its family (models/families/), and returned in this project's format.
     """
-    from utils.ultralytics_compat import missing_weights_message, ultralytics_globals
+    from models.families import import_checkpoint, missing_weights_message
 
     path = Path(path)
     if not path.is_file():
@@ -75,16 +75,9 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError:
-        # Not our format: an Ultralytics or YOLOv5 checkpoint is read by an allow-list reader
-        # (utils/ultralytics_compat.py, utils/yolov5_compat.py); anything else is refused with the global it named.
-        names = ultralytics_globals(path)
-        if names is not None:
-            from utils.ultralytics_compat import load_ultralytics_checkpoint
-
-            return load_ultralytics_checkpoint(path, names)
-        from utils.yolov5_compat import load_yolov5_checkpoint
-
-        return load_yolov5_checkpoint(path)
+        # Not our format: another tool's checkpoint, read by its family's allow-list importer; anything else is
+        # refused with the global it named.
+        return import_checkpoint(path)
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as e:
         raise UserError(f"{path}: not a readable checkpoint ({e.__class__.__name__}: {str(e).splitlines()[0]})") from e
     if not isinstance(ckpt, dict) or "model_cfg" not in ckpt or "model" not in ckpt:
@@ -95,9 +88,10 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
 def trained_imgsz(ckpt: dict[str, Any]) -> int | None:
     """The image size a checkpoint was trained at: ours (``config``, or ``opt`` in older files), YOLOv5's (``opt``)
     or Ultralytics' (``train_args``) record; None when it records none."""
-    imported = ckpt.get("yolov5") or {}
-    for record in (ckpt.get("config"), ckpt.get("opt"), imported.get("opt"), imported.get("train_args"),
-                   ckpt.get("train_args")):
+    from models.families import imported_records
+
+    imported = [r.get(key) for r in imported_records(ckpt) for key in ("opt", "train_args")]
+    for record in (ckpt.get("config"), ckpt.get("opt"), *imported, ckpt.get("train_args")):
         size = record.get("imgsz", record.get("img_size")) if isinstance(record, dict) else None
         if isinstance(size, (list, tuple)) and size:
             size = max(size)
@@ -201,10 +195,13 @@ def run_folder_of(run_id: str, project: str | Path, not_before: float | None = N
 
 
 def not_resumable(path: Path, ckpt: dict[str, Any]) -> UserError:
-    if ckpt.get("source") in ("yolov5", "ultralytics"):
-        what = {"yolov5": "a YOLOv5 checkpoint", "ultralytics": "an Ultralytics checkpoint"}[ckpt["source"]]
-        owner = {"yolov5": "YOLOv5's", "ultralytics": "Ultralytics'"}[ckpt["source"]]
-        instead = f"fine-tune from it with --weights {path} ({owner} own training state cannot be continued here)"
+    from models.families import importer_of_source
+
+    importer = importer_of_source(ckpt.get("source"))
+    if importer is not None:
+        what = f"a{'n' if importer.title[0] in 'AEIOU' else ''} {importer.title} checkpoint"
+        instead = (f"fine-tune from it with --weights {path} ({importer.possessive} own training state cannot be "
+                   "continued here)")
     elif ckpt.get("optimizer") is None and "epoch" in ckpt:
         what = "a final checkpoint (the optimizer state is stripped at the end of training)"
         instead = f"resume from {path.with_name('last.pt')}, or fine-tune from it with --weights {path}"

@@ -3,7 +3,7 @@
 Usage:
     python -m utils.convert_yolov5 yolov5s.pt yolov5s_safe.pt
 
-The input is read by the allow-list unpickler of utils/yolov5_compat.py (nothing in it runs); the output holds
+The input is read by its family's allow-list importer (models/families/; nothing in it runs); the output holds
 the model config, class names, fp32 weights (and the EMA's when the file has one) and YOLOv5's plain metadata.
 """
 from __future__ import annotations

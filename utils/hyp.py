@@ -1,9 +1,15 @@
-"""Hyper-parameters: one typed record with YOLOv5's published defaults, read from and written to YAML.
+"""Hyper-parameters: typed records of floats, read from and written to YAML, and how ``--evolve`` mutates them.
+
+Every record is a frozen dataclass built from groups: :class:`OptimisationHyp` (learning rate, momentum, decay,
+warmup) and :class:`AugmentationHyp` (what the data loader draws), shared by every family, with a family's loss
+gains between them (each family's record is in its module under models/families/). :class:`Hyp` holds every key
+any family here reads (YOLOv5's published defaults, and the anchor-free families' ``dfl`` gain), for code that
+reads a hyp file without asking a family for its record.
 
 A YOLOv5 hyp file loads unchanged. Keys YOLOv5 writes but nothing here uses (``iou_t``, read by no YOLOv5
 code either; ``copy_paste``, which needs segment labels) are accepted and dropped with a log line; any other
-unknown key is a one-line error naming the file and the key. ``EVOLVE_LIMITS`` (YOLOv5) and
-``ANCHOR_FREE_EVOLVE_LIMITS`` beside the record say how ``--evolve`` may mutate each value of a family's.
+unknown key is a one-line error naming the file and the key. ``EVOLVE_LIMITS`` says how ``--evolve`` may mutate
+each value of :class:`Hyp`; families declare their own tables.
 """
 from __future__ import annotations
 
@@ -11,7 +17,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 import yaml
 
@@ -26,12 +32,76 @@ IGNORED_KEYS = {
 
 OPTIONAL_KEYS = ("anchors", "dfl")  # None means unset: left out of the YAML written
 
+R = TypeVar("R", bound="HypRecord")
+
+
+class HypRecord:
+    """What every hyper-parameter record can do (the records themselves are frozen dataclasses of floats).
+
+    ``IGNORED_KEYS``: keys accepted and dropped (with the reason, logged); ``OPTIONAL_KEYS``: fields whose None
+    means unset, left out of the YAML written; ``REQUIRED_KEYS``: keys a file must set (families check them).
+    """
+
+    IGNORED_KEYS: ClassVar[dict[str, str]] = IGNORED_KEYS
+    OPTIONAL_KEYS: ClassVar[tuple[str, ...]] = ()
+    REQUIRED_KEYS: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls: type[R], values: dict[str, Any], source: str = "hyp") -> R:
+        """A record from a mapping; unknown keys and non-numeric values are one-line errors naming ``source``."""
+        if not isinstance(values, dict):
+            raise UserError(f"{source}: expected a mapping of hyper-parameter names to numbers")
+        known = set(cls.field_names())
+        unknown = sorted(k for k in values if k not in known and k not in cls.IGNORED_KEYS)
+        if unknown:
+            raise UserError(f"{source}: unknown hyper-parameter(s) {', '.join(map(str, unknown))} "
+                            f"(known: {', '.join(sorted(known))})")
+        for key in sorted(k for k in values if k in cls.IGNORED_KEYS):
+            LOGGER.info(f"{source}: '{key}' ignored ({cls.IGNORED_KEYS[key]})")
+        chosen = {}
+        for key, value in values.items():
+            if key not in known or (key in cls.OPTIONAL_KEYS and value is None):
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise UserError(f"{source}: '{key}' must be a finite number, got {value!r}")
+            chosen[key] = float(value)
+        return cls(**chosen)
+
+    @staticmethod
+    def read_yaml(path: str | Path, source: str | None = None) -> Any:
+        """A hyp file's contents, as YAML read them (checked by ``from_dict``)."""
+        try:
+            return yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+            raise UserError(f"{source or path}: cannot read hyper-parameters ({e.__class__.__name__})") from e
+
+    @classmethod
+    def from_yaml(cls: type[R], path: str | Path) -> R:
+        return cls.from_dict(cls.read_yaml(path), str(path))
+
+    def to_dict(self) -> dict[str, float]:
+        """Plain values (for YAML and checkpoints); unset optional values are left out, as YOLOv5 files do."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if not (k in self.OPTIONAL_KEYS and v is None)}
+
+    def to_yaml(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False), encoding="utf-8")
+
+    def replace(self: R, **changes: float) -> R:
+        return dataclasses.replace(self, **changes)
+
+
+# The groups below are combined as ``class Record(AugmentationHyp, LossGains, OptimisationHyp)``: a dataclass
+# lists the fields of its bases from the last base to the first, so a record's YAML reads optimisation, loss,
+# augmentation, as YOLOv5's files do.
 
 @dataclass(frozen=True)
-class Hyp:
-    """Values of ``data/hyps/hyp.scratch-low.yaml`` (YOLOv5's low-augmentation defaults for training from scratch)."""
+class OptimisationHyp(HypRecord):
+    """The optimizer's and the schedule's values (YOLOv5's published defaults)."""
 
-    # optimisation
     lr0: float = 0.01  # initial learning rate (SGD; the automatic AdamW choice sets its own, see utils/optimizer.py)
     lrf: float = 0.01  # final learning rate = lr0 * lrf
     momentum: float = 0.937  # SGD momentum / Adam beta1
@@ -39,17 +109,12 @@ class Hyp:
     warmup_epochs: float = 3.0  # may be fractional
     warmup_momentum: float = 0.8
     warmup_bias_lr: float = 0.1
-    # loss
-    box: float = 0.05  # box loss gain
-    cls: float = 0.5  # classification loss gain
-    cls_pw: float = 1.0  # classification BCE positive weight
-    obj: float = 1.0  # objectness loss gain (scaled with image size)
-    obj_pw: float = 1.0  # objectness BCE positive weight
-    anchor_t: float = 4.0  # anchor-multiple threshold for matching targets to anchors
-    anchors: float | None = None  # anchors per output level (None: the model YAML's), then fitted by AutoAnchor
-    fl_gamma: float = 0.0  # focal loss gamma (0: plain BCE)
-    dfl: float | None = None  # DFL (YOLO26: L1) box loss gain of the anchor-free families; unset for YOLOv5
-    # augmentation
+
+
+@dataclass(frozen=True)
+class AugmentationHyp(HypRecord):
+    """What the data loader draws for each training sample (YOLOv5's low-augmentation defaults)."""
+
     hsv_h: float = 0.015  # hue jitter (fraction)
     hsv_s: float = 0.7  # saturation jitter (fraction)
     hsv_v: float = 0.4  # value jitter (fraction)
@@ -63,44 +128,26 @@ class Hyp:
     mosaic: float = 1.0  # probability of a 4-image mosaic
     mixup: float = 0.0  # probability of mixup
 
-    @classmethod
-    def from_dict(cls, values: dict[str, Any], source: str = "hyp") -> Hyp:
-        """A record from a mapping; unknown keys and non-numeric values are one-line errors naming ``source``."""
-        if not isinstance(values, dict):
-            raise UserError(f"{source}: expected a mapping of hyper-parameter names to numbers")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(k for k in values if k not in known and k not in IGNORED_KEYS)
-        if unknown:
-            raise UserError(f"{source}: unknown hyper-parameter(s) {', '.join(map(str, unknown))} "
-                            f"(known: {', '.join(sorted(known))})")
-        for key in sorted(k for k in values if k in IGNORED_KEYS):
-            LOGGER.info(f"{source}: '{key}' ignored ({IGNORED_KEYS[key]})")
-        chosen = {}
-        for key, value in values.items():
-            if key not in known or (key in OPTIONAL_KEYS and value is None):
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise UserError(f"{source}: '{key}' must be a finite number, got {value!r}")
-            chosen[key] = float(value)
-        return cls(**chosen)
 
-    @classmethod
-    def from_yaml(cls, path: str | Path) -> Hyp:
-        try:
-            values = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-            raise UserError(f"{path}: cannot read hyper-parameters ({e.__class__.__name__})") from e
-        return cls.from_dict(values, str(path))
+@dataclass(frozen=True)
+class _EveryLossGain(HypRecord):
+    box: float = 0.05  # box loss gain
+    cls: float = 0.5  # classification loss gain
+    cls_pw: float = 1.0  # classification BCE positive weight
+    obj: float = 1.0  # objectness loss gain (scaled with image size)
+    obj_pw: float = 1.0  # objectness BCE positive weight
+    anchor_t: float = 4.0  # anchor-multiple threshold for matching targets to anchors
+    anchors: float | None = None  # anchors per output level (None: the model YAML's), then fitted by AutoAnchor
+    fl_gamma: float = 0.0  # focal loss gamma (0: plain BCE)
+    dfl: float | None = None  # DFL (or L1) box loss gain of the anchor-free families; unset for anchor-based ones
 
-    def to_dict(self) -> dict[str, float]:
-        """Plain values (for YAML and checkpoints); unset ``anchors`` and ``dfl`` are left out, as YOLOv5 files do."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if not (k in OPTIONAL_KEYS and v is None)}
 
-    def to_yaml(self, path: str | Path) -> None:
-        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False), encoding="utf-8")
+@dataclass(frozen=True)
+class Hyp(AugmentationHyp, _EveryLossGain, OptimisationHyp):
+    """Every key any family here reads, with the values of ``data/hyps/hyp.scratch-low.yaml`` (YOLOv5's
+    low-augmentation defaults for training from scratch); ``dfl`` unset."""
 
-    def replace(self, **changes: float) -> Hyp:
-        return dataclasses.replace(self, **changes)
+    OPTIONAL_KEYS: ClassVar[tuple[str, ...]] = OPTIONAL_KEYS
 
 
 @dataclass(frozen=True)
@@ -112,7 +159,8 @@ class Limit:
     high: float
 
 
-# YOLOv5's evolution table: mutation scale and bounds per hyper-parameter.
+# Mutation scale and bounds of each value of ``Hyp`` (YOLOv5's evolution table); a family's table takes the
+# entries of its own record's keys from here and gives its own bounds where they differ.
 EVOLVE_LIMITS: dict[str, Limit] = {
     "lr0": Limit(1, 1e-5, 1e-1),
     "lrf": Limit(1, 0.01, 1.0),
@@ -143,11 +191,9 @@ EVOLVE_LIMITS: dict[str, Limit] = {
     "mixup": Limit(1, 0.0, 1.0),
 }
 
-# The anchor-free families' evolution table: YOLOv5's for what they share; the box gain on their scale (7.5),
-# the DFL/L1 gain; nothing for the terms they do not have (objectness, anchors, focal loss, class pos-weight).
-ANCHOR_FREE_EVOLVE_LIMITS: dict[str, Limit] = {
-    **{k: v for k, v in EVOLVE_LIMITS.items()
-       if k not in ("obj", "obj_pw", "anchor_t", "anchors", "fl_gamma", "cls_pw")},
-    "box": Limit(1, 1.0, 20.0),
-    "dfl": Limit(1, 0.4, 6.0),
-}
+
+def evolve_limits_of(record: type[HypRecord], **own: Limit) -> dict[str, Limit]:
+    """The evolution table of ``record``'s keys: ``own`` limits where given, else ``EVOLVE_LIMITS``' (keys without
+    either are never mutated)."""
+    table = {**EVOLVE_LIMITS, **own}
+    return {k: table[k] for k in [*EVOLVE_LIMITS, *own] if k in record.field_names()}

@@ -32,16 +32,16 @@ class LossNorm(NamedTuple):
 
 
 class DetectionLoss(Protocol):
-    """What train.py and validation call for every model family (models/families.py makes the family's loss).
+    """What the training step and validation call for every model family (``Family.make_loss`` makes it).
 
     ``prepare`` runs before the forward pass (YOLOv5: the anchor assignment; anchor-free losses: nothing),
     ``counts`` gives the 1-D float counts that are summed over ranks before the forward pass and come back as
     ``norm.positives`` (empty for losses that need none), ``__call__`` returns the loss (scaled by the global
-    micro-batch's image count) and its three weighted terms, named by ``item_names``, detached. ``reduce`` sums a
-    tensor over all ranks (None: one process). ``set_epoch`` is called at the start of every epoch.
+    micro-batch's image count) and its weighted terms (any number), named by ``item_names``, detached. ``reduce``
+    sums a tensor over all ranks (None: one process). ``set_epoch`` is called at the start of every epoch.
     """
 
-    item_names: tuple[str, str, str]
+    item_names: tuple[str, ...]
 
     def prepare(self, targets: torch.Tensor, image_hw: tuple[int, int]) -> Any: ...
 

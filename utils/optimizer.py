@@ -62,7 +62,7 @@ def choose_optimizer(requested: str, epochs: int, n_images: int, batch_size: int
                      lr_per_class_term: float = ADAMW_LR_PER_CLASS_TERM) -> OptimizerChoice:
     """The explicit --optimizer with the hyp file's lr0/momentum and YOLOv5's accumulation, or the automatic
     choice for ``auto``: the length of the run at the nominal batch decides. A short run's AdamW takes
-    lr0 = ``lr_per_class_term`` / (4 + nc) (the model family's, see models/families.py)."""
+    lr0 = ``lr_per_class_term`` / (4 + nc) (the model family's: ``Family.adamw_lr_per_class_term``)."""
     accumulate = max(round(NOMINAL_BATCH / batch_size), 1)
     steps = optimizer_steps(epochs, n_images, batch_size, accumulate)
     if requested != "auto":
@@ -114,25 +114,29 @@ def parameter_groups(model: nn.Module) -> tuple[list, list, list]:
     return decay, norm_weights, biases
 
 
-def build_optimizer(
-    model: nn.Module, name: str = "SGD", lr: float = 0.01, momentum: float = 0.937, decay: float = 5e-4
-) -> torch.optim.Optimizer:
-    """SGD (Nesterov), Adam or AdamW over three groups; weight decay only on conv/linear weights."""
-    weights, norm_weights, biases = parameter_groups(model)
+def build_optimizer(model: nn.Module, name: str = "SGD", lr: float = 0.01, momentum: float = 0.937,
+                    decay: float = 5e-4, groups: list[dict[str, Any]] | None = None) -> torch.optim.Optimizer:
+    """SGD (Nesterov), Adam or AdamW over ``groups`` (a model family's ``parameter_groups``; by default YOLO's
+    three: biases, then conv/linear weights with ``decay``, then norm weights). Settings a group leaves out take
+    the optimizer's defaults: no weight decay, ``lr``, ``momentum``."""
+    if groups is None:
+        weights, norm_weights, biases = parameter_groups(model)
+        groups = [{"params": biases}, {"params": weights, "weight_decay": decay},
+                  {"params": norm_weights, "weight_decay": 0.0}]
     # One fused kernel per step instead of a dozen small ops per tensor.
     fused = all(p.device.type in ("cpu", "cuda") for p in model.parameters())
+    first, rest = groups[0], groups[1:]
     if name == "Adam":
-        optimizer = torch.optim.Adam(biases, lr=lr, betas=(momentum, 0.999), fused=fused)
+        optimizer = torch.optim.Adam([first], lr=lr, betas=(momentum, 0.999), fused=fused)
     elif name == "AdamW":
-        optimizer = torch.optim.AdamW(biases, lr=lr, betas=(momentum, 0.999), weight_decay=0.0, fused=fused)
+        optimizer = torch.optim.AdamW([first], lr=lr, betas=(momentum, 0.999), weight_decay=0.0, fused=fused)
     elif name == "SGD":
-        optimizer = torch.optim.SGD(biases, lr=lr, momentum=momentum, nesterov=True, fused=fused)
+        optimizer = torch.optim.SGD([first], lr=lr, momentum=momentum, nesterov=True, fused=fused)
     else:
         raise UserError(f"--optimizer {name} is not known: use SGD, Adam or AdamW")
-    optimizer.add_param_group({"params": weights, "weight_decay": decay})
-    optimizer.add_param_group({"params": norm_weights, "weight_decay": 0.0})
-    LOGGER.info(
-        f"optimizer: {name}(lr={lr}) with parameter groups {len(norm_weights)} weight(decay=0.0), "
-        f"{len(weights)} weight(decay={decay}), {len(biases)} bias"
-    )
+    for group in rest:
+        optimizer.add_param_group(group)
+    sizes = ", ".join(str(len(g["params"])) for g in optimizer.param_groups)
+    decays = ", ".join(f"{g['weight_decay']:g}" for g in optimizer.param_groups)
+    LOGGER.info(f"optimizer: {name}(lr={lr}) with parameter groups of {sizes} tensors (weight decay {decays})")
     return optimizer

@@ -19,7 +19,7 @@ from utils.evaluation.evaluator import DetectionEvaluator, ValResults
 from utils.evaluation.loop import evaluate
 from utils.evaluation.outputs import OutputOptions, ValOutputs
 from utils.evaluation.predictor import PredictOptions, Predictor
-from utils.formats.family_hooks import FamilyHooks, hooks_for
+from models.families import Family, family_of
 from utils.formats.metadata import ModelMeta
 from utils.formats.pytorch import PytorchRunner
 
@@ -84,7 +84,7 @@ def without_cudnn_benchmark(fn: Callable[..., ValResults]) -> Callable[..., ValR
     return wrapper
 
 
-def module_runner(model: torch.nn.Module, names: Sequence[str], device: torch.device, family: FamilyHooks
+def module_runner(model: torch.nn.Module, names: Sequence[str], device: torch.device, family: Family
                   ) -> PytorchRunner:
     """A model in memory as a runner. A ``Model`` with BatchNorm is validated as a copy with each BatchNorm folded
     into its convolution, as val.py's loaded weights are: one op less per layer. A copy, since the caller's model
@@ -98,19 +98,19 @@ def module_runner(model: torch.nn.Module, names: Sequence[str], device: torch.de
     try:
         layout = family.layout(model)
     except (AttributeError, TypeError, IndexError):  # not a detector of this project (a test's stand-in)
-        layout = "yolov5" if family.name == "yolov5" else "anchor_free"
+        layout = family.layouts[0]
     meta = ModelMeta(names=list(names), stride=stride, kind="pytorch", family=family.name, layout=layout)
     return PytorchRunner(model, meta, device)
 
 
-def _family(model: torch.nn.Module, family: Any) -> FamilyHooks:
+def _family(model: torch.nn.Module, family: Any) -> Family:
     from models.yolo import Model
 
     if family is None:
         if not isinstance(model, Model):
             raise ValueError(f"validate: {type(model).__name__} is not a Model of this project: pass its family")
-        return hooks_for(model)
-    return hooks_for(family)
+        return family_of(model)
+    return family_of(family)
 
 
 @without_cudnn_benchmark

@@ -2,7 +2,7 @@
 
 The floors are what the code calls, not what it was tested on (the suite runs on Python 3.11 and torch 2.14.1):
 - Python 3.9: built-in generics evaluated at import (``tuple[int, ...]`` type aliases); the syntax compiles on 3.8.
-- torch 2.6: loading Ultralytics checkpoints through an allow-list (utils/ultralytics_compat.py:
+- torch 2.6: loading Ultralytics checkpoints through an allow-list (models/families/ultralytics_import.py:
   ``torch.serialization.get_unsafe_globals_in_checkpoint`` and ``safe_globals`` with (stand-in, dotted name)
   pairs); it also has the fused CPU kernels of SGD, Adam and AdamW (utils/optimizer.py; 2.4),
   ``torch.amp.GradScaler`` for every device (2.3) and the typed distributed errors ``DistError``,

@@ -22,7 +22,7 @@ from utils.evaluation.loop import evaluate
 from utils.evaluation.predictor import PredictOptions, Predictor
 from utils.formats.base import Runner
 from utils.errors import UserError
-from utils.formats.family_hooks import FamilyHooks
+from models.families import Family
 from utils.log import LOGGER
 
 # The largest mAP50-95 drop (absolute) a file may show against the PyTorch model, per precision of the file.
@@ -74,7 +74,7 @@ def check_numerics(out: torch.Tensor, ref: torch.Tensor, layout: str, precision:
 class AccuracyGate:
     """The val split, the PyTorch model's figures on it, and one row per file judged."""
 
-    def __init__(self, data_cfg: dict[str, Any], family: FamilyHooks, options: PredictOptions,
+    def __init__(self, data_cfg: dict[str, Any], family: Family, options: PredictOptions,
                  shape: tuple[int, int, int], max_drop: dict[str, float]):
         """``shape``: (image size, batch size, stride)."""
         from utils.data.loader import create_dataloader, load_labels
@@ -137,13 +137,13 @@ class AccuracyGate:
         return format_table(self.rows, self.reference, self.max_drop, cpu_name())
 
 
-def split_map(runner: Runner, family: FamilyHooks, data_cfg: dict[str, Any], split: Any, imgsz: int, workers: int,
+def split_map(runner: Runner, family: Family, data_cfg: dict[str, Any], split: Any, imgsz: int, workers: int,
               batch_size: int | None = None) -> float:
     """mAP50-95 of a runner on a split, at val.py's thresholds, square letterboxes of ``imgsz``."""
     return split_results(runner, family, data_cfg, split, imgsz, workers, batch_size).map
 
 
-def split_results(runner: Runner, family: FamilyHooks, data_cfg: dict[str, Any], split: Any, imgsz: int,
+def split_results(runner: Runner, family: Family, data_cfg: dict[str, Any], split: Any, imgsz: int,
                   workers: int, batch_size: int | None = None) -> Any:
     from utils.data.loader import create_dataloader, load_labels
 

@@ -19,7 +19,7 @@ import torch
 from utils.boxes import scale_boxes
 from utils.data.augmentations import letterbox
 from utils.formats.base import Runner
-from utils.formats.family_hooks import FamilyHooks
+from models.families import Family
 from utils.log import LOGGER
 from utils.nms import end_to_end_detections
 
@@ -71,7 +71,7 @@ def _now(device: torch.device) -> float:
 class Predictor:
     """Detections of a runner's model, decoded by its family; see the module docstring."""
 
-    def __init__(self, runner: Runner, family: FamilyHooks, options: PredictOptions, purpose: str = "val"):
+    def __init__(self, runner: Runner, family: Family, options: PredictOptions, purpose: str = "val"):
         self.runner, self.family, self.options = runner, family, options
         default_iou = family.val_iou if purpose == "val" else family.detect_iou
         self.iou_thres = default_iou if options.iou_thres is None else options.iou_thres
@@ -196,10 +196,10 @@ def load_predictor(weights: str | Path, device: torch.device | str = "cpu", **op
     """A predictor at detect.py's thresholds (``options``: PredictOptions' fields) for any weights file or export
     folder."""
     from utils.formats import open_runner
-    from utils.formats.family_hooks import hooks_for
+    from models.families import family_of
 
     runner = open_runner(weights, torch.device(device))
-    return Predictor(runner, hooks_for(runner.meta.family), PredictOptions(**{"conf_thres": 0.25, **options}),
+    return Predictor(runner, family_of(runner.meta.family), PredictOptions(**{"conf_thres": 0.25, **options}),
                      purpose="detect")
 
 

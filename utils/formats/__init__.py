@@ -71,7 +71,7 @@ def format_of(path: str | Path) -> Format:
 def open_runner(path: str | Path, device: torch.device | str = "cpu", end2end: bool = False) -> Runner:
     """A runner for any artifact: a ``.pt`` checkpoint, or a file or folder export.py wrote. ``end2end``: YOLO26's
     NMS-free output (a .pt is switched to it; an exported file must have been exported so)."""
-    from utils.ultralytics_compat import missing_weights_message
+    from models.families import missing_weights_message
 
     path = Path(path)
     if not path.exists():

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from utils.errors import UserError
-from utils.formats.family_hooks import FamilyHooks, Int8Scope
+from models.families import Family, Int8Scope
 from utils.formats.metadata import ModelMeta
 
 # Where Ultralytics writes fp16 under the fp32 name, a tag keeps each precision's file apart.
@@ -121,7 +121,7 @@ class ExportJob:
 
     module: nn.Module
     model: nn.Module  # the underlying detector (module names for ``int8_scope``)
-    family: FamilyHooks  # ``candidates`` for NMS in the graph
+    family: Family  # ``candidates`` for NMS in the graph
     example: torch.Tensor  # (B, 3, H, W) float32 in [0, 1]
     meta: ModelMeta  # what the file says about itself (precision, batch, nms set for this file)
     path: Path

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ast
 import json
-import re
 from dataclasses import dataclass, field, fields, replace
 from datetime import datetime
 from pathlib import Path
@@ -22,12 +21,13 @@ from typing import Any
 
 import yaml
 
+from models.families import UNRECORDED_EXPORT_FAMILY, known_layouts, ultralytics_export_family
 from utils.cli import INFERENCE_IMGSZ
 from utils.errors import UserError
 
 OWN_METADATA_KEY = "yolo_train"  # this project's record among the exported metadata
 METADATA_YAML = "metadata.yaml"  # inside an export folder, as Ultralytics writes it
-LAYOUTS = ("yolov5", "anchor_free", "end2end")
+LAYOUTS = known_layouts()
 PRECISIONS = ("fp32", "fp16", "int8")
 
 
@@ -40,8 +40,8 @@ class ModelMeta:
     kind: str  # the format's name: "pytorch", "onnx", "torchscript", ...
     imgsz: tuple[int, int] | None = None  # (h, w) the file only accepts, None when any multiple of the stride fits
     batch: int | None = None  # the batch size the file only accepts, None when any
-    family: str = "yolov5"  # the family's name; files exported before families were recorded are YOLOv5's
-    layout: str = "yolov5"  # see LAYOUTS: (B, A, 5 + nc), (B, 4 + nc, A) or (B, k, 6)
+    family: str = UNRECORDED_EXPORT_FAMILY.name  # the family's name; for files exported before it was recorded
+    layout: str = UNRECORDED_EXPORT_FAMILY.layouts[0]  # see LAYOUTS: (B, A, 5 + nc), (B, 4 + nc, A) or (B, k, 6)
     trained_imgsz: int | None = None  # the image size a .pt was trained at, when its checkpoint says
     precision: str = "fp32"  # of the file's weights and arithmetic: fp32, fp16 or int8
     nms: dict[str, float] | None = None  # NMS inside the graph: {"conf": .., "iou": .., "max_det": ..}
@@ -105,7 +105,8 @@ class ModelMeta:
             names, stride = [str(n) for n in raw["names"]], int(raw["stride"])
             imgsz = tuple(int(v) for v in raw["imgsz"]) if raw.get("imgsz") else None
             batch = int(raw["batch"]) if raw.get("batch") else None
-            family, layout = str(raw.get("family", "yolov5")), str(raw.get("layout", "yolov5"))
+            family = str(raw.get("family", UNRECORDED_EXPORT_FAMILY.name))
+            layout = str(raw.get("layout", UNRECORDED_EXPORT_FAMILY.layouts[0]))
             precision = str(raw.get("precision") or "fp32")
             nms = {k: float(v) for k, v in raw["nms"].items()} if raw.get("nms") else None
         except (ValueError, KeyError, TypeError, AttributeError) as e:
@@ -180,8 +181,7 @@ class ModelMeta:
         if isinstance(names, dict):  # {0: 'person', ...}; JSON makes the keys strings
             names = [names[k] for k in sorted(names, key=int)]
         args = values.get("args") if isinstance(values.get("args"), dict) else {}
-        named = re.search(r"YOLO(v8|11|26)", str(values.get("description", "")))
-        family = f"yolo{named.group(1)}" if named else "yolov8"  # the anchor-free families decode alike
+        family = ultralytics_export_family(str(values.get("description", ""))).name
         end2end = values.get("end2end") in (True, "True") or args.get("nms") in (True, "True")
         nms = {"conf": args.get("conf") or 0.25, "iou": args.get("iou") or 0.7, "max_det": args.get("max_det") or 300} \
             if args.get("nms") in (True, "True") else None

@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from utils.errors import UserError
 from utils.formats.base import ExportJob, Format, Runner
-from utils.formats.family_hooks import hooks_for
+from models.families import family_of
 from utils.formats.metadata import ModelMeta
 
 
@@ -37,11 +37,9 @@ class PytorchRunner(Runner):
         self.meta.precision = "fp16"
 
     def use_end2end(self, path: Path | str) -> None:
-        head = self.model.model[-1]
-        if not getattr(head, "end2end", False):
-            raise UserError(f"--end2end: {path} has no one-to-one head (YOLO26 only)")
-        head.end2end_output = True
-        self.meta.layout = hooks_for(self.model).layout(self.model)
+        family = family_of(self.model)
+        family.use_end_to_end(self.model, path)
+        self.meta.layout = family.layout(self.model)
 
 
 def load_pytorch(path: Path, device: torch.device, fuse: bool = True) -> PytorchRunner:
@@ -53,7 +51,7 @@ def load_pytorch(path: Path, device: torch.device, fuse: bool = True) -> Pytorch
     model = model.float()
     if fuse:
         model.fuse()
-    hooks = hooks_for(model)
+    hooks = family_of(model)
     meta = ModelMeta(names=list(model.names), stride=int(model.stride.max()), kind="pytorch", family=hooks.name,
                      layout=hooks.layout(model), trained_imgsz=trained_imgsz(ckpt))
     return PytorchRunner(model.eval(), meta, device)

@@ -1,4 +1,4 @@
-"""Import Ultralytics (YOLOv8 / YOLO11 / YOLO26) detection checkpoints without running anything from the file.
+"""Import Ultralytics detection checkpoints (of the families that name this importer) without running anything.
 
 An Ultralytics ``.pt`` pickles its model as objects (``ultralytics.nn.tasks.DetectionModel`` holding
 ``ultralytics.nn.modules.*`` blocks and torch.nn layers), in fp16: the published, stripped form under ``model``,
@@ -15,23 +15,25 @@ a checkpoint saved during training under ``ema`` (``model`` None) with the optim
 
 Checkpoints of other tasks (segment, pose, OBB, classify, ...) and other detector variants (P2/P6 heads, YOLOv10,
 RT-DETR, ...) are refused in one line until they are supported. Ultralytics' training state (optimizer,
-epoch) is not ours: such a checkpoint is fine-tuned from (``--weights``), never resumed.
+epoch) is not ours: such a checkpoint is fine-tuned from (``--weights``), never resumed. Which families' checkpoints
+are read is theirs to say (``Family.importers``); the dispatcher (models/families/__init__.py) passes them in.
 """
 from __future__ import annotations
 
 import re
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
 
+from models.families.base import CheckpointImporter, Family
+from models.families.records import SAFE_CALLABLES, ModuleRecord, named_records, plain, record_state_dict
 from models.yolo import build_model
 from utils.errors import UserError
 from utils.log import LOGGER
 from utils.torch_utils import cpu_fp32_state
-from utils.yolov5_compat import _CALLABLES as _YOLOV5_SAFE_CALLABLES  # inert numpy and pathlib readers
-from utils.yolov5_compat import ModuleRecord, plain, record_state_dict
 
 RELEASES_URL = "https://github.com/ultralytics/assets/releases"
 
@@ -45,12 +47,12 @@ _TORCH_MODULES = frozenset(f"torch.nn.modules.{name}" for name in (
 _RECORD_PREFIXES = ("ultralytics.nn.", "ultralytics.utils.loss.", "ultralytics.utils.tal.",
                     "ultralytics.yolo.utils.loss.", "ultralytics.yolo.utils.tal.")
 _NAMESPACES = frozenset({"ultralytics.utils.IterableSimpleNamespace", "ultralytics.yolo.utils.IterableSimpleNamespace"})
-_SAFE_CALLABLES = {
-    **{f"{module}.{cls}": _YOLOV5_SAFE_CALLABLES[f"pathlib.{cls}"]
+_SAFE_CALLABLES = {  # inert readers of paths and numpy scalars
+    **{f"{module}.{cls}": SAFE_CALLABLES[f"pathlib.{cls}"]
        for module in ("pathlib", "pathlib._local") for cls in ("Path", "PosixPath", "WindowsPath")},
-    "numpy.dtype": _YOLOV5_SAFE_CALLABLES["numpy.dtype"],
-    "numpy.core.multiarray.scalar": _YOLOV5_SAFE_CALLABLES["numpy.core.multiarray.scalar"],
-    "numpy._core.multiarray.scalar": _YOLOV5_SAFE_CALLABLES["numpy.core.multiarray.scalar"],
+    "numpy.dtype": SAFE_CALLABLES["numpy.dtype"],
+    "numpy.core.multiarray.scalar": SAFE_CALLABLES["numpy.core.multiarray.scalar"],
+    "numpy._core.multiarray.scalar": SAFE_CALLABLES["numpy.core.multiarray.scalar"],
 }
 # Ultralytics model classes of tasks and variants not supported yet, and what to call them.
 _OTHER_MODELS = {
@@ -60,9 +62,10 @@ _OTHER_MODELS = {
     "YOLOv10DetectionModel": "a YOLOv10 model", "SemanticSegmentationModel": "a semantic segmentation model",
     "DepthModel": "a depth model",
 }
-# Names of Ultralytics' released weights (yolov5s.pt, YOLOv5's own, is not one: yolov5su.pt is).
-_RELEASE_NAME = re.compile(r"^(yolo(v8|11|26)[nsmlx]|yolov5[nsmlx]6?u)(-(seg|pose|obb|cls|p2|p6|oiv7))?\.pt$",
-                           re.IGNORECASE)
+# Ultralytics' released weights: <family name><scale>[-<task or variant>].pt for the families read here, and
+# its anchor-free YOLOv5 retrain (yolov5su.pt; yolov5s.pt is YOLOv5's own).
+_RELEASE_STEM = r"({families})[nsmlx]|yolov5[nsmlx]6?u"
+_RELEASE_SUFFIX = r"(-(seg|pose|obb|cls|p2|p6|oiv7))?\.pt"
 # What Ultralytics' own non-detection checkpoints name besides their model classes: such a file is reported as
 # the task it is rather than as a refused global.
 _OTHER_TASK_GLOBALS = frozenset({"builtins.getattr", "__builtin__.getattr"})
@@ -75,16 +78,6 @@ class NamespaceRecord(dict):
         if not isinstance(state, dict):
             raise TypeError("namespace state is not a dict")
         self.update(state)
-
-
-def missing_weights_message(path: str | Path, what: str = "checkpoint") -> str:
-    """The one-line error for a weights file that is not there; Ultralytics' release names get where they come from."""
-    path = Path(path)
-    message = f"{path}: {what} not found"
-    if _RELEASE_NAME.match(path.name):
-        message += (f" (nothing is downloaded here: {path.name} is one of Ultralytics' released weights, assets of "
-                    f"{RELEASES_URL}; download it yourself and pass its path)")
-    return message
 
 
 def _stand_in(qualified_name: str) -> Any:
@@ -118,12 +111,12 @@ def ultralytics_globals(path: Path) -> list[str] | None:
     return names if any(n.startswith("ultralytics.") for n in names) else None
 
 
-def _refuse_other_tasks(path: Path, names: list[str]) -> None:
+def _refuse_other_tasks(path: Path, names: list[str], families: Sequence[Family]) -> None:
     for name in names:
         if name.startswith("ultralytics.nn.tasks.") and name.rsplit(".", 1)[-1] in _OTHER_MODELS:
             what = _OTHER_MODELS[name.rsplit(".", 1)[-1]]
-            raise UserError(f"{path}: {what} ({name}); only Ultralytics detection checkpoints (YOLOv8, YOLO11, "
-                            "YOLO26) are supported so far")
+            raise UserError(f"{path}: {what} ({name}); only Ultralytics detection checkpoints "
+                            f"({', '.join(f.title for f in families)}) are supported so far")
 
 
 def _refuse(path: Path, refused: list[str]) -> NoReturn:
@@ -132,14 +125,14 @@ def _refuse(path: Path, refused: list[str]) -> NoReturn:
                     "detection checkpoint (checkpoints never run code here)")
 
 
-def read_ultralytics(path: str | Path, names: list[str] | None = None) -> dict[str, Any]:
+def read_ultralytics(path: str | Path, families: Sequence[Family], names: list[str] | None = None) -> dict[str, Any]:
     """The checkpoint dict with module records in place of Ultralytics' objects; refuses any other global."""
     path = Path(path)
     names = pickled_globals(path) if names is None else names
     refused = [n for n in names if _stand_in(n) is None]
     if not set(refused) <= _OTHER_TASK_GLOBALS:  # a payload is named as such, whatever model it is dressed as
         _refuse(path, refused)
-    _refuse_other_tasks(path, names)
+    _refuse_other_tasks(path, names, families)
     if refused:
         _refuse(path, refused)
     stand_ins = [(_stand_in(n), n) for n in names]
@@ -210,14 +203,6 @@ def _names(record: ModuleRecord, nc: int, path: Path) -> list[str]:
     return [str(n) for n in names]
 
 
-def _named_records(record: ModuleRecord, prefix: str = "") -> dict[str, ModuleRecord]:
-    out = {prefix: record}
-    for name, child in record.children().items():
-        if isinstance(child, ModuleRecord):
-            out.update(_named_records(child, f"{prefix}.{name}" if prefix else name))
-    return out
-
-
 def _build_and_load(cfg: dict[str, Any], record: ModuleRecord, names: list[str], path: Path) -> torch.nn.Module:
     """Our model from the checkpoint's description with the file's tensors; every tensor must match."""
     try:
@@ -227,7 +212,7 @@ def _build_and_load(cfg: dict[str, Any], record: ModuleRecord, names: list[str],
     except (KeyError, TypeError, ValueError, IndexError, RuntimeError, AttributeError) as e:
         raise UserError(f"{path}: its model description does not build here ({e.__class__.__name__}: {e})") from e
     head_key = f"model.{len(model.model) - 1}"
-    records = _named_records(record)
+    records = named_records(record)
     head = records.get(head_key)
     if head is None or not head.class_name.endswith(".Detect"):
         raise UserError(f"{path}: layer {head_key} is not a Detect head in the file")
@@ -266,19 +251,29 @@ def _build_and_load(cfg: dict[str, Any], record: ModuleRecord, names: list[str],
     return model
 
 
-def convert_ultralytics(raw: dict[str, Any], path: str | Path) -> dict[str, Any]:
+def _family(cfg: dict[str, Any], families: Sequence[Family], path: Path) -> Family:
+    """The family of a checkpoint's own description, among those read here (most specific first)."""
+    for family in families:
+        if family.recognizes(cfg):
+            return family
+    raise UserError(f"{path}: a detector of none of the families read from Ultralytics checkpoints here "
+                    f"({', '.join(f.title for f in families)})")
+
+
+def convert_ultralytics(raw: dict[str, Any], path: str | Path, families: Sequence[Family]) -> dict[str, Any]:
     """Our checkpoint dict (``model_cfg``, ``names``, fp32 ``model``, ``source``) from a :func:`read_ultralytics`."""
     path = Path(path)
     slot, record = _model_record(raw, path)
     cfg = _model_config(record, path)
+    family = _family(cfg, families, path)
+    cfg = {**cfg, "family": family.name}
     names = _names(record, int(cfg["nc"]), path)
     model = _build_and_load(cfg, record, names, path)
     dtype = next(iter(record_state_dict(record).values())).dtype
     meta = {k: plain(raw[k]) for k in ("version", "date", "epoch") if isinstance(raw.get(k), (str, int))}
     meta["slot"] = slot
-    family = getattr(model, "family", "?")
     n = len(model.state_dict())
-    LOGGER.info(f"{path}: Ultralytics {family} checkpoint imported (scale {cfg.get('scale', '?')}, {len(names)} "
+    LOGGER.info(f"{path}: Ultralytics {family.name} checkpoint imported (scale {cfg.get('scale', '?')}, {len(names)} "
                 f"classes, '{slot}' weights, {str(dtype).replace('torch.', '')}, {n}/{n} tensors matched"
                 f"{', Ultralytics ' + meta['version'] if 'version' in meta else ''}); nothing in it was executed")
     return {
@@ -286,11 +281,39 @@ def convert_ultralytics(raw: dict[str, Any], path: str | Path) -> dict[str, Any]
         "names": names,
         "model": cpu_fp32_state(model),
         "ema": None,
-        "source": "ultralytics",  # utils/checkpoint.py's resume rules read it: Ultralytics' training state is not ours
-        "ultralytics": meta,
+        "source": UltralyticsImporter.source,  # resuming refuses it: Ultralytics' training state is not ours
+        UltralyticsImporter.source: meta,
     }
 
 
-def load_ultralytics_checkpoint(path: str | Path, names: list[str] | None = None) -> dict[str, Any]:
-    """Read an Ultralytics detection ``.pt`` safely and return it as a checkpoint dict of this project."""
-    return convert_ultralytics(read_ultralytics(path, names), path)
+class UltralyticsImporter(CheckpointImporter):
+    """Ultralytics' detection checkpoints: files whose pickle names any of Ultralytics' globals."""
+
+    source = "ultralytics"
+    title = "Ultralytics"
+    possessive = "Ultralytics'"
+
+    def read(self, path: Path, families: Sequence[Family]) -> dict[str, Any] | None:
+        names = ultralytics_globals(path)
+        if names is None:
+            return None
+        return convert_ultralytics(read_ultralytics(path, families, names), path, families)
+
+    def missing_file_hint(self, file_name: str, families: Sequence[Family]) -> str | None:
+        stems = _RELEASE_STEM.format(families="|".join(re.escape(f.name) for f in families))
+        if not re.fullmatch(f"({stems}){_RELEASE_SUFFIX}", file_name, re.IGNORECASE):
+            return None
+        return (f"nothing is downloaded here: {file_name} is one of Ultralytics' released weights, assets of "
+                f"{RELEASES_URL}; download it yourself and pass its path")
+
+    def export_family(self, description: str, families: Sequence[Family]) -> Family:
+        """The family of a file Ultralytics' exporter wrote, from the model name in its description ("Ultralytics
+        YOLO11n model ..."): the family whose name, YOLO-cased, it holds; else the least specific of ``families``
+        (listed most specific first; the anchor-free families decode alike)."""
+        for family in families:
+            if re.search(rf"\b{re.escape(family.name.replace('yolo', 'YOLO', 1))}[nsmlx]?\b", description):
+                return family
+        return families[-1]
+
+
+ULTRALYTICS_IMPORTER = UltralyticsImporter()

@@ -15,15 +15,17 @@ our own module registry and every tensor must match by name and shape.
 """
 from __future__ import annotations
 
-import collections
 import pickle
 import types
-from pathlib import Path, PurePosixPath, PureWindowsPath
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
+from models.families.base import CheckpointImporter, Family
+from models.families.records import (MODULE_ALIASES, SAFE_CALLABLES, ModuleRecord, RefusedGlobal, named_records,
+                                     plain, record_class, record_state_dict)
 from models.yolo import Model
 from utils.errors import UserError
 from utils.log import LOGGER
@@ -50,184 +52,17 @@ _MODULE_CLASSES = (
 )
 # Our class for each record class, to check the imported structure block by block.
 _OUR_CLASS_NAME = {"DetectionModel": "Model"}
-_MODULE_ALIASES = {"__builtin__": "builtins", "copy_reg": "copyreg", "numpy._core.multiarray": "numpy.core.multiarray",
-                   "pathlib._local": "pathlib"}
-_NUMERIC_KINDS = "biufc"  # bool, signed, unsigned, float, complex: never objects, strings or records
 
-
-class RefusedGlobal(pickle.UnpicklingError):
-    """The pickle names a global outside the allow-list."""
-
-    def __init__(self, qualified_name: str):
-        super().__init__(qualified_name)
-        self.qualified_name = qualified_name
-
-
-class ModuleRecord:
-    """An inert stand-in for a pickled ``nn.Module``: the class it named and its attribute dict."""
-
-    class_name = "?"
-
-    def __new__(cls, *args: Any) -> ModuleRecord:
-        if args:
-            raise pickle.UnpicklingError(f"{cls.class_name}: unexpected constructor arguments")
-        record = object.__new__(cls)
-        record.attrs = {}
-        return record
-
-    def __setstate__(self, state: Any) -> None:
-        if not isinstance(state, dict):
-            raise pickle.UnpicklingError(f"{self.class_name}: state is not a dict")
-        self.attrs = state
-
-    @property
-    def short_name(self) -> str:
-        return self.class_name.rsplit(".", 1)[-1]
-
-    def children(self) -> dict[str, ModuleRecord]:
-        return {k: v for k, v in self.attrs.get("_modules", {}).items() if v is not None}
-
-    def __repr__(self) -> str:
-        return f"ModuleRecord({self.class_name})"
-
-
-def _record_class(qualified_name: str) -> type[ModuleRecord]:
-    return type(qualified_name.rsplit(".", 1)[-1], (ModuleRecord,), {"class_name": qualified_name})
-
-
-_RECORD_CLASSES = {name: _record_class(name) for name in _MODULE_CLASSES}
-
-
-class NumpyDtypeRecord:
-    """``numpy.dtype(spec, align, copy)`` and its pickled state, turned into a dtype only for numeric kinds."""
-
-    def __init__(self, *args: Any):
-        self.args = args
-        self.state: Any = None
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-    def to_numpy(self) -> np.dtype:
-        spec = self.args[0] if self.args else None
-        if not isinstance(spec, str) or len(spec) > 8:
-            raise pickle.UnpicklingError(f"numpy dtype {spec!r} refused")
-        dtype = np.dtype(spec)
-        if dtype.kind not in _NUMERIC_KINDS or dtype.fields is not None:
-            raise pickle.UnpicklingError(f"numpy dtype {spec!r} refused: only numeric dtypes are read")
-        order = self.state[1] if isinstance(self.state, tuple) and len(self.state) > 1 else "="
-        return dtype.newbyteorder(order) if order in ("<", ">") else dtype
-
-
-class NumpyArrayRecord:
-    """A pickled numeric ``numpy.ndarray``: its shape, dtype and raw bytes."""
-
-    def __init__(self) -> None:
-        self.state: Any = None
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-    def to_numpy(self) -> np.ndarray:
-        if not isinstance(self.state, tuple) or len(self.state) != 5:
-            raise pickle.UnpicklingError("numpy array: unexpected state")
-        _, shape, dtype, fortran, raw = self.state
-        if not isinstance(dtype, NumpyDtypeRecord) or not isinstance(raw, bytes) or not isinstance(shape, tuple):
-            raise pickle.UnpicklingError("numpy array: only numeric arrays stored as bytes are read")
-        if not all(isinstance(s, int) and s >= 0 for s in shape):
-            raise pickle.UnpicklingError("numpy array: bad shape")
-        values = np.frombuffer(raw, dtype=dtype.to_numpy())
-        return values.reshape(shape, order="F" if fortran else "C").copy()
-
-
-_NDARRAY_CLASS = object()  # what ("numpy", "ndarray") resolves to: only _reconstruct accepts it
-
-
-def _ndarray_reconstruct(cls: Any, shape: Any, code: Any) -> NumpyArrayRecord:
-    if cls is not _NDARRAY_CLASS:
-        raise pickle.UnpicklingError("numpy _reconstruct: only plain ndarrays are read")
-    return NumpyArrayRecord()
-
-
-def _numpy_scalar(dtype: Any, data: Any = None) -> int | float | complex | bool:
-    if not isinstance(dtype, NumpyDtypeRecord) or not isinstance(data, bytes):
-        raise pickle.UnpicklingError("numpy scalar: only numeric scalars are read")
-    dt = dtype.to_numpy()
-    if len(data) != dt.itemsize:
-        raise pickle.UnpicklingError("numpy scalar: wrong byte count")
-    return np.frombuffer(data, dtype=dt)[0].item()
-
-
-def _posix_path(*parts: Any) -> str:
-    if not all(isinstance(p, str) for p in parts):
-        raise pickle.UnpicklingError("pathlib path: parts must be strings")
-    return str(PurePosixPath(*parts))
-
-
-def _windows_path(*parts: Any) -> str:
-    if not all(isinstance(p, str) for p in parts):
-        raise pickle.UnpicklingError("pathlib path: parts must be strings")
-    return str(PureWindowsPath(*parts))
-
-
-def _latin1_bytes(text: Any, encoding: Any = "utf-8") -> bytes:
-    # Pickle protocol 2 (torch.save's default) writes bytes objects as _codecs.encode(str, 'latin1').
-    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
-        raise pickle.UnpicklingError("_codecs.encode: only latin1 text is read")
-    return text.encode("latin1")
-
-
-def _tensor(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any = False, hooks: Any = None,
-            metadata: Any = None) -> torch.Tensor:
-    # Backward hooks and tensor metadata from the file are dropped: only the values are needed.
-    if not isinstance(storage, (torch.storage.TypedStorage, torch.UntypedStorage)):
-        raise pickle.UnpicklingError("tensor: storage expected")
-    if not isinstance(offset, int) or not isinstance(size, tuple) or not isinstance(stride, tuple):
-        raise pickle.UnpicklingError("tensor: bad offset, size or stride")
-    return torch._utils._rebuild_tensor_v2(storage, offset, size, stride, False, collections.OrderedDict())
-
-
-def _parameter(data: Any, requires_grad: Any = False, hooks: Any = None, state: Any = None) -> torch.Tensor:
-    if not isinstance(data, torch.Tensor):
-        raise pickle.UnpicklingError("parameter: tensor expected")
-    return data
-
-
-def _set(*args: Any) -> set:
-    return set(*args)
-
-
-def _frozenset(*args: Any) -> frozenset:
-    return frozenset(*args)
-
-
-_CALLABLES: dict[str, Any] = {
-    "collections.OrderedDict": collections.OrderedDict,
-    "builtins.set": _set,
-    "builtins.frozenset": _frozenset,
-    "_codecs.encode": _latin1_bytes,
-    "torch._utils._rebuild_tensor_v2": _tensor,
-    "torch._utils._rebuild_parameter": _parameter,
-    "torch._utils._rebuild_parameter_with_state": _parameter,
-    "pathlib.Path": _posix_path,
-    "pathlib.PosixPath": _posix_path,
-    "pathlib.PurePosixPath": _posix_path,
-    "pathlib.WindowsPath": _windows_path,
-    "pathlib.PureWindowsPath": _windows_path,
-    "numpy.dtype": NumpyDtypeRecord,
-    "numpy.ndarray": _NDARRAY_CLASS,
-    "numpy.core.multiarray.scalar": _numpy_scalar,
-    "numpy.core.multiarray._reconstruct": _ndarray_reconstruct,
-}
+_RECORD_CLASSES = {name: record_class(name) for name in _MODULE_CLASSES}
 
 
 class RestrictedUnpickler(pickle.Unpickler):
     """An unpickler that resolves only the allow-listed globals above; everything else raises."""
 
     def find_class(self, module: str, name: str) -> Any:
-        qualified = f"{_MODULE_ALIASES.get(module, module)}.{name}"
-        if qualified in _CALLABLES:
-            return _CALLABLES[qualified]
+        qualified = f"{MODULE_ALIASES.get(module, module)}.{name}"
+        if qualified in SAFE_CALLABLES:
+            return SAFE_CALLABLES[qualified]
         if qualified in _RECORD_CLASSES:
             return _RECORD_CLASSES[qualified]
         raise RefusedGlobal(f"{module}.{name}")
@@ -257,57 +92,6 @@ def read_restricted(path: str | Path) -> Any:
         raise UserError(f"{path}: not a readable checkpoint ({e.__class__.__name__}: {str(e).splitlines()[0]})") from e
 
 
-# ---- records -> plain values -----------------------------------------------------------------------------
-
-def plain(value: Any) -> Any:
-    """Containers, numbers, strings and tensors as they are; numpy records as lists or numbers.
-
-    Module records are refused: they belong in ``model``/``ema`` only. The result is safe for
-    ``torch.save`` and loads back with ``weights_only=True``.
-    """
-    if isinstance(value, (str, int, float, bool, type(None), torch.Tensor, bytes)):
-        return value
-    if isinstance(value, dict):
-        return {plain(k): plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
-    if isinstance(value, (set, frozenset)):
-        return sorted((plain(v) for v in value), key=repr)
-    if isinstance(value, NumpyArrayRecord):
-        array = value.to_numpy()
-        return array.item() if array.size == 1 else array.tolist()
-    if isinstance(value, NumpyDtypeRecord):
-        return str(value.to_numpy())
-    raise pickle.UnpicklingError(f"unexpected {type(value).__name__} outside the model")
-
-
-def record_state_dict(record: ModuleRecord, prefix: str = "") -> dict[str, torch.Tensor]:
-    """The state_dict a module record would have: parameters and persistent buffers, recursively by name."""
-    state: dict[str, torch.Tensor] = {}
-    non_persistent = record.attrs.get("_non_persistent_buffers_set") or set()
-    for group in ("_parameters", "_buffers"):
-        entries = record.attrs.get(group) or {}
-        if not isinstance(entries, dict):
-            raise pickle.UnpicklingError(f"{prefix or 'model'}: {group} is not a dict")
-        for name, tensor in entries.items():
-            if tensor is None or (group == "_buffers" and name in non_persistent):
-                continue
-            if not isinstance(tensor, torch.Tensor):
-                raise pickle.UnpicklingError(f"{prefix}{name}: not a tensor")
-            state[f"{prefix}{name}"] = tensor
-    for name, child in record.children().items():
-        if not isinstance(child, ModuleRecord):
-            raise pickle.UnpicklingError(f"{prefix}{name}: not a module")
-        state.update(record_state_dict(child, f"{prefix}{name}."))
-    return state
-
-
-def _named_records(record: ModuleRecord, prefix: str = "") -> dict[str, ModuleRecord]:
-    out = {prefix: record}
-    for name, child in record.children().items():
-        out.update(_named_records(child, f"{prefix}.{name}" if prefix else name))
-    return out
-
 
 def _names_list(names: Any, nc: int, path: Path) -> list[str]:
     if isinstance(names, dict):
@@ -325,7 +109,7 @@ def _names_list(names: Any, nc: int, path: Path) -> list[str]:
 def _check_structure(model: torch.nn.Module, record: ModuleRecord, path: Path) -> None:
     """Every module of ours has a record of the same class at the same place, and the other way round."""
     ours = dict(model.named_modules())
-    theirs = _named_records(record)
+    theirs = named_records(record)
     for name in sorted(set(ours) | set(theirs)):
         mine, rec = ours.get(name), theirs.get(name)
         where = name or "the model"
@@ -371,7 +155,7 @@ def _model_from_record(record: Any, path: Path, role: str) -> tuple[torch.nn.Mod
 
     state = record_state_dict(record)
     head_key = f"model.{len(model.model) - 1}"
-    head = _named_records(record).get(head_key)
+    head = named_records(record).get(head_key)
     stride = head.attrs.get("stride") if isinstance(head, ModuleRecord) else None
     if stride is None:
         stride = record.attrs.get("stride")
@@ -422,11 +206,29 @@ def convert_yolov5(raw: Any, path: str | Path) -> dict[str, Any]:
         "names": names,
         "model": cpu_fp32_state(model),
         "ema": ema,
-        "source": "yolov5",  # utils/checkpoint.py's resume rules read it: YOLOv5's training state is not ours
-        "yolov5": meta,
+        "source": YOLOv5Importer.source,  # resuming refuses it: YOLOv5's training state is not ours
+        YOLOv5Importer.source: meta,  # its record; trained_imgsz reads its 'opt'
     }
 
 
 def load_yolov5_checkpoint(path: str | Path) -> dict[str, Any]:
     """Read a YOLOv5 ``.pt`` safely and return it as a checkpoint dict of this project."""
     return convert_yolov5(read_restricted(path), path)
+
+
+class YOLOv5Importer(CheckpointImporter):
+    """YOLOv5's checkpoints; tried last, it reads any file no other importer took and refuses, naming it, the first
+    global outside its allow-list (what a payload names)."""
+
+    source = "yolov5"
+    title = "YOLOv5"
+    possessive = "YOLOv5's"
+    catch_all = True
+
+    def read(self, path: Path, families: Sequence[Family]) -> dict[str, Any]:
+        ckpt = load_yolov5_checkpoint(path)
+        ckpt["model_cfg"]["family"] = families[0].name  # the one family this importer reads
+        return ckpt
+
+
+YOLOV5_IMPORTER = YOLOv5Importer()
