@@ -137,9 +137,9 @@ class Trackers:
         self.wants_batches = any(t.name == "tensorboard" for t in trackers)
         known = {**(run.saved or {}), **read_ids(run.run_dir)} if run.resumed else {}
         self._known = known  # a new run's trackers.yaml forgets the folder's earlier runs
+        self._closed = False
         self.workers = [BackgroundTracker(t, run, known.get(t.name), self._record_ids, max_pending) for t in trackers]
         self._submit("reconcile", read_results(run.results_csv))
-        self._closed = False
 
     def _record_ids(self, name: str, ids: dict[str, str]) -> None:
         """A tracker run's ids (planned, or known once it opened): they go to trackers.yaml at once."""
@@ -158,6 +158,8 @@ class Trackers:
                 self._ids_warned = True
 
     def _submit(self, method: str, *args: Any) -> None:
+        if self._closed:  # after close: nothing would take it
+            return
         for worker in self.workers:
             worker.submit(method, *args)
 
@@ -193,8 +195,8 @@ class Trackers:
         """Complete every tracker from results.csv, end its run, and wait at most ``close_timeout`` in all."""
         if self._closed:
             return
-        self._closed = True
         self._submit("reconcile", read_results(self.run.results_csv))
+        self._closed = True
         deadline = time.monotonic() + self.close_timeout
         for worker in self.workers:
             if not worker.stop(status, max(0.0, deadline - time.monotonic())) and not worker.failed:
