@@ -1,4 +1,4 @@
-"""Hyper-parameter search on one Optuna study: today's genetic evolution as a sampler, several workers at once,
+"""Hyper-parameter search on one Optuna study: YOLOv5's genetic evolution as a sampler, several workers at once,
 a worker killed mid-trial, pruning. A cheap objective stands in for training, so these take seconds."""
 from __future__ import annotations
 
@@ -13,25 +13,23 @@ import numpy as np
 import pytest
 import yaml
 
-from models.families import YOLOV5
+from models.families import YOLO11, YOLOV5
+from tests.fixtures.evolve.make_evolve_fixture import SEED, fixture_path, pretend_results
 from utils.errors import UserError
-from utils.evolve import append_evolve_row, next_hyp, read_evolve_csv, result_keys
-from utils.hyp import Hyp
 from utils.search import Search, SearchConfig, SearchSpace
+from utils.search.records import read_evolve_csv
 
 optuna = pytest.importorskip("optuna")
 from optuna.trial import TrialState  # noqa: E402
 
-BASE = Hyp()
+BASE = YOLOV5.read_hyp(YOLOV5.default_hyp_path)
 KEYS = YOLOV5.evolve_keys(BASE)
 SPACE = SearchSpace(BASE, tuple(KEYS), YOLOV5.evolve_limits, YOLOV5.loss_names)
 
 
-def results_of(hyp: Hyp) -> tuple[float, ...]:
-    """Validation results of a pretend training: best near lr0 = 0.005 and momentum = 0.9."""
-    d = hyp.to_dict()
-    score = 0.6 - 0.1 * abs(np.log10(d["lr0"]) - np.log10(0.005)) - abs(d["momentum"] - 0.9)
-    return (0.5, 0.5, score + 0.05, score, 0.1, 0.2, 0.3)
+def results_of(hyp) -> tuple[float, ...]:
+    """Validation results of a pretend training (the one the committed evolve.csv fixtures were made with)."""
+    return pretend_results(hyp.to_dict())
 
 
 def fast(folder: Path, n: int, **changes) -> SearchConfig:
@@ -43,31 +41,54 @@ def trials_of(folder: Path, name: str = "evolve") -> list:
     return optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
 
 
-def test_genetic_default_draws_todays_generations_and_writes_yolov5s_evolve_csv(tmp_path) -> None:
-    # Today's --evolve, generation by generation (train.py's loop, training replaced by results_of).
-    reference, rows, today = [], np.zeros((0, 7 + len(KEYS))), tmp_path / "today/evolve.csv"
-    today.parent.mkdir()
-    for generation in range(6):
-        hyp = next_hyp(BASE, rows, KEYS, np.random.default_rng([7, generation]), YOLOV5.evolve_limits)
-        reference.append(hyp)
-        append_evolve_row(today, results_of(hyp), hyp, KEYS, YOLOV5.loss_names)
-        rows = read_evolve_csv(today, KEYS, YOLOV5.loss_names)
-
-    search = Search(fast(tmp_path / "study", 6, seed=7), SPACE)
+@pytest.mark.parametrize("family", [YOLOV5, YOLO11], ids=lambda f: f.name)
+def test_genetic_default_draws_yolov5s_generations_and_writes_its_evolve_csv(tmp_path, family) -> None:
+    """One worker and a seed draw, trial by trial, the generations YOLOv5's evolution drew (generation by
+    generation, as the committed fixture recorded them: tests/fixtures/evolve/make_evolve_fixture.py), and write
+    the same evolve.csv byte for byte."""
+    reference = fixture_path(family.name)
+    base = family.read_hyp(family.default_hyp_path)
+    keys = tuple(family.evolve_keys(base))
+    space = SearchSpace(base, keys, family.evolve_limits, family.loss_names)
+    n = len(reference.read_text().splitlines()) - 1
+    search = Search(fast(tmp_path / "study", n, seed=SEED), space)
     drawn = []
     while (trial := search.next_trial()) is not None:
         drawn.append(trial.hyp)
         trial.complete(results_of(trial.hyp))
         search.write_records()
-    assert drawn == reference  # the same hyper-parameters, trial n for generation n
-    assert len(set(drawn)) == 6
     written = tmp_path / "study/evolve.csv"
-    assert written.read_text() == today.read_text()  # YOLOv5's columns and rows, byte for byte
-    assert written.read_text().splitlines()[0].split(",")[0].strip() == result_keys(YOLOV5.loss_names)[0]
+    assert written.read_text() == reference.read_text()  # the same hyper-parameters, trial n for generation n
+    assert len({tuple(sorted(h.to_dict().items())) for h in drawn}) == n and type(drawn[0]) is family.hyp_type
     best = yaml.safe_load((tmp_path / "study/hyp_evolve.yaml").read_text())
-    assert Hyp.from_dict(best) in drawn
+    assert family.read_hyp(best) in drawn
     workers = {t.user_attrs["worker"] for t in trials_of(tmp_path / "study")}
     assert workers == {f"{socket.gethostname()}:{os.getpid()}"}
+
+
+def test_a_study_started_from_an_evolve_csv_draws_its_next_generation(tmp_path) -> None:
+    """An evolve.csv without a study (YOLOv5's record): its rows become completed trials 0..k-1, and trial k draws
+    what YOLOv5's generation k drew from them."""
+    rows = read_evolve_csv(fixture_path("yolov5"), KEYS, YOLOV5.loss_names)
+    search = Search(fast(tmp_path / "study", 9, seed=SEED), SPACE, completed=rows[:7])
+    trial = search.next_trial()
+    assert trial.number == 7
+    np.testing.assert_array_equal([trial.hyp.to_dict()[k] for k in KEYS], rows[7, 7:])
+    imported = trials_of(tmp_path / "study")[:7]
+    assert all(t.state == TrialState.COMPLETE and t.user_attrs["worker"] == "evolve.csv" for t in imported)
+    np.testing.assert_allclose([t.value for t in imported], 0.1 * rows[:7, 2] + 0.9 * rows[:7, 3])
+    trial.fail("test")
+
+
+def test_a_loss_of_two_terms_searches_and_records_six_results(tmp_path) -> None:
+    space = SearchSpace(BASE, ("lr0", "momentum"), YOLOV5.evolve_limits, ("box", "cls"))
+    search = Search(fast(tmp_path / "study", 3, seed=1), space)
+    while (trial := search.next_trial()) is not None:
+        trial.complete(results_of(trial.hyp)[:6])
+        search.write_records(plot=True)
+    rows = read_evolve_csv(tmp_path / "study/evolve.csv", ["lr0", "momentum"], ("box", "cls"))
+    assert rows.shape == (3, 8) and len({tuple(r) for r in rows[:, 6:]}) == 3
+    assert (tmp_path / "study/evolve.png").stat().st_size > 0
 
 
 def _worker(config: SearchConfig, block_trial: int = -1, marker: Path | None = None) -> int:

@@ -1,67 +1,61 @@
-"""YOLOv5's genetic evolution as an Optuna sampler: ``--evolve-sampler genetic``, the default.
+"""YOLOv5's genetic evolution: a parent drawn among the best completed trials, mutated inside the family's limits.
 
-A trial's hyper-parameters are ``utils/evolve.py: next_hyp`` of the study's completed trials, drawn from
-``np.random.default_rng([seed, trial number])``: the first trial trains the base values, each later one mutates
-a parent drawn among the 5 best (a trial that starts beside the first one, before any has completed, mutates
-the base values). The completed trials are read as evolve.csv holds them (5 significant digits, in trial
-order), so with one worker a seed draws what ``next_hyp`` draws generation by generation: trial n is
-generation n.
+Everything here is a pure function of its arguments; the caller passes ``np.random.default_rng([seed, n])`` for
+trial (generation) ``n``, so a trial is repeatable. ``rows`` are evolve.csv's rows (records.py): ``n_results``
+validation results (P, R, mAP50, mAP50-95 and the family's validation losses, any number of them), then the
+hyper-parameters named by ``keys``.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping
 
 import numpy as np
-import optuna
-from optuna.distributions import BaseDistribution
-from optuna.trial import FrozenTrial, TrialState
 
-from utils.evolve import mutate, next_hyp
-from utils.hyp import Hyp
-from utils.search.space import SearchSpace, round_like_csv
+from utils.hyp import HypRecord, Limit
+from utils.metrics import fitness
 
-HYP_ATTR, RESULTS_ATTR = "hyp", "results"  # user attributes of a trial: its full hyp, its validation results
+N_PARENTS = 5  # parents are drawn from this many best rows
+MUTATION_PROBABILITY = 0.8  # per hyper-parameter
+MUTATION_SIGMA = 0.2
 
 
-def evolve_rows(trials: Sequence[FrozenTrial], space: SearchSpace) -> np.ndarray:
-    """evolve.csv's rows of the completed trials, in trial order: validation results, then hyper-parameters."""
-    rows = [[*t.user_attrs[RESULTS_ATTR], *(t.user_attrs[HYP_ATTR][k] for k in space.keys)]
-            for t in sorted(trials, key=lambda t: t.number)
-            if t.state == TrialState.COMPLETE and RESULTS_ATTR in t.user_attrs and HYP_ATTR in t.user_attrs]
-    width = len(space.result_keys) + len(space.keys)
-    return np.array([[round_like_csv(float(v)) for v in row] for row in rows], dtype=np.float64).reshape(-1, width)
+def row_fitness(rows: np.ndarray) -> np.ndarray:
+    """The fitness (0.1 mAP50 + 0.9 mAP50-95) of each row, from its first four results."""
+    return np.asarray(fitness(np.asarray(rows)[:, :4]), dtype=np.float64).reshape(-1)
 
 
-class GeneticSampler(optuna.samplers.BaseSampler):
-    """Samples every searched key at once from ``next_hyp``; never samples one key alone."""
+def select_parent(rows: np.ndarray, n_results: int, rng: np.random.Generator,
+                  n_parents: int = N_PARENTS) -> np.ndarray:
+    """The hyper-parameter values of one of the best ``n_parents`` rows, drawn with weight by fitness."""
+    scores = row_fitness(rows)
+    best = np.argsort(-scores, kind="stable")[: min(n_parents, len(rows))]
+    weights = scores[best] - scores[best].min() + 1e-6  # the worst of them still has a chance
+    pick = best[rng.choice(len(best), p=weights / weights.sum())]
+    return rows[pick, n_results:]
 
-    def __init__(self, space: SearchSpace, seed: int):
-        self.space = space
-        self.seed = seed
-        self.drawn: dict[int, Hyp] = {}  # trial number -> its whole hyp (scale-0 keys too), for the caller
 
-    def infer_relative_search_space(self, study: optuna.Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
-        return self.space.distributions()
+def mutate(parent: np.ndarray, keys: list[str], rng: np.random.Generator,
+           limits: Mapping[str, Limit]) -> dict[str, float]:
+    """``parent`` values each multiplied by a random factor in [0.3, 3] (scale 0: left alone), then clipped to
+    their limits and rounded to 5 significant digits. At least one value with a scale changes its factor.
+    """
+    scales = np.array([limits[k].scale if k in limits else 0.0 for k in keys])
+    factors = np.ones(len(keys))
+    while scales.any() and (factors == 1).all():
+        chosen = rng.random(len(keys)) < MUTATION_PROBABILITY
+        factors = (scales * chosen * rng.standard_normal(len(keys)) * rng.random() * MUTATION_SIGMA + 1).clip(0.3, 3.0)
+    out = {}
+    for key, value in zip(keys, np.asarray(parent, dtype=np.float64) * factors):
+        if key in limits:
+            value = min(max(value, limits[key].low), limits[key].high)
+        out[key] = float(f"{value:.5g}")
+    return out
 
-    def sample_relative(self, study: optuna.Study, trial: FrozenTrial,
-                        search_space: dict[str, BaseDistribution]) -> dict[str, Any]:
-        if not search_space:
-            return {}
-        self.drawn[trial.number] = self.hyp_for(study, trial.number)
-        values = self.drawn[trial.number].to_dict()
-        return {k: values[k] for k in search_space}
 
-    def hyp_for(self, study: optuna.Study, number: int) -> Hyp:
-        """The hyp of trial ``number``, from the study's completed trials."""
-        rows = evolve_rows(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)), self.space)
-        rng, keys = np.random.default_rng([self.seed, number]), list(self.space.keys)
-        if len(rows) == 0 and number > 0:  # a worker beside the first: nothing completed yet, the base is the parent
-            values = self.space.base.to_dict()
-            return self.space.base.replace(**mutate(np.array([values[k] for k in keys]), keys, rng, self.space.limits))
-        return next_hyp(self.space.base, rows, keys, rng, self.space.limits)
-
-    def sample_independent(self, study: optuna.Study, trial: FrozenTrial, param_name: str,
-                           param_distribution: BaseDistribution) -> Any:
-        # Only a key outside the space comes here: it keeps its base value (the space's bounds hold it).
-        return self.space.base.to_dict()[param_name]
+def next_hyp(base: HypRecord, rows: np.ndarray, keys: list[str], rng: np.random.Generator,
+             limits: Mapping[str, Limit], n_results: int) -> HypRecord:
+    """The next trial's hyper-parameters: ``base`` for the first, a mutated good parent afterwards.
+    ``limits``: the model family's table (``Family.evolve_limits``)."""
+    if len(rows) == 0:
+        return base
+    return base.replace(**mutate(select_parent(rows, n_results, rng), keys, rng, limits))

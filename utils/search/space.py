@@ -5,8 +5,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from utils.evolve import result_keys
-from utils.hyp import Hyp, Limit
+from utils.hyp import HypRecord, Limit
+from utils.search.records import result_keys
 
 LOG_SCALE_RATIO = 100.0  # a range spanning this factor or more (lr0: 1e-5 to 0.1) is searched on a log scale
 
@@ -21,7 +21,7 @@ class SearchSpace:
     """``keys``: evolve.csv's hyper-parameter columns (the family's ``evolve_keys(base)``); ``limits``: the
     family's evolution table; ``loss_names``: its loss terms (evolve.csv's validation-loss columns)."""
 
-    base: Hyp
+    base: HypRecord  # the family's record (``Family.read_hyp``)
     keys: tuple[str, ...]
     limits: Mapping[str, Limit]
     loss_names: tuple[str, ...]
@@ -34,6 +34,11 @@ class SearchSpace:
     @property
     def result_keys(self) -> tuple[str, ...]:
         return result_keys(self.loss_names)
+
+    @property
+    def n_results(self) -> int:
+        """evolve.csv's validation results per row: P, R, mAP50, mAP50-95 and one loss per term."""
+        return len(self.result_keys)
 
     def bounds(self, key: str) -> tuple[float, float]:
         """The key's limits, widened to hold the base value (a hyp file may start outside them)."""
@@ -51,7 +56,7 @@ class SearchSpace:
                 out[key] = FloatDistribution(low, high, log=low > 0 and high / low >= LOG_SCALE_RATIO)
         return out
 
-    def hyp_of(self, params: Mapping[str, float]) -> Hyp:
+    def hyp_of(self, params: Mapping[str, float]) -> HypRecord:
         """The base hyp with a sampler's values of the searched keys."""
         return self.base.replace(**{k: float(v) for k, v in params.items() if k in self.keys})
 

@@ -23,11 +23,11 @@ from typing import Any
 import numpy as np
 
 from utils.errors import UserError
-from utils.evolve import append_evolve_row, write_best_hyp
 from utils.files import atomic_output
-from utils.hyp import Hyp
+from utils.hyp import HypRecord
 from utils.log import LOGGER
 from utils.metrics import fitness
+from utils.search.records import append_evolve_row, write_best_hyp
 from utils.search.space import SearchSpace
 
 SAMPLERS = ("genetic", "tpe", "cmaes")
@@ -87,7 +87,7 @@ def make_sampler(name: str, space: SearchSpace, seed: int):
     """The sampler ``--evolve-sampler`` names; ``seed`` is the trial's own (see ``Search.ask``)."""
     optuna = import_optuna()
     if name == "genetic":
-        from utils.search.genetic import GeneticSampler
+        from utils.search.sampler import GeneticSampler
 
         return GeneticSampler(space, seed)
     if name == "tpe":
@@ -120,7 +120,7 @@ class SearchTrial:
 
     def __init__(self, search: Search, trial: Any):
         self.search, self.trial = search, trial
-        self.hyp: Hyp = search.space.base  # drawn by Search.ask once the trial beats
+        self.hyp: HypRecord = search.space.base  # drawn by Search.ask once the trial beats
         self.number: int = trial.number
         self.name = f"trial{trial.number}"  # its run folder in the evolution folder
         self._stop = threading.Event()
@@ -181,19 +181,38 @@ class SearchTrial:
 class Search:
     """A worker's handle on the study: the next trial to train, failing dead workers' trials, the records."""
 
-    def __init__(self, config: SearchConfig, space: SearchSpace):
+    def __init__(self, config: SearchConfig, space: SearchSpace, completed: np.ndarray | None = None):
+        """Join (or start) the study; ``completed``: evolve.csv rows that a new study takes as its first trials."""
         optuna = import_optuna()
         if config.n_trials < 1:
             raise UserError(f"--evolve {config.n_trials}: give the number of trials, at least 1 (e.g. --evolve 30)")
         make_sampler(config.sampler, space, config.seed)  # an unknown name or a missing package, before anything
+        optuna.logging.set_verbosity(optuna.logging.WARNING)  # the study's progress is this project's log's to tell
         self.config, self.space = config, space
         self.storage = open_storage(config.storage_name())
         self.study = optuna.create_study(storage=self.storage, study_name=config.study_name, direction="maximize",
                                          sampler=make_sampler(config.sampler, space, config.seed),
                                          pruner=make_pruner(config), load_if_exists=True)
+        if completed is not None and len(completed) and not self.study.trials:
+            self._add_completed(completed)
         self._check_space()
         self.worker = worker_name()
         self._waiting_said = False
+
+    def _add_completed(self, rows: np.ndarray) -> None:
+        """evolve.csv's rows as completed trials, in order (trial n is row n, as generation n was)."""
+        from optuna.trial import TrialState, create_trial
+
+        distributions, n = self.space.distributions(), self.space.n_results
+        for row in rows:
+            values = dict(zip(self.space.keys, map(float, row[n:])))
+            params = {k: values[k] for k, d in distributions.items() if d.low <= values[k] <= d.high}
+            score = float(np.asarray(fitness(np.array(row[:4]))).reshape(-1)[0])
+            attrs = {"results": [float(v) for v in row[:n]], "hyp": self.space.base.replace(**values).to_dict(),
+                     WORKER_ATTR: "evolve.csv"}
+            self.study.add_trial(create_trial(state=TrialState.COMPLETE, value=score, params=params,
+                                              distributions={k: distributions[k] for k in params}, user_attrs=attrs))
+        LOGGER.info(f"evolve: the study starts from {len(rows)} completed trials of evolve.csv")
 
     def _check_space(self) -> None:
         recorded = self.study.user_attrs.get(SPACE_ATTR)
@@ -278,7 +297,7 @@ class Search:
             raise
         return running
 
-    def _draw(self, trial: Any) -> Hyp:
+    def _draw(self, trial: Any) -> HypRecord:
         """The trial's hyp from the sampler, seeded for this trial."""
         genetic = self.config.sampler == "genetic"
         sampler = make_sampler(self.config.sampler, self.space,
@@ -295,7 +314,7 @@ class Search:
         order, in YOLOv5's columns; None while no trial has completed."""
         from optuna.trial import TrialState
 
-        from utils.search.genetic import evolve_rows
+        from utils.search.sampler import evolve_rows
 
         done = sorted(self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)), key=lambda t: t.number)
         done = [t for t in done if "results" in t.user_attrs and "hyp" in t.user_attrs]
@@ -306,17 +325,16 @@ class Search:
         with atomic_output(folder / "evolve.csv") as tmp:
             tmp.unlink()
             for t in done:
-                append_evolve_row(tmp, tuple(t.user_attrs["results"]), Hyp.from_dict(t.user_attrs["hyp"]), keys,
-                                  self.space.loss_names)
+                append_evolve_row(tmp, t.user_attrs["results"], t.user_attrs["hyp"], keys, self.space.loss_names)
         rows = evolve_rows(done, self.space)
         # hyp_evolve.yaml names itself: written under its own name in a folder of this worker's, then moved
         staging = folder / f".records-{socket.gethostname()}-{os.getpid()}"
         staging.mkdir(exist_ok=True)
-        write_best_hyp(rows, keys, self.space.base, staging / "hyp_evolve.yaml")
+        write_best_hyp(rows, keys, self.space.base, staging / "hyp_evolve.yaml", self.space.n_results)
         os.replace(staging / "hyp_evolve.yaml", folder / "hyp_evolve.yaml")
         staging.rmdir()
         if plot:
-            from utils.evolve import plot_evolve
+            from utils.search.records import plot_evolve
 
-            plot_evolve(rows, keys, folder / "evolve.png")
+            plot_evolve(rows, keys, folder / "evolve.png", self.space.n_results)
         return folder / "evolve.csv"

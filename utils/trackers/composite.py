@@ -10,6 +10,7 @@ again; closing does the same once more, so records discarded on the way are comp
 from __future__ import annotations
 
 import importlib.util
+import math
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -79,7 +80,8 @@ def open_trackers(run: TrackerRun, is_main: bool, *, max_pending: int = MAX_PEND
 
 
 def read_results(csv_file: Path) -> dict[int, dict[str, float]]:
-    """results.csv as {epoch: {column: value}}; a later row of an epoch replaces an earlier one."""
+    """results.csv as {epoch: {column: value}}; a later row of an epoch replaces an earlier one. An empty value
+    (``nan``: a column added after the row was written) is left out."""
     try:
         lines = [line for line in Path(csv_file).read_text(encoding="utf-8").splitlines() if line.strip()]
     except FileNotFoundError:
@@ -93,7 +95,7 @@ def read_results(csv_file: Path) -> dict[int, dict[str, float]]:
         if len(values) != len(columns):  # a row cut short by a kill: results.csv's writer rewrites it
             continue
         try:
-            rows[int(values[0])] = {c: float(v) for c, v in zip(columns[1:], values[1:])}
+            rows[int(values[0])] = {c: x for c, v in zip(columns[1:], values[1:]) if not math.isnan(x := float(v))}
         except ValueError:
             continue
     return rows
