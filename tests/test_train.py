@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import train
+import yaml
 from conftest import free_port, main_on_ranks, run_forked
 
 from utils.checkpoint import load_checkpoint
@@ -321,36 +322,114 @@ def test_a_2_rank_run_cut_mid_epoch_resumes_on_1_and_on_4_ranks_with_the_unseen_
     assert load_checkpoint(resumed_last)["epoch"] == epoch + 1
 
 
-@pytest.mark.slow
-def test_a_launcher_restart_resumes_the_run_by_itself_and_ends_as_an_uninterrupted_run(rectangles_yaml,
-                                                                                       tmp_path) -> None:
-    # yolo26n: its one-to-one loss weight follows the epoch, so a restart that lost its place would show.
-    common = ("--cfg", "yolo26n.yaml", "--epochs", "3", "--noplots", "--noval", "--deterministic", "--imgsz", "32")
-    # The uninterrupted run is forked from this process; the restarted one is launched.
-    codes, outputs = main_on_ranks(train.main, train_args(rectangles_yaml, tmp_path / "straight", *common), 2,
-                                   tmp_path / "logs")
-    assert codes == [0, 0], "".join(outputs)[-3000:]
-    assert sorted(p.name for p in (tmp_path / "straight").iterdir()) == ["exp"]  # rank 1 made no exp2
+EPOCHS = 4  # enough for the restarted group's MLflow run to start before the run ends, on a loaded machine
 
-    # The elastic form (--nnodes MIN:MAX with a c10d rendezvous), as a job on a cluster would start it.
-    cmd = train_cmd(rectangles_yaml, tmp_path / "restarted", *common, nproc=2)
-    at = cmd.index("--standalone")
-    cmd[at:at + 1] = ["--max-restarts=1", "--nnodes=1:2", "--rdzv-backend=c10d",
-                      f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=elastic-job",
-                      "--rdzv-conf=last_call_timeout=1"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    _wait_for(tmp_path / "restarted/exp/weights/last.pt", proc)
-    workers = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "train.py"], capture_output=True, text=True)
-    os.kill(int(workers.stdout.split()[1]), signal.SIGKILL)
+
+@pytest.mark.slow
+def test_a_launcher_restart_and_a_kill_inside_an_epoch_end_as_an_uninterrupted_run_in_one_tracker_run(
+        rectangles_yaml, tmp_path, monkeypatch, request) -> None:
+    """A 2-rank run launched with --max-restarts 1 and MLflow (a real server), W&B (offline) and TensorBoard: one
+    rank killed (the launcher restarts the group, which resumes by itself), then the whole run killed inside an
+    epoch and resumed with --resume. Its weights equal an uninterrupted run's, results.csv and each tracker hold
+    every epoch once, in one MLflow run and one W&B run id, with the weights and results.csv; then the MLflow
+    server is killed under a logging run, which goes on at its pace with one warning."""
+    from tracker_servers import (MLflowServer, check_mlflow_run, check_wandb_files, orphaned_wandb_services,
+                                 run_through_a_stopped_server, tracker_environment, wandb_services)
+
+    pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
+    server = MLflowServer(tmp_path / "mlflow", template=request.config.cache.mkdir("mlflow-store"))  # starts now
+    services_before = wandb_services()
     try:
-        output = proc.communicate(timeout=240)[0]
+        # yolo26n: its one-to-one loss weight follows the epoch, so a restart that lost its place would show.
+        # --save-steps 1: a checkpoint inside every epoch (2 steps each).
+        common = ("--cfg", "yolo26n.yaml", "--epochs", str(EPOCHS), "--noplots", "--noval", "--deterministic",
+                  "--imgsz", "32", "--save-steps", "1")
+        # The uninterrupted run is forked from this process (while the server starts); the interrupted one launched.
+        codes, outputs = main_on_ranks(train.main, train_args(rectangles_yaml, tmp_path / "straight", *common), 2,
+                                       tmp_path / "logs")
+        assert codes == [0, 0], "".join(outputs)[-3000:]
+        assert sorted(p.name for p in (tmp_path / "straight").iterdir()) == ["exp"]  # rank 1 made no exp2
+        env = {**_env(), **tracker_environment(tmp_path, server.wait_ready())}
+        for key, value in env.items():  # the resumed run is forked from here
+            monkeypatch.setenv(key, value)
+        import mlflow  # noqa: F401  (imported once here: the forked resume starts with it)
+        import wandb  # noqa: F401
+
+        cmd = train_cmd(rectangles_yaml, tmp_path / "restarted", *common, "--loggers", "tensorboard", "mlflow", "wandb",
+                        nproc=2)
+        at = cmd.index("--standalone")  # the elastic form (--nnodes MIN:MAX, a c10d rendezvous), as on a cluster
+        cmd[at:at + 1] = ["--max-restarts=1", "--nnodes=1:2", "--rdzv-backend=c10d",
+                          f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=elastic-job",
+                          "--rdzv-conf=last_call_timeout=1"]
+        run_dir = tmp_path / "restarted/exp"
+        last, snapshot = run_dir / "weights/last.pt", tmp_path / "snapshot.pt"
+        with open(tmp_path / "launched.log", "w") as log:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                _wait_for(last, proc)  # inside epoch 0: the launcher restarts the group, which resumes from it
+                os.kill(rank_pid(proc, 1), signal.SIGKILL)
+                # Killed inside an epoch once the restarted group's MLflow run is in its checkpoint (the trackers open
+                # in the background: the first epochs may pass before MLflow has started).
+                mid = _snapshot_inside_an_epoch(last, snapshot, proc, with_trackers=("mlflow", "wandb"))
+            finally:
+                kill_run(proc)
+        output = (tmp_path / "launched.log").read_text()
+        assert "restart 1 of launcher run elastic-job" in output, output[-3000:]
+        ids = load_checkpoint(snapshot)["trackers"]
+        shutil.copy(snapshot, last)  # as the kill left it (the run may have gone on past the copy)
+        # The epoch the kill was inside, as if its row had been written before the kill: trained again, written once.
+        rows = (run_dir / "results.csv").read_text().splitlines()
+        if not any(int(r.split(",")[0]) == mid for r in rows[1:]):
+            (run_dir / "results.csv").write_text("\n".join([*rows, rows[-1].replace(rows[-1].split(",")[0],
+                                                                                      f"{mid:>20}", 1)]) + "\n")
+        (run_dir / "trackers.yaml").unlink()  # lost: the checkpoint keeps the tracker runs' ids too
+
+        codes, outputs = main_on_ranks(train.main, ["--resume", str(last)], 2, tmp_path / "logs_resumed")
+        assert codes == [0, 0], "".join(outputs)[-3000:]
+        assert f"Resuming training at batch 1 of epoch {mid}" in outputs[0]
+        assert [int(r["epoch"]) for r in results_rows(run_dir)] == list(range(EPOCHS))
+        assert max_difference(weights(last), weights(tmp_path / "straight/exp/weights/last.pt")) == 0.0
+        now = yaml.safe_load((run_dir / "trackers.yaml").read_text())
+        assert [now[k]["run_id"] for k in ("mlflow", "wandb")] == [ids[k]["run_id"] for k in ("mlflow", "wandb")]
+        check_mlflow_run(server.uri, "restarted", ids["mlflow"]["run_id"], run_dir / "results.csv",
+                         {"cfg": "yolo26n.yaml", "epochs": str(EPOCHS), "hyp/lr0": "0.01"},
+                         {"results.csv", "weights/best.pt", "weights/last.pt"})
+        check_wandb_files(run_dir, ids["wandb"]["run_id"], run_dir / "results.csv", (2, 3))  # restarted, resumed
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+        events.Reload()
+        assert [e.step for e in events.Scalars("train/l1_loss")] == list(range(EPOCHS))
+
+        # The server stops in the middle of a run: training goes on at its pace, with one warning.
+        for key, value in {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                           "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0"}.items():  # a blocking call would wait >= 2 s
+            monkeypatch.setenv(key, value)
+        slowest, warnings = run_through_a_stopped_server(server, tmp_path / "runs/stopped")
+        assert slowest < 0.5, slowest
+        assert len(warnings) == 1 and warnings[0].startswith("WARNING MLflow stopped for the rest of this run ("), \
+            warnings
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, output[-3000:]
-    assert "restart 1 of launcher run elastic-job" in output
-    assert sorted(p.name for p in (tmp_path / "restarted").iterdir()) == ["exp"]  # the same run folder, no exp2
-    assert [int(r["epoch"]) for r in results_rows(tmp_path / "restarted/exp")] == list(range(3))
-    assert max_difference(weights(tmp_path / "restarted/exp/weights/last.pt"),
-                          weights(tmp_path / "straight/exp/weights/last.pt")) == 0.0
+        left = server.stop()
+    assert not left, f"the MLflow server left processes behind: {left}"
+    assert not orphaned_wandb_services(services_before)
+
+
+def _snapshot_inside_an_epoch(last: Path, snapshot: Path, proc: subprocess.Popen,
+                              with_trackers: tuple[str, ...]) -> int:
+    """Copy ``last`` as soon as it is a checkpoint written inside an epoch that names these trackers' runs; its
+    epoch."""
+    deadline, seen = time.time() + 240, None
+    while time.time() < deadline:
+        assert proc.poll() is None, "the launched run ended before a checkpoint inside an epoch named its trackers"
+        stamp = last.stat().st_mtime_ns if last.exists() else None
+        if stamp is not None and stamp != seen:
+            seen = stamp
+            shutil.copy(last, snapshot)
+            ckpt = load_checkpoint(snapshot)
+            if ckpt["mid_epoch"] and set(with_trackers) <= set(ckpt["trackers"]):
+                return int(ckpt["mid_epoch"]["epoch"])
+        time.sleep(0.02)
+    raise AssertionError("no checkpoint inside an epoch named the trackers' runs")

@@ -38,6 +38,7 @@ from utils.log import LOGGER, colorstr
 from utils.metrics import RECALL_POINTS
 from utils.results_log import result_columns
 from utils.trackers import FAILED, KILLED, TrackerRun, check_trackers, open_trackers, plot_files, run_params
+from utils.trackers import preload as preload_trackers
 from utils.validation import validate
 
 # Called on rank 0 after each validated epoch with its results; True stops the run (a search's pruner).
@@ -57,6 +58,8 @@ def train(config: TrainConfig, device: torch.device, info: DistInfo, resumed: Re
     clock at the process start) is where a budget that includes start-up counts from; ``on_validated`` may stop
     the run after a validated epoch (rank 0 decides)."""
     check_trackers(config.loggers)  # a resumed run's own, on every rank: a missing package stops all of them
+    if info.is_main:
+        preload_trackers(config.loggers)  # their packages load while the data and the model are made
     run = set_up(config, device, info, resumed, hyp)
     trainer = Trainer(run, resumed, device, info, process_started)
     trainer.on_validated = on_validated

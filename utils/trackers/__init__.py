@@ -7,8 +7,8 @@ when it opens (``--loggers`` names it), in its own thread.
 """
 from utils.trackers.base import FAILED, FINISHED, KILLED, NullLogger, RunLogger, Tracker, TrackerRun
 from utils.trackers.composite import (DEFAULT_TRACKERS, IDS_FILE, TRACKER_NAMES, Trackers, check_trackers,
-                                      open_trackers, plot_files, read_ids, read_results, run_params)
+                                      open_trackers, plot_files, preload, read_ids, read_results, run_params)
 
 __all__ = ["DEFAULT_TRACKERS", "FAILED", "FINISHED", "IDS_FILE", "KILLED", "TRACKER_NAMES", "NullLogger",
            "RunLogger", "Tracker", "TrackerRun", "Trackers", "check_trackers", "open_trackers", "plot_files",
-           "read_ids", "read_results", "run_params"]
+           "preload", "read_ids", "read_results", "run_params"]

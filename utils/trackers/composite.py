@@ -45,6 +45,28 @@ def check_trackers(names: Sequence[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
+PRELOADED = {"tensorboard": "torch.utils.tensorboard", "mlflow": "mlflow.tracking", "wandb": "wandb"}
+
+
+def preload(names: Sequence[str]) -> None:
+    """Import the trackers' packages in a background thread now, while the run builds its data and model: MLflow's
+    takes seconds, which its tracker would otherwise spend before its first call. Nothing waits for it; the
+    trackers import what they need themselves (an import under way elsewhere is waited for, not repeated)."""
+    modules = [PRELOADED[n] for n in dict.fromkeys(names) if n in PRELOADED]
+    if modules:
+        threading.Thread(target=_import_quietly, args=(modules,), name="tracker-preload", daemon=True).start()
+
+
+def _import_quietly(modules: list[str]) -> None:
+    import importlib
+
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # the tracker says so when it opens
+            LOGGER.debug(f"preloading {module} failed ({e.__class__.__name__}: {e})")
+
+
 def make_tracker(name: str) -> Tracker:
     """The tracker of that name; its package is imported only when the tracker opens, in its own thread."""
     if name == "tensorboard":
