@@ -95,12 +95,11 @@ def test_yolo26_step_on_two_ranks_with_sync_bn_equals_one_process(rectangles_yam
 @pytest.mark.slow
 def test_evolve_a_yolo11_over_its_own_hyperparameters(train_here, rectangles_yaml, tmp_path) -> None:
     from models.families import YOLO11
-    from utils.hyp import Hyp
 
     status, log = train_here("--data", rectangles_yaml, "--cfg", "yolo11n.yaml", "--imgsz", "32", "--epochs", "1",
                              "--project", tmp_path, "--name", "ev", "--evolve", "2")
     assert status == 0, log
-    keys = YOLO11.evolve_keys(Hyp.from_yaml(YOLO11.default_hyp_path))
+    keys = YOLO11.evolve_keys(YOLO11.read_hyp(YOLO11.default_hyp_path))
     assert "dfl" in keys and "obj" not in keys and "anchor_t" not in keys
     rows = read_evolve_csv(tmp_path / "ev/evolve.csv", keys, YOLO11.loss_names)
     assert rows.shape[0] == 2 and (rows[0] != rows[1]).any()
