@@ -8,7 +8,7 @@ Usage:
 
 Results go to runs/detect/exp (then exp2, ...): annotated images and videos, ``labels/*.txt`` in YOLO format
 (``cls x y w h [conf]`` normalised; video frames as ``<stem>_<frame>.txt``), ``crops/<class>/`` with
---save-crop. Weights: a .pt (ours, YOLOv5's, or an Ultralytics YOLOv8 / YOLO11 / YOLO26 detection checkpoint),
+--save-crop. Weights: a .pt (ours, YOLOv5's, or an Ultralytics detection checkpoint of a family here),
 or any file or folder export.py wrote; every format runs through the same predictor (utils/evaluation/predictor.py).
 Inputs that cannot be read are reported and skipped.
 """
@@ -32,6 +32,7 @@ import cv2
 import numpy as np
 import torch
 
+from models.families import titles_by
 from utils.cli import (INFERENCE_IMGSZ_HELP, add_device, add_end2end, add_half, add_imgsz, add_run_folder,
                        make_parser)
 from utils.errors import UserError, run_reporting_errors
@@ -256,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "(.onnx, .torchscript, ...)")
     model.add_argument("--conf-thres", type=float, default=0.25, help="confidence threshold")
     model.add_argument("--iou-thres", type=float, default=None,
-                       help="NMS IoU threshold (default: 0.45 for YOLOv5 models, 0.7 for YOLOv8 / 11 / 26)")
+                       help=f"NMS IoU threshold (default: the model family's, {titles_by(lambda f: f.detect_iou)})")
     model.add_argument("--max-det", type=int, default=1000, help="detections kept per image")
     model.add_argument("--classes", nargs="+", type=int, help="keep only these classes: --classes 0 2 "
                                                               "(default: all)")

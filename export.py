@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from models.families import titles_by
 from utils.cli import INFERENCE_IMGSZ_HELP, add_device, add_end2end, add_half, add_imgsz, make_parser
 from utils.errors import UserError, run_reporting_errors
 from utils.log import LOGGER, colorstr, setup_logging
@@ -70,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="ONNX: NMS inside the graph; output (B, max-det, 6) = x1 y1 x2 y2 score class")
     output.add_argument("--conf-thres", type=float, default=DETECT_CONF, help="--nms: confidence threshold")
     output.add_argument("--iou-thres", type=float, default=None,
-                        help="--nms: NMS IoU threshold (default: detect.py's, 0.45 YOLOv5, 0.7 YOLOv8 / 11 / 26)")
+                        help=f"--nms: NMS IoU threshold (default: detect.py's, {titles_by(lambda f: f.detect_iou)})")
     output.add_argument("--max-det", type=int, default=DETECT_MAX_DET, help="--nms: detections kept per image")
     gate = parser.add_argument_group("accuracy gate")
     gate.add_argument("--data", type=str, default=None,

@@ -1,4 +1,4 @@
-"""Train a YOLOv5, YOLOv8, YOLO11 or YOLO26 detector (the model family decides its loss, NMS and hyp file).
+"""Train a detector of any model family here (docs/families.md; the family decides its loss, NMS and hyp file).
 
     python train.py                                   # yolo11n on the built-in shapes set, CPU or GPU 0
     python train.py --data path/to/data.yaml --cfg yolo11n.yaml --epochs 100 --img 640
@@ -23,6 +23,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from models.families import titles_by
 from utils.cli import RUNS, add_device, add_imgsz, add_run_folder, add_workers, make_parser
 from utils.data.config import data_yaml_path
 from utils.distributed import DistInfo, dist_info, end_with_launcher
@@ -125,7 +126,7 @@ def add_schedule_options(schedule: argparse._ArgumentGroup) -> None:
     schedule.add_argument("--time", type=float, default=None, help="train for this many hours (overrides --epochs)")
     schedule.add_argument("--batch-size", type=int, default=16, help="total batch size over all ranks")
     schedule.add_argument("--hyp", default="", help="hyper-parameter YAML (default: the model family's: "
-                          "data/hyps/hyp.scratch-low.yaml, hyp.anchor-free.yaml for YOLOv8/11/26)")
+                          f"{titles_by(lambda family: family.default_hyp, '{value} for {titles}')})")
     schedule.add_argument("--optimizer", default="auto", choices=["auto", "SGD", "Adam", "AdamW"],
                           help="auto: AdamW for short runs, SGD for long ones (see utils/optimizer.py)")
     schedule.add_argument("--cos-lr", action="store_true", help="cosine learning-rate decay instead of linear")

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 
+from models.families import titles_by
 from utils.cli import (INFERENCE_IMGSZ_HELP, add_device, add_end2end, add_half, add_imgsz, add_run_folder,
                        add_workers, make_parser)
 from utils.errors import UserError, run_reporting_errors
@@ -48,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "wrote (.onnx, .torchscript, ...)")
     model.add_argument("--conf-thres", type=float, default=CONF_THRES, help="confidence threshold")
     model.add_argument("--iou-thres", type=float, default=None,
-                       help="NMS IoU threshold (default: the model family's, 0.6 YOLOv5, 0.7 YOLOv8/11/26)")
+                       help=f"NMS IoU threshold (default: the model family's, {titles_by(lambda f: f.val_iou)})")
     model.add_argument("--max-det", type=int, default=MAX_DET, help="detections kept per image")
     model.add_argument("--augment", action="store_true",
                        help="test-time augmentation (scales and flips); also runs and reports the plain pass")

@@ -25,7 +25,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from utils.hyp import Hyp
+from models.families import YOLOV5  # noqa: E402
 from utils.data.config import load_data_config  # noqa: E402
 from utils.data.image_files import img2label_path, list_image_files  # noqa: E402
 from utils.data.loader import create_dataloader  # noqa: E402
@@ -39,7 +39,7 @@ def bench_augmented(workers: int, cache: str | None, epochs: int, imgsz: int = 6
                     data: Path = COCO128) -> float:
     """Augmented (mosaic) training samples per second over the train split of ``data`` (COCO128 by default)."""
     cfg = load_data_config(data)
-    hyp = Hyp.from_yaml(ROOT / "data" / "hyps" / "hyp.scratch-low.yaml")
+    hyp = YOLOV5.read_hyp(YOLOV5.default_hyp_path)
     loader, dataset = create_dataloader(cfg["train"], imgsz, batch_size, 32, hyp=hyp, augment=True, shuffle=True,
                                         workers=workers, nc=cfg["nc"], cache=cache)
     loader.sampler.set_epoch(0)
@@ -137,10 +137,10 @@ def _pil_style_check(pair: tuple[str, str]) -> int:
 # Runs inside the YOLOv5 checkout with its Python: the same two measurements through its public functions.
 YOLOV5_PROBE = r"""
 import sys, time, yaml
-from utils.data.loader import create_dataloader, LoadImagesAndLabels
+from utils.dataloaders import create_dataloader, LoadImagesAndLabels
 mode, arg, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
 if mode == "throughput":
-    hyp = Hyp.from_yaml(sys.argv[4])
+    hyp = yaml.safe_load(open(sys.argv[4]))
     cache = sys.argv[5] if sys.argv[5] != "none" else False
     epochs = int(sys.argv[6])
     loader, _ = create_dataloader(arg, 640, 16, 32, hyp=hyp, augment=True, workers=workers, shuffle=True,

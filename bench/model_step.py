@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from models.yolo import Model  # noqa: E402
-from utils.hyp import Hyp
+from models.families import YOLOV5  # noqa: E402
 from utils.amp import cpu_supports_bf16  # noqa: E402
 from utils.loss import ComputeLoss  # noqa: E402
 
@@ -26,7 +26,7 @@ def images_per_second(cfg: str, imgsz: int, batch_size: int, steps: int, channel
     model = Model(cfg, nc=80).to(device)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     model = model.to(memory_format=fmt)
-    compute_loss = ComputeLoss(model, Hyp.from_yaml(ROOT / "data/hyps/hyp.scratch-low.yaml"))
+    compute_loss = ComputeLoss(model, YOLOV5.read_hyp(YOLOV5.default_hyp_path))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     imgs = torch.rand(batch_size, 3, imgsz, imgsz, device=device).contiguous(memory_format=fmt)
     n = 4 * batch_size  # four objects per image

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from models.yolo import Model  # noqa: E402
-from utils.hyp import Hyp  # noqa: E402
+from models.families import YOLOV5  # noqa: E402
 from utils.loss import ComputeLoss  # noqa: E402
 
 
@@ -50,7 +50,7 @@ def _rank(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
 
     torch.manual_seed(0)
     model = Model(str(ROOT / "models/yolov5n.yaml"), nc=80).to(memory_format=torch.channels_last)
-    compute_loss = ComputeLoss(model, Hyp.from_yaml(ROOT / "data/hyps/hyp.scratch-low.yaml"))
+    compute_loss = ComputeLoss(model, YOLOV5.read_hyp(YOLOV5.default_hyp_path))
     ddp = DDP(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     g = torch.Generator().manual_seed(rank)

@@ -23,7 +23,7 @@ from utils.data.config import load_data_config  # noqa: E402
 from utils.data.shard_dataset import ShardDataset  # noqa: E402
 from utils.data.loader import create_dataloader, load_labels  # noqa: E402
 from utils.distributed import destroy_process_group, dist_info, init_process_group  # noqa: E402
-from utils.hyp import Hyp  # noqa: E402
+from models.families import YOLOV5  # noqa: E402
 from utils.torch_utils import torch_distributed_zero_first  # noqa: E402
 from utils.validation import validate  # noqa: E402
 
@@ -31,8 +31,8 @@ IMGSZ, BATCH, WINDOW = 64, 3, 5
 
 
 def training_keys(labels, info, workers: int) -> dict[str, list]:
-    loader, _ = create_dataloader(None, IMGSZ, BATCH, 32, hyp=Hyp(), augment=True, shuffle=True, workers=workers,
-                                  world_size=info.world_size, global_rank=info.rank, label_set=labels,
+    loader, _ = create_dataloader(None, IMGSZ, BATCH, 32, hyp=YOLOV5.hyp_type(), augment=True, shuffle=True,
+                                  workers=workers, world_size=info.world_size, global_rank=info.rank, label_set=labels,
                                   shard_window=WINDOW, seed=7, cache=None)
     out: dict[str, list] = {}
     for epoch in (0, 1):
@@ -54,12 +54,11 @@ def _figures(r) -> dict:
 
 def distributed_val(data: dict, info) -> dict:
     """Distributed validation on every rank, and (rank 0) one process over the whole split, same threads."""
-    from utils.hyp import Hyp as _Hyp
     from utils.loss import ComputeLoss
 
     torch.manual_seed(0)
     model = build_model(ROOT / "models/yolov5n.yaml", nc=2, names=["red", "blue"]).eval()
-    loss = ComputeLoss(model, _Hyp.from_yaml(ROOT / "data/hyps/hyp.scratch-low.yaml"))
+    loss = ComputeLoss(model, YOLOV5.read_hyp(YOLOV5.default_hyp_path))
     with torch_distributed_zero_first(info.local_rank):
         loader, _ = create_dataloader(data["val"], IMGSZ, 2, 32, rect=True, pad=0.5, workers=0,
                                       world_size=info.world_size, global_rank=info.rank, nc=2)

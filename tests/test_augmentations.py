@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from utils.data.augmentations import (
+    Warp,
     augment_hsv,
     box_candidates,
     letterbox,
@@ -194,7 +195,7 @@ def test_warped_mosaic_equals_mosaic_then_perspective_and_skips_hidden_tiles(par
             paste_region(images[k], region, out)
 
         img, out = warped_mosaic4(load, [im.shape[:2] for im in images], labels, imgsz,
-                                  np.random.default_rng([seed, 1]), **params)
+                                  np.random.default_rng([seed, 1]), Warp(**params))
         assert np.array_equal(out, expected_labels)
         # Same warp from a crop of the canvas: only fixed-point rounding of a few interpolated values differs.
         diff = np.abs(img.astype(np.int16) - expected_img)
@@ -215,8 +216,8 @@ def test_warped_mosaic_rejects_a_tile_smaller_than_its_shape() -> None:
         paste_region(images[k][:-20], region, out)  # 20 rows fewer than announced
 
     with pytest.raises(ValueError, match="tile"):
-        warped_mosaic4(load_short_tile, shapes, labels, 64, np.random.default_rng(0), degrees=0, translate=0,
-                       scale=0, shear=0)
+        warped_mosaic4(load_short_tile, shapes, labels, 64, np.random.default_rng(0),
+                       Warp(degrees=0, translate=0, scale=0, shear=0))
 
 
 def test_mosaic_perspective_keeps_boxes_on_pixels_without_rotation() -> None:

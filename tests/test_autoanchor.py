@@ -21,7 +21,7 @@ from utils.autoanchor import (
     set_anchors,
 )
 from utils.log import LOGGER
-from utils.hyp import Hyp
+from models.families import YOLOV5
 from utils.loss import ComputeLoss
 
 IMGSZ = 640
@@ -103,7 +103,7 @@ def test_anchors_far_off_the_data_are_replaced(model: Model, log_records) -> Non
     before, _ = anchor_metrics(dataset_box_sizes(dataset, IMGSZ, np.random.default_rng(0)), pixel_anchors(model), 4.0)
     assert before < 0.5
 
-    loss = ComputeLoss(model, Hyp(box=0.05, obj=1.0, cls=0.5, anchor_t=4.0))
+    loss = ComputeLoss(model, YOLOV5.hyp_type(box=0.05, obj=1.0, cls=0.5, anchor_t=4.0))
     assert check_anchors(dataset, model, thr=4.0, imgsz=IMGSZ) is True
 
     assert detect.anchors is buffer  # updated in place

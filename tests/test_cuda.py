@@ -46,7 +46,7 @@ def _differing_tensors(a: dict, b: dict) -> list[str]:
     return [k for k in b if not torch.equal(a[k], b[k])]
 
 
-@pytest.mark.parametrize("cfg", ["yolov5n.yaml", "yolov8n.yaml", "yolo11n.yaml", "yolo26n.yaml"])
+@pytest.mark.parametrize("cfg", ["yolov5n.yaml", "yolov8n.yaml", "yolo11n.yaml", "yolo12n.yaml", "yolo26n.yaml"])
 def test_each_family_trains_on_the_gpu_in_fp16_with_a_gradient_scaler(rectangles_yaml, tmp_path, cfg) -> None:
     run = _train("--data", rectangles_yaml, "--cfg", cfg, "--epochs", "3", "--project", tmp_path, "--name", "exp")
     log = run.stdout + run.stderr

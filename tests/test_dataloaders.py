@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
 import utils.data.loader as dataloaders
-from utils.hyp import Hyp
+from models.families import YOLOV5
 from utils.data.batch_ring import BatchRing
 from utils.data.loader import EpochStreamLoader, create_dataloader
 from utils.data.dataset import YoloDataset
@@ -17,7 +16,7 @@ from utils.data.shapes import generate_shapes
 
 BATCH = 4
 IMGSZ = 64
-HYP = Hyp.from_yaml(Path(__file__).parents[1] / "data" / "hyps" / "hyp.scratch-low.yaml")
+HYP = YOLOV5.read_hyp(YOLOV5.default_hyp_path)
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,11 @@ from utils.data.dataset import YoloDataset
 from utils.data.image_io import read_image_region
 from utils.data.jpeg_region import load_decoder
 from utils.data.shapes import generate_shapes
-from utils.hyp import Hyp
+from models.families import YOLOV5
 
 IMGSZ = 64
-HYP = Hyp(hsv_h=0.015, hsv_s=0.7, hsv_v=0.4, degrees=5.0, translate=0.1, scale=0.5, shear=2.0, perspective=0.0,
-          flipud=0.2, fliplr=0.5, mosaic=0.7, mixup=0.5)
+HYP = YOLOV5.hyp_type(hsv_h=0.015, hsv_s=0.7, hsv_v=0.4, degrees=5.0, translate=0.1, scale=0.5, shear=2.0,
+                      perspective=0.0, flipud=0.2, fliplr=0.5, mosaic=0.7, mixup=0.5)
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from models.yolo import Model
-from utils.hyp import Hyp
+from models.families import YOLOV5
 from utils.loss import ComputeLoss
 
-HYP = Hyp(box=0.05, obj=1.0, cls=0.5, cls_pw=1.0, obj_pw=1.0, anchor_t=4.0, fl_gamma=0.0)
+HYP = YOLOV5.hyp_type(box=0.05, obj=1.0, cls=0.5, cls_pw=1.0, obj_pw=1.0, anchor_t=4.0, fl_gamma=0.0)
 NC = 3
 IMGSZ = 64  # grids 8x8, 4x4, 2x2
 

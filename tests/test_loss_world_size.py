@@ -14,11 +14,11 @@ from conftest import fork_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from models.yolo import Model
-from utils.hyp import Hyp
+from models.families import YOLOV5
 from utils.loss import ComputeLoss, LossNorm
 
 IMGSZ, NC, WORLD = 64, 3, 2
-HYP = Hyp()
+HYP = YOLOV5.hyp_type()
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:

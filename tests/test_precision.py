@@ -4,11 +4,10 @@ from __future__ import annotations
 import torch
 
 from models.yolo import Model
-from utils.hyp import Hyp
+from models.families import YOLOV5
 from utils.amp import autocast, choose_precision, cpu_supports_bf16
 from utils.loss import ComputeLoss
 
-ROOT_HYP = "data/hyps/hyp.scratch-low.yaml"
 
 
 def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,7 +34,7 @@ def test_choose_precision_policy() -> None:
 def test_bf16_autocast_loss_matches_fp32_on_a_fixed_batch() -> None:
     torch.manual_seed(0)
     model = Model("models/yolov5n.yaml", nc=3)
-    compute_loss = ComputeLoss(model, Hyp.from_yaml(ROOT_HYP))
+    compute_loss = ComputeLoss(model, YOLOV5.read_hyp(YOLOV5.default_hyp_path))
     imgs, targets = _batch()
     fp32_loss, fp32_items = compute_loss(model(imgs), targets)
     precision = choose_precision(torch.device("cpu"), requested=True)
@@ -57,7 +56,7 @@ def test_channels_last_gives_the_same_outputs_and_gradients() -> None:
     nhwc.load_state_dict(nchw.state_dict())
     nhwc = nhwc.to(memory_format=torch.channels_last)
     imgs, targets = _batch(1)
-    hyp = Hyp.from_yaml(ROOT_HYP)
+    hyp = YOLOV5.read_hyp(YOLOV5.default_hyp_path)
     out_a = nchw(imgs)
     out_b = nhwc(imgs.contiguous(memory_format=torch.channels_last))
     for a, b in zip(out_a, out_b):  # float rounding only: to 1e-4 of the outputs' scale (any thread count)

@@ -8,11 +8,11 @@ import torch.distributed as dist
 import yaml
 from conftest import fork_ranks, run_forked
 
-from utils.hyp import Hyp
+from models.families import YOLOV5
 from utils.data.loader import create_dataloader
 from utils.optimizer import SHORT_RUN_STEPS, choose_optimizer, optimizer_steps
 
-HYP = Hyp.from_yaml("data/hyps/hyp.scratch-low.yaml")
+HYP = YOLOV5.read_hyp(YOLOV5.default_hyp_path)
 
 
 def test_optimizer_steps_counts_accumulated_batches() -> None:

@@ -6,10 +6,10 @@ import shutil
 import pytest
 
 from utils.checkpoint import load_checkpoint, save_checkpoint
-from utils.hyp import Hyp
+from models.families import YOLOV5
 from utils.optimizer import choose_optimizer, unused_hyp_values
 
-HYP = Hyp.from_yaml("data/hyps/hyp.scratch-low.yaml")
+HYP = YOLOV5.read_hyp(YOLOV5.default_hyp_path)
 
 
 def _optimizer_lines(log: str) -> list[str]:

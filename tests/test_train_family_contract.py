@@ -3,11 +3,13 @@
 The family here exists for this test only: a detector that is no YOLO (one pooled feature per image, a few query
 slots for boxes and classes) and takes the targets in its training forward pass (each target's box, shifted, is a
 denoising query that must give back the true box, as DETR-style detectors train), with a loss of two terms and
-its own hyper-parameter file (its augmentation preset: no mosaic, no flips). It is registered by name for the test.
+its own hyper-parameter record and file (its loss gains; its augmentation preset: no mosaic, no flips). It keeps
+to the family contract (a ``Family`` subclass overriding what differs) and is registered by name for the test.
 """
 from __future__ import annotations
 
 import csv
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -18,11 +20,22 @@ import yaml
 import models.families as families
 from utils.boxes import xywh2xyxy
 from utils.checkpoint import load_checkpoint
-from utils.hyp import Hyp
+from utils.hyp import AugmentationHyp, HypRecord, OptimisationHyp
 
 QUERIES = 4
 PRESET = {"mosaic": 0.0, "mixup": 0.0, "fliplr": 0.0, "flipud": 0.0, "scale": 0.0, "translate": 0.0, "hsv_h": 0.0,
-          "hsv_s": 0.0, "hsv_v": 0.0, "warmup_epochs": 0.0, "lr0": 0.003, "lrf": 0.5, "dfl": 1.0}
+          "hsv_s": 0.0, "hsv_v": 0.0, "warmup_epochs": 0.0, "lr0": 0.003, "lrf": 0.5, "denoise": 2.0}
+
+
+@dataclass(frozen=True)
+class ToyGains(HypRecord):
+    denoise: float = 1.0  # gain of the denoising queries' L1 loss
+    presence: float = 1.0  # gain of the per-image class presence BCE
+
+
+@dataclass(frozen=True)
+class ToyHyp(AugmentationHyp, ToyGains, OptimisationHyp):
+    """The toy family's hyper-parameters: the shared optimisation and augmentation groups around its own gains."""
 
 
 class ToyDetector(nn.Module):
@@ -53,8 +66,8 @@ class ToyDetector(nn.Module):
 class ToyLoss:
     item_names = ("denoise", "presence")
 
-    def __init__(self, nc: int) -> None:
-        self.nc = nc
+    def __init__(self, nc: int, hyp: ToyHyp) -> None:
+        self.nc, self.gains = nc, torch.tensor([hyp.denoise, hyp.presence])
 
     def prepare(self, targets: torch.Tensor, image_hw) -> None:
         return None
@@ -72,7 +85,7 @@ class ToyLoss:
         presence = nn.functional.binary_cross_entropy_with_logits(preds["logits"].max(1).values, present,
                                                                   reduction="sum") / self.nc
         denoise = (preds["denoised"] - targets[:, 2:6]).abs().sum() if "denoised" in preds else presence * 0
-        items = torch.stack((denoise, presence)) / images
+        items = torch.stack((denoise, presence)) * self.gains / images
         return items.sum(), items.detach()
 
 
@@ -82,6 +95,7 @@ class ToyFamily(families.Family):
     name = "toy"
     title = "Toy"
     loss_names = ToyLoss.item_names
+    hyp_type = ToyHyp
     layouts = ("end2end",)  # (B, k, 6) = x1 y1 x2 y2 score class: final, no NMS
     val_iou = 0.5
     evolve_limits: dict = {}
@@ -90,11 +104,9 @@ class ToyFamily(families.Family):
         self.default_hyp = str(hyp_file)  # absolute: default_hyp_path is it
         self.targets_seen: list[int] = []
 
-    def check_hyp(self, hyp: Hyp, source: str) -> None:
-        pass
-
-    def build_model(self, cfg, *, nc=None, weights=None, names=None, **_) -> ToyDetector:
-        config = cfg if isinstance(cfg, dict) else yaml.safe_load(Path(cfg).read_text())
+    def build_model(self, cfg, *, nc=None, weights=None, transfer=False, keep_anchors=True, anchors=None,
+                    names=None) -> ToyDetector:
+        config = dict(cfg) if not isinstance(cfg, (str, Path)) else yaml.safe_load(Path(cfg).read_text())
         model = ToyDetector(config, nc or config["nc"])
         if weights is not None:
             model.load_state_dict(weights)
@@ -108,11 +120,8 @@ class ToyFamily(families.Family):
         self.targets_seen.append(len(targets))
         return model(images, targets)
 
-    def make_loss(self, model: nn.Module, hyp: Hyp, *, imgsz: int, label_smoothing: float = 0.0) -> ToyLoss:
-        return ToyLoss(model.module.nc if hasattr(model, "module") else model.nc)
-
-    def fit_anchors(self, dataset, model: nn.Module, *, thr: float, imgsz: int) -> None:
-        pass
+    def make_loss(self, model: nn.Module, hyp: ToyHyp, *, imgsz: int, label_smoothing: float = 0.0) -> ToyLoss:
+        return ToyLoss(model.module.nc if hasattr(model, "module") else model.nc, hyp)
 
     def detections(self, pred: torch.Tensor, conf_thres: float, iou_thres: float, **options) -> list[torch.Tensor]:
         kept = [p[p[:, 4] > conf_thres] for p in pred]
@@ -123,7 +132,7 @@ class ToyFamily(families.Family):
 def toy_family(tmp_path, monkeypatch) -> tuple[ToyFamily, Path]:
     """The toy family registered by name, recognised by ``family: toy`` in its config; its config file."""
     hyp_file = tmp_path / "hyp.toy.yaml"
-    hyp_file.write_text(yaml.safe_dump({**Hyp().to_dict(), **PRESET}))
+    hyp_file.write_text(yaml.safe_dump({**ToyHyp().to_dict(), **PRESET}))
     family = ToyFamily(hyp_file)
     monkeypatch.setitem(families.FAMILIES, "toy", family)  # configs saying `family: toy` are its own
     cfg = tmp_path / "toy.yaml"
@@ -149,7 +158,9 @@ def test_a_detector_that_takes_the_targets_in_its_forward_pass_trains_through_th
     assert rows[0]["val/denoise_loss"] == 0  # no targets in the evaluation forward pass: no denoising queries
     hyp = yaml.safe_load((run_dir / "hyp.yaml").read_text())
     assert {k: hyp[k] for k in PRESET} == PRESET  # the family's own hyper-parameters and augmentation preset
+    assert list(hyp) == ToyHyp.field_names()  # in its own record: no other family's keys
     ckpt = load_checkpoint(run_dir / "weights/last.pt")
     assert ckpt["model_cfg"]["family"] == "toy" and "denoise.weight" in ckpt["model"]
+    assert family.read_hyp(ckpt["hyp"]) == family.read_hyp(family.default_hyp_path)  # what a resume reads back
     # The denoising queries' layer, used only when the targets are in the forward pass, was trained.
     assert not torch.equal(family.denoise_at_start, ckpt["model"]["denoise.weight"])

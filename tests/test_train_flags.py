@@ -34,7 +34,7 @@ from utils.engine.run_record import RunRecord
 from utils.engine.setup import freeze_layers, make_loaders
 from utils.engine.step import BatchOptions, SavePolicy
 from utils.engine.time_budget import fit_to_time, time_budget
-from utils.hyp import Hyp
+from models.families import YOLOV5
 from utils.loss import ComputeLoss
 from utils.results_log import result_columns
 
@@ -230,7 +230,7 @@ def _training_batches(data: Path, epochs: int, **options):
     data_config = load_data_config(config.data)
     labels = [load_labels(data_config[split], nc=data_config["nc"], workers=0, verbose=False)
               for split in ("train", "val")]
-    hyp = Hyp.from_yaml(ROOT / "data/hyps/hyp.scratch-low.yaml")
+    hyp = YOLOV5.read_hyp(YOLOV5.default_hyp_path)
     loader, _, _ = make_loaders(config, DistInfo(rank=-1, local_rank=-1, world_size=1), hyp, 32, labels)
     for epoch in range(epochs):
         loader.set_epoch(epoch, 0)

@@ -17,7 +17,6 @@ import yaml
 import val
 from models.yolo import Model
 from models.families import YOLOV5
-from utils.hyp import Hyp
 from utils.checkpoint import model_state, save_checkpoint
 from utils.data.loader import create_dataloader
 from utils.errors import UserError
@@ -83,6 +82,23 @@ class ColourOracle(nn.Module):
         return pred.to(imgs.device), []
 
 
+class FourTermLoss:
+    """A loss of four terms, each batch giving 1, 2, 3, 4 whatever the predictions."""
+
+    item_names = ("a", "b", "c", "d")
+
+    def __call__(self, preds, targets):
+        items = torch.arange(1.0, 5.0)
+        return items.sum(), items
+
+
+def test_validation_averages_as_many_loss_terms_as_the_loss_names(dataset):
+    loader, _ = create_dataloader(str(dataset.parent / "images" / "val"), 64, 4, 32, rect=True, pad=0.5, workers=0)
+    r = validate(ColourOracle(), loader, names=["red", "green"], device="cpu", family=YOLOV5,
+                 compute_loss=FourTermLoss())
+    assert r.losses.tolist() == [1.0, 2.0, 3.0, 4.0] and r.as_row()[4:] == (1.0, 2.0, 3.0, 4.0)
+
+
 def original_boxes(yaml_file: Path) -> dict[str, np.ndarray]:
     """Label rows (cls, x1, y1, x2, y2) in pixels of each original image, by stem."""
     out = {}
@@ -110,7 +126,7 @@ def test_oracle_scores_perfect_and_writes_outputs(dataset, tmp_path):
     assert r.n_images == 6 and r.n_instances > 5
     assert r.map50 == pytest.approx(1.0) and r.map > 0.8
     assert r.p > 0.99 and r.r > 0.99
-    assert r.losses.tolist() == [0.0, 0.0, 0.0]
+    assert r.losses.tolist() == [] and len(r.as_row()) == 4  # no loss, no loss terms
     assert r.maps.shape == (2,) and len(r.speed) == 3
     assert r.fitness == pytest.approx(0.1 * r.map50 + 0.9 * r.map)
     # confusion matrix: every box found with its own class, nothing else
@@ -183,7 +199,7 @@ def test_run_with_a_random_model_and_loss(dataset, tmp_path):
     from utils.loss import ComputeLoss
 
     model, _ = load_model(weights, "cpu")
-    hyp = Hyp.from_yaml(ROOT / "data" / "hyps" / "hyp.scratch-low.yaml")
+    hyp = YOLOV5.read_hyp(YOLOV5.default_hyp_path)
     loader, _ = create_dataloader(str(dataset.parent / "images" / "val"), 64, 4, 32, rect=True, pad=0.5, workers=0)
     r = validate(model.train(), loader, names=["red", "green"], device="cpu", compute_loss=ComputeLoss(model, hyp),
                      max_det=50)
@@ -259,7 +275,7 @@ def test_validate_folds_batchnorm_into_a_copy_with_the_same_outputs(dataset):
         def forward(self, x):
             return self.inner(x)
 
-    hyp = Hyp.from_yaml(ROOT / "data" / "hyps" / "hyp.scratch-low.yaml")
+    hyp = YOLOV5.read_hyp(YOLOV5.default_hyp_path)
     loader, _ = create_dataloader(str(dataset.parent / "images" / "val"), 64, 3, 32, rect=True, pad=0.5, workers=0)
     folded = validate(model, loader, names=["red", "green"], device="cpu", compute_loss=ComputeLoss(model, hyp))
     as_is = validate(Opaque(model), loader, names=["red", "green"], device="cpu", family=YOLOV5,

@@ -70,4 +70,5 @@ def add_half(group) -> None:
 
 def add_end2end(group) -> None:
     group.add_argument("--end2end", action="store_true",
-                       help="YOLO26: NMS-free output of the one-to-one head (B, 300, 6)")
+                       help="NMS-free output of the one-to-one head (B, 300, 6), for a model family that has one "
+                            "(docs/families.md)")

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 from utils.boxes import bbox_ciou
 from utils.distributed import de_parallel
-from utils.hyp import Hyp
 
 # Objectness weight of each level, finest first: small-object levels have many more cells (and negatives).
 LEVEL_BALANCE = {3: (4.0, 1.0, 0.4)}
@@ -110,7 +109,7 @@ class ComputeLoss:
     gr = 1.0  # objectness target = (1 - gr) + gr * CIoU; 1.0 uses the CIoU itself
     item_names = ("box", "obj", "cls")
 
-    def __init__(self, model: nn.Module, hyp: Hyp, label_smoothing: float = 0.0) -> None:
+    def __init__(self, model: nn.Module, hyp: Any, label_smoothing: float = 0.0) -> None:
         self.detect = de_parallel(model).model[-1]  # read anchors at call time: they follow .to() and AutoAnchor
         self.nl: int = self.detect.nl
         self.na: int = self.detect.na

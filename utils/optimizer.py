@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from utils.errors import UserError
-from utils.hyp import Hyp
+from utils.hyp import OptimisationHyp
 from utils.log import LOGGER
 
 NOMINAL_BATCH = 64  # YOLOv5's: gradients are accumulated up to this many images per optimizer step
@@ -47,7 +47,7 @@ class OptimizerChoice:
         return asdict(self)
 
 
-def unused_hyp_values(choice: OptimizerChoice, hyp: Hyp) -> list[str]:
+def unused_hyp_values(choice: OptimizerChoice, hyp: OptimisationHyp) -> list[str]:
     """The hyp file's values that the choice replaced with its own (``auto``'s AdamW sets lr0 and momentum)."""
     return [f"{name} {getattr(hyp, name)}" for name in ("lr0", "momentum")
             if getattr(choice, name) != getattr(hyp, name)]
@@ -58,7 +58,7 @@ def optimizer_steps(epochs: int, n_images: int, batch_size: int, accumulate: int
     return epochs * math.ceil(math.ceil(n_images / batch_size) / accumulate)
 
 
-def choose_optimizer(requested: str, epochs: int, n_images: int, batch_size: int, nc: int, hyp: Hyp,
+def choose_optimizer(requested: str, epochs: int, n_images: int, batch_size: int, nc: int, hyp: OptimisationHyp,
                      lr_per_class_term: float = ADAMW_LR_PER_CLASS_TERM) -> OptimizerChoice:
     """The explicit --optimizer with the hyp file's lr0/momentum and YOLOv5's accumulation, or the automatic
     choice for ``auto``: the length of the run at the nominal batch decides. A short run's AdamW takes
@@ -78,7 +78,7 @@ def choose_optimizer(requested: str, epochs: int, n_images: int, batch_size: int
 
 
 def resumed_choice(saved: dict[str, Any] | None, saved_opt: dict[str, Any], n_images: int, nc: int,
-                   hyp: Hyp, optimizer_state: dict[str, Any]) -> OptimizerChoice:
+                   hyp: OptimisationHyp, optimizer_state: dict[str, Any]) -> OptimizerChoice:
     """The choice a resumed run was trained with: the checkpoint's own, or for a checkpoint written before it was
     stored, the choice its start made (its saved options: --optimizer, --epochs, --batch-size).
 

@@ -37,7 +37,8 @@ class ValOptions:
     images. ``autocast_dtype`` (e.g. bf16 on a CPU, as training uses) runs inference under autocast of that type;
     NMS and metrics stay in fp32. ``family`` decodes the predictions (NMS at its IoU threshold unless
     ``iou_thres`` is given); the model's own by default, and it must be given for anything but a ``Model``.
-    ``gather``: distributed, every rank passes a loader over its own part of the split; see the evaluator."""
+    ``compute_loss`` (a ``utils/loss.py: DetectionLoss``) adds the mean of each of its terms (``item_names``) to the
+    results. ``gather``: distributed, every rank passes a loader over its own part of the split; see the evaluator."""
 
     names: Sequence[str]
     device: torch.device | str
@@ -137,7 +138,9 @@ def validate(model: torch.nn.Module, dataloader: Any, options: ValOptions | None
 
         names = list(o.names) if not o.single_cls or len(o.names) == 1 else ["item"]
         json_ids = json_identities(getattr(dataloader, "dataset", None), names)
-    evaluator = DetectionEvaluator(o.names, single_cls=o.single_cls, confusion=outputs.plots, json_ids=json_ids)
+    loss_terms = len(o.compute_loss.item_names) if o.compute_loss is not None else 0
+    evaluator = DetectionEvaluator(o.names, single_cls=o.single_cls, confusion=outputs.plots, json_ids=json_ids,
+                                   loss_terms=loss_terms)
     return evaluate(predictor, dataloader, evaluator, ValOutputs(outputs, evaluator.names), o.compute_loss, o.gather)
 
 

@@ -8,7 +8,7 @@ YOLO11's C3k2 blocks, and every anchor-free config would pass for YOLOv8's).
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +25,15 @@ from utils.errors import UserError
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (YOLOV5, YOLO26, YOLO12, YOLO11, YOLOV8)}
 Family.register(*FAMILIES.values())
+# The order in which help texts and messages list the families: the order they appeared in.
+LISTING_ORDER = (YOLOV5, YOLOV8, YOLO11, YOLO12, YOLO26)
 
 # The family of exported files of this project that record none (the first exports were all YOLOv5 models).
 UNRECORDED_EXPORT_FAMILY = YOLOV5
 
-__all__ = ["FAMILIES", "YOLO11", "YOLO12", "YOLO26", "YOLOV5", "YOLOV8", "CheckpointImporter", "ExportModule",
+__all__ = ["FAMILIES", "LISTING_ORDER", "YOLO11", "YOLO12", "YOLO26", "YOLOV5", "YOLOV8", "CheckpointImporter", "ExportModule",
            "Family", "Int8Scope", "UNRECORDED_EXPORT_FAMILY", "family_name", "family_of", "import_checkpoint",
-           "imported_records", "importer_of_source", "known_layouts", "missing_weights_message",
+           "imported_records", "importer_of_source", "known_layouts", "missing_weights_message", "titles_by",
            "ultralytics_export_family"]
 
 
@@ -66,6 +68,17 @@ def family_of(model_or_cfg: nn.Module | Mapping[str, Any] | str | Family) -> Fam
     if name not in FAMILIES:
         raise UserError(f"model family {name!r} is not supported here (known: {', '.join(sorted(FAMILIES))})")
     return FAMILIES[name]
+
+
+def titles_by(value_of: Callable[[Family], Any], template: str = "{value} {titles}") -> str:
+    """The families grouped by ``value_of(family)``, each group written through ``template`` (``value``, and
+    ``titles`` joined by "/"), the groups joined by ", ": help texts say a per-family default with it, without
+    naming a family themselves (``titles_by(lambda f: f.val_iou)``: "0.6 YOLOv5, 0.7 YOLOv8/YOLO11/YOLO12/YOLO26")."""
+    listed = [*LISTING_ORDER, *(f for f in FAMILIES.values() if f not in LISTING_ORDER)]
+    groups: dict[Any, list[str]] = {}
+    for family in listed:
+        groups.setdefault(value_of(family), []).append(family.title)
+    return ", ".join(template.format(value=value, titles="/".join(titles)) for value, titles in groups.items())
 
 
 def known_layouts() -> tuple[str, ...]:

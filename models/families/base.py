@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from models.heads import DetectionHead
+from models.yolo import build_model as build_yolo_model
 from utils.distributed import de_parallel
 from utils.errors import UserError
 from utils.hyp import HypRecord, Limit
@@ -116,6 +117,17 @@ class Family:
         return False
 
     # ---- training ----
+
+    def build_model(self, cfg: str | Path | Mapping[str, Any], *, nc: int | None = None,
+                    weights: dict[str, torch.Tensor] | None = None, transfer: bool = False, keep_anchors: bool = True,
+                    anchors: float | None = None, names: list[str] | None = None) -> nn.Module:
+        """Its model from a config (a YAML path or its dict), loaded with ``weights`` when given (``transfer``:
+        only the tensors that fit; ``keep_anchors`` False leaves the config's anchors). The default builds a YOLO
+        ``Model`` (``models/yolo.py: build_model``); a family whose models are not built from a YOLO YAML overrides
+        it. The model must carry ``yaml`` (its config dict, stored in checkpoints), ``names`` and a ``stride``
+        tensor (image sizes are multiples of its largest)."""
+        return build_yolo_model(cfg, nc=nc, weights=weights, transfer=transfer, keep_anchors=keep_anchors,
+                                anchors=anchors, names=names)
 
     def make_loss(self, model: nn.Module, hyp: Any, *, imgsz: int, label_smoothing: float = 0.0) -> DetectionLoss:
         """Its loss, normalised by counts over all ranks (a step does not depend on the world size)."""

@@ -423,20 +423,29 @@ def mosaic4(
     return canvas, _mosaic_labels(labels, shapes_hw, corners, size)
 
 
+@dataclass(frozen=True)
+class Warp:
+    """The ranges of a random warp (``random_perspective``'s): rotation (+/- degrees), translation (+/- fraction),
+    zoom (+/- gain), shear (+/- degrees), perspective (+/- fraction)."""
+
+    degrees: float = 10
+    translate: float = 0.1
+    scale: float = 0.1
+    shear: float = 10
+    perspective: float = 0.0
+
+
 def warped_mosaic4(
     load: TileLoader,
     shapes_hw: list[tuple[int, int]],
     labels: list[np.ndarray],
     imgsz: int,
     rng: np.random.Generator,
-    degrees: float = 10,
-    translate: float = 0.1,
-    scale: float = 0.1,
-    shear: float = 10,
-    perspective: float = 0.0,
+    warp: Warp = Warp(),
     map_fn: Callable = map,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``mosaic4`` then ``random_perspective`` down to imgsz, building only the part of the canvas that shows.
+    """``mosaic4`` then ``random_perspective`` (with ``warp``'s ranges) down to imgsz, building only the part of
+    the canvas that shows.
 
     Same draws and same output as the two steps (border ``-imgsz // 2``), but only the canvas window the
     warp reads is filled (about a third of the 2 * imgsz canvas on average) and ``load(k, region, out)``
@@ -452,7 +461,8 @@ def warped_mosaic4(
     corners = mosaic_layout(shapes_hw, imgsz, rng)
     border = -imgsz // 2
     out_wh = (size + 2 * border, size + 2 * border)
-    matrix, zoom = random_warp_matrix(rng, (size, size), out_wh, degrees, translate, scale, shear, perspective)
+    matrix, zoom = random_warp_matrix(rng, (size, size), out_wh, warp.degrees, warp.translate, warp.scale, warp.shear,
+                                      warp.perspective)
     plan = plan_warp(matrix, out_wh, (size, size))
     canvas = None
     if plan.window is not None:

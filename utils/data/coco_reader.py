@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -142,7 +143,30 @@ def _build(path: Path, folders: list[Path], names: list[str] | None, workers: in
     class_of = class_of_category(categories, names, path)
     nc = len(names) if names is not None else len(categories)
     builder = TableBuilder()
+    images = _image_entries(data, path, builder)
+    folder = _choose_folder(folders, [im["file_name"] for im in images.values()], path)
+    boxes = _annotation_rows(data, path, images, class_of, builder)
 
+    unused = [f"{cid} {name!r}" for cid, name in categories if cid not in boxes.used_categories]
+    if unused:  # e.g. the placeholder category some exporters add
+        LOGGER.info(f"{prefix}{path}: categories without annotations: {', '.join(unused)}")
+        builder.count("unused_categories", len(unused))
+
+    entries = sorted(((str(folder / im["file_name"]), im) for im in images.values()), key=lambda e: e[0])
+    probes = probe_files([p for p, _ in entries], workers, f"{prefix}Verifying {len(entries)} images",
+                         show_progress=verbose)
+    ids = _add_images(builder, list(zip(entries, probes)), boxes, folders, path)
+    category_ids = [cid for cid, _ in categories]
+    if names is not None:  # class k's category: the one matched to names[k] (-1 where none is)
+        by_class = {k: cid for cid, k in class_of.items()}
+        category_ids = [by_class.get(k, -1) for k in range(nc)]
+    return builder.build(extra={"image_id": np.array(ids, dtype=np.int64)},
+                         meta={"category_ids": np.array(category_ids, dtype=np.int64), "annotations": str(path),
+                               "names": np.array(names if names is not None else [n for _, n in categories])})
+
+
+def _image_entries(data: dict, path: Path, builder: TableBuilder) -> dict[Any, dict]:
+    """The JSON's usable image entries by id; an entry without id or file name is counted and skipped."""
     images: dict[Any, dict] = {}
     for im in data["images"]:
         if not isinstance(im, dict) or "id" not in im or not isinstance(im.get("file_name"), str):
@@ -154,11 +178,22 @@ def _build(path: Path, folders: list[Path], names: list[str] | None, workers: in
         images[im["id"]] = im
     if not images:
         raise UserError(f"{path}: lists no usable images")
-    folder = _choose_folder(folders, [im["file_name"] for im in images.values()], path)
+    return images
 
-    rows: dict[int, dict[tuple[float, ...], None]] = {i: {} for i in images}  # insertion-ordered sets
-    annotated: set[int] = set()
-    used_categories: set[int] = set()
+
+@dataclass
+class _ImageBoxes:
+    """What the annotations say of each image."""
+
+    rows: dict[int, dict[tuple[float, ...], None]]  # per image id, its label rows (insertion-ordered sets)
+    annotated: set[int] = field(default_factory=set)  # images with any annotation, crowd or bad ones included
+    used_categories: set[int] = field(default_factory=set)
+
+
+def _annotation_rows(data: dict, path: Path, images: dict[Any, dict], class_of: dict[int, int],
+                     builder: TableBuilder) -> _ImageBoxes:
+    """Each image's label rows from the annotations; a bad annotation is reported, counted and skipped."""
+    boxes = _ImageBoxes({i: {} for i in images})
     for k, ann in enumerate(data["annotations"]):
         if not isinstance(ann, dict):
             builder.messages.append(f"{path}: annotation #{k} is not an object, skipped")
@@ -170,43 +205,48 @@ def _build(path: Path, folders: list[Path], names: list[str] | None, workers: in
             builder.messages.append(f"{path}: {item} has unknown image id {ann.get('image_id')!r}, skipped")
             builder.count("unknown_image_annotations")
             continue
-        annotated.add(image["id"])
+        boxes.annotated.add(image["id"])
         cid = ann.get("category_id")
         if cid not in class_of:
             builder.messages.append(f"{path}: {item} has category id {cid!r} not in 'categories', skipped")
             builder.count("unknown_category_annotations")
             continue
-        used_categories.add(cid)
+        boxes.used_categories.add(cid)
         if ann.get("iscrowd", 0):
             builder.count("crowd_annotations_left_out")
             continue
-        w, h = image.get("width"), image.get("height")
-        if not isinstance(w, (int, float)) or not isinstance(h, (int, float)) or w <= 0 or h <= 0:
-            builder.messages.append(f"{path}: image {image['id']} has no valid width/height, {item} skipped")
-            builder.count("bad_boxes")
+        row = _annotation_row(ann, image, item, class_of[cid], path, builder)
+        if row is None:
             continue
-        box, why, clipped = _box_row(ann.get("bbox"), float(w), float(h))
-        if box is None:
-            builder.messages.append(f"{path}: {item} of image {image['id']}: {why}, skipped")
-            builder.count("bad_boxes")
-            continue
-        builder.count("clipped_boxes", int(clipped))
-        row = (float(class_of[cid]), *box)
-        if row in rows[image["id"]]:
+        if row in boxes.rows[image["id"]]:
             builder.count("duplicates")
-        rows[image["id"]][row] = None
+        boxes.rows[image["id"]][row] = None
+    return boxes
 
-    unused = [f"{cid} {name!r}" for cid, name in categories if cid not in used_categories]
-    if unused:  # e.g. the placeholder category some exporters add
-        LOGGER.info(f"{prefix}{path}: categories without annotations: {', '.join(unused)}")
-        builder.count("unused_categories", len(unused))
 
-    entries = sorted(((str(folder / im["file_name"]), im) for im in images.values()), key=lambda e: e[0])
-    probes = probe_files([p for p, _ in entries], workers, f"{prefix}Verifying {len(entries)} images",
-                         show_progress=verbose)
+def _annotation_row(ann: dict, image: dict, item: str, cls: int, path: Path,
+                    builder: TableBuilder) -> tuple[float, ...] | None:
+    """One annotation's label row (class, normalised x, y, w, h), or None when its box or image size is bad."""
+    w, h = image.get("width"), image.get("height")
+    if not isinstance(w, (int, float)) or not isinstance(h, (int, float)) or w <= 0 or h <= 0:
+        builder.messages.append(f"{path}: image {image['id']} has no valid width/height, {item} skipped")
+        builder.count("bad_boxes")
+        return None
+    box, why, clipped = _box_row(ann.get("bbox"), float(w), float(h))
+    if box is None:
+        builder.messages.append(f"{path}: {item} of image {image['id']}: {why}, skipped")
+        builder.count("bad_boxes")
+        return None
+    builder.count("clipped_boxes", int(clipped))
+    return (float(cls), *box)
+
+
+def _add_images(builder: TableBuilder, probed: list[tuple[tuple[str, dict], tuple]], boxes: _ImageBoxes,
+                folders: list[Path], path: Path) -> list[int]:
+    """Every image, in file order, into the table with its status; returns their image ids."""
     seen: set[str] = set()
     ids = []
-    for (file, im), (shape, warning, error) in zip(entries, probes):
+    for (file, im), (shape, warning, error) in probed:
         item = f"image {im['id']} {im['file_name']!r}"
         empty = np.zeros((0, 5), np.float32)
         if file in seen:
@@ -218,15 +258,9 @@ def _build(path: Path, folders: list[Path], names: list[str] | None, workers: in
                 builder.count("missing_images")
             builder.add(file, CORRUPT, (0, 0), empty, f"{path}: {item}: {error}, skipped")
         else:
-            labels = np.array(list(rows[im["id"]]), np.float32).reshape(-1, 5)
-            status = LABELLED if len(labels) else (EMPTY if im["id"] in annotated else BACKGROUND)
+            labels = np.array(list(boxes.rows[im["id"]]), np.float32).reshape(-1, 5)
+            status = LABELLED if len(labels) else (EMPTY if im["id"] in boxes.annotated else BACKGROUND)
             builder.add(file, status, shape, labels, f"{file}: {warning}" if warning else "")
         seen.add(file)
         ids.append(im["id"])
-    category_ids = [cid for cid, _ in categories]
-    if names is not None:  # class k's category: the one matched to names[k] (-1 where none is)
-        by_class = {k: cid for cid, k in class_of.items()}
-        category_ids = [by_class.get(k, -1) for k in range(nc)]
-    return builder.build(extra={"image_id": np.array(ids, dtype=np.int64)},
-                         meta={"category_ids": np.array(category_ids, dtype=np.int64), "annotations": str(path),
-                               "names": np.array(names if names is not None else [n for _, n in categories])})
+    return ids

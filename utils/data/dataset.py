@@ -10,21 +10,23 @@ import os
 import shutil
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import cv2
 import numpy as np
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from utils.data.augmentations import (augment_hsv, letterbox, linear_resize_source_span, long_side_shape, mixup,
-                                 paste_region, random_flips, random_perspective, resize_to_long_side, warped_mosaic4)
+from utils.data.augmentations import (Warp, augment_hsv, letterbox, linear_resize_source_span, long_side_shape, mixup,
+                                      paste_region, random_flips, random_perspective, resize_to_long_side,
+                                      warped_mosaic4)
 from utils.data.batch_ring import BatchRing, RingSlot
 from utils.boxes import xywhn2xyxy, xyxy2xywhn
 from utils.errors import UserError
 from utils.files import atomic_output
-from utils.hyp import Hyp
+from utils.hyp import AugmentationHyp
 from utils.data.image_source import ImageSource, open_source
 from utils.data.jpeg_region import load_decoder
 from utils.data.label_table import LabelRows, LabelTable, PathList
@@ -73,6 +75,26 @@ def rect_batch_shapes(shapes_wh: np.ndarray, batch_size: int, imgsz: int, stride
     return (np.ceil(out * imgsz / stride + pad) * stride).astype(int)
 
 
+@dataclass(frozen=True)
+class DatasetOptions:
+    """How a split's samples are made: ``YoloDataset``'s options besides the image size and batch size."""
+
+    augment: bool = False  # training samples: mosaic, warp, mixup, HSV, flips
+    hyp: AugmentationHyp | None = None  # the augmentation rates (None: ``AugmentationHyp()``'s)
+    rect: bool = False  # images in aspect order, letterboxed to per-batch rectangles
+    cache: str | None = None  # decoded images kept: "ram", "disk", "auto" or None
+    single_cls: bool = False  # every label one class
+    stride: int = 32  # rectangle sides are multiples of it
+    pad: float = 0.0  # rectangles padded by this many strides
+    nc: int | None = None  # class count the labels are checked against
+    seed: int = 0  # augmentation draws are functions of (seed, epoch, index)
+    close_mosaic_epoch: int | None = None  # from this epoch on: no mosaic, no mixup
+    workers: int = 8  # threads that read labels and fill caches
+    decode_threads: int = 1  # threads that decode a mosaic's tiles in this process
+    prefix: str = ""  # before every log line
+    verbose: bool = True  # progress bars
+
+
 class YoloDataset(Dataset):
     """Images and labels of one split, returning ``(img uint8 3xHxW RGB, targets (n, 6), path, shapes)``.
 
@@ -88,23 +110,24 @@ class YoloDataset(Dataset):
     cache: a speed option never stops a run.
     """
 
-    def __init__(self, path: str | list[str] | None, imgsz: int = 640, batch_size: int = 16, augment: bool = False,
-                 hyp: Hyp | None = None, rect: bool = False, cache: str | None = None,
-                 single_cls: bool = False, stride: int = 32, pad: float = 0.0, nc: int | None = None,
-                 seed: int = 0, close_mosaic_epoch: int | None = None, workers: int = 8, decode_threads: int = 1,
-                 prefix: str = "", label_set: LabelTable | None = None, verbose: bool = True):
+    def __init__(self, path: str | list[str] | None, imgsz: int = 640, batch_size: int = 16, *,
+                 label_set: LabelTable | None = None, **options: Any):
+        """``options``: the fields of :class:`DatasetOptions`; ``label_set`` (labels already read) replaces reading
+        them from ``path``."""
+        o = DatasetOptions(**options)
+        cache, stride, pad, prefix = o.cache, o.stride, o.pad, o.prefix
         if cache not in CACHE_MODES:
             raise UserError(f"--cache {cache!r}: expected 'ram', 'disk', 'auto' or nothing")
-        self.imgsz, self.augment, self.rect, self.stride, self.pad = imgsz, augment, rect, stride, pad
-        self.hyp = hyp or Hyp()
-        self.seed, self.close_mosaic_epoch, self.prefix = seed, close_mosaic_epoch, prefix
+        self.imgsz, self.augment, self.rect, self.stride, self.pad = imgsz, o.augment, o.rect, stride, pad
+        self.hyp = o.hyp or AugmentationHyp()
+        self.seed, self.close_mosaic_epoch, self.prefix = o.seed, o.close_mosaic_epoch, prefix
 
         if label_set is None:
-            label_set = load_labels(path, nc=nc, workers=workers, prefix=prefix, verbose=verbose)
-        if single_cls:
+            label_set = load_labels(path, nc=o.nc, workers=o.workers, prefix=prefix, verbose=o.verbose)
+        if o.single_cls:
             label_set = label_set.with_single_class()
         self.batch_shapes: np.ndarray | None = None
-        if rect:
+        if o.rect:
             # numpy's default sort, as YOLOv5's: images of equal aspect ratio then fall into the same batches,
             # and so get the same letterbox shape, as in YOLOv5's val.py (a stable sort moved 6 of the shapes
             # set's 100 validation images into a neighbouring batch of another shape). The order of equal ratios is
@@ -114,7 +137,7 @@ class YoloDataset(Dataset):
         # The split lives in a few flat arrays (label_table.py), shared by forked workers without copies.
         self.table = label_set
         # The region decoder is built (or found) and checked now, once, and logged: reads only use it.
-        self.jpeg_decoder = load_decoder() if augment else None
+        self.jpeg_decoder = load_decoder() if o.augment else None
         self.source: ImageSource = open_source(label_set, self.jpeg_decoder)
         self.label_counts = label_set.counts
         self.cache_file = label_set.cache_file
@@ -125,7 +148,7 @@ class YoloDataset(Dataset):
         self.batch_index = np.arange(self.n) // max(1, batch_size)
 
         # Loading in the main process (no workers) leaves cores idle: decode a mosaic's tiles in threads.
-        self.decode_threads = max(1, decode_threads)
+        self.decode_threads = max(1, o.decode_threads)
         self._decode_pool: ThreadPoolExecutor | None = None
         if cache == "disk" and not self.source.disk_cacheable:
             LOGGER.warning(f"{prefix}WARNING --cache disk does not apply to {self.source.kind}: not caching")
@@ -133,7 +156,7 @@ class YoloDataset(Dataset):
         self.cache = cache
         self.ram_images: list[np.ndarray | None] = [None] * self.n
         if cache:
-            self._fill_cache(cache, workers)
+            self._fill_cache(cache, o.workers)
 
     # ----- images ---------------------------------------------------------------------------------
     def _resized_bytes(self) -> int:
@@ -287,8 +310,9 @@ class YoloDataset(Dataset):
             self._load_tile(indices[k], shapes_hw[k], region, out)
 
         h = self.hyp
-        return warped_mosaic4(load, shapes_hw, [self.labels[i] for i in indices], self.imgsz, rng, h.degrees,
-                              h.translate, h.scale, h.shear, h.perspective, map_fn=self._tile_map())
+        warp = Warp(h.degrees, h.translate, h.scale, h.shear, h.perspective)
+        return warped_mosaic4(load, shapes_hw, [self.labels[i] for i in indices], self.imgsz, rng, warp,
+                              map_fn=self._tile_map())
 
     def _load_tile(self, i: int, shape_hw: tuple[int, int], region: tuple[int, int, int, int],
                    out: np.ndarray) -> None:

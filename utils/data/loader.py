@@ -5,8 +5,10 @@ epoch's first batches while the current epoch ends instead of idling at every ep
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -19,7 +21,7 @@ from utils.data.batch_ring import BatchRing, RingSlot, shared_memory_fits
 from utils.data.dataset import YoloDataset
 from utils.data.label_table import LabelTable
 from utils.data.labels import Split, load_labels
-from utils.hyp import Hyp
+from utils.hyp import AugmentationHyp
 from utils.log import LOGGER
 from utils.data.quad import QuadCollate
 from utils.data.samplers import (EpochStreamBatchSampler, ShardedSampler, ShardPlan, ShardPlanSampler,
@@ -112,89 +114,103 @@ def build_dataset(label_set: LabelTable, imgsz: int, batch_size: int, plan: Shar
     return YoloDataset(None, imgsz, batch_size, label_set=label_set, **options)
 
 
-def create_dataloader(
-    path: Split | None,
-    imgsz: int,
-    batch_size: int,
-    stride: int,
-    *,
-    hyp: Hyp | None = None,
-    augment: bool = False,
-    cache: str | None = None,
-    pad: float = 0.0,
-    rect: bool = False,
-    world_size: int = 1,
-    global_rank: int = 0,
-    workers: int = 8,
-    shuffle: bool = False,
-    seed: int = 0,
-    single_cls: bool = False,
-    nc: int | None = None,
-    close_mosaic_epoch: int | None = None,
-    prefix: str = "",
-    label_set: LabelTable | None = None,
-    image_weights: bool = False,
-    quad: bool = False,
-    shard_window: int = DEFAULT_WINDOW,
-    resampled: bool = False,
-) -> tuple[DataLoader | EpochStreamLoader, YoloDataset]:
-    """A loader over this rank's shard and the dataset; ``batch_size`` is per rank.
+@dataclass(frozen=True)
+class LoaderOptions:
+    """``create_dataloader``'s options besides the split, the image size, the batch size and the stride."""
+
+    hyp: AugmentationHyp | None = None  # the augmentation rates (None: ``AugmentationHyp()``'s)
+    augment: bool = False  # training: augmented samples, an EpochStreamLoader over padded shards
+    cache: str | None = None  # decoded images kept: "ram", "disk", "auto" or None
+    pad: float = 0.0  # rect batches padded by this many strides
+    rect: bool = False  # per-batch rectangles of images in aspect order (not shuffled)
+    world_size: int = 1
+    global_rank: int = 0
+    workers: int = 8  # at most this many worker processes (capped by the cores and the batch)
+    shuffle: bool = False
+    seed: int = 0  # an epoch's order and its augmentation draws are functions of (seed, epoch)
+    single_cls: bool = False
+    nc: int | None = None  # class count the labels are checked against
+    close_mosaic_epoch: int | None = None  # from this epoch on: no mosaic, no mixup
+    prefix: str = ""  # before every log line
+    image_weights: bool = False  # training: each epoch a weighted draw (``EpochStreamLoader.set_image_weights``)
+    quad: bool = False  # training, not rect: batches of four merged samples at twice the size (quad.py)
+    shard_window: int = DEFAULT_WINDOW  # shards: samples shuffled within a window of this many
+    resampled: bool = False  # shards: WebDataset-style approximate epochs
+
+
+def create_dataloader(path: Split | None, imgsz: int, batch_size: int, stride: int, *,
+                      label_set: LabelTable | None = None, **options: Any
+                      ) -> tuple[DataLoader | EpochStreamLoader, YoloDataset]:
+    """A loader over this rank's shard and the dataset; ``batch_size`` is per rank; ``options`` are the fields of
+    :class:`LoaderOptions`.
 
     Call ``loader.sampler.set_epoch(epoch)`` before each epoch: it picks the epoch's order and its
     augmentation draws. Training loaders (``augment``) pad shards to equal length and are an
     EpochStreamLoader; others give each sample to exactly one rank and are a plain DataLoader.
     ``label_set`` (already loaded labels) replaces reading them from ``path``.
-    ``image_weights`` (training): each epoch is a weighted draw, see ``EpochStreamLoader.set_image_weights``.
-    ``quad`` (training, not rect): batches of four merged samples at twice the size (utils/data/quad.py).
 
     Shards (``path`` a ShardSet, or ``label_set`` a ShardLabelSet): training follows a ShardPlan (exact epochs,
     shard order and a window of ``shard_window`` samples shuffled; ``resampled`` for WebDataset-style approximate
     epochs); validation gives each rank a disjoint part, as for files.
     """
-    if rect and shuffle:
-        LOGGER.warning(f"{prefix}WARNING rect batches are incompatible with shuffle: shuffle disabled")
-        shuffle = False
+    o = LoaderOptions(**options)
+    if o.rect and o.shuffle:
+        LOGGER.warning(f"{o.prefix}WARNING rect batches are incompatible with shuffle: shuffle disabled")
+        o = dataclasses.replace(o, shuffle=False)
     cpus = os.cpu_count() or 1
-    loader_workers = max(0, min(workers, cpus, batch_size))
+    loader_workers = max(0, min(o.workers, cpus, batch_size))
     # Without worker processes the mosaic tiles are decoded in threads of this process, sharing its cores.
-    decode_threads = 1 if loader_workers else max(1, min(4, cpus // max(1, world_size)))
+    decode_threads = 1 if loader_workers else max(1, min(4, cpus // max(1, o.world_size)))
     if label_set is None:
-        label_set = load_labels(path, nc=nc, workers=workers, prefix=prefix)
+        label_set = load_labels(path, nc=o.nc, workers=o.workers, prefix=o.prefix)
     plan = None
-    if isinstance(label_set, ShardLabelSet) and augment and not rect:
-        plan = ShardPlan(label_set.shard_counts, seed=seed, window=shard_window, shuffle=shuffle, resampled=resampled)
-    dataset = build_dataset(label_set, imgsz, batch_size, plan=plan, augment=augment, hyp=hyp, rect=rect, cache=cache,
-                            single_cls=single_cls, stride=stride, pad=pad, nc=nc, seed=seed,
-                            close_mosaic_epoch=close_mosaic_epoch, workers=workers, decode_threads=decode_threads,
-                            prefix=prefix)
+    if isinstance(label_set, ShardLabelSet) and o.augment and not o.rect:
+        plan = ShardPlan(label_set.shard_counts, seed=o.seed, window=o.shard_window, shuffle=o.shuffle,
+                         resampled=o.resampled)
+    dataset = build_dataset(label_set, imgsz, batch_size, plan=plan, augment=o.augment, hyp=o.hyp, rect=o.rect,
+                            cache=o.cache, single_cls=o.single_cls, stride=stride, pad=o.pad, nc=o.nc, seed=o.seed,
+                            close_mosaic_epoch=o.close_mosaic_epoch, workers=o.workers,
+                            decode_threads=decode_threads, prefix=o.prefix)
     batch_size = min(batch_size, len(dataset))
-    sampler: ShardedSampler | ShardPlanSampler
-    if plan is not None:
-        if image_weights:
-            raise ValueError("--image-weights draws images by index and is not available for tar shards")
-        sampler = ShardPlanSampler(plan, world_size=world_size, rank=global_rank)
-    elif image_weights and augment and not rect:
-        sampler = WeightedShardedSampler(len(dataset), world_size=world_size, rank=global_rank, seed=seed)
-    else:
-        sampler = ShardedSampler(len(dataset), world_size=world_size, rank=global_rank, shuffle=shuffle, seed=seed,
-                                 pad=shuffle or augment, block=batch_size if rect else 1)
+    sampler = _sampler(len(dataset), plan, batch_size, o)
     loader_workers = min(loader_workers, batch_size)
     common: dict[str, Any] = dict(num_workers=loader_workers, pin_memory=torch.cuda.is_available(),
                                   collate_fn=YoloDataset.collate_fn, persistent_workers=loader_workers > 0,
                                   worker_init_fn=_worker_init if loader_workers > 0 else None)
-    if not augment:  # validation: one pass, each sample once
+    if not o.augment:  # validation: one pass, each sample once
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=False, **common), dataset
+    return _training_loader(dataset, sampler, (batch_size, imgsz), common, o), dataset
+
+
+def _sampler(n: int, plan: ShardPlan | None, batch_size: int,
+             o: LoaderOptions) -> ShardedSampler | ShardPlanSampler:
+    """Which samples this rank reads, epoch by epoch: a shard plan's, a weighted draw's or a plain sharding."""
+    if plan is not None:
+        if o.image_weights:
+            raise ValueError("--image-weights draws images by index and is not available for tar shards")
+        return ShardPlanSampler(plan, world_size=o.world_size, rank=o.global_rank)
+    if o.image_weights and o.augment and not o.rect:
+        return WeightedShardedSampler(n, world_size=o.world_size, rank=o.global_rank, seed=o.seed)
+    return ShardedSampler(n, world_size=o.world_size, rank=o.global_rank, shuffle=o.shuffle, seed=o.seed,
+                          pad=o.shuffle or o.augment, block=batch_size if o.rect else 1)
+
+
+def _training_loader(dataset: YoloDataset, sampler: ShardedSampler | ShardPlanSampler, batch_imgsz: tuple[int, int],
+                     common: dict[str, Any], o: LoaderOptions) -> EpochStreamLoader:
+    """The stream of training batches: quad batches, or batches handed over in shared-memory slots by workers."""
+    batch_size, imgsz = batch_imgsz
+    loader_workers = common["num_workers"]
     stream = EpochStreamBatchSampler(sampler, batch_size)
     ring = None
     if loader_workers > 0:
         common["prefetch_factor"] = PREFETCH_BATCHES
-    if quad and augment and not rect:
-        common["collate_fn"] = QuadCollate(seed)  # images change size: no BatchRing
-    elif loader_workers > 0 and not rect:
+    if o.quad and not o.rect:
+        common["collate_fn"] = QuadCollate(o.seed)  # images change size: no BatchRing
+    elif loader_workers > 0 and not o.rect:
         # Training samples are all imgsz x imgsz here (mosaic or letterbox; rect batches vary).
         shape_hwc = (imgsz, imgsz, 3)
         slots = PREFETCH_BATCHES + 1  # one more than a worker can have in flight: see BatchRing
         if shared_memory_fits(BatchRing.nbytes(loader_workers, slots, batch_size, shape_hwc)):
             ring = BatchRing(loader_workers, slots, batch_size, shape_hwc)
             common["collate_fn"] = partial(YoloDataset.collate_fn, ring=ring)
-    return EpochStreamLoader(dataset, stream, common, ring), dataset
+    return EpochStreamLoader(dataset, stream, common, ring)

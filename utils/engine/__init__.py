@@ -4,5 +4,6 @@ train.py turns the command line into a ``TrainConfig`` (config.py) and calls ``r
 run.py (a run from its configuration: device, resume, evolution or training), trainer.py (the stages of one
 training run), setup.py (data, model and run folder), optimization.py (optimizer, schedule, EMA, warmup),
 epoch.py (one epoch of steps), step.py (one optimizer step), resume.py, time_budget.py, tally.py, run_record.py
-(results.csv and checkpoints), lr_schedule.py, evolve.py and family_hooks.py (what the engine asks a family).
+(results.csv and checkpoints), lr_schedule.py and evolve.py. What differs between model families the engine asks
+the run's family (models/families/: the family contract of docs/design.md).
 """

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import torch
 
-from utils.hyp import Hyp
+from utils.hyp import OptimisationHyp
 
 
 class LrSchedule:
@@ -46,7 +46,7 @@ def warmup_iterations(warmup_epochs: float, batches_per_epoch: int) -> int:
 
 
 def apply_warmup(optimizer: torch.optim.Optimizer, iteration: int, n_warmup: int, epoch_factor: float,
-                 hyp: Hyp, momentum: float) -> None:
+                 hyp: OptimisationHyp, momentum: float) -> None:
     """Ramp every group's lr (biases, group 0, down from warmup_bias_lr) and the momentum (from warmup_momentum to
     ``momentum``, the optimizer's own) during warmup."""
     ramp = [0, n_warmup]

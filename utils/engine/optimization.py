@@ -8,11 +8,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from models.families import Family
 from utils.checkpoint import restore_training_state
 from utils.engine.config import TrainConfig, stored_config
 from utils.engine.lr_schedule import LrSchedule, apply_warmup, warmup_iterations
 from utils.ema import ModelEMA
-from utils.hyp import Hyp
+from utils.hyp import OptimisationHyp
 from utils.log import LOGGER
 from utils.optimizer import (NOMINAL_BATCH, OptimizerChoice, build_optimizer, choose_optimizer, resumed_choice,
                              unused_hyp_values)
@@ -27,7 +28,7 @@ class Optimization:
     ema: ModelEMA
     schedule: LrSchedule
     choice: OptimizerChoice
-    hyp: Hyp
+    hyp: OptimisationHyp
     scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
     n_warmup: int = 0  # warmup iterations (batches)
 
@@ -82,7 +83,7 @@ class OptimizerInputs:
 
     n_images: int
     nc: int
-    hyp: Hyp
+    hyp: OptimisationHyp
     adamw_lr_per_class_term: float  # the family's (utils/optimizer.py)
 
 
@@ -101,11 +102,13 @@ def choose(config: TrainConfig, inputs: OptimizerInputs, ckpt: dict[str, Any] | 
     return choice
 
 
-def build_optimization(model: nn.Module, config: TrainConfig, choice: OptimizerChoice, hyp: Hyp,
-                       needs_scaler: bool) -> Optimization:
-    """The optimizer over ``model``'s parameter groups, the run's schedule, the EMA and the gradient scaler."""
+def build_optimization(model: nn.Module, family: Family, config: TrainConfig, choice: OptimizerChoice,
+                       hyp: OptimisationHyp, needs_scaler: bool) -> Optimization:
+    """The optimizer over the family's parameter groups of ``model``, the run's schedule, the EMA and the gradient
+    scaler."""
     decay = hyp.weight_decay * config.batch_size * choice.accumulate / NOMINAL_BATCH
-    optimizer = build_optimizer(model, choice.name, choice.lr0, choice.momentum, decay)
+    optimizer = build_optimizer(model, choice.name, choice.lr0, choice.momentum, decay,
+                                groups=family.parameter_groups(model, decay))
     schedule = LrSchedule.for_run(config.epochs, hyp.lrf, config.cos_lr)
     ema = ModelEMA(model)  # on every rank: each validates its part with the same EMA weights
     scaler = torch.amp.GradScaler(next(model.parameters()).device.type, enabled=needs_scaler)

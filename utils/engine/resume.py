@@ -19,7 +19,7 @@ from utils.engine.config import TrainConfig, field_names, stored_config
 from utils.engine.lr_schedule import LrSchedule
 from utils.engine.tally import LossTally
 from utils.errors import UserError
-from utils.hyp import Hyp
+from utils.hyp import OptimisationHyp
 from utils.log import LOGGER
 
 # Fields a resumed run may take anew; any other field given with --resume must equal the run's own.
@@ -116,7 +116,7 @@ def is_finished(resumed: Resumed, config: TrainConfig) -> bool:
     return ckpt["mid_epoch"] is None and ckpt["epoch"] + 1 >= config.epochs
 
 
-def resumed_position(ckpt: dict[str, Any], config: TrainConfig, hyp: Hyp, n_losses: int) -> ResumePosition:
+def resumed_position(ckpt: dict[str, Any], config: TrainConfig, hyp: OptimisationHyp, n_losses: int) -> ResumePosition:
     """Where a resumed run goes on (epoch, batch, the epoch's losses so far) and its learning-rate schedule."""
     saved = stored_config(ckpt, "checkpoint")
     schedule = LrSchedule(ckpt.get("lr_schedule") or [[0, saved["epochs"], 1.0, hyp.lrf]], config.cos_lr)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from models.families import family_of
+from models.families import Family, family_of
 from models.yolo import load_model_config
 from utils.amp import Precision, choose_precision
 from utils.checkpoint import load_checkpoint, model_weights, run_folder_of
@@ -17,11 +17,10 @@ from utils.data.config import load_data_config
 from utils.data.loader import create_dataloader, load_labels
 from utils.data.webshards import ShardSet
 from utils.distributed import DistInfo, broadcast_object
-from utils.engine import family_hooks
 from utils.engine.config import TrainConfig
 from utils.engine.resume import Resumed
 from utils.errors import UserError
-from utils.hyp import Hyp
+from utils.hyp import HypRecord
 from utils.log import LOGGER, colorstr
 from utils.process import kernel_choice
 from utils.run_dir import increment_path
@@ -34,8 +33,8 @@ class RunSetup:
     """What ``set_up`` made."""
 
     config: TrainConfig  # with the run folder (and a batch size kept on another number of ranks)
-    family: Any
-    hyp: Hyp
+    family: Family
+    hyp: HypRecord  # the family's record (an evolution's generation may bring another)
     nc: int
     names: list[str]
     model: nn.Module  # on the device, not yet wrapped for DDP
@@ -48,7 +47,7 @@ class RunSetup:
 
 
 def set_up(config: TrainConfig, device: torch.device, info: DistInfo, resumed: Resumed | None,
-           hyp: Hyp | None) -> RunSetup:
+           hyp: HypRecord | None) -> RunSetup:
     """Check, read and build everything a run trains with; ``hyp`` (an evolution's generation) replaces --hyp."""
     config = check_options(config, info, resumed=resumed is not None)
     ckpt = resumed.ckpt if resumed else None
@@ -79,7 +78,7 @@ def set_up(config: TrainConfig, device: torch.device, info: DistInfo, resumed: R
     LOGGER.info(f"precision: {precision.reason}")
     train_loader, dataset, val_loader = make_loaders(config, info, hyp, grid, labels)
     if not ckpt and not config.noautoanchor:
-        family.fit_anchors(dataset, model, thr=hyp.anchor_t, imgsz=config.imgsz)
+        family.fit_anchors(dataset, model, hyp, imgsz=config.imgsz)
     save_dir = run_folder(config, info, hyp, resumed is not None)  # only now that every check has passed
     return RunSetup(config.replace(save_dir=str(save_dir)), family, hyp, nc, names, model, grid, precision, train_loader,
                     dataset, val_loader, save_dir)
@@ -121,13 +120,13 @@ def check_data_options(config: TrainConfig, data: dict) -> None:
                         f"({data['yaml_file']} names shards for 'train'): drop --image-weights or train on image files")
 
 
-def run_hyp(config: TrainConfig, family: Any, resumed: Resumed | None, hyp: Hyp | None) -> Hyp:
-    """The run's hyper-parameters: a resumed run's own, an evolution's generation, --hyp, or the family's file."""
+def run_hyp(config: TrainConfig, family: Family, resumed: Resumed | None, hyp: HypRecord | None) -> HypRecord:
+    """The run's hyper-parameters, in the family's record: a resumed run's own (a checkpoint written with the
+    record of every family's keys too), an evolution's generation, --hyp, or the family's file."""
     if resumed:
-        return Hyp.from_dict(resumed.ckpt["hyp"], f"{resumed.path} (hyp)")
+        return family.read_hyp(resumed.ckpt["hyp"], f"{resumed.path} (hyp)")
     if hyp is None:
-        hyp = Hyp.from_yaml(config.hyp or family.default_hyp_path)
-        family.check_hyp(hyp, config.hyp or family.default_hyp)
+        hyp = family.read_hyp(config.hyp or family.default_hyp_path, config.hyp or family.default_hyp)
     return hyp
 
 
@@ -145,25 +144,23 @@ class ModelSource:
 
     nc: int
     names: list[str]
-    hyp: Hyp
+    hyp: HypRecord
     ckpt: dict | None  # a resumed run's checkpoint
     weights: dict | None  # --weights, to start from
 
 
-def create_model(config: TrainConfig, family: Any, source: ModelSource) -> nn.Module:
+def create_model(config: TrainConfig, family: Family, source: ModelSource) -> nn.Module:
     """The resumed model, a new one with the tensors of --weights that fit, or a new one from --cfg."""
     if source.ckpt:
-        return family_hooks.build_model(family, source.ckpt["model_cfg"], weights=source.ckpt["model"],
-                                        names=source.names)
-    hyp = source.hyp
+        return family.build_model(source.ckpt["model_cfg"], weights=source.ckpt["model"], names=source.names)
+    anchors = family.anchors(source.hyp)
     if source.weights is not None:
         LOGGER.info(f"Starting from {config.weights}")
         # Anchors come with the weights unless another config or anchor count is asked for (AutoAnchor may refit).
-        return family_hooks.build_model(family, config.cfg or source.weights["model_cfg"], nc=source.nc,
-                                        weights=model_weights(source.weights), transfer=True,
-                                        keep_anchors=not (config.cfg or hyp.anchors), anchors=hyp.anchors,
-                                        names=source.names)
-    return family_hooks.build_model(family, config.cfg, nc=source.nc, anchors=hyp.anchors, names=source.names)
+        return family.build_model(config.cfg or source.weights["model_cfg"], nc=source.nc,
+                                  weights=model_weights(source.weights), transfer=True,
+                                  keep_anchors=not (config.cfg or anchors), anchors=anchors, names=source.names)
+    return family.build_model(config.cfg, nc=source.nc, anchors=anchors, names=source.names)
 
 
 def freeze_layers(model: nn.Module, freeze: list[int]) -> None:
@@ -176,7 +173,7 @@ def freeze_layers(model: nn.Module, freeze: list[int]) -> None:
             LOGGER.debug(f"freezing {name}")
 
 
-def make_loaders(config: TrainConfig, info: DistInfo, hyp: Hyp, grid: int, labels: list) -> tuple[Any, Any, Any]:
+def make_loaders(config: TrainConfig, info: DistInfo, hyp: HypRecord, grid: int, labels: list) -> tuple[Any, Any, Any]:
     """The training loader (and its dataset), and the validation loader over this rank's part of the split."""
     batch_per_rank = config.batch_size // info.world_size
     cache = None if config.cache == "off" else config.cache
@@ -198,7 +195,7 @@ def close_mosaic_epoch(epochs: int, close_mosaic: int) -> int | None:
     return max(epochs - close_mosaic, 0) if close_mosaic > 0 else None
 
 
-def run_folder(config: TrainConfig, info: DistInfo, hyp: Hyp, resumed: bool) -> Path:
+def run_folder(config: TrainConfig, info: DistInfo, hyp: HypRecord, resumed: bool) -> Path:
     """The run's folder: a resumed run keeps its own; rank 0 makes a new one and writes the options into it."""
     restarted = (run_folder_of(info.run_id, config.project, info.launcher_started)
                  if info.restart_count > 0 and info.is_main else None)

@@ -1,7 +1,7 @@
 """One optimizer step: a window of ``accumulate`` micro-batches, their forward and backward passes, the update.
 
 The step does not assume a YOLO head: the forward pass is the family's ``forward_train(model, images, targets)``
-and the loss its ``make_loss``, with as many terms as the family names (family_hooks.py). Before the forward
+and the loss its ``make_loss``, with as many terms as the family's ``loss_names``. Before the forward
 passes, one all-reduce per step carries the loss's counts of the step's micro-batches (the loss divides by
 global counts, so a step does not depend on the number of ranks), the losses of the steps since the last one
 and rank 0's wish to save a checkpoint.
@@ -21,9 +21,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from models.families import Family
 from utils.amp import Precision, autocast
 from utils.distributed import DistInfo, all_reduce_sum
-from utils.engine.family_hooks import forward_train
 from utils.engine.optimization import Optimization
 from utils.engine.tally import LossTally
 from utils.engine.timing import HostMarks
@@ -50,7 +50,7 @@ class Stepper:
     """What every step uses, and the counts that run across epochs."""
 
     model: nn.Module  # DDP-wrapped in a distributed run
-    family: Any
+    family: Family
     loss: DetectionLoss
     optim: Optimization
     precision: Precision
@@ -129,7 +129,7 @@ def forward_backward(stepper: Stepper, micro: list, counts: torch.Tensor, prepar
     reduce = all_reduce_sum if stepper.info.is_distributed else None
     for k, ((imgs, targets), positives, prep) in enumerate(zip(micro, counts, prepared)):
         with gradient_sync(stepper.model, k == len(micro) - 1), autocast(stepper.device, stepper.precision):
-            outputs = forward_train(stepper.family, stepper.model, imgs, targets)
+            outputs = stepper.family.forward_train(stepper.model, imgs, targets)
             loss, items = stepper.loss(outputs, targets, LossNorm(positives, imgs.shape[0] * world), prepared=prep,
                                        reduce=reduce)
         if stepper.batch.quad:  # as YOLOv5: a quad image stands for 4 images of the batch the gradient scale is set for

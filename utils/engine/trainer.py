@@ -22,7 +22,6 @@ from utils.checkpoint import RunPosition, load_checkpoint, model_weights, strip_
 from utils.data.image_weights import (class_weights_from_maps, draw_digest, labels_to_class_weights,
                                       labels_to_image_weights)
 from utils.distributed import DistInfo, broadcast_object, collective, rank_zero_decides
-from utils.engine import family_hooks
 from utils.engine.config import CONFIG_SCHEMA, TrainConfig
 from utils.engine.epoch import EpochHooks, train_one_epoch
 from utils.engine.optimization import Optimization, OptimizerInputs, build_optimization, choose, restore
@@ -33,7 +32,7 @@ from utils.engine.step import BatchOptions, SavePolicy, Stepper
 from utils.engine.tally import LossTally
 from utils.engine.time_budget import TimeBudget, fit_to_time, time_budget
 from utils.engine.timing import TIME_COLUMNS, EpochTime, RunProgress, RunTime, StepProfiler, data_advice, new_marks
-from utils.hyp import Hyp
+from utils.hyp import HypRecord
 from utils.log import LOGGER, colorstr
 from utils.metrics import RECALL_POINTS
 from utils.results_log import result_columns
@@ -52,7 +51,7 @@ class TrainResult:
 
 
 def train(config: TrainConfig, device: torch.device, info: DistInfo, resumed: Resumed | None = None,
-          hyp: Hyp | None = None, process_started: float | None = None,
+          hyp: HypRecord | None = None, process_started: float | None = None,
           on_validated: OnValidated | None = None) -> TrainResult:
     """One training run. ``hyp`` (a search's trial) replaces reading --hyp; ``process_started`` (the monotonic
     clock at the process start) is where a budget that includes start-up counts from; ``on_validated`` may stop
@@ -79,7 +78,7 @@ class Trainer:
         self.run, self.config, self.info, self.device = run, run.config, info, device
         self.process_started = process_started
         ckpt = resumed.ckpt if resumed else None
-        self.loss_names = family_hooks.loss_names(run.family)
+        self.loss_names = tuple(run.family.loss_names)
         self.optim, self.position, best = start_optimization(run, ckpt, len(self.loss_names))
         model = DDP(run.model, device_ids=[device.index] if device.type == "cuda" else None) \
             if info.is_distributed else run.model
@@ -195,7 +194,7 @@ class Trainer:
         optim.ema.update_attributes(self.stepper.model)
         if validated:
             self.last_val = self.validate(optim.ema.ema, plots=final and not config.noplots, verbose=final)
-            self.results = family_hooks.validation_row(self.last_val, len(self.loss_names))
+            self.results = self.last_val.as_row()
         decision: dict = {}
         if self.info.is_main:
             if config.image_weights and validated:
@@ -226,8 +225,7 @@ class Trainer:
     def validate(self, model: torch.nn.Module, plots: bool, verbose: bool) -> Any:
         """Every rank validates its part of the split; the results are gathered, so every rank has the figures."""
         run = self.run
-        loss = family_hooks.validation_loss(self.stepper.loss, len(self.loss_names))
-        return validate(model, run.val_loader, names=run.names, device=self.device, compute_loss=loss,
+        return validate(model, run.val_loader, names=run.names, device=self.device, compute_loss=self.stepper.loss,
                         family=run.family, plots=plots, verbose=verbose and run.nc < 50, save_dir=run.save_dir,
                         autocast_dtype=run.precision.dtype, gather=self.info.is_distributed, main=self.info.is_main)
 
@@ -249,10 +247,10 @@ class Trainer:
                 LOGGER.info(f"\nValidating {self.record.best} (epoch {self.record.best_epoch})...")
         best = broadcast_object(best, info)  # every rank validates its part of the split with rank 0's best weights
         if best is not None:
-            final_model = family_hooks.build_model(run.family, best[0], weights=best[1], names=run.names)
+            final_model = run.family.build_model(best[0], weights=best[1], names=run.names)
             self.last_val = self.validate(final_model.to(self.device, memory_format=torch.channels_last),
                                           plots=not self.config.noplots, verbose=True)
-            self.results = family_hooks.validation_row(self.last_val, len(self.loss_names))
+            self.results = self.last_val.as_row()
         if info.is_main:
             self.report_time()
             r = self.last_val
@@ -294,7 +292,7 @@ def start_optimization(run: RunSetup, ckpt: dict | None,
                        n_losses: int) -> tuple[Optimization, ResumePosition, tuple[float, int]]:
     """The run's optimizer, EMA and schedule, a resumed run's restored; where the run starts; its best so far."""
     inputs = OptimizerInputs(len(run.dataset), run.nc, run.hyp, run.family.adamw_lr_per_class_term)
-    optim = build_optimization(run.model, run.config, choose(run.config, inputs, ckpt), run.hyp,
+    optim = build_optimization(run.model, run.family, run.config, choose(run.config, inputs, ckpt), run.hyp,
                                run.precision.needs_scaler)
     position, best = ResumePosition(optim.schedule, 0, 0, LossTally(n_losses)), (0.0, -1)
     if ckpt:

@@ -19,9 +19,6 @@ import torch
 from utils.boxes import scale_boxes, xywh2xyxy, xyxy2xywhn
 from utils.metrics import ClassMetrics, ap_per_class, confusion_matrix, fitness, match_detections, mean_metrics
 
-N_LOSS_TERMS = 3
-
-
 @dataclass
 class ValResults:
     """What one validation pass measured. Per-class arrays cover the classes that have ground truth."""
@@ -30,7 +27,7 @@ class ValResults:
     r: float
     map50: float
     map: float
-    losses: np.ndarray  # (3,) the family's loss terms (YOLOv5: box, obj, cls), mean per batch; zeros without a loss
+    losses: np.ndarray  # (loss_terms,) the loss's terms (its ``item_names``), mean per batch; empty without a loss
     maps: np.ndarray  # (nc,) mAP50-95 per class, the overall map for classes without ground truth
     speed: tuple[float, float, float]  # pre-process, inference, NMS: ms per image
     n_images: int = 0
@@ -48,7 +45,7 @@ class ValResults:
         return float(fitness(self))
 
     def as_row(self) -> tuple[float, ...]:
-        """(P, R, mAP50, mAP50-95, val box, obj, cls loss), the order of results.csv."""
+        """(P, R, mAP50, mAP50-95, then the loss's terms), the order of results.csv."""
         return (self.p, self.r, self.map50, self.map, *map(float, self.losses))
 
 
@@ -74,10 +71,11 @@ class ImageTruth:
 
 
 class DetectionEvaluator:
-    """Accumulates per-image matches; ``summarize`` gives P, R, mAP50, mAP50-95 per class."""
+    """Accumulates per-image matches; ``summarize`` gives P, R, mAP50, mAP50-95 per class, and the mean of each of
+    ``loss_terms`` loss terms (the loss's ``item_names``, any number; none without a loss) over the batches."""
 
     def __init__(self, names: Sequence[str], single_cls: bool = False, confusion: bool = False,
-                 json_ids: tuple[list[int], dict[str, int | str]] | None = None):
+                 json_ids: tuple[list[int], dict[str, int | str]] | None = None, loss_terms: int = 0):
         names = list(names)
         self.names = (names if len(names) == 1 else ["item"]) if single_cls else names
         self.nc, self.single_cls = len(self.names), single_cls
@@ -85,6 +83,7 @@ class DetectionEvaluator:
         self.images_per_class = np.zeros(self.nc, dtype=np.int64)
         self.confusion = np.zeros((self.nc + 1, self.nc + 1), dtype=np.int64) if confusion else None
         self.batch_losses: list[torch.Tensor] = []  # summed in batch order at the end, whichever rank ran a batch
+        self.loss_terms = loss_terms
         self.n_batches = 0
         self.seconds, self.seen = np.zeros(3), 0  # the predictor's times, for the speed line
         self.json_ids = json_ids  # (category id per class, image id per file) with --save-json
@@ -96,6 +95,8 @@ class DetectionEvaluator:
         """Match one batch's detections (input pixels) with its labels; returns each image in original pixels."""
         self.n_batches += 1
         if losses is not None:
+            if len(losses) != self.loss_terms:
+                raise ValueError(f"the evaluator sums {self.loss_terms} loss terms, a batch gave {len(losses)}")
             self.batch_losses.append(losses.detach().cpu())
         targets = batch.targets.cpu()
         images = []
@@ -168,7 +169,7 @@ class DetectionEvaluator:
         self.json_images = [j for p in parts for j in p[8]]
 
     def summarize(self) -> ValResults:
-        loss_sum = torch.zeros(N_LOSS_TERMS)
+        loss_sum = torch.zeros(self.loss_terms)
         for batch_loss in self.batch_losses:
             loss_sum += batch_loss
         correct, conf, pred_cls, target_cls = (
