@@ -126,3 +126,50 @@ def test_the_run_summary_weighs_epochs_by_time_and_the_progress_counts_the_whole
     # Epoch 2, 10 of 40 batches in 5 s: 30 more at 0.5 s, then epochs 3 and 4 at 13 s each.
     assert progress.left(2, 10, 40, 5.0) == pytest.approx(15 + 26)
     assert progress.left(2, 0, 40, 0.0) is None
+
+
+class FakeGpu:
+    """A stream whose work finishes when the test says: events are recorded at a host time and pass once the
+    GPU's clock reaches it; a wait on one that has not passed (``synchronize``) is counted."""
+
+    def __init__(self) -> None:
+        self.host, self.done_until, self.waits = 0.0, 0.0, 0
+
+    def new_event(self) -> FakeEvent:
+        return FakeEvent(self)
+
+
+class FakeEvent:
+    def __init__(self, gpu: FakeGpu) -> None:
+        self.gpu, self.at = gpu, None
+
+    def record(self) -> None:
+        self.at = self.gpu.host
+
+    def query(self) -> bool:
+        return self.at <= self.gpu.done_until
+
+    def synchronize(self) -> None:
+        self.gpu.waits += not self.query()
+        self.gpu.done_until = max(self.gpu.done_until, self.at)
+
+    def elapsed_time(self, later: FakeEvent) -> float:
+        assert self.query() and later.query(), "elapsed_time of an event that has not passed"
+        return (later.at - self.at) * 1000
+
+
+def test_device_marks_never_wait_for_the_gpu_inside_an_epoch_and_count_every_phase() -> None:
+    from utils.engine.timing import DeviceMarks
+
+    gpu = FakeGpu()
+    marks = DeviceMarks(new_event=gpu.new_event, max_pending=4)
+    marks.start()
+    for step in range(20):  # each step: 1 s data, 2 s forward, 3 s backward, 0.5 s optimizer (GPU time)
+        for phase, seconds in (("data", 1.0), ("forward", 2.0), ("backward", 3.0), ("optimizer", 0.5)):
+            gpu.host += seconds
+            marks.mark(phase)
+        gpu.done_until = gpu.host - 6.5  # the GPU runs a step behind the host
+    assert gpu.waits == 0  # marks read back only events that have passed
+    assert len(marks.pending) <= 4 + 4 + 1  # and do not pile up over an epoch
+    assert marks.collect() == {"data": 20.0, "forward": 40.0, "backward": 60.0, "optimizer": 10.0}
+    assert gpu.waits > 0  # at the end of the epoch, for the step still running

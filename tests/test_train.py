@@ -19,6 +19,7 @@ import yaml
 from conftest import free_port, main_on_ranks, run_forked
 
 from utils.checkpoint import load_checkpoint
+from utils.engine.timing import TIME_COLUMNS
 
 ROOT = Path(__file__).resolve().parents[1]
 # Small and fast: yolov5n at 64 px on 16 images of 96 px, batch 8, no AutoAnchor.
@@ -293,6 +294,7 @@ def test_a_2_rank_run_cut_mid_epoch_resumes_on_1_and_on_4_ranks_with_the_unseen_
 
     # The resumed runs are forked from this process (the cut one above is the launched run).
     monkeypatch.setenv("YOLO_LOG_LEVEL", "DEBUG")
+    headers = set()
     for ranks in (1, 4):  # --epochs: only the cut epoch, which is what these check
         resumed_last = tmp_path / f"on{ranks}/exp/weights/last.pt"
         resumed_last.parent.mkdir(parents=True)
@@ -308,6 +310,11 @@ def test_a_2_rank_run_cut_mid_epoch_resumes_on_1_and_on_4_ranks_with_the_unseen_
         assert sorted(epoch_files) == sorted(p.name for p in (rectangles_yaml.parent / "images/train").iterdir())
         assert load_checkpoint(resumed_last)["epoch"] == epoch
         assert sorted(p.name for p in resumed_last.parents[2].iterdir()) == ["exp"]
+        # The time split: the same columns at any number of ranks, and the slowest rank one of these.
+        (row,) = results_rows(resumed_last.parents[1])
+        assert list(row)[-len(TIME_COLUMNS):] == list(TIME_COLUMNS) and int(float(row["time/slowest_rank"])) < ranks
+        headers.add(tuple(row))
+    assert len(headers) == 1
 
     # 3 ranks cannot split the global batch of 32: one line says so, the cut epoch is left, the next one trained.
     resumed_last = tmp_path / "on3/exp/weights/last.pt"
