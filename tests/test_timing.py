@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import time
 
 import pytest
@@ -29,7 +30,7 @@ def phase_seconds(row: dict[str, float], images: int) -> dict[str, float]:
 
 
 def test_a_slow_data_source_and_a_slow_optimizer_step_land_in_their_columns(train_here, rectangles_yaml, tmp_path,
-                                                                              monkeypatch) -> None:
+                                                                              monkeypatch, capsys) -> None:
     """Epoch 0 loads its images slowly, epoch 1 steps its optimizer slowly; each epoch is the other's control."""
     from utils.data.dataset import YoloDataset
 
@@ -73,6 +74,13 @@ def test_a_slow_data_source_and_a_slow_optimizer_step_land_in_their_columns(trai
     for epoch, row in enumerate(rows):
         assert f"epoch {epoch}: {row['time/images_per_s']:.1f} images/s; step time: data " in log, log[-3000:]
     assert "Time over 2 epochs: " in log
+    # The progress line ends with the whole run's remaining time: after epoch 0's last batch, epoch 1 is left (at
+    # epoch 0's pace, at least its 0.96 s of planted delay); after epoch 1's, nothing.
+    lines = re.split(r"[\r\n]", capsys.readouterr().err)
+    left = {epoch: [int(h) * 3600 + int(m) * 60 + int(s) for line in lines
+                    for h, m, s in re.findall(rf"^\s*{epoch}/1\s.* 2/2 \[.*run (\d+):(\d\d):(\d\d) left", line)]
+            for epoch in (0, 1)}
+    assert left[0] and left[1] and min(left[0]) >= 1 and max(left[1]) == 0, left
     # No loader workers: this process waited for the slow images; the advice follows the run's data share.
     data_share = (first["data"] + second["data"]) / sum(16 / r["time/images_per_s"] for r in rows)
     advice = [line for line in log.splitlines() if line.startswith("data loading is the bottleneck")]
