@@ -33,6 +33,8 @@ from utils.engine.run import Launch, run
 from utils.errors import UserError, run_reporting_errors
 from utils.log import LOGGER, setup_logging
 from utils.process import setup_process
+from utils.search import PRUNERS, SAMPLERS
+from utils.trackers import DEFAULT_TRACKERS, TRACKER_NAMES
 
 ROOT = Path(__file__).resolve().parent
 
@@ -106,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     output.add_argument("--save-minutes", type=float, default=10.0,
                         help="save last.pt inside an epoch once this many minutes passed since the last save (0: "
                              "never)")
+    output.add_argument("--loggers", nargs="*", default=list(DEFAULT_TRACKERS), choices=TRACKER_NAMES, metavar="NAME",
+                        help=f"experiment trackers, any of {', '.join(TRACKER_NAMES)} (--loggers alone: none, "
+                             f"results.csv only)")
+    output.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="write a torch.profiler trace of N optimizer steps to the run folder (profile.json, "
+                             "Chrome's trace format; 0: none)")
     return p
 
 
@@ -131,11 +139,26 @@ def add_schedule_options(schedule: argparse._ArgumentGroup) -> None:
     schedule.add_argument("--deterministic", action="store_true", help="bit-for-bit repeatable kernels (slower)")
     schedule.add_argument("--amp", action=argparse.BooleanOptionalAction, default=True,
                           help="mixed precision where it helps: fp16 on CUDA, bf16 on CPUs with native bf16")
+    add_search_options(schedule)
+
+
+def add_search_options(schedule: argparse._ArgumentGroup) -> None:
+    """--evolve: one Optuna study of N trials, shared by every process given the same storage."""
     schedule.add_argument("--evolve", type=int, nargs="?", const=300, default=None, metavar="N",
-                          help="evolve hyper-parameters for N generations (300 when N is left out) in "
+                          help="search hyper-parameters: N trials in total (300 when N is left out), in "
                                "runs/evolve/exp")
-    schedule.add_argument("--resume-evolve", "--resume_evolve", default=None, metavar="CSV",
-                          help="with --evolve N: continue this evolve.csv up to N generations in total")
+    schedule.add_argument("--evolve-storage", default="", metavar="PATH|URL",
+                          help="the search's study: a journal file (on a shared file system for several machines) or "
+                               "an SQL database URL; every process given it works on one study (default: "
+                               "study.journal in a new evolution folder)")
+    schedule.add_argument("--evolve-sampler", default="genetic", choices=SAMPLERS,
+                          help="how trials are drawn: YOLOv5's genetic evolution, Optuna's TPE or CMA-ES")
+    schedule.add_argument("--evolve-pruner", default="median", choices=PRUNERS,
+                          help="median: stop a trial whose fitness after an epoch is below the median of the "
+                               "others' (trials validate every epoch); none: train every trial to its end")
+    schedule.add_argument("--resume-evolve", "--resume_evolve", default=None, metavar="PATH",
+                          help="with --evolve N: continue the study of this evolution folder (or of the folder "
+                               "holding this evolve.csv) up to N trials in total")
 
 
 def parse_opt(argv: list[str] | None = None) -> tuple[argparse.Namespace, set[str]]:

@@ -5,7 +5,8 @@
 
 Each model trains once with this checkout's train.py and once with the other's, in processes of their own, on
 the same generated rectangles set (tests/conftest.py), one thread each. Every results.csv column the other
-checkout writes must hold the same values in this one's, and every tensor in the other's last.pt (model, EMA,
+checkout writes must be in this one's with the same values (columns only this one writes, such as the time
+split, are listed, not compared: they are measurements), and every tensor in the other's last.pt (model, EMA,
 optimizer state, RNG state) must equal this one's bit for bit. Arguments after ``--`` go to both train.py runs.
 Exit status 0 when everything agrees; each difference is printed.
 """
@@ -71,14 +72,19 @@ def compare(cfg: str, other: Path, data: Path, work: Path, epochs: int, extra: l
     reference_rows, rows = results(theirs), results(ours)
     if len(reference_rows) != len(rows):
         problems.append(f"results.csv: {len(reference_rows)} rows against {len(rows)}")
+    theirs_columns, our_columns = list(reference_rows[0]) if reference_rows else [], list(rows[0]) if rows else []
+    problems += [f"results.csv: column {c} missing" for c in theirs_columns if c not in our_columns]
+    new = [c for c in our_columns if c not in theirs_columns]
     for i, (a, b) in enumerate(zip(reference_rows, rows)):
-        problems += [f"results.csv row {i} {k}: {v} against {b.get(k)}" for k, v in a.items() if b.get(k) != v]
+        problems += [f"results.csv row {i} {k}: {v} against {b[k]}" for k, v in a.items() if k in b and b[k] != v]
     load = lambda run: torch.load(run / "weights/last.pt", map_location="cpu", weights_only=True)  # noqa: E731
     reference, ckpt = load(theirs), load(ours)
     problems += [f"{where} differs" for where in tensor_differences(reference, ckpt)]
     n_tensors = count_tensors(reference)
     print(f"{cfg}: {len(rows)} results rows x {len(reference_rows[0])} columns, {n_tensors} tensors compared: "
           f"{'identical' if not problems else f'{len(problems)} differences'}")
+    if new:
+        print(f"{cfg}: columns only this checkout writes (not compared): {', '.join(new)}")
     return problems
 
 

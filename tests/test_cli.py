@@ -173,12 +173,13 @@ def test_every_script_saves_runs_under_the_current_directory() -> None:
 
 def test_evolve_goes_under_the_current_directory_with_its_absolute_folder(tmp_path, monkeypatch) -> None:
     import utils.engine.evolve as evolution
+    import utils.search.records as records
     from utils.distributed import DistInfo
 
     trained = []
     monkeypatch.setattr(evolution, "train", lambda config, *a, **k: trained.append(config.project) or
                         types.SimpleNamespace(results=[0.5] * 7))
-    monkeypatch.setattr(evolution, "plot_evolve", lambda *a: None)
+    monkeypatch.setattr(records, "plot_evolve", lambda *a: None)
     monkeypatch.chdir(tmp_path)
     launch = train.make_launch(*train.parse_opt(["--evolve", "1"]))
     folder = evolution.evolve(launch.config, torch.device("cpu"), DistInfo(rank=-1, local_rank=-1, world_size=1))

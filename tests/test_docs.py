@@ -557,8 +557,8 @@ def test_option_table_follows_a_changed_default(monkeypatch):
     monkeypatch.setattr(GENERATOR, "load_parser", lambda script: _with_default(parser, "epochs", 1234))
     table = GENERATOR.option_table("train.py")
     assert "| `--epochs` | `1234` |" in table
-    page = "<!-- options: train.py -->\nold\n<!-- end options -->\n"
-    assert "`1234`" in GENERATOR.render(page) and "old" not in GENERATOR.render(page)
+    page = "<!-- options: train.py -->\nthe table before\n<!-- end options -->\n"
+    assert "`1234`" in GENERATOR.render(page) and "the table before" not in GENERATOR.render(page)
 
 
 def _with_default(parser: argparse.ArgumentParser, dest: str, value: object) -> argparse.ArgumentParser:

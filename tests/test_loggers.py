@@ -1,7 +1,7 @@
-"""TensorBoard logging: event files that TensorBoard's own reader understands, and runs without tensorboard."""
+"""TensorBoard logging from a training run: event files that TensorBoard's own reader understands, and runs
+without tensorboard (the trackers themselves: tests/test_trackers.py; MLflow and W&B in training: tests/test_train.py)."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -9,10 +9,11 @@ import pytest
 import torch
 from conftest import write_rectangles_dataset
 
-from utils.loggers import NullLogger, TensorBoardLogger, make_logger
+from utils.engine.timing import TIME_COLUMNS
 from utils.results_log import result_columns
+from utils.trackers import NullLogger, TrackerRun, open_trackers
 
-RESULT_COLUMNS = result_columns(("box", "obj", "cls"))  # the default model's, YOLOv5's
+RESULT_COLUMNS = (*result_columns(("box", "obj", "cls")), *TIME_COLUMNS)  # the default model's, YOLOv5's
 
 
 def _events(folder: Path):
@@ -37,29 +38,22 @@ def test_training_writes_scalars_for_every_epoch_a_mosaic_and_the_pr_curve(train
     lr0 = [float(row.split(",")[RESULT_COLUMNS.index("x/lr0")]) for row in csv_rows]
     assert np.allclose([e.value for e in acc.Scalars("x/lr0")], lr0, rtol=1e-4)  # the same values as results.csv
     assert tags["images"] == ["train/batch_mosaic"]
-    assert tags["tensors"] == ["val/PR_curve"]
+    assert tags["tensors"] == ["params/text_summary", "val/PR_curve"]  # the options and hyp, the PR curve
 
 
 def test_no_tensorboard_or_another_rank_means_a_silent_logger(tmp_path, monkeypatch) -> None:
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
-    logger = make_logger(tmp_path, is_main=True)
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    logger = open_trackers(TrackerRun(tmp_path), is_main=True)  # the default, TensorBoard, not installed
     assert isinstance(logger, NullLogger)
     logger.log_epoch(0, {"x": 1.0})
     logger.log_batch(torch.zeros(1, 3, 8, 8, dtype=torch.uint8), 0)
     logger.close()
-    assert isinstance(make_logger(tmp_path, is_main=False), NullLogger)
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    assert isinstance(open_trackers(TrackerRun(tmp_path), is_main=False), NullLogger)
     assert not list(tmp_path.iterdir())
-
-
-def test_tensorboard_logger_writes_what_it_is_given(tmp_path) -> None:
-    logger = TensorBoardLogger(tmp_path)
-    for epoch in range(3):
-        logger.log_epoch(epoch, {"metrics/mAP_0.5": 0.1 * epoch})
-    logger.log_pr_curve(np.linspace(1, 0, 101), np.linspace(0, 1, 101), 2)
-    logger.close()
-    acc = _events(tmp_path)
-    assert [round(e.value, 6) for e in acc.Scalars("metrics/mAP_0.5")] == [0.0, 0.1, 0.2]
-    assert acc.Tensors("val/PR_curve")[0].step == 2
 
 
 def test_setup_logging_is_idempotent_and_writes_to_the_stdout_of_now(monkeypatch, capsys) -> None:

@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 import train
+import yaml
 from conftest import free_port, main_on_ranks, run_forked
 
 from utils.checkpoint import load_checkpoint
+from utils.engine.timing import TIME_COLUMNS
 
 ROOT = Path(__file__).resolve().parents[1]
 # Small and fast: yolov5n at 64 px on 16 images of 96 px, batch 8, no AutoAnchor.
@@ -50,6 +52,11 @@ def train_cmd(data: Path, project: Path, *extra: str, nproc: int = 0, nnodes: in
 def results_rows(run_dir: Path) -> list[dict[str, str]]:
     with open(run_dir / "results.csv") as f:
         return [{k.strip(): v.strip() for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def results_only(row: dict[str, str]) -> dict[str, str]:
+    """A results.csv row without the time split (measurements that differ from run to run)."""
+    return {k: v for k, v in row.items() if not k.startswith("time/")}
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
@@ -249,7 +256,8 @@ def kill_run(proc: subprocess.Popen) -> None:
     ranks = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "train.py"], capture_output=True, text=True)
     for pid in [int(p) for p in ranks.stdout.split()]:
         os.kill(pid, signal.SIGKILL)
-    os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):  # the launcher may have ended already
+        os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
 
 
@@ -292,6 +300,7 @@ def test_a_2_rank_run_cut_mid_epoch_resumes_on_1_and_on_4_ranks_with_the_unseen_
 
     # The resumed runs are forked from this process (the cut one above is the launched run).
     monkeypatch.setenv("YOLO_LOG_LEVEL", "DEBUG")
+    headers = set()
     for ranks in (1, 4):  # --epochs: only the cut epoch, which is what these check
         resumed_last = tmp_path / f"on{ranks}/exp/weights/last.pt"
         resumed_last.parent.mkdir(parents=True)
@@ -307,6 +316,11 @@ def test_a_2_rank_run_cut_mid_epoch_resumes_on_1_and_on_4_ranks_with_the_unseen_
         assert sorted(epoch_files) == sorted(p.name for p in (rectangles_yaml.parent / "images/train").iterdir())
         assert load_checkpoint(resumed_last)["epoch"] == epoch
         assert sorted(p.name for p in resumed_last.parents[2].iterdir()) == ["exp"]
+        # The time split: the same columns at any number of ranks, and the slowest rank one of these.
+        (row,) = results_rows(resumed_last.parents[1])
+        assert list(row)[-len(TIME_COLUMNS):] == list(TIME_COLUMNS) and int(float(row["time/slowest_rank"])) < ranks
+        headers.add(tuple(row))
+    assert len(headers) == 1
 
     # 3 ranks cannot split the global batch of 32: one line says so, the cut epoch is left, the next one trained.
     resumed_last = tmp_path / "on3/exp/weights/last.pt"
@@ -321,36 +335,123 @@ def test_a_2_rank_run_cut_mid_epoch_resumes_on_1_and_on_4_ranks_with_the_unseen_
     assert load_checkpoint(resumed_last)["epoch"] == epoch + 1
 
 
-@pytest.mark.slow
-def test_a_launcher_restart_resumes_the_run_by_itself_and_ends_as_an_uninterrupted_run(rectangles_yaml,
-                                                                                       tmp_path) -> None:
-    # yolo26n: its one-to-one loss weight follows the epoch, so a restart that lost its place would show.
-    common = ("--cfg", "yolo26n.yaml", "--epochs", "3", "--noplots", "--noval", "--deterministic", "--imgsz", "32")
-    # The uninterrupted run is forked from this process; the restarted one is launched.
-    codes, outputs = main_on_ranks(train.main, train_args(rectangles_yaml, tmp_path / "straight", *common), 2,
-                                   tmp_path / "logs")
-    assert codes == [0, 0], "".join(outputs)[-3000:]
-    assert sorted(p.name for p in (tmp_path / "straight").iterdir()) == ["exp"]  # rank 1 made no exp2
+EPOCHS = 3  # a kill inside epoch 0 (the launcher restarts), one inside a later epoch (resumed with --resume)
 
-    # The elastic form (--nnodes MIN:MAX with a c10d rendezvous), as a job on a cluster would start it.
-    cmd = train_cmd(rectangles_yaml, tmp_path / "restarted", *common, nproc=2)
-    at = cmd.index("--standalone")
-    cmd[at:at + 1] = ["--max-restarts=1", "--nnodes=1:2", "--rdzv-backend=c10d",
-                      f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=elastic-job",
-                      "--rdzv-conf=last_call_timeout=1"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    _wait_for(tmp_path / "restarted/exp/weights/last.pt", proc)
-    workers = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "train.py"], capture_output=True, text=True)
-    os.kill(int(workers.stdout.split()[1]), signal.SIGKILL)
+
+@pytest.mark.slow
+def test_a_launcher_restart_and_a_kill_inside_an_epoch_end_as_an_uninterrupted_run_in_one_tracker_run(
+        rectangles_yaml, tmp_path, monkeypatch, request) -> None:
+    """A 2-rank run launched with --max-restarts 1 and MLflow (a real server), W&B (offline) and TensorBoard: one
+    rank killed (the launcher restarts the group, which resumes by itself), then the whole run killed inside an
+    epoch and resumed with --resume. Its weights equal an uninterrupted run's, results.csv and each tracker hold
+    every epoch once, in one MLflow run and one W&B run id, with the weights and results.csv; then the MLflow
+    server is killed under a logging run, which goes on at its pace with one warning."""
+    from tracker_servers import (MLflowServer, check_mlflow_run, check_wandb_files, orphaned_wandb_services,
+                                 run_through_a_stopped_server, tracker_environment, wandb_services)
+
+    pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
+    server = MLflowServer(tmp_path / "mlflow", template=request.config.cache.mkdir("mlflow-store"))  # starts now
+    services_before = wandb_services()
     try:
-        output = proc.communicate(timeout=240)[0]
+        # yolo26n: its one-to-one loss weight follows the epoch, so a restart that lost its place would show.
+        # --save-steps 1: a checkpoint inside every epoch (2 steps each).
+        common = ("--cfg", "yolo26n.yaml", "--epochs", str(EPOCHS), "--noplots", "--noval", "--deterministic",
+                  "--imgsz", "32", "--save-steps", "1")
+        # The uninterrupted run is forked from this process (while the server starts); the interrupted one launched.
+        codes, outputs = main_on_ranks(train.main, train_args(rectangles_yaml, tmp_path / "straight", *common), 2,
+                                       tmp_path / "logs")
+        assert codes == [0, 0], "".join(outputs)[-3000:]
+        assert sorted(p.name for p in (tmp_path / "straight").iterdir()) == ["exp"]  # rank 1 made no exp2
+        env = {**_env(), **tracker_environment(tmp_path, server.wait_ready())}
+        for key, value in env.items():  # the resumed run is forked from here
+            monkeypatch.setenv(key, value)
+        import mlflow  # noqa: F401  (imported once here: the forked resume starts with it)
+        import wandb  # noqa: F401
+
+        cmd = train_cmd(rectangles_yaml, tmp_path / "restarted", *common, "--loggers", "tensorboard", "mlflow", "wandb",
+                        nproc=2)
+        at = cmd.index("--standalone")  # the elastic form (--nnodes MIN:MAX, a c10d rendezvous), as on a cluster
+        cmd[at:at + 1] = ["--max-restarts=1", "--nnodes=1:2", "--rdzv-backend=c10d",
+                          f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=elastic-job",
+                          "--rdzv-conf=last_call_timeout=1"]
+        run_dir = tmp_path / "restarted/exp"
+        last, snapshot = run_dir / "weights/last.pt", tmp_path / "snapshot.pt"
+        # Its data loading waits for its first trackers to start (tests/gated_train.py): the kills below must find
+        # tracker runs to continue, and on a loaded machine they can start later than this tiny run would end.
+        cmd[cmd.index("train.py")] = str(Path(__file__).with_name("gated_train.py"))
+        env.update(GATE_TRACKERS_FILE=str(run_dir / "trackers.yaml"), GATE_TRACKERS="mlflow,wandb")
+        with open(tmp_path / "launched.log", "w") as log:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                _wait_for(last, proc)  # inside epoch 0: the launcher restarts the group, which resumes from it
+                os.kill(rank_pid(proc, 1), signal.SIGKILL)
+                # Killed inside an epoch once the restarted group has written a checkpoint (naming the tracker runs).
+                mid = _snapshot_inside_an_epoch(last, snapshot, proc, with_trackers=("mlflow", "wandb"),
+                                                after=(tmp_path / "launched.log", "restart 1 of launcher run"))
+            finally:
+                kill_run(proc)
+        output = (tmp_path / "launched.log").read_text()
+        assert "restart 1 of launcher run elastic-job" in output, output[-3000:]
+        ids = load_checkpoint(snapshot)["trackers"]
+        shutil.copy(snapshot, last)  # as the kill left it (the run may have gone on past the copy)
+        # The epoch the kill was inside, as if its row had been written before the kill: trained again, written once.
+        rows = (run_dir / "results.csv").read_text().splitlines()
+        if not any(int(r.split(",")[0]) == mid for r in rows[1:]):
+            (run_dir / "results.csv").write_text("\n".join([*rows, rows[-1].replace(rows[-1].split(",")[0],
+                                                                                      f"{mid:>20}", 1)]) + "\n")
+        (run_dir / "trackers.yaml").unlink()  # lost: the checkpoint keeps the tracker runs' ids too
+
+        codes, outputs = main_on_ranks(train.main, ["--resume", str(last)], 2, tmp_path / "logs_resumed")
+        assert codes == [0, 0], "".join(outputs)[-3000:]
+        assert f"Resuming training at batch 1 of epoch {mid}" in outputs[0]
+        assert [int(r["epoch"]) for r in results_rows(run_dir)] == list(range(EPOCHS))
+        assert max_difference(weights(last), weights(tmp_path / "straight/exp/weights/last.pt")) == 0.0
+        now = yaml.safe_load((run_dir / "trackers.yaml").read_text())
+        assert [now[k]["run_id"] for k in ("mlflow", "wandb")] == [ids[k]["run_id"] for k in ("mlflow", "wandb")]
+        check_mlflow_run(server.uri, "restarted", ids["mlflow"]["run_id"], run_dir / "results.csv",
+                         {"cfg": "yolo26n.yaml", "epochs": str(EPOCHS), "hyp/lr0": "0.01"},
+                         {"results.csv", "weights/best.pt", "weights/last.pt"})
+        check_wandb_files(run_dir, ids["wandb"]["run_id"], run_dir / "results.csv", (2, 3))  # restarted, resumed
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+        events.Reload()
+        assert [e.step for e in events.Scalars("train/l1_loss")] == list(range(EPOCHS))
+
+        # The server stops in the middle of a run: training goes on at its pace, with one warning.
+        for key, value in {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                           "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0"}.items():  # a blocking call would wait >= 2 s
+            monkeypatch.setenv(key, value)
+        slowest, warnings = run_through_a_stopped_server(server, tmp_path / "runs/stopped")
+        assert slowest < 0.5, slowest
+        assert len(warnings) == 1 and warnings[0].startswith("WARNING MLflow stopped for the rest of this run ("), \
+            warnings
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, output[-3000:]
-    assert "restart 1 of launcher run elastic-job" in output
-    assert sorted(p.name for p in (tmp_path / "restarted").iterdir()) == ["exp"]  # the same run folder, no exp2
-    assert [int(r["epoch"]) for r in results_rows(tmp_path / "restarted/exp")] == list(range(3))
-    assert max_difference(weights(tmp_path / "restarted/exp/weights/last.pt"),
-                          weights(tmp_path / "straight/exp/weights/last.pt")) == 0.0
+        left = server.stop()
+    assert not left, f"the MLflow server left processes behind: {left}"
+    assert not orphaned_wandb_services(services_before)
+
+
+def _snapshot_inside_an_epoch(last: Path, snapshot: Path, proc: subprocess.Popen, with_trackers: tuple[str, ...],
+                              after: tuple[Path, str]) -> int:
+    """Copy ``last`` as soon as it is a checkpoint written inside an epoch that names these trackers' runs, and
+    written after ``after``'s log file shows its text; its epoch."""
+    deadline = time.time() + 240
+    log, text = after
+    while text not in log.read_text(errors="replace"):
+        assert proc.poll() is None and time.time() < deadline, f"no '{text}' in {log}"
+        time.sleep(0.05)
+    seen = last.stat().st_mtime_ns if last.exists() else None  # written before: not this one
+    while time.time() < deadline:
+        assert proc.poll() is None, "the launched run ended before a checkpoint inside an epoch named its trackers"
+        stamp = last.stat().st_mtime_ns if last.exists() else None
+        if stamp is not None and stamp != seen:
+            seen = stamp
+            shutil.copy(last, snapshot)
+            ckpt = load_checkpoint(snapshot)
+            if ckpt["mid_epoch"] and set(with_trackers) <= set(ckpt["trackers"]):
+                return int(ckpt["mid_epoch"]["epoch"])
+        time.sleep(0.02)
+    raise AssertionError("no checkpoint inside an epoch named the trackers' runs")

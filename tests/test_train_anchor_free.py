@@ -12,12 +12,12 @@ import pytest
 import torch
 import yaml
 from conftest import main_on_ranks, run_forked
-from test_train import relative_l2, results_rows, weights
+from test_train import relative_l2, results_only, results_rows, weights
 
 import train
 import val
 from utils.checkpoint import load_checkpoint
-from utils.engine.evolve import read_evolve_csv
+from utils.search.records import read_evolve_csv
 
 # yolo11n at 32 px on 16 images of 96 px, batch 8; AutoAnchor left on (it must say that it does not apply).
 TINY = ["--imgsz", "32", "--batch-size", "8", "--workers", "0", "--device", "cpu", "--noplots"]
@@ -64,7 +64,7 @@ def test_yolo11_resume_from_an_epoch_checkpoint_is_bit_exact(yolo11_run, tmp_pat
     assert resumed["epoch"] == straight["epoch"] == 1
     for key in ("model", "ema"):
         assert all(torch.equal(resumed[key][k], straight[key][k]) for k in straight[key]), key
-    assert results_rows(copy)[-1] == results_rows(run_dir)[-1]
+    assert results_only(results_rows(copy)[-1]) == results_only(results_rows(run_dir)[-1])
 
 
 @pytest.mark.slow

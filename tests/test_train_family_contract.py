@@ -20,6 +20,7 @@ import yaml
 import models.families as families
 from utils.boxes import xywh2xyxy
 from utils.checkpoint import load_checkpoint
+from utils.engine.timing import TIME_COLUMNS
 from utils.hyp import AugmentationHyp, HypRecord, OptimisationHyp
 
 QUERIES = 4
@@ -153,7 +154,7 @@ def test_a_detector_that_takes_the_targets_in_its_forward_pass_trains_through_th
         rows = [{k.strip(): float(v) for k, v in row.items()} for row in csv.DictReader(f)]
     assert list(rows[0]) == ["epoch", "train/denoise_loss", "train/presence_loss", "metrics/precision",
                              "metrics/recall", "metrics/mAP_0.5", "metrics/mAP_0.5:0.95", "val/denoise_loss",
-                             "val/presence_loss", "x/lr0", "x/lr1", "x/lr2"]
+                             "val/presence_loss", "x/lr0", "x/lr1", "x/lr2", *TIME_COLUMNS]
     assert rows[0]["train/denoise_loss"] > 0 and rows[0]["val/presence_loss"] > 0
     assert rows[0]["val/denoise_loss"] == 0  # no targets in the evaluation forward pass: no denoising queries
     hyp = yaml.safe_load((run_dir / "hyp.yaml").read_text())

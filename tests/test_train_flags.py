@@ -164,7 +164,8 @@ def _stop_epoch(record: RunRecord, fitnesses: list[float | None]) -> int | None:
     """The epoch at which ``record`` asks to stop, given each epoch's mAP50-95 (None: not validated)."""
     for epoch, fit in enumerate(fitnesses):
         row = None if fit is None else (0.0, 0.0, 0.0, fit, 0.0, 0.0, 0.0)
-        if record.end_epoch(epoch, np.zeros(3), row, [0.01] * 3, {}, final=False):
+        record.end_epoch(epoch, np.zeros(3), row, [0.01] * 3, {}, final=False)
+        if record.should_stop():
             return epoch
     return None
 

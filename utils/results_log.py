@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from utils.files import atomic_output
+
 METRIC_COLUMNS = ("metrics/precision", "metrics/recall", "metrics/mAP_0.5", "metrics/mAP_0.5:0.95")
 
 
@@ -33,3 +35,18 @@ def truncate_results(csv_file: Path, keep_below_epoch: int) -> None:
     kept = lines[:1] + [line for line in lines[1:] if line.strip() and int(line.split(",")[0]) < keep_below_epoch]
     if len(kept) != len(lines):
         csv_file.write_text("".join(kept), encoding="utf-8")
+
+
+def extend_results_columns(csv_file: Path, columns: tuple[str, ...]) -> None:
+    """A results.csv whose header is the start of ``columns`` (written before the later ones existed) gets the
+    whole header, its rows ``nan`` in the new columns; a file with other columns is left as it is."""
+    if not csv_file.exists():
+        return
+    lines = csv_file.read_text(encoding="utf-8").splitlines()
+    header = [c.strip() for c in lines[0].split(",")] if lines else []
+    if not header or len(header) >= len(columns) or tuple(header) != columns[:len(header)]:
+        return
+    pad = "," + ",".join(f"{'nan':>20}" for _ in columns[len(header):])
+    rows = [line + pad for line in lines[1:] if line.strip()]
+    with atomic_output(csv_file) as tmp:
+        tmp.write_text("\n".join([",".join(f"{c:>20}" for c in columns), *rows]) + "\n", encoding="utf-8")

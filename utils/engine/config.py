@@ -51,8 +51,11 @@ class TrainConfig:
     seed: int = 0
     deterministic: bool = False
     amp: bool = True
-    evolve: int | None = None
-    resume_evolve: str | None = None
+    evolve: int | None = None  # trials of the search in total
+    resume_evolve: str | None = None  # an evolution folder (or a file in it) whose study continues
+    evolve_storage: str = ""  # the study's journal file or SQL URL ('' : study.journal in a new evolution folder)
+    evolve_sampler: str = "genetic"  # genetic, tpe or cmaes
+    evolve_pruner: str = "median"  # median or none
     # augmentation
     multi_scale: bool = False
     close_mosaic: int = 10
@@ -70,10 +73,13 @@ class TrainConfig:
     save_period: int = -1
     save_steps: int = 0
     save_minutes: float = 10.0
+    loggers: tuple[str, ...] = ("tensorboard",)  # experiment trackers (utils/trackers/)
+    profile: int = 0  # optimizer steps of a torch.profiler trace (0: none)
     save_dir: str | None = None  # the run folder, once made (absolute)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "freeze", tuple(self.freeze))  # a list from argparse or a checkpoint
+        object.__setattr__(self, "loggers", tuple(self.loggers))
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)

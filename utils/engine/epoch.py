@@ -1,8 +1,10 @@
-"""One epoch of optimizer steps (step.py), from a given batch on (a resumed epoch), with its progress and timing."""
+"""One epoch of optimizer steps (step.py), from a given batch on (a resumed epoch), with its progress and where its
+time went (timing.py)."""
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,8 +17,9 @@ from utils.distributed import all_reduce_sum, de_parallel
 from utils.engine.step import (SaveMidEpoch, SavePolicy, Stepper, Window, accumulation_windows, forward_backward,
                                micro_batches, sync, update)
 from utils.engine.tally import LossTally
+from utils.engine.timing import EpochTime, RunProgress, format_duration, gather_epoch_time
 from utils.log import LOGGER
-from utils.loggers import NullLogger, RunLogger
+from utils.trackers import NullLogger, RunLogger
 
 
 @dataclass
@@ -30,15 +33,17 @@ class EpochHooks:
     save_mid_epoch: SaveMidEpoch | None = None
     logger: RunLogger = field(default_factory=NullLogger)
     plots_dir: Path | None = None  # train_batch*.jpg of the epoch's first batches
+    progress: RunProgress | None = None  # the run's remaining time on the progress line (rank 0)
+    after_step: Callable[[], None] | None = None  # called after each optimizer step (--profile)
 
 
 def train_one_epoch(stepper: Stepper, loader: Any, epoch: int, start_batch: int, tally: LossTally,
-                    hooks: EpochHooks) -> LossTally:
-    """One epoch of optimizer steps, from ``start_batch`` on, with one all-reduce per step (step.py: ``sync``).
+                    hooks: EpochHooks) -> tuple[LossTally, EpochTime]:
+    """One epoch of optimizer steps, from ``start_batch`` on, with one all-reduce per step (step.py: ``sync``);
+    returns the epoch's losses and where its step time went.
 
     A checkpoint that rank 0 wished for is written at the start of a step, with the state after the previous one.
-    Each step has four phases: waiting for data, the sync, the forward and backward passes, the update; a
-    per-phase profile or a tracker call wraps the calls below.
+    ``stepper.marks`` times the phases of each step (timing.py): data, forward, sync, backward, optimizer.
     """
     stepper.model.train()
     loader.set_epoch(epoch, start_batch)
@@ -50,28 +55,46 @@ def train_one_epoch(stepper: Stepper, loader: Any, epoch: int, start_batch: int,
         LOGGER.info(f"\n{'Epoch':>11}{'GPU_mem':>11}{losses}{'Instances':>11}{'Size':>11}")
         batches = tqdm(batches, total=n_batches, initial=start_batch, bar_format="{l_bar}{bar:10}{r_bar}")
     pending = torch.zeros(stepper.n_losses + 1, device=stepper.device)  # loss items, finite micro-batches
-    t0, data_wait, t_ready = time.perf_counter(), 0.0, time.perf_counter()
+    marks = stepper.marks
+    marks.start()
+    t0 = time.perf_counter()
     for window in accumulation_windows(batches, stepper.optim.accumulate, n_batches):
-        data_wait += time.perf_counter() - t_ready
+        marks.mark("data")
         first = window[0][0]
         _log_batch_files(stepper, epoch, window)
         micro, prepared, counts = micro_batches(stepper, window, epoch)
+        marks.mark("forward")
         save_now = hooks.save_mid_epoch is not None and first > start_batch and hooks.save_policy.wants_save(stepper)
         counts, save = sync(stepper, counts, pending, save_now, tally)
+        marks.mark("sync")
         if save and hooks.save_mid_epoch is not None:
             hooks.save_mid_epoch(epoch, first, tally)
             stepper.last_save = time.monotonic()
+            marks.mark("other")
         stepper.optim.warm_up(window[-1][0] + n_batches * epoch, epoch)
         step_items = forward_backward(stepper, micro, counts, prepared, pending)
         update(stepper, tally, f"epoch {epoch} batch {window[-1][0]}", step_items, hooks.loss_names)
+        marks.mark("optimizer")
+        if hooks.after_step is not None:
+            hooks.after_step()
         if main:
-            batches.set_description(progress_line(epoch, hooks, stepper.device, tally.means(), micro))
+            left = hooks.progress.left(epoch, window[-1][0] + 1 - start_batch, n_batches - start_batch,
+                                       time.perf_counter() - t0) if hooks.progress is not None else None
+            _show_progress(batches, progress_line(epoch, hooks, stepper.device, tally.means(), micro), left)
             _report_step(stepper, hooks, epoch, window)
-        t_ready = time.perf_counter()
+        marks.mark("other")
     tally.add(all_reduce_sum(pending.clone()), stepper.info.world_size)
-    _log_epoch_speed(stepper, epoch, (n_batches - start_batch) * hooks.batch_size, time.perf_counter() - t0,
-                     data_wait, tally)
-    return tally
+    images = (n_batches - start_batch) * hooks.batch_size // stepper.info.world_size  # this rank's
+    timing = gather_epoch_time(marks.collect(), images, stepper.info, stepper.device)
+    _log_epoch_speed(stepper, epoch, timing, tally)
+    return tally, timing
+
+
+def _show_progress(batches: Any, line: str, left: float | None) -> None:
+    """The progress line: the epoch's losses and, after the bar, the whole run's remaining time."""
+    if left is not None:
+        batches.set_postfix_str(f"run {format_duration(left)} left", refresh=False)
+    batches.set_description(line)
 
 
 def _log_batch_files(stepper: Stepper, epoch: int, window: Window) -> None:
@@ -94,13 +117,11 @@ def _report_step(stepper: Stepper, hooks: EpochHooks, epoch: int, window: Window
                 plot_images(b[0], b[1], b[2], hooks.plots_dir / f"train_batch{i}.jpg", de_parallel(stepper.model).names)
 
 
-def _log_epoch_speed(stepper: Stepper, epoch: int, images: int, elapsed: float, data_wait: float,
-                     tally: LossTally) -> None:
+def _log_epoch_speed(stepper: Stepper, epoch: int, timing: EpochTime, tally: LossTally) -> None:
     gpu = (f", peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB"
            if stepper.device.type == "cuda" else "")
     skipped = f", {tally.skipped_steps} steps skipped (non-finite gradients)" if tally.skipped_steps else ""
-    LOGGER.info(f"epoch {epoch}: {images / elapsed:.1f} images/s, "
-                f"{100 * data_wait / elapsed:.0f}% of the time waiting for data{gpu}{skipped}")
+    LOGGER.info(f"epoch {epoch}: {timing.describe()}{gpu}{skipped}")
 
 
 def column_widths(hooks: EpochHooks) -> list[int]:

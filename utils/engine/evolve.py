@@ -1,205 +1,148 @@
-"""--evolve: hyper-parameter evolution, generation by generation, recorded in evolve.csv.
+"""--evolve: a hyper-parameter search of N trials on one Optuna study (utils/search/), each trial a training run.
 
-``evolve`` trains the generations; the functions before it are the record and the mutation.
+Every process started on the same study is a worker: it takes the next trial, trains it in ``trial<n>/`` of the
+evolution folder and records the outcome, until N trials have finished. In a distributed worker only global
+rank 0 talks to the study; the other ranks get each trial's hyper-parameters from it and train the trial with it.
 
-A generation mutates a parent chosen from the best rows of evolve.csv (the first generation trains the base
-hyper-parameters as given), trains, and appends its validation results and hyper-parameters as one row.
-Mutation scales and bounds are the model family's (``utils.hyp.EVOLVE_LIMITS`` for YOLOv5); everything here
-is a pure function of its arguments (the caller passes ``np.random.default_rng([seed, generation])``), so a
-generation is repeatable.
+Where the study lives (``study_place``): ``--evolve-storage`` names it (a journal file or an SQL URL) and the
+evolution folder is ``--project/--name`` itself, shared by every worker; without it, a new numbered folder holds
+the study in ``study.journal``. ``--resume-evolve PATH`` continues the study of an evolution folder (PATH is the
+folder or a file in it); a folder whose evolve.csv has no study beside it starts one from the csv's rows.
 """
 from __future__ import annotations
 
-import math
+import itertools
+import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
-import yaml
 
 from models.families import family_of
 from utils.checkpoint import load_checkpoint
-from utils.distributed import DistInfo, broadcast_object
+from utils.distributed import DistInfo, broadcast_object, rank_zero_decides
 from utils.engine.config import TrainConfig
 from utils.engine.setup import model_config
 from utils.engine.trainer import train
 from utils.errors import UserError
-from utils.hyp import EVOLVE_LIMITS, Hyp, Limit
 from utils.log import LOGGER, colorstr
 from utils.metrics import fitness
-from utils.results_log import METRIC_COLUMNS
 from utils.run_dir import increment_path
-
-N_RESULTS = 7  # a row's validation results: P, R, mAP50, mAP50-95 and the three validation losses
-N_PARENTS = 5  # parents are drawn from this many best rows
-MUTATION_PROBABILITY = 0.8  # per hyper-parameter
-MUTATION_SIGMA = 0.2
+from utils.search import Search, SearchConfig, SearchSpace
+from utils.search.records import read_evolve_csv
+from utils.search.study import JOURNAL_NAME
 
 
-def result_keys(loss_names: tuple[str, str, str]) -> tuple[str, ...]:
-    """The names of a row's validation results, for a loss with these three terms (the model family's)."""
-    return (*METRIC_COLUMNS, *(f"val/{n}_loss" for n in loss_names))
+@dataclass(frozen=True)
+class StudyPlace:
+    """The evolution folder (trial folders, evolve.csv, hyp_evolve.yaml), the study's storage and name."""
+
+    folder: Path
+    storage: str
+    name: str
+    csv_rows_to_add: bool = False  # a folder with an evolve.csv and no study: the study starts from its rows
 
 
-def read_evolve_csv(path: Path, keys: list[str], loss_names: tuple[str, str, str]) -> np.ndarray:
-    """(rows, 7 + len(keys)) values of an evolve.csv; a file with other columns is a one-line error."""
-    try:
-        lines = [line for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"{path}: cannot read the evolution record ({e.__class__.__name__})") from e
-    expected = [*result_keys(loss_names), *keys]
-    header = [c.strip() for c in lines[0].split(",")] if lines else []
-    if header != expected:
-        raise UserError(f"{path}: not an evolve.csv of these hyper-parameters (expected the columns "
-                        f"{', '.join(expected)})")
-    try:
-        return np.array([[float(v) for v in line.split(",")] for line in lines[1:]]).reshape(-1, len(expected))
-    except ValueError as e:
-        raise UserError(f"{path}: a row is not all numbers ({e})") from e
+def study_place(config: TrainConfig, info: DistInfo) -> StudyPlace:
+    """Where the study is: --resume-evolve's folder, --project/--name with --evolve-storage, or a new folder."""
+    if config.resume_evolve and config.evolve_storage:
+        raise UserError("--resume-evolve names the study of an evolution folder and --evolve-storage names a "
+                        "study's storage: give one of them")
+    if config.resume_evolve:
+        given = Path(config.resume_evolve).resolve()
+        folder = given if given.is_dir() else given.parent
+        journal, csv_file = folder / JOURNAL_NAME, folder / "evolve.csv"
+        if not journal.is_file() and not csv_file.is_file():
+            raise UserError(f"--resume-evolve {config.resume_evolve}: no study here (neither {journal} nor "
+                            f"{csv_file} exists)")
+        return StudyPlace(folder, str(journal), folder.name, csv_rows_to_add=not journal.is_file())
+    if config.evolve_storage:  # every worker of the study shares the folder: no numbering
+        folder = (Path(config.project) / config.name).resolve()
+        return StudyPlace(folder, config.evolve_storage, config.name)
+    folder = Path(broadcast_object(str(increment_path(Path(config.project) / config.name,
+                                                      config.exist_ok).resolve()), info))
+    return StudyPlace(folder, str(folder / JOURNAL_NAME), folder.name)
 
 
-def append_evolve_row(path: Path, results: tuple[float, ...], hyp: Hyp, keys: list[str],
-                      loss_names: tuple[str, str, str]) -> None:
-    """Append one generation: its 7 validation results, then its hyper-parameters (header first if new)."""
-    values = hyp.to_dict()
-    new = not Path(path).exists()
-    with open(path, "a", encoding="utf-8") as f:
-        if new:
-            f.write(",".join(f"{c:>20}" for c in (*result_keys(loss_names), *keys)) + "\n")
-        f.write(",".join(f"{v:>20.5g}" for v in (*results, *(values[k] for k in keys))) + "\n")
+def search_space(config: TrainConfig) -> tuple[Any, SearchSpace]:
+    """The model family and what is searched: the --hyp values (or the family's file) moved within its limits."""
+    family = family_of(model_config(config, None, load_checkpoint(config.weights) if config.weights else None))
+    base = family.read_hyp(config.hyp or family.default_hyp_path)
+    keys = tuple(family.evolve_keys(base))
+    return family, SearchSpace(base, keys, family.evolve_limits, tuple(family.loss_names))
 
 
-def select_parent(rows: np.ndarray, rng: np.random.Generator, n_parents: int = N_PARENTS) -> np.ndarray:
-    """The hyper-parameter values of one of the best ``n_parents`` rows, drawn with weight by fitness."""
-    scores = np.asarray(fitness(rows[:, : N_RESULTS]), dtype=np.float64).reshape(-1)
-    best = np.argsort(-scores, kind="stable")[: min(n_parents, len(rows))]
-    weights = scores[best] - scores[best].min() + 1e-6  # the worst of them still has a chance
-    pick = best[rng.choice(len(best), p=weights / weights.sum())]
-    return rows[pick, N_RESULTS:]
-
-
-def mutate(parent: np.ndarray, keys: list[str], rng: np.random.Generator,
-           limits: dict[str, Limit] = EVOLVE_LIMITS) -> dict[str, float]:
-    """``parent`` values each multiplied by a random factor in [0.3, 3] (scale 0: left alone), then clipped to
-    their limits and rounded to 5 significant digits. At least one value with a scale changes its factor.
-    """
-    scales = np.array([limits[k].scale if k in limits else 0.0 for k in keys])
-    factors = np.ones(len(keys))
-    while scales.any() and (factors == 1).all():
-        chosen = rng.random(len(keys)) < MUTATION_PROBABILITY
-        factors = (scales * chosen * rng.standard_normal(len(keys)) * rng.random() * MUTATION_SIGMA + 1).clip(0.3, 3.0)
-    out = {}
-    for key, value in zip(keys, np.asarray(parent, dtype=np.float64) * factors):
-        if key in limits:
-            value = min(max(value, limits[key].low), limits[key].high)
-        out[key] = float(f"{value:.5g}")
-    return out
-
-
-def next_hyp(base: Hyp, rows: np.ndarray, keys: list[str], rng: np.random.Generator,
-             limits: dict[str, Limit] = EVOLVE_LIMITS) -> Hyp:
-    """The next generation's hyper-parameters: ``base`` for the first, a mutated good parent afterwards.
-    ``limits``: the model family's table (models/families.py)."""
-    if len(rows) == 0:
-        return base
-    return base.replace(**mutate(select_parent(rows, rng), keys, rng, limits))
-
-
-def best_row(rows: np.ndarray) -> int:
-    return int(np.argmax(np.asarray(fitness(rows[:, : N_RESULTS])).reshape(-1)))
-
-
-def write_best_hyp(rows: np.ndarray, keys: list[str], base: Hyp, path: Path) -> Hyp:
-    """hyp_evolve.yaml: the best generation's hyper-parameters, a file --hyp reads."""
-    i = best_row(rows)
-    best = base.replace(**{k: float(v) for k, v in zip(keys, rows[i, N_RESULTS:])})
-    score = float(np.asarray(fitness(rows[i, : N_RESULTS])))
-    header = (f"# Hyper-parameter evolution: best of {len(rows)} generations (generation {i}, fitness {score:.5g})\n"
-              f"# Train with: python train.py --hyp {path.name}\n")
-    path.write_text(header + yaml.safe_dump(best.to_dict(), sort_keys=False), encoding="utf-8")
-    return best
-
-
-def plot_evolve(rows: np.ndarray, keys: list[str], path: Path) -> Path:
-    """evolve.png: each hyper-parameter against fitness, one point per generation, the best one marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    scores = np.asarray(fitness(rows[:, : N_RESULTS])).reshape(-1)
-    best = best_row(rows)
-    n_cols = 6
-    n_rows = max(1, math.ceil(len(keys) / n_cols))
-    fig, axes = plt.subplots(n_rows, n_cols, figsize=(3 * n_cols, 2.6 * n_rows), squeeze=False)
-    for ax, (j, key) in zip(axes.flat, enumerate(keys)):
-        values = rows[:, N_RESULTS + j]
-        ax.scatter(values, scores, c=np.arange(len(rows)), cmap="viridis", s=14, alpha=0.8)
-        ax.plot(values[best], scores[best], "k+", markersize=12)
-        ax.set_title(f"{key} = {values[best]:.3g}", fontsize=9)
-        ax.tick_params(labelsize=7)
-    for ax in list(axes.flat)[len(keys):]:
-        ax.axis("off")
-    fig.supylabel("fitness (0.1 mAP50 + 0.9 mAP50-95)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+def open_search(config: TrainConfig, place: StudyPlace, space: SearchSpace) -> Search:
+    """Rank 0's handle on the study (made, or joined)."""
+    place.folder.mkdir(parents=True, exist_ok=True)
+    rows = read_evolve_csv(place.folder / "evolve.csv", space.keys, space.loss_names) \
+        if place.csv_rows_to_add else None
+    search_config = SearchConfig(place.folder, config.evolve, storage=place.storage, study_name=place.name,
+                                 sampler=config.evolve_sampler, seed=config.seed, pruner=config.evolve_pruner)
+    return Search(search_config, space, completed=rows)
 
 
 def evolve(config: TrainConfig, device: torch.device, info: DistInfo) -> Path:
-    """--evolve N: train generations until evolve.csv holds N; returns the folder (``config.project``/name, or
-    that of --resume-evolve's csv).
-
-    Each generation is a normal run (validated after its last epoch only, final weights only) in
-    ``<folder>/gen<i>``; every rank of a distributed launch trains it together. Rank 0 keeps the record and
-    decides each generation's hyper-parameters, drawn from ``(seed, generation)`` and the csv so far.
-    """
+    """--evolve N: train trials until the study holds N finished ones; returns the evolution folder."""
     if config.evolve is None:
-        raise UserError(f"--resume-evolve {config.resume_evolve} needs --evolve N, the number of generations in total")
+        raise UserError(f"--resume-evolve {config.resume_evolve} needs --evolve N, the number of trials in total")
     if config.evolve < 1:
-        raise UserError(f"--evolve {config.evolve}: give the number of generations, at least 1 (e.g. --evolve 10)")
-    family = family_of(model_config(config, None, load_checkpoint(config.weights) if config.weights else None))
-    base = Hyp.from_yaml(config.hyp or family.default_hyp_path)
-    family.check_hyp(base, config.hyp or family.default_hyp)
-    keys, loss_names = family.evolve_keys(base), family.loss_names
-    folder, csv_file = _record_files(config, info)
-    rows = np.zeros((0, len(result_keys(loss_names)) + len(keys)))
-    if info.is_main:
-        folder.mkdir(parents=True, exist_ok=True)
-        if csv_file.exists():
-            rows = read_evolve_csv(csv_file, keys, loss_names)
-    rows = broadcast_object(rows, info)
-    if len(rows) >= config.evolve:
-        LOGGER.info(f"{csv_file} already holds {len(rows)} generations (--evolve {config.evolve}): nothing to do")
-        return folder
-    LOGGER.info(f"Evolving hyper-parameters: generations {len(rows)} to {config.evolve - 1} in {colorstr(str(folder))}")
-    for generation in range(len(rows), config.evolve):
-        hyp = next_hyp(base, rows, keys, np.random.default_rng([config.seed, generation]), family.evolve_limits)
-        hyp = Hyp.from_dict(broadcast_object(hyp.to_dict(), info), f"generation {generation}")
-        generation_config = config.replace(project=str(folder), name=f"gen{generation}", exist_ok=True, noval=True,
-                                           nosave=True, noplots=True, evolve=None, resume_evolve=None)
-        out = train(generation_config, device, info, None, hyp=hyp)
-        if info.is_main:
-            append_evolve_row(csv_file, out.results, hyp, keys, loss_names)
-            rows = read_evolve_csv(csv_file, keys, loss_names)  # the rounded values, as a resumed evolution reads
-            write_best_hyp(rows, keys, base, folder / "hyp_evolve.yaml")
-            LOGGER.info(f"generation {generation}: fitness {float(fitness(np.array(out.results[:4]))):.5g}; "
-                        f"best so far in {folder / 'hyp_evolve.yaml'}")
-        rows = broadcast_object(rows, info)
-    if info.is_main:  # once at the end: a figure of every hyper-parameter costs seconds
-        plot_evolve(rows, keys, folder / "evolve.png")
-    LOGGER.info(f"Evolution done: {csv_file}, {folder / 'hyp_evolve.yaml'}, {folder / 'evolve.png'}")
-    return folder
+        raise UserError(f"--evolve {config.evolve}: give the number of trials, at least 1 (e.g. --evolve 30)")
+    family, space = search_space(config)
+    place = study_place(config, info)
+    search = open_search(config, place, space) if info.is_main else None
+    LOGGER.info(f"Evolving hyper-parameters: study '{place.name}' in {place.storage}, {config.evolve} trials in "
+                f"total, sampler {config.evolve_sampler}, pruner {config.evolve_pruner}; trials in "
+                f"{colorstr(str(place.folder))}")
+    for trained in itertools.count():
+        trial = search.next_trial() if search is not None else None
+        ticket = rank_zero_decides(info, json.dumps(None if trial is None else [trial.number, trial.hyp.to_dict()]))
+        if json.loads(ticket) is None:
+            if trained == 0 and search is not None:
+                LOGGER.info(f"study '{place.name}' already has {search.counts()[0]} finished trials (--evolve "
+                            f"{config.evolve}): nothing to train")
+            break
+        number, values = json.loads(ticket)
+        run_trial(config, place.folder, family.read_hyp(values, f"trial {number}"), number, trial, device, info)
+        if search is not None:
+            search.write_records()
+    if search is not None and trained:  # evolve.png once at the end: a figure of every hyper-parameter takes seconds
+        done = search.write_records(plot=True)
+        LOGGER.info(f"Evolution done: {done or 'no trial completed'}; the best hyper-parameters in "
+                    f"{place.folder / 'hyp_evolve.yaml'}")
+    return place.folder
 
 
-def _record_files(config: TrainConfig, info: DistInfo) -> tuple[Path, Path]:
-    """The evolution's folder and evolve.csv: --resume-evolve's, or a new folder under ``config.project``."""
-    if config.resume_evolve:
-        csv_file = Path(config.resume_evolve)
-        if not csv_file.is_file():
-            raise UserError(f"--resume-evolve {csv_file}: file not found")
-        return csv_file.parent, csv_file
-    folder = Path(broadcast_object(str(increment_path(Path(config.project) / config.name,
-                                                      config.exist_ok).resolve()), info))
-    return folder, folder / "evolve.csv"
+def run_trial(config: TrainConfig, folder: Path, hyp: Any, number: int, trial: Any, device: torch.device,
+              info: DistInfo) -> None:
+    """Train trial ``number`` in ``folder/trial<number>`` (every rank); rank 0 (``trial`` not None) reports each
+    validated epoch's fitness to the pruner and records how the trial ended."""
+    pruning = config.evolve_pruner != "none"
+    pruned: list[int] = []
+
+    def report(epoch: int, results: tuple[float, ...]) -> bool:
+        if trial is not None and pruning and trial.report(epoch, float(fitness(np.array(results[:4])))):
+            pruned.append(epoch)
+            LOGGER.info(f"trial {number}: pruned after epoch {epoch} (its fitness is below the median of the "
+                        f"other trials' at that epoch)")
+            return True
+        return False
+
+    # Trials validate every epoch when a pruner judges them by it, otherwise only after their last epoch.
+    trial_config = config.replace(project=str(folder), name=f"trial{number}", exist_ok=True, noval=not pruning,
+                                  nosave=True, noplots=True, evolve=None, resume_evolve=None, evolve_storage="")
+    try:
+        out = train(trial_config, device, info, None, hyp=hyp, on_validated=report)
+    except BaseException as e:
+        if trial is not None:
+            trial.fail(f"{e.__class__.__name__}: {e}")
+        raise
+    if trial is None:
+        return
+    if pruned:
+        trial.prune()
+        return
+    trial.complete(out.results)
+    LOGGER.info(f"trial {number}: fitness {float(fitness(np.array(out.results[:4]))):.5g}")

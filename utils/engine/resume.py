@@ -26,7 +26,7 @@ from utils.log import LOGGER
 RESUME_OVERRIDABLE = frozenset({
     "epochs", "device", "workers", "patience", "save_period", "save_steps", "save_minutes", "noval", "nosave",
     "noplots", "cache", "exist_ok", "deterministic", "amp", "dist_timeout", "time", "time_includes_startup",
-    "time_max_epochs",
+    "time_max_epochs", "loggers", "profile",
 })
 
 

@@ -16,6 +16,7 @@ from utils.engine.trainer import train
 from utils.errors import UserError
 from utils.log import LOGGER
 from utils.torch_utils import select_device
+from utils.trackers import check_trackers
 
 
 @dataclass(frozen=True)
@@ -30,14 +31,15 @@ class Launch:
 def run(launch: Launch, info: DistInfo) -> int:
     """Train (or evolve) as ``launch`` says; the exit status."""
     config = launch.config
+    check_trackers(config.loggers)  # before joining the process group: every rank stops at once, in one line
     if not launch.resume.asked:  # before joining the process group, so that every rank says so at once
         check_global_batch(config.batch_size, info.world_size)
     device = setup_device(config, info)
     try:
         if config.evolve is not None or config.resume_evolve:
             if launch.resume.asked:
-                raise UserError("--evolve trains new runs and cannot --resume one; continue an evolution with "
-                                "--resume-evolve path/to/evolve.csv")
+                raise UserError("--evolve trains new runs and cannot --resume one; continue an evolution's study with "
+                                "--resume-evolve runs/evolve/exp (or --evolve-storage naming its storage)")
             evolve(config, device, info)
             return 0
         config, resumed = resume_point(config, launch.resume, info)

@@ -18,7 +18,7 @@ import torch
 from utils.checkpoint import copy_checkpoint, save_checkpoint, weights_are_finite
 from utils.log import LOGGER
 from utils.metrics import fitness
-from utils.results_log import append_results_row, truncate_results
+from utils.results_log import append_results_row, extend_results_columns, truncate_results
 
 
 def snapshot(obj: Any) -> Any:
@@ -81,15 +81,19 @@ class RunRecord:
         self.writer = CheckpointWriter()
         self.weights_dir.mkdir(parents=True, exist_ok=True)
         truncate_results(save_dir / "results.csv", keep_below_epoch=start_epoch)  # rows past the checkpoint go
+        extend_results_columns(save_dir / "results.csv", columns)  # a run written before the columns appended last
+        self.stop = False
 
     def end_epoch(self, epoch: int, train_losses: np.ndarray, results: tuple[float, ...] | None, lrs: list[float],
-                  ckpt: dict[str, Any], final: bool) -> bool:
-        """Record an epoch: results row, last.pt, best.pt when it improved; True when training should stop.
+                  ckpt: dict[str, Any], final: bool, extra: list[float] = ()) -> list[float]:
+        """Record an epoch: results row, last.pt, best.pt when it improved; returns the row (``should_stop`` says
+        whether early stopping ends the run).
 
         ``results`` is None for an epoch that was not validated (--noval): it cannot be best, and its row
-        holds zeros for the metrics. ``ckpt`` holds this epoch's training state; it is snapshotted here.
+        holds zeros for the metrics. ``extra``: the values of the columns after the learning rates (the time
+        split). ``ckpt`` holds this epoch's training state; it is snapshotted here.
         """
-        n_results = len(self.columns) - 1 - len(train_losses) - len(lrs)  # the metrics and validation losses
+        n_results = len(self.columns) - 1 - len(train_losses) - len(lrs) - len(extra)  # metrics, validation losses
         row = results if results is not None else (0.0,) * n_results
         improved = False
         if results is not None:
@@ -99,7 +103,8 @@ class RunRecord:
                 self.best_fitness, self.best_epoch = current, epoch
         ckpt.update(best_fitness=self.best_fitness, best_epoch=self.best_epoch)
         self.since_best = 0 if improved else self.since_best + 1
-        append_results_row(self.save_dir / "results.csv", [epoch, *train_losses.tolist(), *row, *lrs], self.columns)
+        values = [epoch, *train_losses.tolist(), *row, *lrs, *extra]
+        append_results_row(self.save_dir / "results.csv", values, self.columns)
 
         if not self.nosave or final:
             paths = [self.last] + ([self.best] if improved else [])
@@ -109,8 +114,12 @@ class RunRecord:
         if self.patience is not None and self.since_best >= self.patience:
             LOGGER.info(f"Stopping early: no improvement in the last {self.patience} epochs (best: epoch "
                         f"{self.best_epoch})")
-            return True
-        return False
+            self.stop = True
+        return values
+
+    def should_stop(self) -> bool:
+        """Whether early stopping (--patience) ends the run after the epoch recorded last."""
+        return self.stop
 
     def save_mid_epoch(self, ckpt: dict[str, Any]) -> None:
         self._submit(ckpt, [self.last])

@@ -26,6 +26,7 @@ from utils.amp import Precision, autocast
 from utils.distributed import DistInfo, all_reduce_sum
 from utils.engine.optimization import Optimization
 from utils.engine.tally import LossTally
+from utils.engine.timing import HostMarks
 from utils.errors import UserError
 from utils.log import LOGGER
 from utils.loss import DetectionLoss, LossNorm
@@ -60,6 +61,7 @@ class Stepper:
     steps_done: int = 0
     skipped_in_row: int = 0  # optimizer steps skipped for non-finite gradients, across epochs
     last_save: float = field(default_factory=time.monotonic)
+    marks: Any = field(default_factory=HostMarks)  # times the phases of each step (timing.py: new_marks)
 
 
 Window = list  # of (batch index, batch) pairs
@@ -132,11 +134,29 @@ def forward_backward(stepper: Stepper, micro: list, counts: torch.Tensor, prepar
                                        reduce=reduce)
         if stepper.batch.quad:  # as YOLOv5: a quad image stands for 4 images of the batch the gradient scale is set for
             loss = loss * 4
-        stepper.optim.scaler.scale(loss * world).backward()  # DDP averages gradients over ranks; the loss sums over them
+        scaled = stepper.optim.scaler.scale(loss * world)  # DDP averages gradients over ranks; the loss sums over them
+        stepper.marks.mark("forward")
+        mark_when_computed(scaled, stepper.marks)
+        scaled.backward()
+        stepper.marks.mark("sync")  # what DDP's gradient all-reduce added after backward's own computation
         step_items += items
         if torch.isfinite(items).all():
             pending += torch.cat((items, items.new_ones(1)))
     return step_items
+
+
+def mark_when_computed(loss: torch.Tensor, marks: Any) -> None:
+    """``marks.mark("backward")`` once the backward pass from ``loss`` has computed every gradient, before DDP
+    waits for its last all-reduce: both run as autograd callbacks at the end of the pass, and DDP queues its own
+    once the last gradient bucket is ready, after this one (queued as the pass starts)."""
+    if not loss.requires_grad:
+        return
+
+    def queue(grad: torch.Tensor) -> torch.Tensor:
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: marks.mark("backward"))
+        return grad
+
+    loss.register_hook(queue)
 
 
 def update(stepper: Stepper, tally: LossTally, where: str, step_items: torch.Tensor,

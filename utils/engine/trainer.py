@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,12 +31,17 @@ from utils.engine.setup import RunSetup, close_mosaic_epoch, set_up
 from utils.engine.step import BatchOptions, SavePolicy, Stepper
 from utils.engine.tally import LossTally
 from utils.engine.time_budget import TimeBudget, fit_to_time, time_budget
+from utils.engine.timing import TIME_COLUMNS, EpochTime, RunProgress, RunTime, StepProfiler, data_advice, new_marks
 from utils.hyp import HypRecord
 from utils.log import LOGGER, colorstr
-from utils.loggers import make_logger
 from utils.metrics import RECALL_POINTS
 from utils.results_log import result_columns
+from utils.trackers import FAILED, KILLED, TrackerRun, check_trackers, open_trackers, plot_files, run_params
+from utils.trackers import preload as preload_trackers
 from utils.validation import validate
+
+# Called on rank 0 after each validated epoch with its results; True stops the run (a search's pruner).
+OnValidated = Callable[[int, tuple[float, ...]], bool]
 
 
 @dataclass
@@ -44,13 +51,23 @@ class TrainResult:
 
 
 def train(config: TrainConfig, device: torch.device, info: DistInfo, resumed: Resumed | None = None,
-          hyp: HypRecord | None = None, process_started: float | None = None) -> TrainResult:
-    """One training run. ``hyp`` (an evolution's generation) replaces reading --hyp; ``process_started`` (the
-    monotonic clock at the process start) is where a budget that includes start-up counts from."""
+          hyp: HypRecord | None = None, process_started: float | None = None,
+          on_validated: OnValidated | None = None) -> TrainResult:
+    """One training run. ``hyp`` (a search's trial) replaces reading --hyp; ``process_started`` (the monotonic
+    clock at the process start) is where a budget that includes start-up counts from; ``on_validated`` may stop
+    the run after a validated epoch (rank 0 decides)."""
+    check_trackers(config.loggers)  # a resumed run's own, on every rank: a missing package stops all of them
+    if info.is_main:
+        preload_trackers(config.loggers)  # their packages load while the data and the model are made
     run = set_up(config, device, info, resumed, hyp)
     trainer = Trainer(run, resumed, device, info, process_started)
-    epoch = trainer.train_epochs()
-    return trainer.finish(epoch)
+    trainer.on_validated = on_validated
+    try:
+        epoch = trainer.train_epochs()
+        return trainer.finish(epoch)
+    except BaseException as e:
+        trainer.stop_reporting(KILLED if isinstance(e, KeyboardInterrupt) else FAILED)
+        raise
 
 
 class Trainer:
@@ -69,8 +86,11 @@ class Trainer:
                                     label_smoothing=self.config.label_smoothing)
         batch = BatchOptions(self.config.seed, self.config.imgsz, run.grid, self.config.multi_scale, self.config.quad)
         self.stepper = Stepper(model, run.family, loss, self.optim, run.precision, device, info, batch,
-                               len(self.loss_names))
-        self.columns = result_columns(self.loss_names, len(self.optim.optimizer.param_groups))
+                               len(self.loss_names), marks=new_marks(device))
+        self.columns = (*result_columns(self.loss_names, len(self.optim.optimizer.param_groups)), *TIME_COLUMNS)
+        self.run_time = RunTime()
+        self.on_validated: OnValidated | None = None
+        self.profiler: StepProfiler | None = None
         # --image-weights: the class weights of the next epoch's draw (on every rank; rank 0 updates them).
         self.base_class_weights = labels_to_class_weights(run.dataset.labels, run.nc)
         self.class_weights = np.array(ckpt["class_weights"]) if ckpt and ckpt.get("class_weights") is not None \
@@ -81,18 +101,26 @@ class Trainer:
         self.hooks = EpochHooks(self.config.epochs, self.config.batch_size, self.loss_names,
                                 SavePolicy(self.config.save_steps, self.config.save_minutes))
         if info.is_main:
-            self.start_record(best, first_run=ckpt is None)
+            self.start_record(best, ckpt)
 
     # ---- rank 0's record ---------------------------------------------------------------------------------
 
-    def start_record(self, best: tuple[float, int], first_run: bool) -> None:
-        config, run = self.config, self.run
-        start = self.position.start_epoch + (self.position.start_batch > 0)
+    def start_record(self, best: tuple[float, int], ckpt: dict | None) -> None:
+        """results.csv and the checkpoints from the epoch training starts in (its own row, written before a kill
+        inside it, goes: the epoch is trained again), the trackers, the progress line and --profile."""
+        config, run, first_run = self.config, self.run, ckpt is None
         self.record = RunRecord(run.save_dir, self.columns, patience=config.patience, noval=config.noval,
                                 nosave=config.nosave, save_period=config.save_period, best_fitness=best[0],
-                                best_epoch=best[1], start_epoch=start)
-        self.hooks.logger = make_logger(run.save_dir, True)
+                                best_epoch=best[1], start_epoch=self.position.start_epoch)
+        tracked = TrackerRun(run.save_dir, config.loggers, resumed=not first_run or self.info.restart_count > 0,
+                             saved=ckpt.get("trackers") if ckpt else None)
+        self.hooks.logger = open_trackers(tracked, True)
+        self.hooks.logger.log_params(run_params(config.to_dict(), run.hyp.to_dict()))
         self.hooks.save_mid_epoch = self.save_mid_epoch
+        self.hooks.progress = RunProgress(config.epochs)
+        if config.profile > 0:
+            self.profiler = StepProfiler(config.profile, run.save_dir / "profile.json", self.device)
+            self.hooks.after_step = self.profiler.step
         if first_run and not config.noplots:
             from utils.plots import plot_labels
 
@@ -104,7 +132,7 @@ class Trainer:
         position = RunPosition(epoch, mid_epoch, self.record.best_fitness, self.record.best_epoch)
         run = {"lr_schedule": self.optim.schedule.segments, "optimizer_choice": self.optim.choice.to_dict(),
                "config": self.config.to_dict(), "config_schema": CONFIG_SCHEMA, "hyp": self.run.hyp.to_dict(),
-               "world_size": self.info.world_size, "run_id": self.info.run_id,
+               "world_size": self.info.world_size, "run_id": self.info.run_id, "trackers": self.hooks.logger.state(),
                # The weights of the epoch after `epoch` (the one a resume draws next), set before this is called.
                "class_weights": [float(w) for w in self.class_weights] if self.config.image_weights else None}
         return training_checkpoint(self.stepper.model, self.optim.ema, self.optim.optimizer, self.optim.scaler,
@@ -119,6 +147,7 @@ class Trainer:
         """Train until the run's length, early stopping or the time budget ends it; returns the last epoch."""
         config, run = self.config, self.run
         workers = getattr(run.train_loader, "loader", run.train_loader).num_workers  # --workers capped by cores
+        self.loader_workers = workers
         LOGGER.info(f"Image sizes {config.imgsz} train, {config.imgsz} val; {workers} dataloader workers per rank; "
                     f"logging to {colorstr(str(run.save_dir))}\nStarting training for {config.epochs} epochs...")
         self.loop_started = time.monotonic()
@@ -131,11 +160,16 @@ class Trainer:
                 self.draw_images(epoch)
                 self.stepper.loss.set_epoch(epoch, self.config.epochs)
                 self.hooks.epochs = self.config.epochs
+                if self.hooks.progress is not None:
+                    self.hooks.progress.epochs = self.config.epochs
                 self.hooks.plots_dir = run.save_dir if epoch == start and self.info.is_main and not config.noplots \
                     else None
                 start_batch = self.position.start_batch if epoch == start else 0
-                tally = train_one_epoch(self.stepper, run.train_loader, epoch, start_batch, tally, self.hooks)
-                decision = self.end_epoch(epoch, tally, budget, t_epoch)
+                tally, timing = train_one_epoch(self.stepper, run.train_loader, epoch, start_batch, tally, self.hooks)
+                self.run_time.add(timing)
+                decision = self.end_epoch(epoch, tally, budget, t_epoch, timing)
+                if self.hooks.progress is not None:
+                    self.hooks.progress.epoch_seconds.append(time.monotonic() - t_epoch)
                 if decision.get("stop") or epoch + 1 >= self.config.epochs:
                     break
                 tally = LossTally(len(self.loss_names))
@@ -149,7 +183,8 @@ class Trainer:
         loader.set_image_weights(labels_to_image_weights(self.run.dataset.labels, self.class_weights))
         check_same_draw(self.info, loader.sampler.global_draw(epoch), epoch, self.device)
 
-    def end_epoch(self, epoch: int, tally: LossTally, budget: TimeBudget | None, t_epoch: float) -> dict:
+    def end_epoch(self, epoch: int, tally: LossTally, budget: TimeBudget | None, t_epoch: float,
+                  timing: EpochTime) -> dict:
         """Validation, the record, and what every rank decides together: stop, refit the length, class weights."""
         config, optim = self.config, self.optim
         lrs = optim.learning_rates()  # the epoch's own rates, for results.csv
@@ -165,10 +200,12 @@ class Trainer:
             if config.image_weights and validated:
                 self.class_weights = class_weights_from_maps(self.base_class_weights, self.last_val.maps)
                 decision["class_weights"] = [float(w) for w in self.class_weights]  # repr round-trips exactly
-            decision["stop"] = self.record.end_epoch(epoch, tally.means(), self.results if validated else None, lrs,
-                                                     self.checkpoint(epoch, None), final)
-            self.hooks.logger.log_epoch(epoch, dict(zip(self.columns[1:],
-                                                        [*tally.means().tolist(), *self.results, *lrs])))
+            row = self.record.end_epoch(epoch, tally.means(), self.results if validated else None, lrs,
+                                        self.checkpoint(epoch, None), final, extra=timing.row())
+            decision["stop"] = self.record.should_stop()
+            self.hooks.logger.log_epoch(epoch, dict(zip(self.columns[1:], row[1:])))
+            if validated and self.on_validated is not None and self.on_validated(epoch, self.results):
+                decision["stop"] = True
             if budget is not None:
                 decision.update(fit_to_time(budget, epoch, self.position.start_epoch, time.monotonic(),
                                             time.monotonic() - t_epoch, config))
@@ -215,16 +252,40 @@ class Trainer:
                                           plots=not self.config.noplots, verbose=True)
             self.results = self.last_val.as_row()
         if info.is_main:
+            self.report_time()
             r = self.last_val
             if r is not None and r.class_metrics is not None and len(r.class_metrics.pr_curve):
                 self.hooks.logger.log_pr_curve(r.class_metrics.pr_curve.mean(0), RECALL_POINTS, epoch)
-            self.hooks.logger.close()
             if not self.config.noplots:
                 from utils.plots import plot_results
 
                 plot_results(run.save_dir / "results.csv")
+            logger = self.hooks.logger
+            logger.log_images(plot_files(run.save_dir), epoch)
+            logger.log_artifacts([self.record.best, self.record.last, run.save_dir / "results.csv"])
+            logger.close()
             LOGGER.info(f"Results saved to {colorstr(str(run.save_dir))}")
         return TrainResult(run.save_dir, self.results)
+
+    def report_time(self) -> None:
+        """Where the step time of this process's epochs went, and one line of advice when data loading held them up."""
+        if self.profiler is not None:
+            self.profiler.stop()
+        summary = self.run_time.summary()
+        if summary is None:
+            return
+        epochs = len(self.run_time.epochs)
+        LOGGER.info(f"Time over {epochs} epoch{'s' * (epochs != 1)}: {summary.describe()}")
+        cores = len(os.sched_getaffinity(0)) // max(self.info.local_world_size, 1)
+        advice = data_advice(summary.shares(), self.loader_workers, max(cores, 1))
+        if advice:
+            LOGGER.info(advice)
+
+    def stop_reporting(self, status: str) -> None:
+        """A run ending on an error: the profile written, the tracker runs ended with ``status``."""
+        if self.profiler is not None:
+            self.profiler.stop()
+        self.hooks.logger.close(status)
 
 
 def start_optimization(run: RunSetup, ckpt: dict | None,
