@@ -9,8 +9,9 @@ The runner multiplies them back. The metadata is a ``metadata.json`` entry of a 
 (the flatbuffer reader ignores it), where Ultralytics' LiteRT reader looks for it.
 
 fp16: weights stored in fp16, computed in fp32. INT8: ai-edge-quantizer's static recipe (int8 weights per channel,
-int8 activations), calibrated on ``job.calibration``; what the family's ``Int8Scope`` names, the box normalisation
-and the head's prediction convolutions (whose int8 output would be the logits themselves) stay float.
+int8 activations), calibrated on ``job.calibration``; what the family's ``Int8Scope`` names, the head's prediction
+convolutions (whose int8 output would be the logits themselves), the box normalisation and the op writing the output
+stay float.
 """
 from __future__ import annotations
 
@@ -112,6 +113,14 @@ def float_patterns(model: nn.Module, scope: Int8Scope) -> list[str]:
                  for conv in prediction_convs(model, head)]
     patterns.append(re.escape(f"{NormalisedBoxes.__module__}.{NormalisedBoxes.__qualname__}") + ";")
     return patterns
+
+
+def output_patterns(path: Path) -> list[str]:
+    """The ops that write the graph's outputs: the quantizer's float output only dequantizes what they compute, and
+    in int8 boxes and scores would share one scale."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    return [f"^{re.escape(d['name'])};" for d in Interpreter(model_path=str(path)).get_output_details()]
 
 
 # ---- writing ----
@@ -246,7 +255,8 @@ class LiteRTFormat(Format):
                         _quantize(source, target, _fp16_recipe)
                         notes.append("fp16 weights by ai-edge-quantizer")
                     else:
-                        patterns = float_patterns(job.model, job.int8_scope or Int8Scope((), ()))
+                        patterns = float_patterns(job.model, job.int8_scope or Int8Scope((), ())) + \
+                            output_patterns(source)
                         _quantize(source, target, _int8_recipe(patterns), _calibration_samples(job, source))
                         notes.append(f"INT8 by ai-edge-quantizer (static_wi8_ai8, float in/out, "
                                      f"{len(patterns)} scopes float)")

@@ -37,6 +37,7 @@ def _convert(job: ExportJob, folder: Path, scratch: Path) -> None:
     trace = scratch / INTERMEDIATES["ptpath"]
     with warnings.catch_warnings():  # tracing is deprecated in favour of torch.export; pnnx reads traces
         warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)  # the head's shape arithmetic, fixed in the trace
         torch.jit.trace(job.module, job.example, strict=False, check_trace=False).save(str(trace))
     shape = ",".join(str(v) for v in job.example.shape)
     command = [pnnx.EXEC_PATH, str(trace), f"inputshape=[{shape}]f32", "device=cpu", "optlevel=2",
