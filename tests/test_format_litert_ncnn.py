@@ -4,12 +4,14 @@ layout, the metadata where Ultralytics' readers look for it, what cannot be writ
 detect.py on the files.
 
 LiteRT's converter takes most of a minute per model on a loaded 2-core CPU: each layout is converted once per
-session, and the fp16 and INT8 exports of the anchor-free layout quantize the float graph that its fp32 export
-converted (``_convert`` is memoised here; what it converts is checked by the fp32 tests).
+session (across pytest-xdist workers too), and the fp16 and INT8 exports of the anchor-free layout quantize the
+float graph that its fp32 export converted (``_convert`` is memoised here; what it converts is checked by the fp32
+tests).
 """
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import zipfile
 from pathlib import Path
@@ -49,18 +51,30 @@ class _OncePerLayout(dict):
         return path
 
 
+def _shared_folder(tmp_path_factory) -> Path:
+    """A folder of this test session that every pytest-xdist worker sees (each worker has its own base folder)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def litert_files(trained, deploy_data, tmp_path_factory):
+    """LiteRT files on demand; the float conversion of each model once per session, across xdist workers too."""
+    from filelock import FileLock
+
     from utils.formats import litert
 
-    real, converted = litert._convert, {}
+    real, cache = litert._convert, _shared_folder(tmp_path_factory) / "litert_float_graphs"
+    cache.mkdir(exist_ok=True)
 
     def convert_once(module, example, path):  # noqa: ANN001, ANN202
-        key = (module.layout, tuple(example.shape), float(sum(p.double().sum() for p in module.state_dict().values())))
-        if key not in converted:
-            real(module, example, path)
-            converted[key] = Path(path).read_bytes()
-        Path(path).write_bytes(converted[key])
+        weights = sum(float(p.double().sum()) for p in module.state_dict().values())
+        done = cache / f"{module.layout}_{'x'.join(map(str, example.shape))}_{weights:.6e}.tflite"
+        with FileLock(str(done) + ".lock"):
+            if not done.exists():
+                real(module, example, path)
+                shutil.copyfile(path, done)
+        shutil.copyfile(done, path)
 
     files = _OncePerLayout(trained, tmp_path_factory.mktemp("litert"), "litert")
     files.data = deploy_data
