@@ -214,6 +214,8 @@ class LiteRTRunner(Runner):
         first = self.interpreter.get_input_details()[0]
         self.input_index = first["index"]
         self.output_index = self.interpreter.get_output_details()[0]["index"]
+        if len(first["shape"]) != 4 or int(first["shape"][1]) != 3:  # older TFLite exports take (B, H, W, 3)
+            raise UserError(f"{path}: input {list(first['shape'])}, not (B, 3, H, W); re-export it with export.py")
         batch, _, height, width = (int(v) for v in first["shape"])
         self.meta = self.meta.copy(batch=batch, imgsz=(height, width))
         if device.type != "cpu":
