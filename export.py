@@ -163,7 +163,7 @@ def prepare(opt: argparse.Namespace) -> tuple[Source, list[Any]]:
     family = family_of(runner.meta.family)
     nms = NmsSpec(opt.conf_thres, family.detect_iou if opt.iou_thres is None else opt.iou_thres, opt.max_det) \
         if opt.nms else None
-    options = ExportOptions(opset=opt.opset, dynamic=opt.dynamic, simplify=opt.simplify, nms=nms)
+    options = ExportOptions(opset=opt.opset, dynamic=opt.dynamic, simplify=opt.simplify, nms=nms, end2end=opt.end2end)
     formats = _formats(opt, precision, options)
     if opt.end2end:
         runner.use_end2end(weights)

@@ -121,19 +121,24 @@ class Detect(DetectionHead):
         grid, anchor_grid = self._grids(level, nx, ny, p.device, p.dtype)
         y = p.sigmoid()
         xy = (y[..., :2] * 2 + grid) * self.stride[level]
-        wh = (y[..., 2:4] * 2) ** 2 * anchor_grid
+        wh = y[..., 2:4] * 2
+        wh = wh * wh * anchor_grid  # not ** 2: LiteRT's converter has no legal lowering of a float power
         return torch.cat((xy, wh, y[..., 4:]), -1).reshape(bs, -1, self.no)
 
     def _grids(self, level: int, nx: int, ny: int, device: torch.device, dtype: torch.dtype):
         # The anchors' version counter changes with every in-place edit (AutoAnchor, EMA, loading weights),
         # and reading it does not wait for the device.
-        key = (level, nx, ny, device, dtype, self.anchors.data_ptr(), self.anchors._version)
-        if key not in self._grid_cache:
+        # Under torch.export (LiteRT's converter) the anchors are fake tensors, without storage: no cache then.
+        tracing = torch.compiler.is_compiling()
+        key = None if tracing else (level, nx, ny, device, dtype, self.anchors.data_ptr(), self.anchors._version)
+        if tracing or key not in self._grid_cache:
             # arange in fp32, then cast: the ONNX exporter cannot infer a Range of fp16 (an --half export fails).
             ys, xs = torch.meshgrid(torch.arange(ny, device=device, dtype=torch.float32).to(dtype),
                                     torch.arange(nx, device=device, dtype=torch.float32).to(dtype), indexing="ij")
             grid = torch.stack((xs, ys), 2).view(1, 1, ny, nx, 2) - 0.5
             anchor_grid = (self.anchors[level] * self.stride[level]).view(1, self.na, 1, 1, 2).to(dtype)
+            if tracing:
+                return grid, anchor_grid
             self._grid_cache = {k: v for k, v in self._grid_cache.items() if k[0] != level}
             self._grid_cache[key] = (grid, anchor_grid)
         return self._grid_cache[key]

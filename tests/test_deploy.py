@@ -146,7 +146,7 @@ def test_one_line_for_what_cannot_be_exported(trained, tmp_path) -> None:
     cases = [
         (dict(int8=True), r"--int8 needs --data: INT8 is calibrated on images of the data YAML's train split"),
         (dict(int8=True, half=True, data="x.yaml"), r"--half and --int8: one precision per call"),
-        (dict(include=["ncnn"]), r"--include ncnn: not available in this version"),
+        (dict(include=["ncnn"], int8=True, data="x.yaml"), r"--include ncnn: no int8 files"),
         (dict(include=["tensorrt"]), r"--include tensorrt: unknown format; choose from onnx, torchscript"),
         (dict(include=["torchscript"], nms=True), r"--nms: NMS inside the graph is written for ONNX only"),
         (dict(include=["onnx"], nms=True, end2end=True), r"--nms and --end2end: the end-to-end output is already"),

@@ -19,7 +19,7 @@ from utils.formats.base import Format, Runner
 
 # Formats that export.py names in its help and that come as modules of their own; until a module is here, asking
 # for one is a one-line error.
-PLANNED = ("openvino", "litert", "ncnn")
+PLANNED = ("openvino",)
 _ORDER = ("pytorch", "onnx", "torchscript", *PLANNED)
 
 

@@ -97,6 +97,7 @@ class ExportOptions:
     dynamic: bool = False
     simplify: bool = True
     nms: NmsSpec | None = None
+    end2end: bool = False  # the end-to-end output (--end2end), for formats whose runtime lacks its top-k
 
 
 @dataclass
