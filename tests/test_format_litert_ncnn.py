@@ -3,10 +3,11 @@ output layout in fp32 against PyTorch through ``open_runner``, LiteRT fp16 and I
 layout, the metadata where Ultralytics' readers look for it, what cannot be written (one line each), and val.py and
 detect.py on the files.
 
-LiteRT's converter takes most of a minute per model on a loaded 2-core CPU: each layout is converted once per
-session (across pytest-xdist workers too), and the fp16 and INT8 exports of the anchor-free layout quantize the
-float graph that its fp32 export converted (``_convert`` is memoised here; what it converts is checked by the fp32
-tests).
+LiteRT's converter takes most of a minute per model on a loaded 2-core CPU, and its time grows with the graph: the
+anchor-free layout is the trained narrow model (whose float graph its fp16 and INT8 exports quantize), the YOLOv5 and
+end-to-end layouts a model of three convolutions and the family's head (``converted``), since what differs between
+layouts is the head and its decoding. Each is converted once per session (across pytest-xdist workers too;
+``_convert`` is memoised here, and what it converts is checked by the fp32 tests).
 """
 from __future__ import annotations
 
@@ -51,6 +52,37 @@ class _OncePerLayout(dict):
         return path
 
 
+HEAD_ONLY_ANCHORS = [[10, 13, 16, 30, 33, 23], [30, 61, 62, 45, 59, 119], [116, 90, 156, 198, 373, 326]]
+HEAD_ONLY_FAMILIES = {"yolov5": ("yolov5", {"anchors": HEAD_ONLY_ANCHORS}), "end2end": ("yolo26", {"end2end": True, "reg_max": 1})}
+
+
+def head_only_checkpoint(layout: str, path: Path) -> Path:
+    """An untrained model of that layout: three strided convolutions (P3, P4, P5) and the family's head."""
+    from models.yolo import build_model
+    from utils.checkpoint import model_state, save_checkpoint
+
+    family, extra = HEAD_ONLY_FAMILIES[layout]
+    detect_args = ["nc", "anchors"] if "anchors" in extra else ["nc"]
+    cfg = {"family": family, "nc": 2, "depth_multiple": 1.0, "width_multiple": 1.0, **extra,
+           "backbone": [[-1, 1, "Conv", [8, 3, 8]], [-1, 1, "Conv", [8, 3, 2]], [-1, 1, "Conv", [8, 3, 2]]],
+           "head": [[[0, 1, 2], 1, "Detect", detect_args]]}
+    torch.manual_seed(0)
+    model = build_model(cfg, names=["red", "blue"])
+    save_checkpoint({**model_state(model), "opt": {"imgsz": IMGSZ}}, path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def converted(trained, tmp_path_factory) -> dict[str, Path]:
+    """The checkpoint each layout's exports come from (see the module docstring)."""
+    folder = tmp_path_factory.mktemp("head_only")
+    out = {"anchor_free": trained["anchor_free"]}
+    for layout in HEAD_ONLY_FAMILIES:
+        (folder / layout).mkdir()
+        out[layout] = head_only_checkpoint(layout, folder / layout / "best.pt")
+    return out
+
+
 def _shared_folder(tmp_path_factory) -> Path:
     """A folder of this test session that every pytest-xdist worker sees (each worker has its own base folder)."""
     base = tmp_path_factory.getbasetemp()
@@ -58,7 +90,7 @@ def _shared_folder(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def litert_files(trained, deploy_data, tmp_path_factory):
+def litert_files(converted, deploy_data, tmp_path_factory):
     """LiteRT files on demand; the float conversion of each model once per session, across xdist workers too."""
     from filelock import FileLock
 
@@ -76,7 +108,7 @@ def litert_files(trained, deploy_data, tmp_path_factory):
                 shutil.copyfile(path, done)
         shutil.copyfile(done, path)
 
-    files = _OncePerLayout(trained, tmp_path_factory.mktemp("litert"), "litert")
+    files = _OncePerLayout(converted, tmp_path_factory.mktemp("litert"), "litert")
     files.data = deploy_data
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(litert, "_convert", convert_once)
@@ -84,8 +116,8 @@ def litert_files(trained, deploy_data, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def ncnn_files(trained, tmp_path_factory):
-    return _OncePerLayout(trained, tmp_path_factory.mktemp("ncnn"), "ncnn")
+def ncnn_files(converted, tmp_path_factory):
+    return _OncePerLayout(converted, tmp_path_factory.mktemp("ncnn"), "ncnn")
 
 
 def _sorted_rows(det: np.ndarray) -> np.ndarray:
@@ -106,28 +138,28 @@ def _compare_with_pytorch(path: Path, weights: Path, layout: str, atol: float) -
 
 
 @pytest.mark.parametrize("layout", ["yolov5", "anchor_free", "end2end"])
-def test_litert_fp32_computes_what_pytorch_computes(layout, litert_files, trained) -> None:
+def test_litert_fp32_computes_what_pytorch_computes(layout, litert_files, converted) -> None:
     path = litert_files[layout, "fp32"]
-    assert path.name == trained[layout].stem + ".tflite"  # Ultralytics' name: best.tflite
+    assert path.name == converted[layout].stem + ".tflite"  # Ultralytics' name: best.tflite
     runner = open_runner(path)
     assert (runner.meta.layout, runner.meta.imgsz, runner.meta.batch, runner.meta.precision) == (
         layout, (IMGSZ, IMGSZ), 1, "fp32")
-    _compare_with_pytorch(path, trained[layout], layout, atol=1e-3)
+    _compare_with_pytorch(path, converted[layout], layout, atol=1e-3)
 
 
 @pytest.mark.parametrize("layout", ["yolov5", "anchor_free"])
-def test_ncnn_fp32_computes_what_pytorch_computes(layout, ncnn_files, trained) -> None:
+def test_ncnn_fp32_computes_what_pytorch_computes(layout, ncnn_files, converted) -> None:
     path = ncnn_files[layout, "fp32"]
-    assert path.name == trained[layout].stem + "_ncnn_model"
+    assert path.name == converted[layout].stem + "_ncnn_model"
     assert sorted(p.name for p in path.iterdir()) == ["metadata.yaml", "model.ncnn.bin", "model.ncnn.param"]
     assert open_runner(path).meta.precision == "fp32"
-    _compare_with_pytorch(path, trained[layout], layout, atol=1e-3)
+    _compare_with_pytorch(path, converted[layout], layout, atol=1e-3)
 
 
-def test_yolo26_goes_to_ncnn_with_nms_after_the_network_not_end_to_end(trained, tmp_path) -> None:
+def test_yolo26_goes_to_ncnn_with_nms_after_the_network_not_end_to_end(converted, tmp_path) -> None:
     """ncnn has no top-k or gather layer: --end2end is one line; YOLO26's one-to-many output exports and runs."""
-    weights = tmp_path / trained["end2end"].name
-    shutil.copyfile(trained["end2end"], weights)
+    weights = tmp_path / converted["end2end"].name
+    shutil.copyfile(converted["end2end"], weights)
     with pytest.raises(UserError, match=r"^--end2end: ncnn has no top-k and gather layers"):
         export.run(weights=str(weights), include=["ncnn"], imgsz=[IMGSZ], end2end=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == [weights.name]  # nothing written
@@ -226,7 +258,7 @@ def test_detect_py_finds_with_the_ncnn_folder_what_it_finds_with_the_pt(ncnn_fil
     source = deploy_data.parent / "images" / "val"
     runs = [detect.run(weights=str(w), source=str(source), imgsz=IMGSZ, batch_size=4, nosave=True,
                        project=str(tmp_path), name=name)
-            for name, w in (("pt", trained["yolov5"]), ("ncnn", ncnn_files["yolov5", "fp32"]))]
+            for name, w in (("pt", trained["anchor_free"]), ("ncnn", ncnn_files["anchor_free", "fp32"]))]
     found, other = runs[0].detections, runs[1].detections
     assert sum(len(d) for d in found.values()) >= 8 and found.keys() == other.keys()
     for key, det in found.items():
