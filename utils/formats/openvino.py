@@ -46,7 +46,13 @@ def convert(job: ExportJob):  # noqa: ANN201 (openvino.Model)
     with tempfile.TemporaryDirectory(dir=job.path.parent) as tmp:
         onnx_path = Path(tmp) / "traced.onnx"
         trace_to_onnx(job.module, job.example, onnx_path, job.options.opset, job.options.dynamic)
-        return ov.convert_model(str(onnx_path))
+        try:  # what convert_model does, less its empty pre-processing step, which alone takes seconds
+            from openvino._offline_transformations import apply_moc_transformations
+        except ImportError:
+            return ov.convert_model(str(onnx_path))
+        model = ov.Core().read_model(str(onnx_path))
+        apply_moc_transformations(model, cf=False)
+        return model
 
 
 def float_ops(model, job: ExportJob) -> list[str]:  # noqa: ANN001 (openvino.Model)
