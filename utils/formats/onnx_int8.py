@@ -3,7 +3,8 @@ the form TensorRT's explicit quantization and onnxruntime read. Written by onnxr
 the fp32 graph:
 
 * signed INT8 activations and weights, symmetric (zero points 0), weights per output channel, ranges by MinMax
-  over the calibration images (train split, ``job.calibration``);
+  over the calibration images (train split, ``job.calibration``); biases stay float (onnxruntime's default, INT32
+  biases behind a DequantizeLinear, is what TensorRT's ONNX parser refuses: it dequantizes activation types only);
 * only convolutions and matrix products are quantized (``Conv``, ``MatMul``, ``Gemm``): elementwise operators
   between them (SiLU's sigmoid and product, additions, concatenations, resizes) compute in float on dequantized
   tensors, which kept mAP50-95 within a few thousandths where quantizing every operator did not;
@@ -72,7 +73,8 @@ def quantize(float_path: Path, traced: nn.Module, job: ExportJob) -> str:
                         activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, per_channel=True,
                         calibrate_method=CalibrationMethod.MinMax, op_types_to_quantize=QUANTIZED_OPS,
                         nodes_to_exclude=kept_float,
-                        extra_options={"ActivationSymmetric": True, "WeightSymmetric": True})
+                        extra_options={"ActivationSymmetric": True, "WeightSymmetric": True,
+                                       "QuantizeBias": False})
     LOGGER.debug(f"{job.path}: {len(kept_float)} nodes kept float by the family's INT8 scope")
     return (f"INT8 QDQ (symmetric, per-channel weights; {'/'.join(QUANTIZED_OPS)} quantized, "
             f"{len(kept_float)} nodes of the head kept float), calibrated on {reader.count} train images")
