@@ -176,7 +176,8 @@ def test_int8_onnx_and_openvino_pass_the_gate(trained, deploy_data, tmp_path, ca
     producers = {out: node for node in model.graph.node for out in node.output}
     weight_dq = [producers[n.input[1]] for n in convs]
     assert all(p.op_type == "DequantizeLinear" and inits[p.input[1]].size > 1 for p in weight_dq)  # per channel
-    dequantized = [inits[n.input[0]] for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits]
+    dequantized = [inits[n.input[0]] for n in model.graph.node
+                   if n.op_type == "DequantizeLinear" and n.input[0] in inits]
     assert dequantized and all(a.dtype == np.int8 for a in dequantized)  # no INT32 biases: TensorRT refuses them
     head = f"model.{len(open_runner(weights).model.model) - 1}"
     decoding = {out for n in _own_nodes(model, head) for out in n.output}
