@@ -13,8 +13,8 @@ both sides export the same weights. The same settings on both sides:
   up to 300), given to Ultralytics as a data YAML listing exactly them;
 * every file, ours and theirs, is scored by this project's predictor and evaluator on the val split at val.py's
   thresholds (square letterboxes of ``--imgsz``), against the PyTorch model run the same way; the latency is the
-  runtime alone on one val image at batch 1, the median of 50 runs after 5 warm-up runs (export.py's gate), with
-  ``--threads`` threads on both sides.
+  runtime alone on one val image at batch 1, the median of 50 runs after 5 warm-up runs, ours and theirs timed in
+  alternating blocks of 10 runs, with ``--threads`` threads on both sides.
 
 Formats come from the registry (utils/formats/): one asked for that this version does not have, or whose package
 is missing here, is skipped with one line. ``--end2end``: our files with YOLO26's NMS-free output, which
@@ -139,17 +139,39 @@ def theirs(args: argparse.Namespace, fmt, precision: str, folder: Path, calibrat
     return Path(lines[-1].split(" ", 1)[1].strip())
 
 
-def measure(side: Side, family, cfg: dict, imgsz: int, image) -> Side:  # noqa: ANN001
-    """mAP50-95 on val and latency at batch 1 of the file at ``side.path``, through this project's predictor."""
-    from utils.evaluation.gate import latency_ms, split_map
+def measure(side: Side, family, cfg: dict, imgsz: int):  # noqa: ANN001, ANN201 (a runner)
+    """mAP50-95 on val of the file at ``side.path``, through this project's predictor; returns its runner."""
+    from utils.evaluation.gate import split_map
     from utils.formats import open_runner
     from utils.formats.base import file_size
 
     runner = open_runner(side.path)
     side.map = split_map(runner, family, cfg, cfg["val"], imgsz, 0, batch_size=1)
-    side.ms = latency_ms(runner, image)
     side.mb = file_size(side.path) / 1e6
-    return side
+    return runner
+
+
+def paired_latency(runners: list, image, runs: int = 50, block: int = 10) -> list[float]:  # noqa: ANN001
+    """Median milliseconds per image at batch 1 of each runner on one val image, after 5 warm-up runs each, timed
+    in alternating blocks of ``block`` runs, so that a change in the machine's load falls on both sides alike."""
+    import statistics
+    import time
+
+    import torch
+
+    x = image[None].contiguous()
+    times: list[list[float]] = [[] for _ in runners]
+    with torch.no_grad():
+        for runner in runners:
+            for _ in range(5):
+                runner(x)
+        for _ in range(runs // block):
+            for runner, spent in zip(runners, times):
+                for _ in range(block):
+                    t0 = time.perf_counter()
+                    runner(x)
+                    spent.append(time.perf_counter() - t0)
+    return [statistics.median(t) * 1e3 for t in times]
 
 
 def int8_goal(our_drop: float, their_drop: float, our_ms: float, their_ms: float) -> str:
@@ -191,16 +213,18 @@ def main(argv: list[str] | None = None) -> int:
             if precision not in fmt.precisions:
                 print(f"skipped {fmt.name} {precision}: not a precision this version writes")
                 continue
-            pair = []
+            pair, runners = [], []
             for name, make in (("ours", lambda f: ours(args, fmt, precision, f)),
                                ("ultralytics", lambda f: theirs(args, fmt, precision, f, calibration))):
                 side = Side()
                 try:
                     side.path = make(out / name / f"{fmt.name}_{precision}")
-                    measure(side, family, cfg, args.imgsz, image)
+                    runners.append(measure(side, family, cfg, args.imgsz))
                 except Exception as e:  # one side failing is a row to print, not the end of the bench  # noqa: BLE001
                     side.error = f"{e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 pair.append(side)
+            if len(runners) == 2:
+                pair[0].ms, pair[1].ms = paired_latency(runners, image)
             rows.append((fmt.name, precision, *pair))
             print(_row(fmt.name, precision, base, *pair), flush=True)
     print(f"\nSide by side on {cpu_name()}, {args.imgsz} px, batch 1; mAP50-95 change against PyTorch {base:.4f}")
