@@ -65,6 +65,15 @@ def onnx_owner(node_name: str, modules: dict[str, nn.Module]) -> str:
     return qualified
 
 
+def openvino_owner(friendly_name: str) -> str:
+    """The qualified module name in an OpenVINO operation's friendly name after conversion from PyTorch:
+    '__module.model.model.23.dfl.conv/aten::_convolution/Convolution' -> 'model.model.23.dfl.conv' ('' when the
+    name carries none)."""
+    if not friendly_name.startswith("__module."):
+        return ""
+    return friendly_name[len("__module."):].split("/", 1)[0]
+
+
 def calibration_batches(job: ExportJob, n: int | None = None) -> Iterator[np.ndarray]:
     """Calibration images (float32, [0, 1]) in batches the file accepts: the export batch when it is fixed, one
     image otherwise. A last incomplete batch is dropped."""

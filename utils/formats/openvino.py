@@ -1,5 +1,5 @@
 """OpenVINO IR (``best_openvino_model/``, ``best_fp16_openvino_model/``, ``best_int8_openvino_model/``): a folder
-holding ``best.xml`` and ``best.bin``, converted by ``openvino.convert_model`` from the module traced to ONNX, and
+holding ``best.xml`` and ``best.bin``, converted from the PyTorch module by ``openvino.convert_model``, and
 ``metadata.yaml`` as Ultralytics writes it. fp16 stores the weights in fp16 (``compress_to_fp16``); INT8 is
 quantized by NNCF (MIXED preset: symmetric weights, asymmetric activations) on train images, with what the
 family's ``Int8Scope`` names kept float. ``--dynamic`` leaves the batch open.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import logging
 import shutil
-import tempfile
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,9 +22,8 @@ import torch.nn as nn
 
 from utils.errors import UserError
 from utils.formats.base import PRECISION_TAGS, ExportJob, Format, Runner, as_numpy, missing_package
-from utils.formats.int8 import ScopeMatcher, calibration_batches, onnx_owner
+from utils.formats.int8 import ScopeMatcher, calibration_batches, openvino_owner
 from utils.formats.metadata import ModelMeta
-from utils.formats.onnx import trace_to_onnx
 
 # OpenVINO operation types of the ONNX operator types an Int8Scope names (its op_types).
 OV_TYPES = {"Sigmoid": "Sigmoid", "Softmax": "SoftMax", "Add": "Add", "Sub": "Subtract", "Mul": "Multiply",
@@ -40,30 +39,25 @@ def _import_openvino(path: Path | str):  # noqa: ANN202 (the module)
 
 
 def convert(job: ExportJob):  # noqa: ANN201 (openvino.Model)
-    """The job's fp32 module as an OpenVINO model, batch open with ``--dynamic``. Through ONNX (traced as the ONNX
-    format traces it): OpenVINO's ONNX front end converts in half the time of its PyTorch one here, and its
-    operations keep the ONNX node names, which the Int8Scope is mapped onto as for ONNX."""
+    """The job's fp32 module as an OpenVINO model, batch open with ``--dynamic``, by OpenVINO's PyTorch front end:
+    it turns ``chunk`` into one split, where the graph traced to ONNX has a slice per part, each of which INT8 would
+    quantize on its own (more FakeQuantize operations, a slower file)."""
     ov = _import_openvino(job.path)
-    with tempfile.TemporaryDirectory(dir=job.path.parent) as tmp:
-        onnx_path = Path(tmp) / "traced.onnx"
-        trace_to_onnx(job.module, job.example, onnx_path, job.options.opset, job.options.dynamic)
-        try:  # what convert_model does, less its empty pre-processing step, which alone takes seconds
-            from openvino._offline_transformations import apply_moc_transformations
-        except ImportError:
-            return ov.convert_model(str(onnx_path))
-        model = ov.Core().read_model(str(onnx_path))
-        apply_moc_transformations(model, cf=False)
-        return model
+    shape = list(job.example.shape)
+    if job.options.dynamic:
+        shape[0] = -1
+    with warnings.catch_warnings():  # the tracer's warnings on the decoding's shape arithmetic, as ONNX's
+        warnings.simplefilter("ignore")
+        return ov.convert_model(job.module, example_input=job.example, input=[ov.PartialShape(shape)])
 
 
 def float_ops(model, job: ExportJob) -> list[str]:  # noqa: ANN001 (openvino.Model)
-    """Friendly names (the ONNX node names) of the operations the family's Int8Scope keeps float, its ONNX
-    ``op_types`` by their OpenVINO names."""
+    """Friendly names of the operations the family's Int8Scope keeps float, its ONNX ``op_types`` by their
+    OpenVINO names."""
     matcher = ScopeMatcher.of(job.int8_scope, job.module, job.model)
     matcher = ScopeMatcher(matcher.whole, matcher.own, tuple(OV_TYPES[t] for t in matcher.op_types if t in OV_TYPES))
-    modules = dict(job.module.named_modules())
     return [op.get_friendly_name() for op in model.get_ordered_ops()
-            if matcher.keeps_float(onnx_owner(op.get_friendly_name(), modules), op.get_type_name())]
+            if matcher.keeps_float(openvino_owner(op.get_friendly_name()), op.get_type_name())]
 
 
 def quantize(model, job: ExportJob) -> tuple[object, str]:  # noqa: ANN001 (openvino.Model)
@@ -99,8 +93,8 @@ class _Batches:
         seen = 0
         for batch in calibration_batches(self.job):
             seen += len(batch)
+            self.images = max(self.images, seen)  # NNCF may stop reading before the end
             yield batch
-        self.images = max(self.images, seen)
 
 
 class Fp16Weights(nn.Module):
