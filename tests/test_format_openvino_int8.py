@@ -32,7 +32,7 @@ class _OpenVinoOnce(dict):
 
     def __missing__(self, layout: str) -> Path:
         weights = self.folder / layout / self.trained[layout].name
-        weights.parent.mkdir()
+        weights.parent.mkdir(exist_ok=True)
         weights.write_bytes(self.trained[layout].read_bytes())
         (path,) = export.run(weights=str(weights), include=["openvino"], dynamic=True, end2end=end2end(layout))
         self[layout] = path

@@ -48,7 +48,18 @@ def convert(job: ExportJob):  # noqa: ANN201 (openvino.Model)
         shape[0] = -1
     with warnings.catch_warnings():  # the tracer's warnings on the decoding's shape arithmetic, as ONNX's
         warnings.simplefilter("ignore")
-        return ov.convert_model(job.module, example_input=job.example, input=[ov.PartialShape(shape)])
+        try:  # what convert_model does, less its empty pre-processing step, which alone takes seconds
+            from openvino._offline_transformations import apply_moc_transformations
+            from openvino.frontend import FrontEndManager
+            from openvino.frontend.pytorch.ts_decoder import TorchScriptPythonDecoder
+        except ImportError:
+            return ov.convert_model(job.module, example_input=job.example, input=[ov.PartialShape(shape)])
+        front_end = FrontEndManager().load_by_framework("pytorch")
+        decoder = TorchScriptPythonDecoder(job.module, example_input=(job.example,))  # alive until converted
+        model = front_end.convert(front_end.load(decoder))
+    model.reshape(ov.PartialShape(shape))
+    apply_moc_transformations(model, cf=False)
+    return model
 
 
 def float_ops(model, job: ExportJob) -> list[str]:  # noqa: ANN001 (openvino.Model)
