@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     output = parser.add_argument_group("output (written beside --weights)")
     output.add_argument("--include", nargs="+", default=list(DEFAULT_INCLUDE),
                         help=f"formats: {', '.join(export_names())}")
-    output.add_argument("--dynamic", action="store_true", help="ONNX: any batch size")
+    output.add_argument("--dynamic", action="store_true", help="ONNX and OpenVINO: any batch size")
     output.add_argument("--opset", type=int, default=DEFAULT_OPSET, help="ONNX opset")
     output.add_argument("--no-simplify", dest="simplify", action="store_false",
                         help="ONNX: keep the graph as traced (default: simplified with onnxslim, when installed)")

@@ -42,14 +42,22 @@ def train_parts(data_cfg: dict[str, Any]) -> tuple[Any, Any]:
     return replace(held_out, part="train"), held_out
 
 
-def calibration_images(data_cfg: dict[str, Any], n: int, imgsz: int, stride: int, workers: int = 0
-                       ) -> Iterator[np.ndarray]:
-    """Up to ``n`` calibration images, each float32 (1, 3, imgsz, imgsz) RGB in [0, 1], letterboxed as the gate's."""
-    from utils.data.loader import create_dataloader, load_labels
+def calibration_labels(data_cfg: dict[str, Any], n: int, workers: int = 0) -> Any:
+    """The label set of up to ``n`` calibration images (``.im_files``: their paths, for other tools to calibrate on
+    the same images)."""
+    from utils.data.loader import load_labels
 
     part, _ = train_parts(data_cfg)
     labels = load_labels(part, nc=int(data_cfg["nc"]), workers=workers, prefix="calibration: ", verbose=False)
-    chosen = labels.take(path_order([str(p) for p in labels.im_files], str(data_cfg["path"]))[:n])
+    return labels.take(path_order([str(p) for p in labels.im_files], str(data_cfg["path"]))[:n])
+
+
+def calibration_images(data_cfg: dict[str, Any], n: int, imgsz: int, stride: int, workers: int = 0
+                       ) -> Iterator[np.ndarray]:
+    """Up to ``n`` calibration images, each float32 (1, 3, imgsz, imgsz) RGB in [0, 1], letterboxed as the gate's."""
+    from utils.data.loader import create_dataloader
+
+    chosen = calibration_labels(data_cfg, n, workers)
     LOGGER.info(f"INT8 calibration: {len(chosen)} images of the train split (asked for {n})")
     loader, _ = create_dataloader(None, imgsz, 1, stride, augment=False, rect=False, workers=workers,
                                   nc=int(data_cfg["nc"]), label_set=chosen)

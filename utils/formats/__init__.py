@@ -19,8 +19,8 @@ from utils.formats.base import Format, Runner
 
 # Formats that export.py names in its help and that come as modules of their own; until a module is here, asking
 # for one is a one-line error.
-PLANNED = ("openvino",)
-_ORDER = ("pytorch", "onnx", "torchscript", *PLANNED)
+PLANNED: tuple[str, ...] = ()
+_ORDER = ("pytorch", "onnx", "torchscript", "openvino", "litert", "ncnn", *PLANNED)
 
 
 @lru_cache(maxsize=1)

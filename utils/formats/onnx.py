@@ -1,9 +1,11 @@
-"""ONNX (``best.onnx``, ``best_fp16.onnx``): written with torch.onnx's TorchScript-based exporter, simplified by
-onnxslim, run with onnxruntime. Metadata in the file's ``metadata_props``. ``--nms`` puts NMS inside the graph
-(``onnx_nms.py``): the output becomes (B, max_det, 6), the end-to-end layout."""
+"""ONNX (``best.onnx``, ``best_fp16.onnx``, ``best_int8.onnx``): written with torch.onnx's TorchScript-based
+exporter, simplified by onnxslim, run with onnxruntime. Metadata in the file's ``metadata_props``. ``--nms`` puts
+NMS inside the graph (``onnx_nms.py``): the output becomes (B, max_det, 6), the end-to-end layout. INT8 is a QDQ
+graph quantized from the fp32 one (``onnx_int8.py``)."""
 from __future__ import annotations
 
 import importlib.util
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -88,7 +90,7 @@ def session_options(ort):  # noqa: ANN001, ANN201 (onnxruntime's types)
 class OnnxFormat(Format):
     name = "onnx"
     suffix = ".onnx"
-    precisions = ("fp32", "fp16")
+    precisions = ("fp32", "fp16", "int8")
     packages = ("onnx", "onnxruntime")
     description = "ONNX (onnxruntime, OpenCV DNN, TensorRT, ...)"
 
@@ -116,16 +118,28 @@ class OnnxFormat(Format):
                          f"max_det {job.options.nms.max_det})")
         if job.options.dynamic:
             notes.append("dynamic batch")
-        trace_to_onnx(module, example, job.path, job.options.opset, job.options.dynamic)
-        if not job.options.simplify:
-            notes.append("not simplified (--no-simplify)")
-        elif importlib.util.find_spec("onnxslim") is None:
-            notes.append("not simplified (onnxslim not installed)")
+        if job.precision == "int8":  # the fp32 graph first, quantized into job.path
+            from utils.formats.onnx_int8 import quantize
+
+            with tempfile.TemporaryDirectory(dir=job.path.parent) as tmp:
+                float_path = Path(tmp) / "float.onnx"
+                notes.append(self._trace(module, example, float_path, job.options))
+                notes.append(quantize(float_path, module, job))
         else:
-            notes.append(_simplify(job.path))
+            notes.append(self._trace(module, example, job.path, job.options))
         _store_metadata(job.path, job.meta, job.export_batch)
         LOGGER.debug(f"{job.path}: written")
         return ", ".join(notes)
+
+    @staticmethod
+    def _trace(module: torch.nn.Module, example: torch.Tensor, path: Path, options: ExportOptions) -> str:
+        """The traced graph at ``path``, simplified unless asked not to be; returns the note on simplification."""
+        trace_to_onnx(module, example, path, options.opset, options.dynamic)
+        if not options.simplify:
+            return "not simplified (--no-simplify)"
+        if importlib.util.find_spec("onnxslim") is None:
+            return "not simplified (onnxslim not installed)"
+        return _simplify(path)
 
     def open(self, path: Path, device: torch.device) -> Runner:
         return OnnxRunner(path, device)
