@@ -139,7 +139,8 @@ def validate(model: torch.nn.Module, dataloader: Any, options: ValOptions | None
         names = list(o.names) if not o.single_cls or len(o.names) == 1 else ["item"]
         json_ids = json_identities(getattr(dataloader, "dataset", None), names)
     loss_terms = len(o.compute_loss.item_names) if o.compute_loss is not None else 0
-    evaluator = DetectionEvaluator(o.names, single_cls=o.single_cls, confusion=outputs.plots, json_ids=json_ids,
+    # Every rank counts its images into the confusion matrix (summed by the gather); only the main rank plots it.
+    evaluator = DetectionEvaluator(o.names, single_cls=o.single_cls, confusion=o.plots, json_ids=json_ids,
                                    loss_terms=loss_terms)
     return evaluate(predictor, dataloader, evaluator, ValOutputs(outputs, evaluator.names), o.compute_loss, o.gather)
 
