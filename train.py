@@ -26,14 +26,14 @@ from pathlib import Path
 from models.families import titles_by
 from utils.cli import RUNS, add_device, add_imgsz, add_run_folder, add_workers, make_parser
 from utils.data.config import data_yaml_path
-from utils.distributed import DistInfo, dist_info, end_with_launcher
+from utils.distributed import check_one_process_per_gpu, dist_info, end_with_launcher
 from utils.engine.config import TrainConfig, field_names
 from utils.engine.resume import ResumeRequest
 from utils.engine.run import Launch, run
 from utils.errors import UserError, run_reporting_errors
 from utils.log import LOGGER, setup_logging
 from utils.process import setup_process
-from utils.search import PRUNERS, SAMPLERS
+from utils.search.options import add_search_options
 from utils.trackers import DEFAULT_TRACKERS, TRACKER_NAMES
 
 ROOT = Path(__file__).resolve().parent
@@ -142,25 +142,6 @@ def add_schedule_options(schedule: argparse._ArgumentGroup) -> None:
     add_search_options(schedule)
 
 
-def add_search_options(schedule: argparse._ArgumentGroup) -> None:
-    """--evolve: one Optuna study of N trials, shared by every process given the same storage."""
-    schedule.add_argument("--evolve", type=int, nargs="?", const=300, default=None, metavar="N",
-                          help="search hyper-parameters: N trials in total (300 when N is left out), in "
-                               "runs/evolve/exp")
-    schedule.add_argument("--evolve-storage", default="", metavar="PATH|URL",
-                          help="the search's study: a journal file (on a shared file system for several machines) or "
-                               "an SQL database URL; every process given it works on one study (default: "
-                               "study.journal in a new evolution folder)")
-    schedule.add_argument("--evolve-sampler", default="genetic", choices=SAMPLERS,
-                          help="how trials are drawn: YOLOv5's genetic evolution, Optuna's TPE or CMA-ES")
-    schedule.add_argument("--evolve-pruner", default="median", choices=PRUNERS,
-                          help="median: stop a trial whose fitness after an epoch is below the median of the "
-                               "others' (trials validate every epoch); none: train every trial to its end")
-    schedule.add_argument("--resume-evolve", "--resume_evolve", default=None, metavar="PATH",
-                          help="with --evolve N: continue the study of this evolution folder (or of the folder "
-                               "holding this evolve.csv) up to N trials in total")
-
-
 def parse_opt(argv: list[str] | None = None) -> tuple[argparse.Namespace, set[str]]:
     """The command line, and the names of the options the user gave explicitly.
 
@@ -241,15 +222,6 @@ def resume_search(opt: argparse.Namespace, explicit: set[str]) -> list[Path]:
     return [Path(opt.project), ROOT / "runs/train"]
 
 
-def check_device_list(opt: argparse.Namespace, info: DistInfo) -> None:
-    """Several GPUs need one process each: a one-line error giving the launcher's command."""
-    ids = [i for i in opt.device.replace("cuda:", "").split(",") if i.strip()] if opt.device != "cpu" else []
-    if len(ids) > 1 and not info.is_distributed:
-        command = " ".join(shlex.quote(a) for a in opt.argv)
-        raise UserError(f"--device {opt.device} names {len(ids)} GPUs but this is one process: start one per GPU "
-                        f"with `python -m torch.distributed.run --nproc_per_node {len(ids)} train.py {command}`")
-
-
 def main(argv: list[str] | None = None) -> int:
     opt, explicit = parse_opt(argv)
     info = dist_info()
@@ -262,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     launch = make_launch(opt, explicit)
 
     def start() -> int:
-        check_device_list(opt, info)
+        check_one_process_per_gpu(opt.device, info, f"train.py {shlex.join(opt.argv)}")
         return run(launch, info)
 
     return run_reporting_errors(start)

@@ -73,3 +73,9 @@ def test_the_counts_of_lines_and_parameters() -> None:
     found = {f.name: f for f in functions(source)}
     assert n_lines(found["at_the_limit"]) == MAX_LINES and n_lines(found["over"]) == MAX_LINES + 1
     assert len(parameters(found["wide"])) == MAX_PARAMETERS + 1 and len(parameters(found["fits"])) == MAX_PARAMETERS
+
+
+def test_train_py_is_the_command_line_on_one_screen() -> None:
+    """train.py holds the options, the presets and one call into the engine: at most 250 lines (issue 38)."""
+    n = len((ROOT / "train.py").read_text(encoding="utf-8").splitlines())
+    assert n <= 250, f"train.py has {n} lines; the engine's work belongs in utils/engine/"

@@ -80,6 +80,15 @@ def dist_info() -> DistInfo:
     )
 
 
+def check_one_process_per_gpu(device: str, info: DistInfo, command: str) -> None:
+    """Several GPUs need one process each: a one-line error giving the launcher's command for ``command`` (the
+    script and its arguments) when ``device`` lists several GPUs and this process was not started by a launcher."""
+    ids = [i for i in device.replace("cuda:", "").split(",") if i.strip()] if device != "cpu" else []
+    if len(ids) > 1 and not info.is_distributed:
+        raise UserError(f"--device {device} names {len(ids)} GPUs but this is one process: start one per GPU "
+                        f"with `python -m torch.distributed.run --nproc_per_node {len(ids)} {command}`")
+
+
 def _parent_start_time() -> float | None:
     """When this process's parent started, in seconds since the epoch (Linux /proc); None where unknown.
 
