@@ -130,7 +130,8 @@ def theirs(args: argparse.Namespace, fmt, precision: str, folder: Path, calibrat
     if precision == "int8":
         kwargs["data"] = str(calibration)
     done = subprocess.run([args.ultralytics_python, "-c", _ULTRALYTICS_EXPORT, str(weights), json.dumps(kwargs)],
-                          capture_output=True, text=True, cwd=folder, env={**os.environ, **ultralytics_env(folder)})
+                          capture_output=True, text=True, cwd=folder,
+                          env={**os.environ, **ultralytics_env(folder, args.ultralytics_python)})
     (folder / "ultralytics_export.log").write_text(done.stdout + done.stderr)
     lines = [line for line in done.stdout.splitlines() if line.startswith("EXPORTED ")]
     if done.returncode or not lines:

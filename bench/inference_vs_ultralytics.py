@@ -85,7 +85,7 @@ def main() -> int:
     images = val_images(data)
     print(f"{weights.name} and {onnx.name} on {images} at {args.imgsz} px, CPU; val batch {args.batch} (.pt) / 1 "
           f"(.onnx), {args.workers} workers; {args.pairs} pair(s), alternating order", flush=True)
-    env = ultralytics_env(out)
+    env = ultralytics_env(out, args.ultralytics_python)
     for case in args.cases:
         ours_cmd, theirs_cmd = commands(case, args, weights, onnx, data, images, out)
         ratios = []

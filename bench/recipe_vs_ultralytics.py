@@ -72,7 +72,8 @@ def main() -> int:
                                            epochs=args.epochs, imgsz=args.imgsz, batch=args.batch_size,
                                            workers=args.workers, device="cpu", seed=seed,
                                            project=str(out / "ultralytics"), name=name, exist_ok=True, plots=False)
-        theirs = run_timed(theirs_cmd, out, out / f"ultralytics_{name}.log", env=ultralytics_env(out))
+        theirs = run_timed(theirs_cmd, out, out / f"ultralytics_{name}.log",
+                           env=ultralytics_env(out, args.ultralytics_python))
         ours_map, theirs_map = final_map(ours.log), final_map(theirs.log)
         rows.append((ours_map, theirs_map, ours.wall_s, theirs.wall_s))
         print(f"seed {seed}: mAP50-95 ours {ours_map:.3f} | Ultralytics {theirs_map:.3f} | difference "

@@ -65,7 +65,8 @@ def main() -> int:
         return runs
 
     def theirs() -> dict:
-        return {"Ultralytics": run_timed(ultralytics_cmd, out, out / "ultralytics.log", env=ultralytics_env(out))}
+        env = ultralytics_env(out, args.ultralytics_python)
+        return {"Ultralytics": run_timed(ultralytics_cmd, out, out / "ultralytics.log", env=env)}
 
     ratios: dict[str, list[tuple[float, float]]] = {label: [] for label in variants}
     for pair in range(args.pairs):

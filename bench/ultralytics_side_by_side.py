@@ -71,9 +71,18 @@ def ultralytics_train_cmd(python: str, **kwargs) -> list[str]:
     return [str(Path(python).parent / "yolo"), "detect", "train", *(f"{k}={v}" for k, v in kwargs.items())]
 
 
-def ultralytics_env(out: Path) -> dict[str, str]:
-    """Offline, with its settings in ``out`` (not the user's home)."""
-    return {"YOLO_OFFLINE": "1", "YOLO_CONFIG_DIR": str(out / "ultralytics_config")}
+# Ultralytics' integrations that log a training run when their package is installed (MLflow is on by default, and our
+# test requirements install it): switched off, so that its trainer is timed alone, as ours is without --loggers.
+_INTEGRATIONS_OFF = ("clearml=False", "comet=False", "dvc=False", "mlflow=False", "neptune=False", "raytune=False",
+                     "tensorboard=False", "wandb=False")
+
+
+def ultralytics_env(out: Path, python: str) -> dict[str, str]:
+    """Offline, with its settings in ``out`` (not the user's home), its tracker integrations off."""
+    env = {"YOLO_OFFLINE": "1", "YOLO_CONFIG_DIR": str(out / "ultralytics_config")}
+    subprocess.run([str(Path(python).parent / "yolo"), "settings", *_INTEGRATIONS_OFF], env={**os.environ, **env},
+                   check=True, capture_output=True)
+    return env
 
 
 def final_map(log: Path) -> float:
