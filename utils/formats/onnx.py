@@ -45,6 +45,7 @@ def trace_to_onnx(module: torch.nn.Module, example: torch.Tensor, path: Path, op
     dynamic_axes = {"images": {0: "batch"}, "output0": {0: "batch"}} if dynamic else None
     with warnings.catch_warnings():  # the TorchScript-based exporter is deprecated, not removed; it needs no onnxscript
         warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)  # the head's shape arithmetic, fixed in the trace
         torch.onnx.export(module, (example,), str(path), dynamo=False, opset_version=opset, do_constant_folding=True,
                           input_names=["images"], output_names=["output0"], dynamic_axes=dynamic_axes)
 
