@@ -127,11 +127,9 @@ def validate(model: torch.nn.Module, dataloader: Any, options: ValOptions | None
     first_weight = next(runner.model.parameters(), None)
     fp16_weights = first_weight is not None and first_weight.dtype == torch.float16
     autocast = torch.float16 if o.half and device.type == "cuda" and not fp16_weights else o.autocast_dtype
-    channels_last = first_weight is not None and first_weight.dim() == 4 and \
-        first_weight.is_contiguous(memory_format=torch.channels_last)
     predictor = Predictor(runner, family, PredictOptions(
         conf_thres=o.conf_thres, iou_thres=o.iou_thres, max_det=o.max_det, multi_label=True, agnostic=o.single_cls,
-        augment=o.augment, autocast_dtype=autocast, channels_last=channels_last))
+        augment=o.augment, autocast_dtype=autocast))
     json_ids = None
     if o.save_json:
         from utils.coco_json import json_identities

@@ -39,7 +39,6 @@ class PredictOptions:
     multi_label: bool = False
     augment: bool = False  # test-time augmentation (PyTorch models)
     autocast_dtype: torch.dtype | None = None  # inference under autocast (training's bf16, --half on fp32 weights)
-    channels_last: bool = False  # feed images in the layout the convolutions already use
 
 
 @dataclass
@@ -88,9 +87,9 @@ class Predictor:
     def prepare(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 (B, 3, H, W) RGB to the runner's input: its dtype and device, values in [0, 1]."""
         x = images.to(self.device, non_blocking=True)
-        if self.options.channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
-        return x.to(self.runner.input_dtype, copy=True).div_(255)  # a copy: the caller's batch stays as it was
+        # One copy (the caller's batch stays as it was), in the layout the model's convolutions use.
+        layout = torch.channels_last if self.runner.channels_last else torch.contiguous_format
+        return x.to(self.runner.input_dtype, copy=True, memory_format=layout).div_(255)
 
     def infer(self, x: torch.Tensor, want_raw: bool = False) -> tuple[torch.Tensor, Any]:
         """The runner's output0 (and a PyTorch model's raw level outputs when asked and available)."""

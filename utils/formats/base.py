@@ -48,6 +48,8 @@ class Runner:
     # A runtime with its own thread pool (onnxruntime, OpenVINO, ...) rather than PyTorch's: PyTorch's threads then
     # only pre- and post-process, and are kept to one so that they never spin on the cores the runtime computes on.
     own_threads: bool = True
+    # Inputs in channels-last layout: a PyTorch model whose convolutions use it (faster on CPUs and GPUs alike).
+    channels_last: bool = False
 
     def run(self, images: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

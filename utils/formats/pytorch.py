@@ -27,6 +27,11 @@ class PytorchRunner(Runner):
         first = next(self.model.parameters(), None)
         return first.dtype if first is not None else torch.float32
 
+    @property
+    def channels_last(self) -> bool:  # type: ignore[override]
+        weight = next((p for p in self.model.parameters() if p.dim() == 4), None)
+        return weight is not None and weight.is_contiguous(memory_format=torch.channels_last)
+
     def run(self, images: torch.Tensor) -> torch.Tensor:
         out = self.model(images)
         return out[0] if isinstance(out, (tuple, list)) else out
@@ -67,7 +72,9 @@ class PytorchFormat(Format):
         raise UserError("export.py starts from a .pt checkpoint; it does not write one")
 
     def open(self, path: Path, device: torch.device) -> Runner:
-        return load_pytorch(path, device)
+        runner = load_pytorch(path, device)
+        runner.model.to(memory_format=torch.channels_last)  # as training computes: about a quarter faster on a CPU
+        return runner
 
 
 FORMAT = PytorchFormat()
