@@ -13,6 +13,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "deploy"
@@ -27,6 +28,25 @@ def write_dataset(root: Path) -> Path:
     from tests.conftest import write_rectangles_dataset
 
     return write_rectangles_dataset(root, **DATASET)
+
+
+def assert_same_rows(got: np.ndarray, expected: np.ndarray, atol: float | list[float], rtol: float = 0.0,
+                     err_msg: str = "") -> None:
+    """Detections (n, 6+) equal row for row within ``atol`` (one value, or one per column) + ``rtol`` x |expected|, in
+    any order: rows of equal or nearly equal score come from top-k or a sort in either order, and a change in the
+    last bit of a score may swap them."""
+    got, expected = np.asarray(got, np.float64), np.asarray(expected, np.float64)
+    assert got.shape == expected.shape, (got.shape, expected.shape, err_msg)
+    if got.ndim == 3:  # a batch
+        for i, (g, e) in enumerate(zip(got, expected)):
+            assert_same_rows(g, e, atol, rtol, f"{err_msg} image {i}")
+        return
+    close = np.all(np.abs(got[:, None] - expected[None]) <= np.asarray(atol) + rtol * np.abs(expected[None]), axis=2)
+    free = np.ones(len(got), bool)
+    for j in np.argsort(-expected[:, 4], kind="stable"):
+        match = np.flatnonzero(close[:, j] & free)
+        assert len(match), f"{err_msg}: no row within tolerance of {expected[j]} among {got[free]}"
+        free[match[0]] = False
 
 
 def end2end(layout: str) -> bool:

@@ -15,7 +15,7 @@ import torch
 import detect
 import export
 import val
-from tests.deploy_fixtures import end2end
+from tests.deploy_fixtures import assert_same_rows, end2end
 from utils.errors import UserError
 from utils.formats import format_named, format_of, open_runner, registered
 from utils.formats.metadata import ModelMeta
@@ -28,11 +28,6 @@ def _copy(weights: Path, folder: Path) -> Path:
     out = folder / weights.name
     out.write_bytes(weights.read_bytes())
     return out
-
-
-def _sorted_rows(det: np.ndarray) -> np.ndarray:
-    """Rows by score, then by box, so that ties sort alike on both sides."""
-    return det[np.lexsort((det[:, 0], det[:, 1], -det[:, 4]))]
 
 
 @pytest.mark.slow
@@ -53,10 +48,7 @@ def test_onnx_nms_finds_what_detect_finds_with_the_pt(layout, trained, deploy_da
     for key, det in found.items():
         other = runs[".onnx"].detections[key]
         assert other.shape == det.shape, key
-        det, other = _sorted_rows(det), _sorted_rows(other)
-        np.testing.assert_allclose(other[:, :4], det[:, :4], atol=1e-3, rtol=0, err_msg=key)
-        np.testing.assert_allclose(other[:, 4], det[:, 4], atol=1e-5, rtol=0, err_msg=key)
-        np.testing.assert_array_equal(other[:, 5], det[:, 5])
+        assert_same_rows(other, det, atol=[1e-3] * 4 + [1e-5, 0], err_msg=key)
 
 
 @pytest.mark.slow
@@ -107,8 +99,9 @@ def test_fp32_onnx_runs_in_opencv_dnn_with_onnxruntimes_outputs(layout, exported
     got = net.forward()
     assert got.shape == expected.shape
     if layout == "end2end":  # top-k may order rows of equal score either way
-        got, expected = _sorted_rows(got[0])[None], _sorted_rows(expected[0])[None]
-    np.testing.assert_allclose(got, expected, atol=1e-3, rtol=1e-4)
+        assert_same_rows(got, expected, atol=1e-3, rtol=1e-4)
+    else:
+        np.testing.assert_allclose(got, expected, atol=1e-3, rtol=1e-4)
 
 
 @pytest.mark.slow

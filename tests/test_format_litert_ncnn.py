@@ -25,7 +25,7 @@ import yaml
 import detect
 import export
 import val
-from tests.deploy_fixtures import IMGSZ, end2end
+from tests.deploy_fixtures import IMGSZ, assert_same_rows, end2end
 from utils.errors import UserError
 from utils.formats import format_named, open_runner
 
@@ -120,10 +120,6 @@ def ncnn_files(converted, tmp_path_factory):
     return _OncePerLayout(converted, tmp_path_factory.mktemp("ncnn"), "ncnn")
 
 
-def _sorted_rows(det: np.ndarray) -> np.ndarray:
-    return det[np.lexsort((det[:, 0], det[:, 1], -det[:, 4]))]
-
-
 def _compare_with_pytorch(path: Path, weights: Path, layout: str, atol: float) -> None:
     """The exported file's output through open_runner against the .pt's, on a batch of 2 (a fixed-batch file
     runs it in pieces)."""
@@ -133,8 +129,9 @@ def _compare_with_pytorch(path: Path, weights: Path, layout: str, atol: float) -
         got = open_runner(path)(x).numpy()
     assert got.shape == expected.shape
     if layout == "end2end":  # top-k may order rows of equal score either way
-        got, expected = np.stack([_sorted_rows(g) for g in got]), np.stack([_sorted_rows(e) for e in expected])
-    np.testing.assert_allclose(got, expected, atol=atol, rtol=1e-3)
+        assert_same_rows(got, expected, atol=atol, rtol=1e-3)
+    else:
+        np.testing.assert_allclose(got, expected, atol=atol, rtol=1e-3)
 
 
 @pytest.mark.parametrize("layout", ["yolov5", "anchor_free", "end2end"])
@@ -263,4 +260,4 @@ def test_detect_py_finds_with_the_ncnn_folder_what_it_finds_with_the_pt(ncnn_fil
     assert sum(len(d) for d in found.values()) >= 8 and found.keys() == other.keys()
     for key, det in found.items():
         assert other[key].shape == det.shape, key
-        np.testing.assert_allclose(_sorted_rows(other[key]), _sorted_rows(det), atol=1e-2, err_msg=key)
+        assert_same_rows(other[key], det, atol=1e-2, err_msg=key)

@@ -13,7 +13,7 @@ import torch
 import detect
 import export
 import val
-from tests.deploy_fixtures import end2end
+from tests.deploy_fixtures import assert_same_rows, end2end
 from utils.errors import UserError
 from utils.formats import format_named, open_runner
 
@@ -50,10 +50,6 @@ def _copy(weights: Path, folder: Path) -> Path:
     return out
 
 
-def _sorted_rows(det: np.ndarray) -> np.ndarray:
-    return det[np.lexsort((det[:, 0], det[:, 1], -det[:, 4]))]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["yolov5", "anchor_free", "end2end"])
 def test_openvino_fp32_computes_what_pytorch_computes(layout, trained, openvino_fp32) -> None:
@@ -67,9 +63,9 @@ def test_openvino_fp32_computes_what_pytorch_computes(layout, trained, openvino_
         got, expected = runner(x).numpy(), reference.model(x)[0].numpy()
     assert got.shape == expected.shape
     if layout == "end2end":  # top-k may order rows of equal score either way
-        got = np.stack([_sorted_rows(g) for g in got])
-        expected = np.stack([_sorted_rows(e) for e in expected])
-    np.testing.assert_allclose(got, expected, atol=1e-3, rtol=1e-4)
+        assert_same_rows(got, expected, atol=1e-3, rtol=1e-4)
+    else:
+        np.testing.assert_allclose(got, expected, atol=1e-3, rtol=1e-4)
 
 
 @pytest.mark.slow
@@ -108,7 +104,7 @@ def test_val_py_and_detect_py_take_the_openvino_folder(trained, openvino_fp32, d
     for key, det in runs[".pt"].items():
         other = runs["ov"][key]
         assert other.shape == det.shape, key
-        np.testing.assert_allclose(_sorted_rows(other)[:, :5], _sorted_rows(det)[:, :5], atol=1e-2, err_msg=key)
+        assert_same_rows(other[:, :5], det[:, :5], atol=1e-2, err_msg=key)
 
 
 @pytest.mark.slow
