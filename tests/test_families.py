@@ -9,6 +9,7 @@ import yaml
 
 from models.families import (FAMILIES, YOLO11, YOLO26, YOLOV5, YOLOV8, family_name, family_of, import_checkpoint,
                              importer_of_source, known_layouts, missing_weights_message, ultralytics_export_family)
+from models.common import Conv
 from models.yolo import Model, load_model_config
 from utils.errors import UserError
 from utils.loss import ComputeLoss
@@ -222,10 +223,14 @@ def test_int8_scope_names_the_decoding_and_the_dfl_of_the_model(models) -> None:
         modules = dict(model.named_modules())
         assert scope.decoding == (f"model.{len(model.model) - 1}",) and modules[scope.decoding[0]] is model.model[-1]
         assert all(m in modules for m in scope.modules) and "Sigmoid" in scope.op_types
-        # The head's own convolutions may be quantized: only their decoding is kept in float.
-        assert not any(isinstance(modules[m], torch.nn.Conv2d) for m in scope.modules)
-    assert YOLO11.int8_float_scope(models["yolo11"]).modules == ("model.23.dfl",)
-    assert YOLO26.int8_float_scope(models["yolo26"]).modules == ()  # no DFL (reg_max 1)
+        # The head's prediction convolutions (the logits) stay float; its conv-norm-activation blocks may be
+        # quantized, their decoding is kept in float.
+        convs = [m for m in scope.modules if isinstance(modules[m], torch.nn.Conv2d)]
+        assert convs and all(m.startswith(scope.decoding[0] + ".") for m in convs)
+        assert not any(isinstance(modules[m], Conv) for m in scope.modules)
+    assert YOLO11.int8_float_scope(models["yolo11"]).modules == (
+        *(f"model.23.{branch}.{level}.2" for branch in ("cv2", "cv3") for level in range(3)), "model.23.dfl")
+    assert [m for m in YOLO26.int8_float_scope(models["yolo26"]).modules if "dfl" in m] == []  # reg_max 1
 
 
 def test_importers_release_names_and_exports_of_other_tools(tmp_path) -> None:

@@ -153,8 +153,9 @@ def test_the_int8_scope_maps_onto_the_onnx_nodes_of_the_decoding(trained, export
 @pytest.mark.slow
 def test_int8_onnx_and_openvino_pass_the_gate(trained, deploy_data, tmp_path, capsys) -> None:
     """One --int8 call writes both, calibrated on train images; the ONNX is QDQ with signed symmetric INT8 zero
-    points, every convolution's weights INT8 with per-channel scales, biases float, and no output of the head's
-    decoding quantized; OpenVINO has FakeQuantize operations."""
+    points, every convolution's weights INT8 with per-channel scales but the head's prediction convolutions (float,
+    as the family's INT8 scope says), biases float, and no output of the head's decoding quantized; OpenVINO has
+    FakeQuantize operations."""
     import onnx
     from onnx import numpy_helper
 
@@ -168,14 +169,16 @@ def test_int8_onnx_and_openvino_pass_the_gate(trained, deploy_data, tmp_path, ca
     quantizers = [n for n in model.graph.node if n.op_type == "QuantizeLinear"]
     assert quantizers and all(inits[n.input[2]].dtype == np.int8 and not inits[n.input[2]].any()
                               for n in quantizers)
-    convs = [n for n in model.graph.node if n.op_type == "Conv"]
+    head = f"model.{len(open_runner(weights).model.model) - 1}"
+    prediction = [n for n in model.graph.node if n.op_type == "Conv" and n.name.startswith(f"/model/{head}/m.")]
+    convs = [n for n in model.graph.node if n.op_type == "Conv" and n not in prediction]
     producers = {out: node for node in model.graph.node for out in node.output}
     weight_dq = [producers[n.input[1]] for n in convs]
     assert all(p.op_type == "DequantizeLinear" and inits[p.input[1]].size > 1 for p in weight_dq)  # per channel
+    assert len(prediction) == 3 and all(inits[n.input[1]].dtype == np.float32 for n in prediction)
     dequantized = [inits[n.input[0]] for n in model.graph.node
                    if n.op_type == "DequantizeLinear" and n.input[0] in inits]
     assert dequantized and all(a.dtype == np.int8 for a in dequantized)  # no INT32 biases: TensorRT refuses them
-    head = f"model.{len(open_runner(weights).model.model) - 1}"
     decoding = {out for n in _own_nodes(model, head) for out in n.output}
     assert decoding and not [n.name for n in quantizers if n.input[0] in decoding]  # nothing decoded is quantized
     assert open_runner(kept[1]).meta.precision == "int8"

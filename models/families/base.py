@@ -34,7 +34,9 @@ class Int8Scope:
     """What stays in float when a model is quantized to INT8 (each export format maps it to its toolkit's ignored
     scope). Names are PyTorch qualified module names (``model.23``, ``model.23.dfl``).
 
-    - ``modules``: modules whose whole arithmetic stays float (DFL's softmax and expectation);
+    - ``modules``: modules whose whole arithmetic stays float: the head's prediction convolutions, whose outputs are
+      the box and class logits (quantizing them cost up to 0.02 mAP50-95, docs/benchmarks.md), and DFL's softmax
+      and expectation;
     - ``decoding``: modules whose own operations, outside their child modules, stay float: the head's decoding
       of its convolutions' outputs into boxes and scores (grids, strides, anchors, sigmoid, concatenation), while
       the child convolutions themselves may be quantized;
@@ -229,8 +231,8 @@ class Family:
         return ExportModule(model).eval()
 
     def int8_float_scope(self, model: nn.Module) -> Int8Scope:
-        """What stays out of INT8: the head's decoding (see :class:`Int8Scope`)."""
-        return Int8Scope(modules=(), decoding=(head_name(model),))
+        """What stays out of INT8: the head's prediction convolutions and its decoding (see :class:`Int8Scope`)."""
+        return Int8Scope(modules=tuple(prediction_convs(model)), decoding=(head_name(model),))
 
     # ---- the registry (models/families/__init__.py fills it once) ----
 
@@ -260,3 +262,13 @@ def head_name(model: nn.Module) -> str:
 
 def head_of(model: nn.Module) -> nn.Module:
     return de_parallel(model).model[-1]
+
+
+def prediction_convs(model: nn.Module) -> list[str]:
+    """Qualified names of the head's bare convolutions (not inside a conv-norm-activation block): the layers whose
+    outputs are the box and class logits."""
+    head = head_name(model)
+    containers = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+    owners = dict(head_of(model).named_modules())
+    return [f"{head}.{name}" for name, module in owners.items() if isinstance(module, nn.Conv2d)
+            and isinstance(owners[name.rpartition(".")[0]], (type(head_of(model)), *containers))]

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from models.anchor_free import AnchorFreeDetect
-from models.families.base import Family, Int8Scope, block_names, head_name, head_of
+from models.families.base import Family, Int8Scope, block_names, head_name, head_of, prediction_convs
 from models.families.ultralytics_import import ULTRALYTICS_IMPORTER
 from utils.anchor_free_loss import AnchorFreeLoss
 from utils.hyp import AugmentationHyp, HypRecord, Limit, OptimisationHyp, evolve_limits_of
@@ -85,10 +85,11 @@ class AnchorFreeFamily(Family):
         return torch.cat((xy - wh / 2, xy + wh / 2), -1), scores
 
     def int8_float_scope(self, model: nn.Module) -> Int8Scope:
-        """The head's decoding (anchor points, strides, sigmoid, concatenation) and its DFL, where it has one."""
+        """The head's prediction convolutions, its decoding (anchor points, strides, sigmoid, concatenation) and its
+        DFL, where it has one."""
         head = head_name(model)
         dfl = (f"{head}.dfl",) if hasattr(head_of(model), "dfl") else ()
-        return Int8Scope(modules=dfl, decoding=(head,))
+        return Int8Scope(modules=(*prediction_convs(model), *dfl), decoding=(head,))
 
 
 class YOLOv8Family(AnchorFreeFamily):

@@ -92,25 +92,10 @@ def tensor_name_pattern(model: nn.Module, qualified: str) -> str:
     return "/" + "/(?:[^/;]*/)*".join(segments)
 
 
-def prediction_convs(model: nn.Module, head: str) -> list[str]:
-    """The head's bare convolutions (not inside a conv-norm-activation block): the layers whose outputs are the
-    box and class logits."""
-    root = dict(model.named_modules())[head]
-    owners = {name: module for name, module in root.named_modules()}
-    found = []
-    for name, module in root.named_modules():
-        parent = owners[name.rpartition(".")[0]] if "." in name else root
-        if isinstance(module, nn.Conv2d) and (parent is root or isinstance(parent, CONTAINERS)):
-            found.append(f"{head}.{name}")
-    return found
-
-
 def float_patterns(model: nn.Module, scope: Int8Scope) -> list[str]:
     """Regexes over tensor names of the ops that stay float in an INT8 file."""
     patterns = [tensor_name_pattern(model, name) + "[/;]" for name in scope.modules]  # whole subtrees
     patterns += [tensor_name_pattern(model, name) + ";" for name in scope.decoding]  # their own ops only
-    patterns += [tensor_name_pattern(model, conv) + ";" for head in scope.decoding
-                 for conv in prediction_convs(model, head)]
     patterns.append(re.escape(f"{NormalisedBoxes.__module__}.{NormalisedBoxes.__qualname__}") + ";")
     return patterns
 
