@@ -33,8 +33,8 @@ class Conv(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.bn(self.conv(x))
         if isinstance(self.act, nn.SiLU) and not (torch.is_grad_enabled() or torch.jit.is_tracing()):
-            # Inference: SiLU overwrites the convolution's fresh output instead of allocating another tensor (about
-            # a tenth less time per image at batch 1 on a CPU). Traces for export keep the plain op.
+            # Inference: SiLU overwrites the convolution's fresh output instead of allocating and writing another
+            # tensor, which shows at batch 1 on a CPU (docs/benchmarks.md). Traces for export keep the plain op.
             return F.silu(y, inplace=True)
         return self.act(y)
 

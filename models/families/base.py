@@ -35,8 +35,8 @@ class Int8Scope:
     scope). Names are PyTorch qualified module names (``model.23``, ``model.23.dfl``).
 
     - ``modules``: modules whose whole arithmetic stays float: the head's prediction convolutions, whose outputs are
-      the box and class logits (quantizing them cost up to 0.02 mAP50-95, docs/benchmarks.md), and DFL's softmax
-      and expectation;
+      the box and class logits (quantized, they cost the most accuracy: docs/benchmarks.md), and DFL's softmax and
+      expectation;
     - ``decoding``: modules whose own operations, outside their child modules, stay float: the head's decoding
       of its convolutions' outputs into boxes and scores (grids, strides, anchors, sigmoid, concatenation), while
       the child convolutions themselves may be quantized;

@@ -5,7 +5,7 @@ the fp32 graph:
 * signed INT8 activations and weights, symmetric (zero points 0), weights per output channel; activation ranges
   from a histogram over the calibration images (train split, ``job.calibration``), at onnxruntime's percentile
   (99.999%): the rare extreme values MinMax would fit the range to are clipped, and every other value gets a finer
-  step (mAP50-95 drops of 0.003-0.005 became 0.000-0.001, docs/benchmarks.md); biases stay float (onnxruntime's
+  step (what each choice gained: docs/benchmarks.md); biases stay float (onnxruntime's
   default, INT32 biases behind a DequantizeLinear, is what TensorRT's ONNX parser refuses: it dequantizes activation
   types only);
 * only convolutions and matrix products are quantized (``Conv``, ``MatMul``, ``Gemm``): elementwise operators
