@@ -154,24 +154,28 @@ def measure(side: Side, family, cfg: dict, imgsz: int):  # noqa: ANN001, ANN201 
 
 def paired_latency(runners: list, image, runs: int = 50, block: int = 10) -> list[float]:  # noqa: ANN001
     """Median milliseconds per image at batch 1 of each runner on one val image, after 5 warm-up runs each, timed
-    in alternating blocks of ``block`` runs, so that a change in the machine's load falls on both sides alike."""
+    in alternating blocks of ``block`` runs, so that a change in the machine's load falls on both sides alike. Each
+    runner gets the image in its input dtype and PyTorch's threads as val.py and detect.py leave them to it."""
     import statistics
     import time
 
     import torch
 
-    x = image[None].contiguous()
+    from utils.evaluation.predictor import threads_for
+
+    inputs = [image[None].to(runner.input_dtype).contiguous() for runner in runners]
     times: list[list[float]] = [[] for _ in runners]
     with torch.no_grad():
-        for runner in runners:
+        for runner, x in zip(runners, inputs):
             for _ in range(5):
                 runner(x)
         for _ in range(runs // block):
-            for runner, spent in zip(runners, times):
-                for _ in range(block):
-                    t0 = time.perf_counter()
-                    runner(x)
-                    spent.append(time.perf_counter() - t0)
+            for runner, x, spent in zip(runners, inputs, times):
+                with threads_for(runner):
+                    for _ in range(block):
+                        t0 = time.perf_counter()
+                        runner(x)
+                        spent.append(time.perf_counter() - t0)
     return [statistics.median(t) * 1e3 for t in times]
 
 

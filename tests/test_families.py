@@ -223,14 +223,16 @@ def test_int8_scope_names_the_decoding_and_the_dfl_of_the_model(models) -> None:
         modules = dict(model.named_modules())
         assert scope.decoding == (f"model.{len(model.model) - 1}",) and modules[scope.decoding[0]] is model.model[-1]
         assert all(m in modules for m in scope.modules) and "Sigmoid" in scope.op_types
-        # The head's prediction convolutions (the logits) stay float; its conv-norm-activation blocks may be
-        # quantized, their decoding is kept in float.
-        convs = [m for m in scope.modules if isinstance(modules[m], torch.nn.Conv2d)]
-        assert convs and all(m.startswith(scope.decoding[0] + ".") for m in convs)
-        assert not any(isinstance(modules[m], Conv) for m in scope.modules)
-    assert YOLO11.int8_float_scope(models["yolo11"]).modules == (
-        *(f"model.23.{branch}.{level}.2" for branch in ("cv2", "cv3") for level in range(3)), "model.23.dfl")
-    assert [m for m in YOLO26.int8_float_scope(models["yolo26"]).modules if "dfl" in m] == []  # reg_max 1
+        # The head's conv-norm-activation blocks may be quantized: only their decoding is kept in float. Its
+        # prediction convolutions (the logits) are named apart, for the formats that keep them float.
+        assert not any(isinstance(modules[m], (torch.nn.Conv2d, Conv)) for m in scope.modules)
+        assert scope.logits and all(isinstance(modules[m], torch.nn.Conv2d) and m.startswith(scope.decoding[0] + ".")
+                                    for m in scope.logits)
+    assert YOLO11.int8_float_scope(models["yolo11"]).modules == ("model.23.dfl",)
+    assert YOLO11.int8_float_scope(models["yolo11"]).logits == tuple(
+        f"model.23.{branch}.{level}.2" for branch in ("cv2", "cv3") for level in range(3))
+    assert YOLO26.int8_float_scope(models["yolo26"]).modules == ()  # no DFL (reg_max 1)
+    assert YOLOV5.int8_float_scope(models["yolov5n"]).logits == ("model.24.m.0", "model.24.m.1", "model.24.m.2")
 
 
 def test_importers_release_names_and_exports_of_other_tools(tmp_path) -> None:

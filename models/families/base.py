@@ -34,18 +34,20 @@ class Int8Scope:
     """What stays in float when a model is quantized to INT8 (each export format maps it to its toolkit's ignored
     scope). Names are PyTorch qualified module names (``model.23``, ``model.23.dfl``).
 
-    - ``modules``: modules whose whole arithmetic stays float: the head's prediction convolutions, whose outputs are
-      the box and class logits (quantized, they cost the most accuracy: docs/benchmarks.md), and DFL's softmax and
-      expectation;
+    - ``modules``: modules whose whole arithmetic stays float (DFL's softmax and expectation);
     - ``decoding``: modules whose own operations, outside their child modules, stay float: the head's decoding
       of its convolutions' outputs into boxes and scores (grids, strides, anchors, sigmoid, concatenation), while
       the child convolutions themselves may be quantized;
-    - ``op_types``: ONNX operator types that stay float wherever they occur inside ``decoding``.
+    - ``op_types``: ONNX operator types that stay float wherever they occur inside ``decoding``;
+    - ``logits``: the head's prediction convolutions, whose outputs are the box and class logits. A format keeps them
+      float where its INT8 activations are symmetric (ONNX's QDQ for TensorRT, LiteRT), which cost the most accuracy
+      there; NNCF's asymmetric activations quantize them as well as float (docs/benchmarks.md).
     """
 
     modules: tuple[str, ...]
     decoding: tuple[str, ...]
     op_types: tuple[str, ...] = ("Sigmoid", "Softmax", "Add", "Sub", "Mul", "Div", "Pow", "Concat")
+    logits: tuple[str, ...] = ()
 
 
 class ExportModule(nn.Module):
@@ -231,8 +233,8 @@ class Family:
         return ExportModule(model).eval()
 
     def int8_float_scope(self, model: nn.Module) -> Int8Scope:
-        """What stays out of INT8: the head's prediction convolutions and its decoding (see :class:`Int8Scope`)."""
-        return Int8Scope(modules=tuple(prediction_convs(model)), decoding=(head_name(model),))
+        """What stays out of INT8: the head's decoding, and where a format asks, its logits (see :class:`Int8Scope`)."""
+        return Int8Scope(modules=(), decoding=(head_name(model),), logits=tuple(prediction_convs(model)))
 
     # ---- the registry (models/families/__init__.py fills it once) ----
 

@@ -85,11 +85,11 @@ class AnchorFreeFamily(Family):
         return torch.cat((xy - wh / 2, xy + wh / 2), -1), scores
 
     def int8_float_scope(self, model: nn.Module) -> Int8Scope:
-        """The head's prediction convolutions, its decoding (anchor points, strides, sigmoid, concatenation) and its
-        DFL, where it has one."""
+        """The head's decoding (anchor points, strides, sigmoid, concatenation), its DFL where it has one, and its
+        logits where a format asks."""
         head = head_name(model)
         dfl = (f"{head}.dfl",) if hasattr(head_of(model), "dfl") else ()
-        return Int8Scope(modules=(*prediction_convs(model), *dfl), decoding=(head,))
+        return Int8Scope(modules=dfl, decoding=(head,), logits=tuple(prediction_convs(model)))
 
 
 class YOLOv8Family(AnchorFreeFamily):

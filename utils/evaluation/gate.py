@@ -19,7 +19,7 @@ import torch
 
 from utils.evaluation.evaluator import DetectionEvaluator
 from utils.evaluation.loop import evaluate
-from utils.evaluation.predictor import PredictOptions, Predictor
+from utils.evaluation.predictor import PredictOptions, Predictor, threads_for
 from utils.formats.base import Runner
 from utils.errors import UserError
 from models.families import Family
@@ -152,16 +152,18 @@ def split_results(runner: Runner, family: Family, data_cfg: dict[str, Any], spli
     loader, _ = create_dataloader(None, imgsz, batch_size or runner.meta.batch or 1, runner.meta.stride,
                                   augment=False, rect=False, workers=workers, nc=nc, label_set=labels)
     predictor = Predictor(runner, family, PredictOptions(multi_label=True))
-    return evaluate(predictor, loader, DetectionEvaluator(data_cfg["names"]))
+    with threads_for(runner):  # as val.py runs it
+        return evaluate(predictor, loader, DetectionEvaluator(data_cfg["names"]))
 
 
 def latency_ms(runner: Runner, image: torch.Tensor) -> float:
     """Median milliseconds per image of the runner alone on one real image (batch 1; a file fixed to a larger batch
-    runs that batch, divided by its size), after warm-up."""
+    runs that batch, divided by its size), after warm-up, with PyTorch's threads as val.py and detect.py leave them
+    to a runtime that has its own."""
     batch = runner.meta.batch or 1
     x = image[None].expand(batch, -1, -1, -1).to(runner.input_dtype).contiguous()
     times = []
-    with torch.no_grad():
+    with torch.no_grad(), threads_for(runner):
         for i in range(LATENCY_WARMUP + LATENCY_RUNS):
             t0 = time.perf_counter()
             runner(x)

@@ -43,10 +43,12 @@ class ScopeMatcher:
     op_types: tuple[str, ...]  # ONNX operator types kept float anywhere under ``own``
 
     @classmethod
-    def of(cls, scope: Int8Scope, traced: nn.Module, detector: nn.Module) -> ScopeMatcher:
+    def of(cls, scope: Int8Scope, traced: nn.Module, detector: nn.Module, logits: bool) -> ScopeMatcher:
+        """``logits``: whether the scope's logits (the head's prediction convolutions) stay float too."""
         prefix = prefix_of(traced, detector)
         full = (lambda name: f"{prefix}.{name}") if prefix else (lambda name: name)
-        return cls(tuple(map(full, scope.modules)), tuple(map(full, scope.decoding)), tuple(scope.op_types))
+        whole = (*scope.modules, *(scope.logits if logits else ()))
+        return cls(tuple(map(full, whole)), tuple(map(full, scope.decoding)), tuple(scope.op_types))
 
     def keeps_float(self, owner: str, op_type: str | None = None) -> bool:
         under = lambda roots: any(owner == r or owner.startswith(r + ".") for r in roots)  # noqa: E731

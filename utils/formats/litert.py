@@ -94,7 +94,7 @@ def tensor_name_pattern(model: nn.Module, qualified: str) -> str:
 
 def float_patterns(model: nn.Module, scope: Int8Scope) -> list[str]:
     """Regexes over tensor names of the ops that stay float in an INT8 file."""
-    patterns = [tensor_name_pattern(model, name) + "[/;]" for name in scope.modules]  # whole subtrees
+    patterns = [tensor_name_pattern(model, name) + "[/;]" for name in (*scope.modules, *scope.logits)]  # subtrees
     patterns += [tensor_name_pattern(model, name) + ";" for name in scope.decoding]  # their own ops only
     patterns.append(re.escape(f"{NormalisedBoxes.__module__}.{NormalisedBoxes.__qualname__}") + ";")
     return patterns

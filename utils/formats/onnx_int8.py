@@ -54,7 +54,7 @@ def float_nodes(model, traced: nn.Module, job: ExportJob) -> list[str]:  # noqa:
     """Names of the nodes the family's Int8Scope keeps float."""
     if job.int8_scope is None:
         return []
-    matcher = ScopeMatcher.of(job.int8_scope, traced, job.model)
+    matcher = ScopeMatcher.of(job.int8_scope, traced, job.model, logits=True)  # symmetric activations
     modules = dict(traced.named_modules())
     return [n.name for n in model.graph.node if matcher.keeps_float(onnx_owner(n.name, modules), n.op_type)]
 

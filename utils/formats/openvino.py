@@ -65,7 +65,8 @@ def convert(job: ExportJob):  # noqa: ANN201 (openvino.Model)
 def float_ops(model, job: ExportJob) -> list[str]:  # noqa: ANN001 (openvino.Model)
     """Friendly names of the operations the family's Int8Scope keeps float, its ONNX ``op_types`` by their
     OpenVINO names."""
-    matcher = ScopeMatcher.of(job.int8_scope, job.module, job.model)
+    # The logits quantized: NNCF's asymmetric activation ranges keep them as accurate as float (docs/benchmarks.md).
+    matcher = ScopeMatcher.of(job.int8_scope, job.module, job.model, logits=False)
     matcher = ScopeMatcher(matcher.whole, matcher.own, tuple(OV_TYPES[t] for t in matcher.op_types if t in OV_TYPES))
     return [op.get_friendly_name() for op in model.get_ordered_ops()
             if matcher.keeps_float(openvino_owner(op.get_friendly_name()), op.get_type_name())]
