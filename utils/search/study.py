@@ -53,6 +53,8 @@ class SearchConfig:
     heartbeat_s: float = 30.0
     stale_s: float = 600.0  # a running trial without a heartbeat this long is marked failed
     poll_s: float = 10.0  # how often a worker with nothing to start looks again
+    # A journal's lock file older than this was left by a worker killed while writing (Optuna's default grace).
+    lock_grace_s: float = 30.0
 
     def storage_name(self) -> str:
         return self.storage or str(Path(self.folder) / JOURNAL_NAME)
@@ -70,9 +72,10 @@ def import_optuna():
     return optuna
 
 
-def open_storage(spec: str):
+def open_storage(spec: str, lock_grace_s: float = 30.0):
     """An SQL URL (``sqlite:///...``, ``postgresql://...``) as Optuna's RDB storage; any other string is a
-    journal file, locked by a lock file that network file systems honour too."""
+    journal file, locked by a lock file that network file systems honour too (one left by a killed writer is taken
+    over after ``lock_grace_s``)."""
     optuna = import_optuna()
     if "://" in spec:
         return optuna.storages.RDBStorage(spec)
@@ -80,7 +83,8 @@ def open_storage(spec: str):
 
     path = Path(spec).expanduser().resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
-    return optuna.storages.JournalStorage(JournalFileBackend(str(path), lock_obj=JournalFileOpenLock(str(path))))
+    lock = JournalFileOpenLock(str(path), grace_period=max(1, round(lock_grace_s)))
+    return optuna.storages.JournalStorage(JournalFileBackend(str(path), lock_obj=lock))
 
 
 def make_sampler(name: str, space: SearchSpace, seed: int):
@@ -189,7 +193,7 @@ class Search:
         make_sampler(config.sampler, space, config.seed)  # an unknown name or a missing package, before anything
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # the study's progress is this project's log's to tell
         self.config, self.space = config, space
-        self.storage = open_storage(config.storage_name())
+        self.storage = open_storage(config.storage_name(), config.lock_grace_s)
         self.study = optuna.create_study(storage=self.storage, study_name=config.study_name, direction="maximize",
                                          sampler=make_sampler(config.sampler, space, config.seed),
                                          pruner=make_pruner(config), load_if_exists=True)
