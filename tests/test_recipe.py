@@ -118,8 +118,9 @@ def test_short_training_learns_more_with_the_new_defaults_than_with_the_old(tmp_
 
     # 6 epochs of 20 batches (nominal batch 64): 30 optimizer steps. 15 steps, as this test first used, left
     # both runs near 0 mAP, where a one-grey-level change of a few pixels could swing the result several-fold.
-    data = write_rectangles_dataset(tmp_path / "data", n_train=320, n_val=16, size=64, seed=1)
-    common = ["--data", str(data), "--imgsz", "64", "--batch-size", "16", "--epochs", "6", "--workers", "0",
+    # At 32 px (the 64 px images halved): a quarter of the compute of 64 px, and the same verdict.
+    data = write_rectangles_dataset(tmp_path / "data", n_train=320, n_val=16, size=64, seed=2)
+    common = ["--data", str(data), "--imgsz", "32", "--batch-size", "16", "--epochs", "6", "--workers", "0",
               "--noval", "--noautoanchor", "--noplots", "--device", "cpu", "--project", str(tmp_path), "--exist-ok"]
     old_defaults = ["--optimizer", "SGD", "--close-mosaic", "0"]  # YOLOv5's recipe
     # The two runs take one thread each and run side by side (this machine has 2 cores).
@@ -132,5 +133,6 @@ def test_short_training_learns_more_with_the_new_defaults_than_with_the_old(tmp_
         with open(tmp_path / name / "results.csv") as f:
             rows = [{k.strip(): float(v) for k, v in r.items()} for r in csv.DictReader(f)]
         final_map50[name] = rows[-1]["metrics/mAP_0.5"]
-    # Measured with data seeds 0, 1, 2 (EPYC, AVX2): new 0.432, 0.652, 0.632; old 0.003, 0.001, 0.003.
-    assert final_map50["new"] > 0.4 and final_map50["new"] > final_map50["old"] + 0.3, final_map50
+    # Measured at 32 px with data seeds 0, 1, 2 (EPYC, AVX2): new 0.515, 0.442, 0.524; old 0.000, 0.000, 0.002. (At
+    # 64 px: new 0.432, 0.652, 0.632; old 0.003, 0.001, 0.003.)
+    assert final_map50["new"] > 0.35 and final_map50["new"] > final_map50["old"] + 0.3, final_map50
