@@ -107,14 +107,19 @@ def run_forked(jobs: list[tuple[Callable[..., int | None], tuple, dict[str, str]
     return [proc.exitcode for proc in procs]
 
 
-def fork_ranks(target: Callable[..., int | None], world_size: int, *args, timeout: float = 120) -> list[int]:
-    """``target(rank, *args)`` on ``world_size`` forked ranks of one world (env:// with the variables
-    torch.distributed.run sets); returns their exit codes."""
+def rank_jobs(target: Callable[..., int | None], world_size: int, *args) -> list[tuple]:
+    """``run_forked``'s jobs for ``target(rank, *args)`` on the ranks of one world (env:// with the variables
+    torch.distributed.run sets, on a port of its own): several worlds can run side by side."""
     port = str(free_port())
-    return run_forked([(target, (rank, *args), {"RANK": str(rank), "LOCAL_RANK": str(rank),
-                                                "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
-                                                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
-                       for rank in range(world_size)], timeout)
+    return [(target, (rank, *args), {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                                     "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+                                     "MASTER_PORT": port})
+            for rank in range(world_size)]
+
+
+def fork_ranks(target: Callable[..., int | None], world_size: int, *args, timeout: float = 120) -> list[int]:
+    """``target(rank, *args)`` on ``world_size`` forked ranks of one world; returns their exit codes."""
+    return run_forked(rank_jobs(target, world_size, *args), timeout)
 
 
 def _main_writing_to(main: Callable[[list[str]], int], argv: list[str], output: str) -> int:
