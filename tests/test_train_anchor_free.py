@@ -79,7 +79,7 @@ def test_val_with_test_time_augmentation_on_an_anchor_free_model(yolo11_run, rec
 @pytest.mark.slow
 def test_yolo26_step_on_two_ranks_with_sync_bn_equals_one_process(rectangles_yaml, tmp_path) -> None:
     common = ["--data", str(rectangles_yaml), "--cfg", "yolo26n.yaml", "--epochs", "2", "--noval", "--deterministic",
-              "--no-amp", "--optimizer", "SGD", "--seed", "3", "--sync-bn", "--name", "exp", *TINY]
+              "--no-amp", "--optimizer", "SGD", "--seed", "3", "--sync-bn", "--name", "exp", *TINY, "--imgsz", "32"]
     single = run_forked([(train.main, ([*common, "--project", str(tmp_path / "single")],), {})])
     assert single == [0]
     codes, outputs = main_on_ranks(train.main, [*common, "--project", str(tmp_path / "synced")], 2, tmp_path)
