@@ -34,7 +34,8 @@ class Conv(nn.Module):
         y = self.bn(self.conv(x))
         if isinstance(self.act, nn.SiLU) and not (torch.is_grad_enabled() or torch.jit.is_tracing()):
             # Inference: SiLU overwrites the convolution's fresh output instead of allocating and writing another
-            # tensor, which shows at batch 1 on a CPU (docs/benchmarks.md). Traces for export keep the plain op.
+            # tensor, which shows at batch 1 on a CPU in channels-last layout (docs/benchmarks.md, "The model at
+            # inference"). Traces for export keep the plain op.
             return F.silu(y, inplace=True)
         return self.act(y)
 

@@ -73,7 +73,7 @@ class PytorchFormat(Format):
 
     def open(self, path: Path, device: torch.device) -> Runner:
         runner = load_pytorch(path, device)
-        runner.model.to(memory_format=torch.channels_last)  # as training computes: faster on CPUs (docs/benchmarks.md)
+        runner.model.to(memory_format=torch.channels_last)  # as training computes; faster (docs/benchmarks.md)
         return runner
 
 
