@@ -7,6 +7,7 @@ import csv
 import json
 import re
 import time
+from pathlib import Path
 
 import pytest
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -122,7 +123,7 @@ def test_a_run_starved_by_heavy_augmentation_without_workers_gets_the_advice(tra
     data = tmp_path / "set.yaml"
     data.write_text(yaml.safe_dump({"path": str(tmp_path / "set"), "train": "images/train", "val": "images/val",
                                     "names": ["noise"]}))
-    hyp = yaml.safe_load(open("data/hyps/hyp.scratch-low.yaml"))
+    hyp = yaml.safe_load((Path(__file__).parents[1] / "data/hyps/hyp.scratch-low.yaml").read_text())
     hyp.update(mosaic=1.0, mixup=1.0, degrees=10.0, shear=5.0, perspective=0.0005)
     (tmp_path / "heavy.yaml").write_text(yaml.safe_dump(hyp))
     status, log = train_here("--data", data, "--project", tmp_path, "--name", "exp", "--epochs", "1", "--noval",
