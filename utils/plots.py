@@ -31,11 +31,12 @@ def class_colour(index: int, bgr: bool = False) -> tuple[int, int, int]:
     return rgb[::-1] if bgr else rgb
 
 
-def _new_figure(width: float, height: float):
+def _new_figure(width: float, height: float, fitted: bool = True):
+    """A matplotlib figure on its own Agg canvas; ``fitted``: margins fitted to its labels when drawn."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(width, height), tight_layout=True)
+    fig = Figure(figsize=(width, height), layout="tight" if fitted else None)  # tight_layout=False would fit too
     FigureCanvasAgg(fig)
     return fig
 
@@ -46,13 +47,9 @@ def panel_grid(n_panels: int, n_cols: int, panel_width: float, panel_height: flo
 
     Margins are fixed, not fitted: fitting them (tight layout) measures every tick label of every panel and took
     most of the drawing time of a chart with one panel per results.csv column or hyper-parameter."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     n_rows = max(1, math.ceil(n_panels / n_cols))
     width, height = n_cols * panel_width, n_rows * panel_height
-    fig = Figure(figsize=(width, height))
-    FigureCanvasAgg(fig)
+    fig = _new_figure(width, height, fitted=False)
     # Inches: room for tick labels on the left and below, and for each panel's title above it.
     fig.subplots_adjust(left=left / width, right=1 - 0.2 / width, bottom=0.4 / height, top=1 - 0.4 / height,
                         wspace=0.35, hspace=0.45)

@@ -6,7 +6,6 @@ digits. hyp_evolve.yaml holds the best row's hyper-parameters, a file ``--hyp`` 
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 

@@ -72,7 +72,7 @@ def import_optuna():
     return optuna
 
 
-def open_storage(spec: str, lock_grace_s: float = 30.0):
+def open_storage(spec: str, lock_grace_s: float):
     """An SQL URL (``sqlite:///...``, ``postgresql://...``) as Optuna's RDB storage; any other string is a
     journal file, locked by a lock file that network file systems honour too (one left by a killed writer is taken
     over after ``lock_grace_s``)."""
