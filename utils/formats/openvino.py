@@ -2,7 +2,7 @@
 holding ``best.xml`` and ``best.bin``, converted from the PyTorch module by ``openvino.convert_model``, and
 ``metadata.yaml`` as Ultralytics writes it. fp16 stores the weights in fp16 (``compress_to_fp16``); INT8 is
 quantized by NNCF (MIXED preset: symmetric weights, asymmetric activations) on train images, with what the
-family's ``Int8Scope`` names and the activation functions kept float. ``--dynamic`` leaves the batch open.
+family's ``Int8Scope`` names kept float. ``--dynamic`` leaves the batch open.
 
 The runner compiles for the CPU with the inference precision pinned to f32: on CPUs with bf16 or fp16 units
 OpenVINO otherwise computes float layers in those, silently.
@@ -62,19 +62,14 @@ def convert(job: ExportJob):  # noqa: ANN201 (openvino.Model)
     return model
 
 
-# Activation functions NNCF leaves unquantized everywhere: quantizing SiLU's input made the INT8 file a few percent
-# slower on a CPU at no gain in accuracy (docs/benchmarks.md).
-FLOAT_ACTIVATIONS = ("Sigmoid", "Swish")
-
-
 def float_ops(model, job: ExportJob) -> list[str]:  # noqa: ANN001 (openvino.Model)
-    """Friendly names of the operations kept float: what the family's Int8Scope names (its ONNX ``op_types`` by
-    their OpenVINO names) and the activation functions."""
+    """Friendly names of the operations the family's Int8Scope keeps float, its ONNX ``op_types`` by their
+    OpenVINO names."""
     # The logits quantized: NNCF's asymmetric activation ranges keep them as accurate as float (docs/benchmarks.md).
     matcher = ScopeMatcher.of(job.int8_scope, job.module, job.model, logits=False)
     matcher = ScopeMatcher(matcher.whole, matcher.own, tuple(OV_TYPES[t] for t in matcher.op_types if t in OV_TYPES))
-    return [op.get_friendly_name() for op in model.get_ordered_ops() if op.get_type_name() in FLOAT_ACTIVATIONS
-            or matcher.keeps_float(openvino_owner(op.get_friendly_name()), op.get_type_name())]
+    return [op.get_friendly_name() for op in model.get_ordered_ops()
+            if matcher.keeps_float(openvino_owner(op.get_friendly_name()), op.get_type_name())]
 
 
 def quantize(model, job: ExportJob) -> tuple[object, str]:  # noqa: ANN001 (openvino.Model)
@@ -94,8 +89,8 @@ def quantize(model, job: ExportJob) -> tuple[object, str]:  # noqa: ANN001 (open
                                   ignored_scope=nncf.IgnoredScope(names=kept, validate=False))
     finally:
         nncf_log.setLevel(level)
-    return quantized, (f"INT8 by NNCF {nncf.__version__} (MIXED preset, {len(kept)} operations kept float: the "
-                       f"head's decoding, activation functions), calibrated on {batches.images} train images")
+    return quantized, (f"INT8 by NNCF {nncf.__version__} (MIXED preset, {len(kept)} operations of the head kept "
+                       f"float), calibrated on {batches.images} train images")
 
 
 class _Batches:
