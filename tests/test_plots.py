@@ -1,10 +1,12 @@
 """Plots write real image files without touching matplotlib's global state."""
 from __future__ import annotations
 
+import re
 import sys
 
 import cv2
 import numpy as np
+import pytest
 import torch
 
 from utils.metrics import CONF_POINTS, RECALL_POINTS
@@ -70,6 +72,12 @@ def test_plot_labels_and_results(tmp_path):
         append_results_row(csv_file, [epoch] + list(rng.random(len(columns) - 1)), columns)
     out = plot_results(csv_file)
     assert out == tmp_path / "results.png" and out.read_bytes()[:8] == PNG_MAGIC
+
+    cut = tmp_path / "cut" / "results.csv"  # a row cut short (a full disk, an editor): one error naming the file
+    cut.parent.mkdir()
+    cut.write_text(csv_file.read_text().rsplit(",", 3)[0] + "\n")
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(cut))}: a row that is not {len(columns)} numbers"):
+        plot_results(cut)
 
 
 def test_increment_path(tmp_path):

@@ -264,7 +264,10 @@ def read_results_csv(csv_file: str | Path) -> tuple[list[str], np.ndarray]:
     if not rows:
         return [], np.zeros((0, 0))
     header = [c.strip() for c in rows[0]]
-    values = np.array([[float(v) for v in row] for row in rows[1:]], dtype=np.float64).reshape(-1, len(header))
+    try:
+        values = np.array([[float(v) for v in row] for row in rows[1:]], dtype=np.float64).reshape(-1, len(header))
+    except ValueError as e:  # a row edited or cut short: nothing to plot from, the file itself left as it is
+        raise ValueError(f"{csv_file}: a row that is not {len(header)} numbers ({e})") from e
     return header, values
 
 

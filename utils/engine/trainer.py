@@ -259,7 +259,10 @@ class Trainer:
             if not self.config.noplots:
                 from utils.plots import plot_results
 
-                plot_results(run.save_dir / "results.csv")
+                try:
+                    plot_results(run.save_dir / "results.csv")
+                except ValueError as e:  # a chart is not worth the end of the run: its checkpoints are written
+                    LOGGER.warning(f"WARNING results.png not drawn: {e}")
             logger = self.hooks.logger
             logger.log_images(plot_files(run.save_dir), epoch)
             logger.log_artifacts([self.record.best, self.record.last, run.save_dir / "results.csv"])
