@@ -25,7 +25,7 @@ from utils.errors import UserError, run_reporting_errors
 from utils.log import LOGGER, colorstr, setup_logging
 from utils.process import setup_process
 from utils.run_dir import increment_path
-from utils.torch_utils import select_device
+from utils.torch_utils import local_ranks_share_a_gpu, select_device
 from utils.validation import CONF_THRES, MAX_DET, ValResults, tta_comparison
 
 TASKS = ("val", "test", "speed")
@@ -90,7 +90,7 @@ def run_options(opt: argparse.Namespace) -> ValResults:
     info = dist_info()  # under torch.distributed.run every rank validates its part of the split
     device = select_device(opt.device, local_rank=info.local_rank, local_world_size=info.local_world_size)
     if info.is_distributed:
-        init_process_group(device, info)
+        init_process_group(device, info, shared_gpu=local_ranks_share_a_gpu(opt.device, info.local_world_size))
     data_cfg = load_data_config(opt.data)
     split = "test" if opt.task == "test" else "val"
     if not data_cfg.get(split):

@@ -31,13 +31,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 TINY_CUDA = ["--imgsz", "64", "--batch-size", "8", "--workers", "0", "--device", "0", "--noplots"]
 
 
-def _train(*args: str, nproc: int = 0, timeout: float = 300) -> subprocess.CompletedProcess:
+def _train(*args: str, nproc: int = 0, devices: str = "", timeout: float = 300) -> subprocess.CompletedProcess:
     launcher = ([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
                  f"--master_port={free_port()}"] if nproc else [sys.executable])
     cmd = [*launcher, "train.py", *TINY_CUDA, *map(str, args)]
     if nproc:
-        devices = ",".join(str(i) for i in range(nproc))
-        cmd[cmd.index("--device") + 1] = devices
+        cmd[cmd.index("--device") + 1] = devices or ",".join(str(i) for i in range(nproc))
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
@@ -87,6 +86,18 @@ def test_ddp_with_nccl_trains(rectangles_yaml, tmp_path) -> None:
     assert run.returncode == 0, log[-3000:]
     assert f"DDP: world size {nproc}, backend nccl" in log
     assert len(results_rows(tmp_path / "exp")) == 2
+
+
+def test_two_ranks_share_one_gpu_over_gloo_with_sync_bn(rectangles_yaml, tmp_path) -> None:
+    # NCCL refuses two ranks on one device; '--device 0,0' puts both on GPU 0 and joins them over gloo, whose
+    # all-reduce SyncBN (utils/sync_bn.py) then runs on CUDA tensors.
+    run = _train("--data", rectangles_yaml, "--cfg", "yolo11n.yaml", "--epochs", "2", "--sync-bn",
+                 "--project", tmp_path, "--name", "exp", nproc=2, devices="0,0")
+    log = run.stdout + run.stderr
+    assert run.returncode == 0, log[-3000:]
+    assert "DDP: world size 2, backend gloo" in log and "on cuda:0" in log
+    rows = results_rows(tmp_path / "exp")
+    assert len(rows) == 2 and all(np.isfinite(float(v)) for r in rows for k, v in r.items() if k.startswith("train/"))
 
 
 def test_val_detect_and_export_on_the_gpu_in_fp16(tmp_path) -> None:

@@ -19,7 +19,9 @@ from utils.errors import UserError
 from utils.ema import ModelEMA
 from utils.optimizer import build_optimizer
 from utils.process import visible_devices
-from utils.torch_utils import init_torch_seeds, select_device, time_synchronized, torch_distributed_zero_first
+from utils.sync_bn import CpuSyncBatchNorm, convert_sync_batchnorm
+from utils.torch_utils import (init_torch_seeds, local_ranks_share_a_gpu, select_device, time_synchronized,
+                               torch_distributed_zero_first)
 
 
 def test_select_device_cpu_and_default(monkeypatch) -> None:
@@ -70,6 +72,31 @@ def test_a_node_of_a_multi_node_run_checks_devices_against_its_own_ranks(monkeyp
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"name": "fake", "total_memory": 1})())
     device = select_device("0,1,2,3", local_rank=info.local_rank, local_world_size=info.local_world_size)
     assert device == torch.device("cuda", 2)  # 4 GPUs for the node's 4 ranks, not for all 8
+
+
+def test_two_ranks_can_share_one_gpu_over_gloo(monkeypatch) -> None:
+    # '--device 0,0' under `--nproc_per_node 2`: GPU 0 is made visible once (CUDA stops reading the list at a repeated
+    # id) and both ranks take it; NCCL refuses two ranks on one device, so they join over gloo.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"name": "fake", "total_memory": 1})())
+    assert visible_devices("0,0") == "CUDA_VISIBLE_DEVICES=0 (from --device; set before CUDA starts)"
+    assert [select_device("0,0", local_rank=r, local_world_size=2) for r in (0, 1)] == [torch.device("cuda", 0)] * 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # '3,3': the one visible GPU is index 0
+    assert select_device("3,3", local_rank=1, local_world_size=2) == torch.device("cuda", 0)
+    assert local_ranks_share_a_gpu("0,0", 2) and local_ranks_share_a_gpu("1,1,2,2", 4)
+    assert not any(local_ranks_share_a_gpu(d, 2) for d in ("0,1", "cpu", "", "0"))
+    # Outside an NCCL group --sync-bn takes the all-reduce BatchNorm, which runs over gloo on the GPU too. It is made
+    # where the model already is (the meta device and float64 stand in for a GPU here): DDP refuses a model whose
+    # parameters sit on two devices, as the first two-rank run on one GPU found.
+    bn = convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(4, device="meta", dtype=torch.float64)),
+                                torch.device("cuda", 0))
+    assert isinstance(bn[0], CpuSyncBatchNorm)
+    assert {(t.device.type, t.dtype) for t in (*bn.parameters(), bn[0].running_mean, bn[0].running_var)} == {
+        ("meta", torch.float64)}
+    assert bn[0].num_batches_tracked.device.type == "meta"
 
 
 def test_init_torch_seeds_repeats_random_streams() -> None:

@@ -51,7 +51,8 @@ def add_workers(group) -> None:
 def add_device(group, default: str = "") -> None:
     group.add_argument("--device", default=default,
                        help="'' (auto: GPU 0 when there is one, else the CPU), 'cpu', '0', or '0,1,2,3' under a "
-                            "launcher (default: %(default)r)")
+                            "launcher, one GPU per rank ('0,0': two ranks share GPU 0, over gloo) "
+                            "(default: %(default)r)")
 
 
 def add_run_folder(group, task: str) -> None:

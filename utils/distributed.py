@@ -154,14 +154,16 @@ def _open_store(info: DistInfo, timeout: datetime.timedelta) -> dist.Store:
     return dist.PrefixStore(f"yolo-train/round-{info.restart_count}", store)
 
 
-def init_process_group(device: torch.device, info: DistInfo, timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES) -> None:
-    """Join the process group (NCCL for CUDA devices, gloo for CPU); collectives time out after ``timeout_minutes``,
-    and store waits after as long without progress from the rank waited for."""
+def init_process_group(device: torch.device, info: DistInfo, timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES,
+                       shared_gpu: bool = False) -> None:
+    """Join the process group (NCCL for CUDA devices, gloo for CPU and for ranks that share a GPU, which NCCL
+    refuses); collectives time out after ``timeout_minutes``, and store waits after as long without progress from
+    the rank waited for."""
     if dist.is_initialized():
         return
     timeout = datetime.timedelta(minutes=timeout_minutes)
     store = _open_store(info, timeout)
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = "nccl" if device.type == "cuda" and not shared_gpu else "gloo"
     dist.init_process_group(backend=backend, store=store, rank=info.rank, world_size=info.world_size,
                             timeout=timeout)
     _Group.store, _Group.waits, _Group.timeout_seconds = store, {}, timeout.total_seconds()

@@ -62,7 +62,8 @@ def visible_devices(device: str) -> str:
     if spec == "cpu":
         value, why = "-1", "--device cpu: CUDA stays uninitialised"
     elif spec and all(i.isdigit() for i in spec.split(",")):
-        value, why = spec, "from --device; set before CUDA starts"
+        # Each GPU once: CUDA stops reading the list at a repeated id, and '0,0' means two ranks on GPU 0.
+        value, why = ",".join(dict.fromkeys(spec.split(","))), "from --device; set before CUDA starts"
     else:
         return ""
     return f"CUDA_VISIBLE_DEVICES={value} ({why})" if _set_env("CUDA_VISIBLE_DEVICES", value) else ""

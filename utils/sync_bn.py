@@ -1,4 +1,4 @@
-"""Synchronised BatchNorm for every backend: torch's own on CUDA, an all-reduce version on CPU (gloo)."""
+"""Synchronised BatchNorm for every backend: torch's own with NCCL, an all-reduce version with gloo (CPU, shared GPU)."""
 from __future__ import annotations
 
 import torch
@@ -50,12 +50,18 @@ class CpuSyncBatchNorm(nn.BatchNorm2d):
 
 
 def convert_sync_batchnorm(module: nn.Module, device: torch.device) -> nn.Module:
-    """Replace every BatchNorm2d with the synchronised version suited to ``device``."""
-    if device.type != "cpu":
+    """Replace every BatchNorm2d with the synchronised version suited to ``device`` and the process group's backend:
+    torch's own with NCCL, the all-reduce version with gloo (on the CPU, or ranks sharing a GPU)."""
+    nccl = dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
+    if device.type != "cpu" and nccl:
         return nn.SyncBatchNorm.convert_sync_batchnorm(module)
     if isinstance(module, nn.BatchNorm2d) and not isinstance(module, CpuSyncBatchNorm):
+        # Made where the BatchNorm's tensors are (the model is already on its device, e.g. a GPU shared over gloo).
+        tensors = (*module.parameters(recurse=False), *module.buffers(recurse=False))
+        where = next((t for t in tensors if t.is_floating_point()), None)
+        factory = {} if where is None else {"device": where.device, "dtype": where.dtype}
         sync = CpuSyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
-                                module.track_running_stats)
+                                module.track_running_stats, **factory)
         sync.load_state_dict(module.state_dict())
         sync.train(module.training)
         return sync

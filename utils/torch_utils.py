@@ -21,8 +21,9 @@ def select_device(device: str = "", local_rank: int = -1, local_world_size: int 
     """This process's device for --device '' (CUDA if present, else CPU), 'cpu', '0' or '0,1,2,3'.
 
     In a distributed run the list names the GPUs of this machine, one per local rank: ``--device 2,3`` puts
-    local rank 0 on GPU 2 and local rank 1 on GPU 3. The entry points have made only those visible
-    (utils/process.py); called without that (the Python API), the list indexes the GPUs CUDA sees.
+    local rank 0 on GPU 2 and local rank 1 on GPU 3; a GPU named twice ('0,0') is shared by two ranks. The entry
+    points have made only those visible (utils/process.py); called without that (the Python API), the list indexes
+    the GPUs CUDA sees.
     """
     spec = str(device).strip().lower().replace("cuda:", "").replace(" ", "")
     if spec == "cpu":
@@ -36,14 +37,16 @@ def select_device(device: str = "", local_rank: int = -1, local_world_size: int 
         if len(ids) < processes:
             raise UserError(f"--device {spec} names {len(ids)} GPU(s) for {processes} processes on this machine "
                             "(LOCAL_WORLD_SIZE): name one GPU per process")
-        only_these = os.environ.get("CUDA_VISIBLE_DEVICES") == spec  # made visible by setup_process
+        distinct = list(dict.fromkeys(ids))  # '0,0': two ranks share GPU 0, which is made visible once
+        only_these = os.environ.get("CUDA_VISIBLE_DEVICES") == ",".join(distinct)  # made visible by setup_process
         available = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if available < (len(ids) if only_these else max(map(int, ids)) + 1):
+        if available < (len(distinct) if only_these else max(map(int, ids)) + 1):
             raise UserError(
                 f"--device '{device}' asks for CUDA device(s) {spec} but {available} CUDA device(s) are "
                 f"available{'' if available else ' (use --device cpu)'}"
             )
-        chosen = torch.device("cuda", max(local_rank, 0) if only_these else int(ids[max(local_rank, 0)]))
+        mine = ids[max(local_rank, 0)]
+        chosen = torch.device("cuda", distinct.index(mine) if only_these else int(mine))
     else:
         ids = [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
         chosen = torch.device("cuda", max(local_rank, 0)) if ids else torch.device("cpu")
@@ -59,6 +62,12 @@ def select_device(device: str = "", local_rank: int = -1, local_world_size: int 
         parts.append(f"CPU ({torch.get_num_threads()} threads)")
     LOGGER.info(" ".join(parts))
     return chosen
+
+
+def local_ranks_share_a_gpu(device: str, local_world_size: int) -> bool:
+    """Whether --device gives one GPU to several ranks of this machine ('0,0'): NCCL refuses that, gloo does not."""
+    ids = str(device).strip().lower().replace("cuda:", "").replace(" ", "").split(",")[:max(local_world_size, 1)]
+    return all(i.isdigit() for i in ids) and len(set(ids)) < len(ids)
 
 
 def init_torch_seeds(seed: int = 0) -> None:

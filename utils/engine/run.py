@@ -15,7 +15,7 @@ from utils.engine.setup import check_global_batch
 from utils.engine.trainer import train
 from utils.errors import UserError
 from utils.log import LOGGER
-from utils.torch_utils import select_device
+from utils.torch_utils import local_ranks_share_a_gpu, select_device
 from utils.trackers import check_trackers
 
 
@@ -63,6 +63,7 @@ def setup_device(config: TrainConfig, info: DistInfo) -> torch.device:
     """This process's device; in a distributed run, also join the process group."""
     device = select_device(config.device, local_rank=info.local_rank, local_world_size=info.local_world_size)
     if info.is_distributed:
-        init_process_group(device, info, config.dist_timeout)
+        init_process_group(device, info, config.dist_timeout,
+                           shared_gpu=local_ranks_share_a_gpu(config.device, info.local_world_size))
         LOGGER.info(f"DDP: world size {info.world_size}, backend {dist.get_backend()}, rank {info.rank} on {device}")
     return device

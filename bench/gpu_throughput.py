@@ -1,0 +1,168 @@
+"""Training throughput on a GPU, ours against Ultralytics' trainer, measured the same way for both.
+
+    python bench/gpu_throughput.py --ultralytics-python /path/to/python-with-ultralytics --cfg yolo11n.yaml yolo11s.yaml
+
+Each trainer trains each ``--cfg`` from scratch on the same generated shapes set (``--images`` train images at
+``--imgsz``, made once in parallel by ``utils/data/shapes.py``), batch ``--batch-size``, ``--workers`` loader
+workers, mixed precision (each trainer's default on CUDA), mosaic on in every epoch (close-mosaic 0 for both), no
+validation before the last epoch, each trainer's other defaults. Both save ``weights/last.pt`` at the end of every
+epoch; a watcher here notes the moment each save lands, so an epoch's time is the interval between two saves,
+observed from outside, the same for both trainers. The first epoch (start-up, cuDNN's autotuning) and the
+interval that holds the final validation are left out: printed is the median of the remaining intervals as
+images/s, and ours' own per-epoch share of the step spent waiting for data (results.csv ``time/data``). Each
+trainer's output is kept in ``--out``, every line stamped with the seconds since its start.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.ultralytics_side_by_side import ROOT, ultralytics_env, ultralytics_train_cmd  # noqa: E402
+from utils.data.shapes import SHAPE_NAMES, generate_shapes  # noqa: E402
+
+SAVE_BURST_S = 0.5  # changes to the checkpoint closer together than this are one save
+
+
+def make_dataset(out: Path, images: int, imgsz: int, parts: int) -> tuple[Path, int]:
+    """``images`` distinct train images (and 64 val), made by ``parts`` processes, each with its own seed."""
+    root = out / f"shapes_{images}_{imgsz}"
+    yaml_file = root / "data.yaml"
+    if yaml_file.exists():
+        return yaml_file, images
+    per = -(-images // parts)
+    with ProcessPoolExecutor(parts) as pool:
+        list(pool.map(generate_shapes, [root / f"part{k}" for k in range(parts)], [per] * parts,
+                      [64 if k == 0 else 0 for k in range(parts)], [imgsz] * parts, range(parts)))
+    for split in ("train", "val"):
+        for kind in ("images", "labels"):
+            (root / kind / split).mkdir(parents=True, exist_ok=True)
+        files = sorted(p for k in range(parts) for p in (root / f"part{k}/images/{split}").glob("*.jpg"))
+        if split == "train":
+            files = files[:images]
+        for image in files:
+            part = image.parts[-4]
+            os.link(image, root / "images" / split / f"{part}_{image.name}")
+            label = image.parents[2] / "labels" / split / f"{image.stem}.txt"
+            os.link(label, root / "labels" / split / f"{part}_{label.name}")
+    yaml_file.write_text(f"path: {root}\ntrain: images/train\nval: images/val\nnames: {list(SHAPE_NAMES)}\n")
+    return yaml_file, images
+
+
+def watch_saves(cmd: list[str], cwd: Path, checkpoint: Path, log: Path, env: dict[str, str]) -> tuple[int, list[float]]:
+    """Run ``cmd``; return its exit code and the times (s since start) at which ``checkpoint`` was written anew."""
+    seen: list[float] = []
+    done = threading.Event()
+    t0 = time.perf_counter()
+
+    def poll() -> None:
+        last = None
+        while not done.is_set():
+            try:
+                st = checkpoint.stat()
+                stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+            except OSError:
+                stamp = None
+            if stamp is not None and stamp != last:
+                now = time.perf_counter() - t0
+                # A save written in place changes the file several times within a moment: one save, timed at its end.
+                if seen and now - seen[-1] < SAVE_BURST_S:
+                    seen[-1] = now
+                else:
+                    seen.append(now)
+                last = stamp
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=poll, daemon=True)
+    watcher.start()
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
+    with open(log, "w") as out:
+        # Each line (progress bars' carriage returns too) stamped with the seconds since start: where time goes.
+        for line in iter(proc.stdout.readline, b""):
+            for part in line.decode(errors="replace").replace("\r", "\n").splitlines():
+                if part.strip():
+                    out.write(f"{time.perf_counter() - t0:8.2f} {part}\n")
+        code = proc.wait()
+        out.write(f"{time.perf_counter() - t0:8.2f} [process ended, exit {code}]\n")
+    done.set()
+    watcher.join()
+    return code, seen
+
+
+def images_per_s(saves: list[float], n_images: int, epochs: int) -> tuple[float, list[float]]:
+    """Median images/s over the epochs after the first and before the last (which holds the final validation); a
+    save after the last epoch's (Ultralytics strips the optimizer from last.pt at the end) is not an epoch."""
+    saves = saves[:epochs]
+    intervals = [b - a for a, b in zip(saves[:-2], saves[1:-1])]
+    return (n_images / statistics.median(intervals) if intervals else float("nan")), intervals
+
+
+def our_data_share(results_csv: Path) -> list[float]:
+    with open(results_csv, newline="") as f:
+        rows = [{k.strip(): v.strip() for k, v in r.items()} for r in csv.DictReader(f)]
+    return [float(r["time/data"]) for r in rows]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ultralytics-python", default="", help="a Python with ultralytics installed ('' : ours only)")
+    p.add_argument("--cfg", nargs="+", default=["yolo11n.yaml", "yolo11s.yaml"])
+    p.add_argument("--images", type=int, default=4096, help="train images per epoch")
+    p.add_argument("--imgsz", type=int, default=640)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--workers", type=int, default=16)
+    p.add_argument("--epochs", type=int, default=5, help="at least 4: epochs 1 .. epochs-2 are timed")
+    p.add_argument("--device", default="0")
+    p.add_argument("--out", default=str(ROOT / "runs/bench_gpu_throughput"))
+    args = p.parse_args()
+
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    data_yaml, n_images = make_dataset(out, args.images, args.imgsz, min(os.cpu_count() or 1, 16))
+    print(f"data: {n_images} train images at {args.imgsz} ({time.perf_counter() - t:.0f} s to make) in {data_yaml}",
+          flush=True)
+    env_ul = ultralytics_env(out, args.ultralytics_python) if args.ultralytics_python else {}
+    for cfg in args.cfg:
+        name = Path(cfg).stem
+        ours = [sys.executable, "train.py", "--data", str(data_yaml), "--cfg", cfg, "--epochs", str(args.epochs),
+                "--imgsz", str(args.imgsz), "--batch-size", str(args.batch_size), "--workers", str(args.workers),
+                "--device", args.device, "--close-mosaic", "0", "--noval", "--noplots", "--project",
+                str(out / "ours"), "--name", name, "--exist-ok"]
+        runs = [("ours", ours, out / "ours" / name, {})]
+        if args.ultralytics_python:
+            theirs = ultralytics_train_cmd(
+                args.ultralytics_python, model=cfg, data=str(data_yaml), epochs=args.epochs, imgsz=args.imgsz,
+                batch=args.batch_size, workers=args.workers, device=args.device, close_mosaic=0, val=False,
+                plots=False, project=str(out / "ultralytics"), name=name, exist_ok=True)
+            runs.append(("Ultralytics", theirs, out / "ultralytics" / name, env_ul))
+        measured = {}
+        for label, cmd, folder, env in runs:
+            (folder / "weights/last.pt").unlink(missing_ok=True)
+            t = time.perf_counter()
+            code, saves = watch_saves(cmd, ROOT if label == "ours" else out, folder / "weights/last.pt",
+                                      out / f"{label}_{name}.log", env)
+            rate, intervals = images_per_s(saves, n_images, args.epochs)
+            measured[label] = rate
+            extra = ""
+            if label == "ours" and (folder / "results.csv").exists():
+                extra = ", data share per epoch " + " ".join(f"{s:.0%}" for s in our_data_share(folder / "results.csv"))
+            print(f"{name} {label:>11}: {rate:7.0f} images/s (epochs {' '.join(f'{i:.2f}' for i in intervals)} s), "
+                  f"{len(saves)} saves, whole process {time.perf_counter() - t:.0f} s, exit {code}{extra}", flush=True)
+        if len(measured) == 2:
+            print(f"{name}: ours / Ultralytics = {measured['ours'] / measured['Ultralytics']:.2f}x", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
