@@ -96,37 +96,66 @@ def test_sync_bn_ddp_matches_single_process_with_same_global_batch(rectangles_ya
         assert [f"{float(one[c]):.4g}" for c in loss_columns] == [f"{float(two[c]):.4g}" for c in loss_columns]
 
 
+def _two_nodes(data: Path, project: Path, *extra: str) -> list[subprocess.Popen]:
+    """Nodes 0 and 1 of a 2-node run on loopback, one rank each, training long; output in project/node{0,1}.log."""
+    project.mkdir(parents=True)
+    port, procs = free_port(), []
+    for node in (0, 1):
+        with open(project / f"node{node}.log", "w") as log:
+            procs.append(subprocess.Popen(train_cmd(data, project, "--epochs", "50", "--noplots", "--noval", *extra,
+                                                    nproc=1, nnodes=2, node_rank=node, port=port),
+                                          cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+    return procs
+
+
 @pytest.mark.slow
-def test_two_nodes_on_loopback_train_and_a_frozen_one_makes_the_other_exit_naming_it(rectangles_yaml,
-                                                                                      tmp_path) -> None:
-    # A frozen node keeps its sockets open, so nothing fails fast: only the collective timeout can end the wait.
-    port = free_port()
-    common = ("--epochs", "50", "--noplots", "--noval", "--dist-timeout", "0.15")
-    procs = [subprocess.Popen(train_cmd(rectangles_yaml, tmp_path, *common, nproc=1, nnodes=2, node_rank=r, port=port),
-                              cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True) for r in (0, 1)]
-    frozen = []
+def test_a_frozen_node_and_a_node_whose_launcher_is_killed_each_make_the_other_node_exit_naming_it(rectangles_yaml,
+                                                                                                  tmp_path) -> None:
+    # Two 2-node runs at once, so that their waits overlap. In the first, node 1 freezes: it keeps its sockets open,
+    # so nothing fails fast and only the collective timeout (--dist-timeout 0.15: 9 s) can end node 0's wait. In the
+    # second, only node 1's launcher is killed -9 (as the OOM killer would): its rank must not train on unsupervised
+    # but end with it; its sockets close, so node 0 needs no timeout to notice.
+    frozen = _two_nodes(rectangles_yaml, tmp_path / "frozen", "--dist-timeout", "0.15")
+    killed = _two_nodes(rectangles_yaml, tmp_path / "killed")
+    stopped, orphan = [], None
     try:
-        _wait_for(tmp_path / "exp/weights/last.pt", procs[0])
-        worker = subprocess.run(["pgrep", "-f", "-P", str(procs[1].pid), "train.py"], capture_output=True, text=True)
-        frozen = [procs[1].pid, *map(int, worker.stdout.split())]
-        for pid in frozen:
+        _wait_for(tmp_path / "frozen/exp/weights/last.pt", frozen[0])
+        worker = subprocess.run(["pgrep", "-f", "-P", str(frozen[1].pid), "train.py"], capture_output=True, text=True)
+        stopped = [frozen[1].pid, *map(int, worker.stdout.split())]
+        for pid in stopped:
             os.kill(pid, signal.SIGSTOP)
         t_frozen = time.time()
-        output = procs[0].communicate(timeout=120)[0]
-        waited = time.time() - t_frozen
+        _wait_for(tmp_path / "killed/exp/weights/last.pt", killed[0])
+        orphan = rank_pid(killed[1], 1)
+        os.kill(killed[1].pid, signal.SIGKILL)
+        t_killed = time.time()
+        killed[0].wait(timeout=120)
+        waited_killed = time.time() - t_killed
+        deadline = time.time() + 10  # the kernel's SIGTERM arrives at once; the rank may take a moment to go
+        while _running(orphan):
+            assert time.time() < deadline, f"rank 1 (pid {orphan}) outlived its killed launcher"
+            time.sleep(0.1)
+        frozen[0].wait(timeout=120)
+        waited_frozen = time.time() - t_frozen
     finally:
-        for pid in frozen:
+        for pid in stopped:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        for proc in procs:
+        if orphan is not None and _running(orphan):
+            os.kill(orphan, signal.SIGKILL)
+        for proc in (*frozen, *killed):
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+                kill_run(proc)
             proc.wait(timeout=30)
-    assert "world size 2" in output  # the two nodes trained together until the freeze (epoch 0 was saved)
-    assert procs[0].returncode != 0
-    assert waited < 9 + 60, waited  # the 9 s timeout, the heartbeat check and the launcher's own shutdown
-    assert "rank 0: a collective failed" in output and "rank(s) 1 stopped answering" in output, output[-3000:]
+    # Frozen: the 9 s timeout, the heartbeat check and the launcher's own shutdown. Killed: the default --dist-timeout
+    # is 10 minutes, so this is no timeout.
+    assert waited_frozen < 9 + 60 and waited_killed < 60, (waited_frozen, waited_killed)
+    for name, node0 in (("frozen", frozen[0]), ("killed", killed[0])):
+        output = (tmp_path / name / "node0.log").read_text()
+        assert "world size 2" in output  # the two nodes trained together until the freeze or the kill
+        assert node0.returncode != 0, name
+        assert "rank 0: a collective failed" in output and "rank(s) 1 stopped answering" in output, output[-3000:]
 
 
 def _running(pid: int) -> bool:
@@ -143,40 +172,6 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
         assert proc.poll() is None, "training ended before the checkpoint appeared"
         assert time.time() < deadline, f"{path} did not appear"
         time.sleep(0.05)
-
-
-@pytest.mark.slow
-def test_a_node_whose_launcher_is_killed_loses_its_rank_too_and_the_other_exits_at_once(rectangles_yaml,
-                                                                                        tmp_path) -> None:
-    # Only node 1's launcher is killed -9 (as the OOM killer would): its rank must not train on unsupervised but
-    # end with it; its sockets close, so node 0 needs no timeout to notice.
-    port = free_port()
-    procs = [subprocess.Popen(train_cmd(rectangles_yaml, tmp_path, "--epochs", "50", "--noplots", "--noval", nproc=1,
-                                        nnodes=2, node_rank=r, port=port),
-                              cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True) for r in (0, 1)]
-    orphan = None
-    try:
-        _wait_for(tmp_path / "exp/weights/last.pt", procs[0])
-        orphan = rank_pid(procs[1], 1)
-        os.kill(procs[1].pid, signal.SIGKILL)
-        t_killed = time.time()
-        output = procs[0].communicate(timeout=120)[0]
-        waited = time.time() - t_killed
-        deadline = time.time() + 10  # the kernel's SIGTERM arrives at once; the rank may take a moment to go
-        while _running(orphan):
-            assert time.time() < deadline, f"rank 1 (pid {orphan}) outlived its killed launcher"
-            time.sleep(0.1)
-    finally:
-        if orphan is not None and _running(orphan):
-            os.kill(orphan, signal.SIGKILL)
-        for proc in procs:
-            if proc.poll() is None:
-                kill_run(proc)
-            proc.wait(timeout=30)
-    assert procs[0].returncode != 0
-    assert waited < 60, waited  # the default --dist-timeout is 10 minutes: this is no timeout
-    assert "rank 0: a collective failed" in output and "rank(s) 1 stopped answering" in output, output[-3000:]
 
 
 # Not anchored at a line start: rank 0's progress bar (stderr, carriage returns) shares the file with the log.
