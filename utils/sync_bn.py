@@ -1,4 +1,4 @@
-"""Synchronised BatchNorm for every backend: torch's own with NCCL, an all-reduce version with gloo (CPU or shared GPU)."""
+"""Synchronised BatchNorm: torch's own with NCCL, an all-reduce version with gloo (on the CPU or a shared GPU)."""
 from __future__ import annotations
 
 import torch
