@@ -17,6 +17,11 @@ from utils.errors import UserError
 from utils.log import LOGGER
 
 
+def _device_spec(device: str) -> str:
+    """--device as written, in one form: 'cuda:0, 1' is '0,1'."""
+    return str(device).strip().lower().replace("cuda:", "").replace(" ", "")
+
+
 def select_device(device: str = "", local_rank: int = -1, local_world_size: int = 1) -> torch.device:
     """This process's device for --device '' (CUDA if present, else CPU), 'cpu', '0' or '0,1,2,3'.
 
@@ -25,7 +30,7 @@ def select_device(device: str = "", local_rank: int = -1, local_world_size: int 
     points have made only those visible (utils/process.py); called without that (the Python API), the list indexes
     the GPUs CUDA sees.
     """
-    spec = str(device).strip().lower().replace("cuda:", "").replace(" ", "")
+    spec = _device_spec(device)
     if spec == "cpu":
         chosen = torch.device("cpu")
         ids: list[str] = []
@@ -66,7 +71,7 @@ def select_device(device: str = "", local_rank: int = -1, local_world_size: int 
 
 def local_ranks_share_a_gpu(device: str, local_world_size: int) -> bool:
     """Whether --device gives one GPU to several ranks of this machine ('0,0'): NCCL refuses that, gloo does not."""
-    ids = str(device).strip().lower().replace("cuda:", "").replace(" ", "").split(",")[:max(local_world_size, 1)]
+    ids = _device_spec(device).split(",")[:max(local_world_size, 1)]
     return all(i.isdigit() for i in ids) and len(set(ids)) < len(ids)
 
 
