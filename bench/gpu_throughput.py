@@ -15,7 +15,6 @@ trainer's output is kept in ``--out``, every line stamped with the seconds since
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import subprocess
@@ -29,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.ultralytics_side_by_side import ROOT, ultralytics_env, ultralytics_train_cmd  # noqa: E402
 from utils.data.shapes import SHAPE_NAMES, generate_shapes  # noqa: E402
+from utils.plots import read_results_csv  # noqa: E402
 
 SAVE_BURST_S = 0.5  # changes to the checkpoint closer together than this are one save
 
@@ -108,9 +108,8 @@ def images_per_s(saves: list[float], n_images: int, epochs: int) -> tuple[float,
 
 
 def our_data_share(results_csv: Path) -> list[float]:
-    with open(results_csv, newline="") as f:
-        rows = [{k.strip(): v.strip() for k, v in r.items()} for r in csv.DictReader(f)]
-    return [float(r["time/data"]) for r in rows]
+    header, values = read_results_csv(results_csv)
+    return values[:, header.index("time/data")].tolist()
 
 
 def main() -> int:
@@ -125,6 +124,10 @@ def main() -> int:
     p.add_argument("--device", default="0")
     p.add_argument("--out", default=str(ROOT / "runs/bench_gpu_throughput"))
     args = p.parse_args()
+    if args.epochs < 4:
+        p.error(f"--epochs {args.epochs}: at least 4 (epoch 0 and the last one are not timed)")
+    if args.ultralytics_python and not Path(args.ultralytics_python).is_file():
+        p.error(f"--ultralytics-python {args.ultralytics_python}: no such file")
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -41,13 +41,19 @@ def test_select_device_missing_cuda_names_what_is_available(monkeypatch) -> None
         select_device("gpu")
 
 
-def test_select_device_picks_the_gpu_of_the_local_rank(monkeypatch) -> None:
-    # A node of a 2-node run: 8 ranks in all, 4 on this machine; no GPU is needed to check the choice.
+def _pretend_gpus(monkeypatch, count: int) -> None:
+    """CUDA with ``count`` GPUs as select_device sees it, none visible by CUDA_VISIBLE_DEVICES yet: no GPU needed."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"name": "fake", "total_memory": 1})())
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: type("P", (), {"name": "fake", "total_memory": 1})())
+
+
+def test_select_device_picks_the_gpu_of_the_local_rank(monkeypatch) -> None:
+    # A node of a 2-node run: 8 ranks in all, 4 on this machine; no GPU is needed to check the choice.
+    _pretend_gpus(monkeypatch, 4)
     assert select_device("0,1,2,3", local_rank=3, local_world_size=4) == torch.device("cuda", 3)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert visible_devices("2,3") == "CUDA_VISIBLE_DEVICES=2,3 (from --device; set before CUDA starts)"  # start-up
@@ -65,11 +71,7 @@ def test_a_node_of_a_multi_node_run_checks_devices_against_its_own_ranks(monkeyp
     monkeypatch.setenv("LOCAL_RANK", "2")
     info = dist_info()
     assert (info.rank, info.local_rank, info.world_size, info.local_world_size) == (6, 2, 8, 4)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"name": "fake", "total_memory": 1})())
+    _pretend_gpus(monkeypatch, 4)
     device = select_device("0,1,2,3", local_rank=info.local_rank, local_world_size=info.local_world_size)
     assert device == torch.device("cuda", 2)  # 4 GPUs for the node's 4 ranks, not for all 8
 
@@ -77,11 +79,7 @@ def test_a_node_of_a_multi_node_run_checks_devices_against_its_own_ranks(monkeyp
 def test_two_ranks_can_share_one_gpu_over_gloo(monkeypatch) -> None:
     # '--device 0,0' under `--nproc_per_node 2`: GPU 0 is made visible once (CUDA stops reading the list at a repeated
     # id) and both ranks take it; NCCL refuses two ranks on one device, so they join over gloo.
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"name": "fake", "total_memory": 1})())
+    _pretend_gpus(monkeypatch, 1)
     assert visible_devices("0,0") == "CUDA_VISIBLE_DEVICES=0 (from --device; set before CUDA starts)"
     assert [select_device("0,0", local_rank=r, local_world_size=2) for r in (0, 1)] == [torch.device("cuda", 0)] * 2
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # '3,3': the one visible GPU is index 0

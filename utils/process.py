@@ -24,6 +24,8 @@ import platform
 
 import torch
 
+from utils.torch_utils import device_spec
+
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 M_MMAP_MAX = -4
 TRIM_THRESHOLD = 1 << 30  # free memory at the top of the heap beyond this still goes back to the system
@@ -58,7 +60,7 @@ def _set_env(name: str, value: str) -> bool:
 def visible_devices(device: str) -> str:
     """CUDA_VISIBLE_DEVICES from --device ('cpu', '0' or '0,1,2,3'; '' leaves it), before CUDA starts; says what
     was set. A --device that is not valid is left to ``select_device`` to refuse."""
-    spec = str(device).strip().lower().replace("cuda:", "").replace(" ", "")
+    spec = device_spec(device)
     if spec == "cpu":
         value, why = "-1", "--device cpu: CUDA stays uninitialised"
     elif spec and all(i.isdigit() for i in spec.split(",")):

@@ -17,7 +17,7 @@ from utils.errors import UserError
 from utils.log import LOGGER
 
 
-def _device_spec(device: str) -> str:
+def device_spec(device: str) -> str:
     """--device as written, in one form: 'cuda:0, 1' is '0,1'."""
     return str(device).strip().lower().replace("cuda:", "").replace(" ", "")
 
@@ -30,7 +30,7 @@ def select_device(device: str = "", local_rank: int = -1, local_world_size: int 
     points have made only those visible (utils/process.py); called without that (the Python API), the list indexes
     the GPUs CUDA sees.
     """
-    spec = _device_spec(device)
+    spec = device_spec(device)
     if spec == "cpu":
         chosen = torch.device("cpu")
         ids: list[str] = []
@@ -71,7 +71,7 @@ def select_device(device: str = "", local_rank: int = -1, local_world_size: int 
 
 def local_ranks_share_a_gpu(device: str, local_world_size: int) -> bool:
     """Whether --device gives one GPU to several ranks of this machine ('0,0'): NCCL refuses that, gloo does not."""
-    ids = _device_spec(device).split(",")[:max(local_world_size, 1)]
+    ids = device_spec(device).split(",")[:max(local_world_size, 1)]
     return all(i.isdigit() for i in ids) and len(set(ids)) < len(ids)
 
 
