@@ -10,6 +10,7 @@ extreme aspect ratios, class imbalance (the thresholds are printed and settable)
 bytes) within a split and across splits, naming both files. Writes labels.jpg (class counts and box sizes of
 train) to --save-dir. With --strict the exit status is 1 on leaks across splits, corrupt files or label errors.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_imgsz(limits, help=f"the training image size the box sizes are judged at (default: {t.imgsz})")
     limits.add_argument("--min-box-px", type=float, default=t.min_box_px, help="tiny box: under this many pixels")
     limits.add_argument("--max-aspect", type=float, default=t.max_aspect, help="extreme box aspect ratio: above this")
-    limits.add_argument("--max-imbalance", type=float, default=t.max_imbalance,
-                        help="class imbalance warning: most / least common class instances above this")
+    limits.add_argument(
+        "--max-imbalance",
+        type=float,
+        default=t.max_imbalance,
+        help="class imbalance warning: most / least common class instances above this",
+    )
     output = p.add_argument_group("output")
     output.add_argument("--save-dir", default="runs/check_data", help="where labels.jpg is written")
     output.add_argument("--noplots", action="store_true", help="no labels.jpg")

@@ -12,6 +12,7 @@ Results go to runs/detect/exp (then exp2, ...): annotated images and videos, ``l
 or any file or folder export.py wrote; every format runs through the same predictor (utils/evaluation/predictor.py).
 Inputs that cannot be read are reported and skipped.
 """
+
 from __future__ import annotations
 
 from utils.versions import require_supported_versions
@@ -33,8 +34,7 @@ import numpy as np
 import torch
 
 from models.families import titles_by
-from utils.cli import (INFERENCE_IMGSZ_HELP, add_device, add_end2end, add_half, add_imgsz, add_run_folder,
-                       make_parser)
+from utils.cli import INFERENCE_IMGSZ_HELP, add_device, add_end2end, add_half, add_imgsz, add_run_folder, make_parser
 from utils.errors import UserError, run_reporting_errors
 from utils.log import LOGGER, colorstr, setup_logging
 from utils.process import setup_process
@@ -63,8 +63,16 @@ def draw_detection(img: np.ndarray, box: np.ndarray, label: str, colour: tuple[i
         above = p1[1] - th - 3 >= 0
         q2 = (p1[0] + tw, p1[1] - th - 3 if above else p1[1] + th + 3)
         cv2.rectangle(img, p1, q2, colour, -1, cv2.LINE_AA)
-        cv2.putText(img, label, (p1[0], p1[1] - 2 if above else p1[1] + th + 2), cv2.FONT_HERSHEY_SIMPLEX, font,
-                    (255, 255, 255), max(line - 1, 1), cv2.LINE_AA)
+        cv2.putText(
+            img,
+            label,
+            (p1[0], p1[1] - 2 if above else p1[1] + th + 2),
+            cv2.FONT_HERSHEY_SIMPLEX,
+            font,
+            (255, 255, 255),
+            max(line - 1, 1),
+            cv2.LINE_AA,
+        )
 
 
 def save_crop(img: np.ndarray, box: np.ndarray, path: Path, gain: float = 1.02, pad: int = 10) -> None:
@@ -106,8 +114,9 @@ class _Writers:
         self.videos = {}
 
 
-def _frame_batches(frames: Iterator[Any], predictor: Any, imgsz: int, batch_size: int, skipped: list[str]
-                   ) -> Iterator[tuple[list[Any], torch.Tensor, list[Any]]]:
+def _frame_batches(
+    frames: Iterator[Any], predictor: Any, imgsz: int, batch_size: int, skipped: list[str]
+) -> Iterator[tuple[list[Any], torch.Tensor, list[Any]]]:
     """Batches of same-shape letterboxed frames: (frames, uint8 (b, 3, h, w), ratio_pads). Unreadable frames are
     reported and skipped. The letterbox time counts as pre-processing."""
     from utils.evaluation.predictor import to_batch
@@ -140,8 +149,14 @@ def _predictor(opt: argparse.Namespace, device: torch.device) -> tuple[Any, int]
 
     runner = open_for_prediction(opt.weights, device, end2end=opt.end2end, augment=opt.augment, half=opt.half)
     meta = runner.meta
-    options = PredictOptions(conf_thres=opt.conf_thres, iou_thres=opt.iou_thres, max_det=opt.max_det,
-                             classes=opt.classes, agnostic=opt.agnostic_nms, augment=opt.augment)
+    options = PredictOptions(
+        conf_thres=opt.conf_thres,
+        iou_thres=opt.iou_thres,
+        max_det=opt.max_det,
+        classes=opt.classes,
+        agnostic=opt.agnostic_nms,
+        augment=opt.augment,
+    )
     predictor = Predictor(runner, family_of(meta.family), options, purpose="detect")
     imgsz = opt.imgsz
     if imgsz is None:
@@ -179,17 +194,28 @@ def run_options(opt: argparse.Namespace) -> DetectResults:
         if view:
             cv2.destroyAllWindows()
     results.speed = predictor.timer.per_image_ms()
-    print(f"Speed: %.1fms pre-process, %.1fms inference, %.1fms NMS per image ({predictor.timer.images} images, "
-          f"batch {batch_size})" % results.speed)
+    print(
+        f"Speed: %.1fms pre-process, %.1fms inference, %.1fms NMS per image ({predictor.timer.images} images, "
+        f"batch {batch_size})" % results.speed
+    )
     if results.skipped:
         print(f"{len(results.skipped)} input(s) skipped: {', '.join(results.skipped)}")
     n_labels = len(list((save_dir / "labels").glob("*.txt"))) if opt.save_txt else 0
-    print(f"Results saved to {colorstr(str(save_dir))}" + (f", {n_labels} label files in labels/" if opt.save_txt else ""))
+    print(
+        f"Results saved to {colorstr(str(save_dir))}" + (f", {n_labels} label files in labels/" if opt.save_txt else "")
+    )
     return results
 
 
-def _detect_all(opt: argparse.Namespace, predictor: Any, size: tuple[int, int], save_dir: Path, writers: _Writers,
-                view: bool, results: DetectResults) -> None:
+def _detect_all(
+    opt: argparse.Namespace,
+    predictor: Any,
+    size: tuple[int, int],
+    save_dir: Path,
+    writers: _Writers,
+    view: bool,
+    results: DetectResults,
+) -> None:
     """Every frame of --source: predicted in batches of ``size`` = (image size, batch size), then handled."""
     from utils.data.sources import iter_source
     from utils.evaluation.predictor import to_original
@@ -203,8 +229,9 @@ def _detect_all(opt: argparse.Namespace, predictor: Any, size: tuple[int, int], 
         for frame, ratio_pad, det in zip(frames, ratio_pads, pred.detections):
             det = to_original(det, input_hw, frame.image.shape[:2], ratio_pad).numpy()
             _handle_frame(frame, det, names, opt, save_dir, writers, view, results)
-            print(f"{_where(frame)} {frame.path}: {input_hw[0]}x{input_hw[1]} {_found(det, names)}, "
-                  f"{per_image_ms:.1f}ms")
+            print(
+                f"{_where(frame)} {frame.path}: {input_hw[0]}x{input_hw[1]} {_found(det, names)}, {per_image_ms:.1f}ms"
+            )
 
 
 def _where(frame: Any) -> str:
@@ -216,8 +243,16 @@ def _found(det: np.ndarray, names: list[str]) -> str:
     return ", ".join(f"{n} {name}{'s' if n > 1 else ''}" for name, n in counts.items()) or "no detections"
 
 
-def _handle_frame(frame: Any, det: np.ndarray, names: list[str], opt: argparse.Namespace, save_dir: Path,
-                  writers: _Writers, view: bool, results: DetectResults) -> None:
+def _handle_frame(
+    frame: Any,
+    det: np.ndarray,
+    names: list[str],
+    opt: argparse.Namespace,
+    save_dir: Path,
+    writers: _Writers,
+    view: bool,
+    results: DetectResults,
+) -> None:
     """Labels, crops, annotated image and display for one frame's detections (n, 6) in original pixels."""
     from utils.plots import class_colour
 
@@ -247,20 +282,28 @@ def _handle_frame(frame: Any, det: np.ndarray, names: list[str], opt: argparse.N
 def build_parser() -> argparse.ArgumentParser:
     parser = make_parser("Detect objects in images, videos or a webcam stream")
     data = parser.add_argument_group("data")
-    data.add_argument("--source", type=str, required=True,
-                      help="image, folder, glob, .txt list, video file or webcam index (0)")
+    data.add_argument(
+        "--source", type=str, required=True, help="image, folder, glob, .txt list, video file or webcam index (0)"
+    )
     add_imgsz(data, help=INFERENCE_IMGSZ_HELP)
     data.add_argument("--batch-size", type=int, default=1, help="images per forward pass")
     model = parser.add_argument_group("model and inference")
-    model.add_argument("--weights", type=str, required=True,
-                       help=".pt (ours, YOLOv5's or Ultralytics' detection model), or a file or folder export.py wrote "
-                            "(.onnx, .torchscript, ...)")
+    model.add_argument(
+        "--weights",
+        type=str,
+        required=True,
+        help=".pt (ours, YOLOv5's or Ultralytics' detection model), or a file or folder export.py wrote "
+        "(.onnx, .torchscript, ...)",
+    )
     model.add_argument("--conf-thres", type=float, default=0.25, help="confidence threshold")
-    model.add_argument("--iou-thres", type=float, default=None,
-                       help=f"NMS IoU threshold (default: the model family's, {titles_by(lambda f: f.detect_iou)})")
+    model.add_argument(
+        "--iou-thres",
+        type=float,
+        default=None,
+        help=f"NMS IoU threshold (default: the model family's, {titles_by(lambda f: f.detect_iou)})",
+    )
     model.add_argument("--max-det", type=int, default=1000, help="detections kept per image")
-    model.add_argument("--classes", nargs="+", type=int, help="keep only these classes: --classes 0 2 "
-                                                              "(default: all)")
+    model.add_argument("--classes", nargs="+", type=int, help="keep only these classes: --classes 0 2 (default: all)")
     model.add_argument("--agnostic-nms", action="store_true", help="NMS across classes")
     model.add_argument("--augment", action="store_true", help="test-time augmentation (scales and flips)")
     add_end2end(model)

@@ -16,6 +16,7 @@ One table gives format, precision, size, mAP50-95, its change and the latency pe
 every file set aside. The formats are modules of utils/formats/; each file carries its metadata where
 Ultralytics' exports keep it.
 """
+
 from __future__ import annotations
 
 from utils.versions import require_supported_versions
@@ -49,8 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = make_parser("Export a detector checkpoint and check each file on the user's data")
     model = parser.add_argument_group("model")
-    model.add_argument("--weights", type=str, required=True,
-                       help="checkpoint (.pt: this project's, YOLOv5's or Ultralytics' detection model)")
+    model.add_argument(
+        "--weights",
+        type=str,
+        required=True,
+        help="checkpoint (.pt: this project's, YOLOv5's or Ultralytics' detection model)",
+    )
     add_imgsz(model, help=INFERENCE_IMGSZ_HELP, pair=True)
     model.add_argument("--batch-size", type=int, default=1, help="batch size of the exported input")
     # Traced on the CPU unless asked otherwise, as YOLOv5 does: the exported graph does not depend on a GPU.
@@ -58,27 +63,48 @@ def build_parser() -> argparse.ArgumentParser:
     add_end2end(model)
     precision = parser.add_argument_group("precision of the written files (one per call; default fp32)")
     add_half(precision)
-    precision.add_argument("--int8", action="store_true",
-                           help="INT8 files, calibrated on images of --data's train split (needs --data)")
+    precision.add_argument(
+        "--int8", action="store_true", help="INT8 files, calibrated on images of --data's train split (needs --data)"
+    )
     output = parser.add_argument_group("output (written beside --weights)")
-    output.add_argument("--include", nargs="+", default=list(DEFAULT_INCLUDE),
-                        help=f"formats: {', '.join(export_names())}")
+    output.add_argument(
+        "--include", nargs="+", default=list(DEFAULT_INCLUDE), help=f"formats: {', '.join(export_names())}"
+    )
     output.add_argument("--dynamic", action="store_true", help="ONNX and OpenVINO: any batch size")
     output.add_argument("--opset", type=int, default=DEFAULT_OPSET, help="ONNX opset")
-    output.add_argument("--no-simplify", dest="simplify", action="store_false",
-                        help="ONNX: keep the graph as traced (default: simplified with onnxslim, when installed)")
-    output.add_argument("--nms", action="store_true",
-                        help="ONNX: NMS inside the graph; output (B, max-det, 6) = x1 y1 x2 y2 score class")
+    output.add_argument(
+        "--no-simplify",
+        dest="simplify",
+        action="store_false",
+        help="ONNX: keep the graph as traced (default: simplified with onnxslim, when installed)",
+    )
+    output.add_argument(
+        "--nms",
+        action="store_true",
+        help="ONNX: NMS inside the graph; output (B, max-det, 6) = x1 y1 x2 y2 score class",
+    )
     output.add_argument("--conf-thres", type=float, default=DETECT_CONF, help="--nms: confidence threshold")
-    output.add_argument("--iou-thres", type=float, default=None,
-                        help=f"--nms: NMS IoU threshold (default: detect.py's, {titles_by(lambda f: f.detect_iou)})")
+    output.add_argument(
+        "--iou-thres",
+        type=float,
+        default=None,
+        help=f"--nms: NMS IoU threshold (default: detect.py's, {titles_by(lambda f: f.detect_iou)})",
+    )
     output.add_argument("--max-det", type=int, default=DETECT_MAX_DET, help="--nms: detections kept per image")
     gate = parser.add_argument_group("accuracy gate")
-    gate.add_argument("--data", type=str, default=None,
-                      help="dataset YAML: validate every file on its val split against the PyTorch model (and "
-                           "calibrate --int8 on its train split)")
-    gate.add_argument("--max-drop", type=float, default=None,
-                      help="largest allowed mAP50-95 drop, absolute (default: 0.001 fp32, 0.003 fp16, 0.01 int8)")
+    gate.add_argument(
+        "--data",
+        type=str,
+        default=None,
+        help="dataset YAML: validate every file on its val split against the PyTorch model (and "
+        "calibrate --int8 on its train split)",
+    )
+    gate.add_argument(
+        "--max-drop",
+        type=float,
+        default=None,
+        help="largest allowed mAP50-95 drop, absolute (default: 0.001 fp32, 0.003 fp16, 0.01 int8)",
+    )
     return parser
 
 
@@ -161,8 +187,11 @@ def prepare(opt: argparse.Namespace) -> tuple[Source, list[Any]]:
         raise UserError(missing_weights_message(weights, "weights file"))
     runner = load_pytorch(weights, select_device(opt.device))
     family = family_of(runner.meta.family)
-    nms = NmsSpec(opt.conf_thres, family.detect_iou if opt.iou_thres is None else opt.iou_thres, opt.max_det) \
-        if opt.nms else None
+    nms = (
+        NmsSpec(opt.conf_thres, family.detect_iou if opt.iou_thres is None else opt.iou_thres, opt.max_det)
+        if opt.nms
+        else None
+    )
     options = ExportOptions(opset=opt.opset, dynamic=opt.dynamic, simplify=opt.simplify, nms=nms, end2end=opt.end2end)
     formats = _formats(opt, precision, options)
     if opt.end2end:
@@ -185,11 +214,24 @@ def export_one(fmt: Any, source: Source, weights: Path) -> tuple[Path, str]:
 
     path = fmt.output_path(weights, source.precision)
     nms = source.options.nms
-    meta = source.meta.copy(kind=fmt.name, precision=source.precision, nms=None if nms is None else nms.as_dict(),
-                            layout="end2end" if nms is not None else source.meta.layout)
-    job = ExportJob(module=source.module, model=source.runner.model, family=source.family, example=source.example,
-                    meta=meta, path=path, precision=source.precision, options=source.options,
-                    int8_scope=source.family.int8_float_scope(source.runner.model), calibration=source.calibration)
+    meta = source.meta.copy(
+        kind=fmt.name,
+        precision=source.precision,
+        nms=None if nms is None else nms.as_dict(),
+        layout="end2end" if nms is not None else source.meta.layout,
+    )
+    job = ExportJob(
+        module=source.module,
+        model=source.runner.model,
+        family=source.family,
+        example=source.example,
+        meta=meta,
+        path=path,
+        precision=source.precision,
+        options=source.options,
+        int8_scope=source.family.int8_float_scope(source.runner.model),
+        calibration=source.calibration,
+    )
     t0 = time.time()
     note = fmt.write(job)
     runner = fmt.open(path, source.runner.device)
@@ -201,8 +243,10 @@ def export_one(fmt: Any, source: Source, weights: Path) -> tuple[Path, str]:
         shown = "n/a (INT8: the gate judges it)" if diff != diff else f"{diff:.3g}"
     except Rejected as e:
         reason, shown = str(e), "past the tolerance"
-    print(f"{fmt.name}: {path} ({file_size(path) / 1e6:.1f} MB, {note}, {time.time() - t0:.1f}s); "
-          f"max abs difference from PyTorch {shown}")
+    print(
+        f"{fmt.name}: {path} ({file_size(path) / 1e6:.1f} MB, {note}, {time.time() - t0:.1f}s); "
+        f"max abs difference from PyTorch {shown}"
+    )
     if source.gate is not None:
         reason = source.gate.judge(fmt.name, path, runner, failed=reason).rejected
     del runner  # the runtime lets go of the file before it is renamed
@@ -216,9 +260,11 @@ def export_one(fmt: Any, source: Source, weights: Path) -> tuple[Path, str]:
 def run_options(opt: argparse.Namespace) -> list[Path]:
     source, formats = prepare(opt)
     weights = Path(opt.weights)
-    LOGGER.info(f"{colorstr('export:')} {weights} input {tuple(source.example.shape)} ({source.meta.family}, "
-                f"{source.meta.layout} layout), {source.meta.nc} classes, stride {source.meta.stride}, "
-                f"{source.precision}")
+    LOGGER.info(
+        f"{colorstr('export:')} {weights} input {tuple(source.example.shape)} ({source.meta.family}, "
+        f"{source.meta.layout} layout), {source.meta.nc} classes, stride {source.meta.stride}, "
+        f"{source.precision}"
+    )
     if opt.data:
         from utils.evaluation.gate import AccuracyGate
 
@@ -226,8 +272,9 @@ def run_options(opt: argparse.Namespace) -> list[Path]:
         if source.precision == "int8":
             from utils.evaluation.calibration import make_calibration
 
-            source.calibration = make_calibration(source.gate.data_cfg, source.imgsz[0], source.meta.stride,
-                                                  source.family, workers=source.gate.workers)
+            source.calibration = make_calibration(
+                source.gate.data_cfg, source.imgsz[0], source.meta.stride, source.family, workers=source.gate.workers
+            )
     kept, rejected = [], []
     for fmt in formats:
         path, reason = export_one(fmt, source, weights)

@@ -10,6 +10,7 @@ training) and a ``wids`` shard list (``DIR/<split>-index.json``: URL and sample 
 ``DIR/data.yaml`` naming the shards. Images and labels are verified on the way in with the label cache's checks;
 what is skipped is counted and reported.
 """
+
 from __future__ import annotations
 
 from utils.versions import require_supported_versions
@@ -55,15 +56,18 @@ def label_text(labels: np.ndarray) -> str:
     return "".join(f"{int(r[0])} {r[1]:.9g} {r[2]:.9g} {r[3]:.9g} {r[4]:.9g}\n" for r in labels)
 
 
-def write_split(label_set: LabelTable, root: Path, out: Path, split: str, max_bytes: float, max_count: int) -> list[str]:
+def write_split(
+    label_set: LabelTable, root: Path, out: Path, split: str, max_bytes: float, max_count: int
+) -> list[str]:
     """Write one split's shards; returns their file names in order."""
     import webdataset
 
     out.mkdir(parents=True, exist_ok=True)
     used: set[str] = set()
     pattern = str(out / f"{split}-%06d.tar")
-    with webdataset.ShardWriter(pattern, maxcount=max_count, maxsize=max_bytes, verbose=0,
-                                start_shard=0, post=None) as writer:
+    with webdataset.ShardWriter(
+        pattern, maxcount=max_count, maxsize=max_bytes, verbose=0, start_shard=0, post=None
+    ) as writer:
         for im_file, labels in zip(label_set.im_files, label_set.labels):
             ext = Path(im_file).suffix.lower().lstrip(".")
             ext = "jpg" if ext == "jpeg" else ext
@@ -78,8 +82,9 @@ def brace_pattern(split: str, files: list[str]) -> str:
     return f"{split}-{{000000..{len(files) - 1:06d}}}.tar" if len(files) > 1 else files[0]
 
 
-def convert(data: str, out: str | Path, max_size_mb: float = 1000.0, max_count: int = 10000,
-            workers: int = WORKERS) -> Path:
+def convert(
+    data: str, out: str | Path, max_size_mb: float = 1000.0, max_count: int = 10000, workers: int = WORKERS
+) -> Path:
     """Convert every split of ``data``; returns the path of the new data YAML."""
     if max_size_mb <= 0 or max_count < 1:
         raise UserError(f"--max-size {max_size_mb} and --max-count {max_count} must be positive")
@@ -93,17 +98,25 @@ def convert(data: str, out: str | Path, max_size_mb: float = 1000.0, max_count: 
             continue
         if isinstance(source, ShardSet):
             raise UserError(f"{cfg['yaml_file']}: '{split}' already names shards")
-        label_set = load_labels(source, nc=cfg["nc"], workers=workers, prefix=f"{split}: ")  # any form: files, COCO, VOC
+        label_set = load_labels(
+            source, nc=cfg["nc"], workers=workers, prefix=f"{split}: "
+        )  # any form: files, COCO, VOC
         files = write_split(label_set, root, out, split, max_size_mb * 1e6, max_count)
         shards = ShardSet(tuple(str(out / f) for f in files), f"{out}/{split}")
         index = load_shard_index(shards, nc=cfg["nc"], workers=workers, prefix=f"{split}: ", verbose=False)
-        wids_index = {"__kind__": "wids-shard-index-v1", "wids_version": 1, "name": split,
-                      "shardlist": [{"url": f, "nsamples": int(c)} for f, c in zip(files, index.shard_counts)]}
+        wids_index = {
+            "__kind__": "wids-shard-index-v1",
+            "wids_version": 1,
+            "name": split,
+            "shardlist": [{"url": f, "nsamples": int(c)} for f, c in zip(files, index.shard_counts)],
+        }
         (out / f"{split}-index.json").write_text(json.dumps(wids_index, indent=1))
         skipped = label_set.counts.get("corrupt", 0)
-        LOGGER.info(f"{split}: {len(label_set.im_files)} samples in {len(files)} shard(s) written to {out}; "
-                    f"{skipped} corrupt image(s) or label file(s) skipped, "
-                    f"{label_set.counts.get('duplicates', 0)} duplicate row(s) dropped")
+        LOGGER.info(
+            f"{split}: {len(label_set.im_files)} samples in {len(files)} shard(s) written to {out}; "
+            f"{skipped} corrupt image(s) or label file(s) skipped, "
+            f"{label_set.counts.get('duplicates', 0)} duplicate row(s) dropped"
+        )
         new_cfg[split] = brace_pattern(split, files)
     yaml_out = out / "data.yaml"
     yaml_out.write_text(yaml.safe_dump(new_cfg, sort_keys=False))

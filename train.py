@@ -8,6 +8,7 @@
 
 This file is the command line: its options, the presets, and one call into the engine (utils/engine/).
 """
+
 from __future__ import annotations
 
 import time
@@ -53,92 +54,156 @@ def build_parser() -> argparse.ArgumentParser:
     p = make_parser(__doc__)
     data = p.add_argument_group("data")
     data.add_argument("--data", default=str(DEMO_DATA), help="data YAML (default: the built-in shapes demo)")
-    add_imgsz(data, help=f"train and val size (default: {DEMO_PRESET['imgsz']} on the built-in demo, "
-                         f"{DATASET_PRESET['imgsz']} on any other --data)")
+    add_imgsz(
+        data,
+        help=f"train and val size (default: {DEMO_PRESET['imgsz']} on the built-in demo, "
+        f"{DATASET_PRESET['imgsz']} on any other --data)",
+    )
     data.add_argument("--rect", action="store_true", help="rectangular training batches (no mosaic)")
     data.add_argument("--single-cls", action="store_true", help="train every class as one")
-    data.add_argument("--cache", nargs="?", const="ram", default="auto", choices=["auto", "ram", "disk", "off"],
-                      help="cache decoded images: auto (in RAM when the dataset is small), ram, disk, off "
-                           "(default: auto)")
+    data.add_argument(
+        "--cache",
+        nargs="?",
+        const="ram",
+        default="auto",
+        choices=["auto", "ram", "disk", "off"],
+        help="cache decoded images: auto (in RAM when the dataset is small), ram, disk, off (default: auto)",
+    )
     add_workers(data)
-    data.add_argument("--shard-window", type=int, default=1000,
-                      help="tar shards: samples shuffled together (and mosaic partners drawn from) within an epoch")
-    data.add_argument("--resampled", action="store_true",
-                      help="tar shards: draw shards with replacement (WebDataset's resampled mode; approximate epochs)")
+    data.add_argument(
+        "--shard-window",
+        type=int,
+        default=1000,
+        help="tar shards: samples shuffled together (and mosaic partners drawn from) within an epoch",
+    )
+    data.add_argument(
+        "--resampled",
+        action="store_true",
+        help="tar shards: draw shards with replacement (WebDataset's resampled mode; approximate epochs)",
+    )
 
     model = p.add_argument_group("model")
-    model.add_argument("--weights", default="", help="checkpoint to start from (ours or YOLOv5's; '' trains from "
-                                                     "scratch)")
-    model.add_argument("--cfg", default=None,
-                       help=f"model YAML (default: the config inside --weights; from scratch {DEMO_PRESET['cfg']} on "
-                            f"the built-in demo, {DATASET_PRESET['cfg']} on any other --data)")
-    model.add_argument("--freeze", nargs="+", type=int, default=[0],
-                       help="freeze the first N layers, or listed layers")
+    model.add_argument(
+        "--weights", default="", help="checkpoint to start from (ours or YOLOv5's; '' trains from scratch)"
+    )
+    model.add_argument(
+        "--cfg",
+        default=None,
+        help=f"model YAML (default: the config inside --weights; from scratch {DEMO_PRESET['cfg']} on "
+        f"the built-in demo, {DATASET_PRESET['cfg']} on any other --data)",
+    )
+    model.add_argument("--freeze", nargs="+", type=int, default=[0], help="freeze the first N layers, or listed layers")
     model.add_argument("--noautoanchor", action="store_true", help="keep the model's anchors as they are")
-    model.add_argument("--sync-bn", action="store_true",
-                       help="synchronised BatchNorm across ranks (DDP); on one CPU process: exact two-pass statistics")
+    model.add_argument(
+        "--sync-bn",
+        action="store_true",
+        help="synchronised BatchNorm across ranks (DDP); on one CPU process: exact two-pass statistics",
+    )
 
     add_schedule_options(p.add_argument_group("schedule"))
     augmentation = p.add_argument_group("augmentation (the rates are in --hyp)")
     augmentation.add_argument("--multi-scale", action="store_true", help="vary the image size by +/- 50%% per batch")
-    augmentation.add_argument("--close-mosaic", type=int, default=10,
-                              help="train the last N epochs without mosaic and mixup")
-    augmentation.add_argument("--image-weights", action="store_true",
-                              help="draw each epoch's images weighted by their classes' difficulty (last "
-                                   "validation's mAP)")
+    augmentation.add_argument(
+        "--close-mosaic", type=int, default=10, help="train the last N epochs without mosaic and mixup"
+    )
+    augmentation.add_argument(
+        "--image-weights",
+        action="store_true",
+        help="draw each epoch's images weighted by their classes' difficulty (last validation's mAP)",
+    )
     augmentation.add_argument("--quad", action="store_true", help="merge every 4 training images into one at 2x size")
 
     distributed = p.add_argument_group("device and distributed runs")
     add_device(distributed)
-    distributed.add_argument("--dist-timeout", type=float, default=10.0,
-                             help="minutes a collective may wait for a rank before the run stops (DDP)")
+    distributed.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=10.0,
+        help="minutes a collective may wait for a rank before the run stops (DDP)",
+    )
     # torch.distributed.launch and older scripts pass these; LOCAL_RANK from the environment is what counts.
     distributed.add_argument("--local-rank", "--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
 
     output = p.add_argument_group("output and checkpoints")
     add_run_folder(output, "train")
-    output.add_argument("--resume", nargs="?", const=True, default=False,
-                        help="resume the latest run (the newest last.pt under --project), or PATH/last.pt")
+    output.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=False,
+        help="resume the latest run (the newest last.pt under --project), or PATH/last.pt",
+    )
     output.add_argument("--nosave", action="store_true", help="only save the final checkpoint")
     output.add_argument("--noplots", action="store_true", help="write no plots")
-    output.add_argument("--save-period", type=int, default=-1,
-                        help="also save epochN.pt every N epochs (< 1: never)")
-    output.add_argument("--save-steps", type=int, default=0,
-                        help="also save last.pt every N optimizer steps (0: never)")
-    output.add_argument("--save-minutes", type=float, default=10.0,
-                        help="save last.pt inside an epoch once this many minutes passed since the last save (0: "
-                             "never)")
-    output.add_argument("--loggers", nargs="*", default=list(DEFAULT_TRACKERS), choices=TRACKER_NAMES, metavar="NAME",
-                        help=f"experiment trackers, any of {', '.join(TRACKER_NAMES)} (--loggers alone: none, "
-                             f"results.csv only)")
-    output.add_argument("--profile", type=int, default=0, metavar="N",
-                        help="write a torch.profiler trace of N optimizer steps to the run folder (profile.json, "
-                             "Chrome's trace format; 0: none)")
+    output.add_argument("--save-period", type=int, default=-1, help="also save epochN.pt every N epochs (< 1: never)")
+    output.add_argument(
+        "--save-steps", type=int, default=0, help="also save last.pt every N optimizer steps (0: never)"
+    )
+    output.add_argument(
+        "--save-minutes",
+        type=float,
+        default=10.0,
+        help="save last.pt inside an epoch once this many minutes passed since the last save (0: never)",
+    )
+    output.add_argument(
+        "--loggers",
+        nargs="*",
+        default=list(DEFAULT_TRACKERS),
+        choices=TRACKER_NAMES,
+        metavar="NAME",
+        help=f"experiment trackers, any of {', '.join(TRACKER_NAMES)} (--loggers alone: none, results.csv only)",
+    )
+    output.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="write a torch.profiler trace of N optimizer steps to the run folder (profile.json, "
+        "Chrome's trace format; 0: none)",
+    )
     return p
 
 
 def add_schedule_options(schedule: argparse._ArgumentGroup) -> None:
     """The run's length, optimisation, seed, precision and evolution."""
-    schedule.add_argument("--epochs", type=int, default=None,
-                          help=f"total training epochs, with --resume: extend the run (default: "
-                               f"{DEMO_PRESET['epochs']} on the built-in demo, {DATASET_PRESET['epochs']} on any "
-                               f"other --data)")
+    schedule.add_argument(
+        "--epochs",
+        type=int,
+        default=None,
+        help=f"total training epochs, with --resume: extend the run (default: "
+        f"{DEMO_PRESET['epochs']} on the built-in demo, {DATASET_PRESET['epochs']} on any "
+        f"other --data)",
+    )
     schedule.add_argument("--time", type=float, default=None, help="train for this many hours (overrides --epochs)")
     schedule.add_argument("--batch-size", type=int, default=16, help="total batch size over all ranks")
-    schedule.add_argument("--hyp", default="", help="hyper-parameter YAML (default: the model family's: "
-                          f"{titles_by(lambda family: family.default_hyp, '{value} for {titles}')})")
-    schedule.add_argument("--optimizer", default="auto", choices=["auto", "SGD", "Adam", "AdamW"],
-                          help="auto: AdamW for short runs, SGD for long ones (see utils/optimizer.py)")
+    schedule.add_argument(
+        "--hyp",
+        default="",
+        help="hyper-parameter YAML (default: the model family's: "
+        f"{titles_by(lambda family: family.default_hyp, '{value} for {titles}')})",
+    )
+    schedule.add_argument(
+        "--optimizer",
+        default="auto",
+        choices=["auto", "SGD", "Adam", "AdamW"],
+        help="auto: AdamW for short runs, SGD for long ones (see utils/optimizer.py)",
+    )
     schedule.add_argument("--cos-lr", action="store_true", help="cosine learning-rate decay instead of linear")
     schedule.add_argument("--label-smoothing", type=float, default=0.0, help="label smoothing epsilon")
-    schedule.add_argument("--patience", type=int, default=100,
-                          help="stop after this many epochs without improvement (0: never)")
-    schedule.add_argument("--noval", action="store_true",
-                          help="only validate after the final epoch (no early stopping)")
+    schedule.add_argument(
+        "--patience", type=int, default=100, help="stop after this many epochs without improvement (0: never)"
+    )
+    schedule.add_argument(
+        "--noval", action="store_true", help="only validate after the final epoch (no early stopping)"
+    )
     schedule.add_argument("--seed", type=int, default=0, help="global seed: model init, data order, augmentations")
     schedule.add_argument("--deterministic", action="store_true", help="bit-for-bit repeatable kernels (slower)")
-    schedule.add_argument("--amp", action=argparse.BooleanOptionalAction, default=True,
-                          help="mixed precision where it helps: fp16 on CUDA, bf16 on CPUs with native bf16")
+    schedule.add_argument(
+        "--amp",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="mixed precision where it helps: fp16 on CUDA, bf16 on CPUs with native bf16",
+    )
     add_search_options(schedule)
 
 
@@ -188,7 +253,9 @@ def preset_line(opt: argparse.Namespace, explicit: set[str]) -> str | None:
     taken = [f"--{k} {v}" for k, v in preset_values(opt, preset).items() if k not in explicit]
     if opt.resume or not taken:
         return None
-    budget = f", fewer if the whole run would not end within {DEMO_TIME_BUDGET_S} s" if demo_budget(opt, explicit) else ""
+    budget = (
+        f", fewer if the whole run would not end within {DEMO_TIME_BUDGET_S} s" if demo_budget(opt, explicit) else ""
+    )
     return f"defaults: {' '.join(taken)}{budget} (preset: {name})"
 
 
@@ -208,9 +275,11 @@ def make_launch(opt: argparse.Namespace, explicit: set[str]) -> Launch:
     given = explicit & set(field_names())
     if "time" in given:  # --time replaces a stored budget entirely
         given |= {"time_includes_startup", "time_max_epochs"}
-    resume = ResumeRequest(path=opt.resume if isinstance(opt.resume, str) else None,
-                           latest_under=tuple(map(str, resume_search(opt, explicit))) if opt.resume is True else (),
-                           explicit=frozenset(given))
+    resume = ResumeRequest(
+        path=opt.resume if isinstance(opt.resume, str) else None,
+        latest_under=tuple(map(str, resume_search(opt, explicit))) if opt.resume is True else (),
+        explicit=frozenset(given),
+    )
     return Launch(TrainConfig(**values), resume, PROCESS_STARTED)
 
 

@@ -6,6 +6,7 @@ Usage:
 This is the command line: any weights file or export runs through the predictor and the evaluator
 (utils/evaluation), the same ones training's ``utils.validation.validate`` and export.py's accuracy gate use.
 """
+
 from __future__ import annotations
 
 from utils.versions import require_supported_versions
@@ -19,8 +20,16 @@ from typing import Any
 
 
 from models.families import titles_by
-from utils.cli import (INFERENCE_IMGSZ_HELP, add_device, add_end2end, add_half, add_imgsz, add_run_folder,
-                       add_workers, make_parser)
+from utils.cli import (
+    INFERENCE_IMGSZ_HELP,
+    add_device,
+    add_end2end,
+    add_half,
+    add_imgsz,
+    add_run_folder,
+    add_workers,
+    make_parser,
+)
 from utils.errors import UserError, run_reporting_errors
 from utils.log import LOGGER, colorstr, setup_logging
 from utils.process import setup_process
@@ -33,6 +42,7 @@ TASKS = ("val", "test", "speed")
 
 # ---- command line ----------------------------------------------------------------------------------------
 
+
 def build_parser() -> argparse.ArgumentParser:
     """val.py's options and their defaults (the only place they are declared; ``run`` takes the same names)."""
     parser = make_parser("Validate a detector checkpoint on a dataset split")
@@ -44,15 +54,26 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--single-cls", action="store_true", help="treat every class as one")
     add_workers(data)
     model = parser.add_argument_group("model and inference")
-    model.add_argument("--weights", type=str, required=True,
-                       help="checkpoint (.pt: this project's, YOLOv5's or Ultralytics'), or a file or folder export.py "
-                            "wrote (.onnx, .torchscript, ...)")
+    model.add_argument(
+        "--weights",
+        type=str,
+        required=True,
+        help="checkpoint (.pt: this project's, YOLOv5's or Ultralytics'), or a file or folder export.py "
+        "wrote (.onnx, .torchscript, ...)",
+    )
     model.add_argument("--conf-thres", type=float, default=CONF_THRES, help="confidence threshold")
-    model.add_argument("--iou-thres", type=float, default=None,
-                       help=f"NMS IoU threshold (default: the model family's, {titles_by(lambda f: f.val_iou)})")
+    model.add_argument(
+        "--iou-thres",
+        type=float,
+        default=None,
+        help=f"NMS IoU threshold (default: the model family's, {titles_by(lambda f: f.val_iou)})",
+    )
     model.add_argument("--max-det", type=int, default=MAX_DET, help="detections kept per image")
-    model.add_argument("--augment", action="store_true",
-                       help="test-time augmentation (scales and flips); also runs and reports the plain pass")
+    model.add_argument(
+        "--augment",
+        action="store_true",
+        help="test-time augmentation (scales and flips); also runs and reports the plain pass",
+    )
     add_end2end(model)
     add_half(model)
     add_device(model)
@@ -98,8 +119,10 @@ def run_options(opt: argparse.Namespace) -> ValResults:
     runner = open_for_prediction(opt.weights, device, end2end=opt.end2end, augment=opt.augment, half=opt.half)
     nc = int(data_cfg["nc"])
     if not opt.single_cls and runner.meta.nc != nc:
-        raise UserError(f"{opt.weights}: the model predicts {runner.meta.nc} classes but {opt.data} has {nc}; "
-                        "use matching weights or --single-cls")
+        raise UserError(
+            f"{opt.weights}: the model predicts {runner.meta.nc} classes but {opt.data} has {nc}; "
+            "use matching weights or --single-cls"
+        )
     imgsz, batch_size, rect = input_size(opt, runner.meta)
     loader, save_dir = _loader_and_folder(opt, data_cfg, split, info, (imgsz, batch_size, rect), runner.meta.stride)
     if device.type == "cuda":  # the first CUDA call pays for context and kernel set-up: keep it out of the timings
@@ -110,17 +133,36 @@ def run_options(opt: argparse.Namespace) -> ValResults:
     return results
 
 
-def _passes(opt: argparse.Namespace, runner: Any, loader: Any, data_cfg: dict, split: str, save_dir: Path,
-            info: Any) -> ValResults:
+def _passes(
+    opt: argparse.Namespace, runner: Any, loader: Any, data_cfg: dict, split: str, save_dir: Path, info: Any
+) -> ValResults:
     """The validation pass; with --augment the plain pass first, on the same loader, for the comparison."""
     plain = None
     if opt.augment:
         LOGGER.info("Plain pass (for comparison with --augment):")
-        plain = _validate(opt, runner, loader, data_cfg, split, save_dir=None, augment=False, gather=info.is_distributed,
-                          main=info.is_main)
+        plain = _validate(
+            opt,
+            runner,
+            loader,
+            data_cfg,
+            split,
+            save_dir=None,
+            augment=False,
+            gather=info.is_distributed,
+            main=info.is_main,
+        )
         LOGGER.info("Test-time augmentation pass:")
-    results = _validate(opt, runner, loader, data_cfg, split, save_dir=save_dir, augment=opt.augment,
-                        gather=info.is_distributed, main=info.is_main)
+    results = _validate(
+        opt,
+        runner,
+        loader,
+        data_cfg,
+        split,
+        save_dir=save_dir,
+        augment=opt.augment,
+        gather=info.is_distributed,
+        main=info.is_main,
+    )
     if plain is not None:
         results.plain = plain
         LOGGER.info(tta_comparison(plain, results))
@@ -137,8 +179,10 @@ def input_size(opt: argparse.Namespace, meta: Any) -> tuple[int, int, bool]:
         LOGGER.info(f"image size {imgsz} ({source})")
     if meta.imgsz is not None:  # an exported file takes one input shape: square letterboxes of its size
         if meta.imgsz[0] != meta.imgsz[1]:
-            raise UserError(f"{opt.weights}: exported for {meta.imgsz[0]}x{meta.imgsz[1]} input; val.py needs a "
-                            "square one (export with a single --imgsz)")
+            raise UserError(
+                f"{opt.weights}: exported for {meta.imgsz[0]}x{meta.imgsz[1]} input; val.py needs a "
+                "square one (export with a single --imgsz)"
+            )
         if imgsz != meta.imgsz[0]:
             LOGGER.info(f"{opt.weights}: exported for {meta.imgsz[0]}x{meta.imgsz[1]} input; using that size")
         imgsz, rect = meta.imgsz[0], False  # a file fixed to a batch size runs any loader batch, that many at a time
@@ -148,29 +192,52 @@ def input_size(opt: argparse.Namespace, meta: Any) -> tuple[int, int, bool]:
     return imgsz, batch_size, rect
 
 
-def _loader_and_folder(opt: argparse.Namespace, data_cfg: dict, split: str, info: Any, shape: tuple[int, int, bool],
-                       stride: int) -> tuple[Any, Path]:
+def _loader_and_folder(
+    opt: argparse.Namespace, data_cfg: dict, split: str, info: Any, shape: tuple[int, int, bool], stride: int
+) -> tuple[Any, Path]:
     """This rank's loader over the split, and the run folder (named by rank 0)."""
     from utils.data.loader import create_dataloader, load_labels
     from utils.distributed import broadcast_object
     from utils.torch_utils import torch_distributed_zero_first
 
     imgsz, batch_size, rect = shape
-    save_dir = increment_path(Path(opt.project) / opt.name, exist_ok=opt.exist_ok, mkdir=True) \
-        if info.is_main else None
+    save_dir = increment_path(Path(opt.project) / opt.name, exist_ok=opt.exist_ok, mkdir=True) if info.is_main else None
     save_dir = Path(broadcast_object(str(save_dir), info))  # one run folder, named by rank 0
     nc = int(data_cfg["nc"])
     with torch_distributed_zero_first(info.local_rank):  # local rank 0 builds label caches and shard indexes
-        labels = load_labels(data_cfg[split], nc=nc, workers=opt.workers, prefix=colorstr(f"{split}: "),
-                             verbose=info.is_local_main)
-    loader, _ = create_dataloader(None, imgsz, batch_size, stride, augment=False, rect=rect, pad=0.5 if rect else 0.0,
-                                  world_size=info.world_size, global_rank=max(info.rank, 0), workers=opt.workers,
-                                  single_cls=opt.single_cls, nc=nc, prefix=colorstr(f"{split}: "), label_set=labels)
+        labels = load_labels(
+            data_cfg[split], nc=nc, workers=opt.workers, prefix=colorstr(f"{split}: "), verbose=info.is_local_main
+        )
+    loader, _ = create_dataloader(
+        None,
+        imgsz,
+        batch_size,
+        stride,
+        augment=False,
+        rect=rect,
+        pad=0.5 if rect else 0.0,
+        world_size=info.world_size,
+        global_rank=max(info.rank, 0),
+        workers=opt.workers,
+        single_cls=opt.single_cls,
+        nc=nc,
+        prefix=colorstr(f"{split}: "),
+        label_set=labels,
+    )
     return loader, save_dir
 
 
-def _validate(opt: argparse.Namespace, runner: Any, loader: Any, data_cfg: dict, split: str, save_dir: Path | None,
-              augment: bool, gather: bool, main: bool) -> ValResults:
+def _validate(
+    opt: argparse.Namespace,
+    runner: Any,
+    loader: Any,
+    data_cfg: dict,
+    split: str,
+    save_dir: Path | None,
+    augment: bool,
+    gather: bool,
+    main: bool,
+) -> ValResults:
     """One pass over the loader: the predictor at val.py's thresholds, the evaluator, and (with ``save_dir``) the
     outputs."""
     from utils.coco_json import json_identities
@@ -183,16 +250,34 @@ def _validate(opt: argparse.Namespace, runner: Any, loader: Any, data_cfg: dict,
     conf_thres, iou_thres, save_json = opt.conf_thres, opt.iou_thres, opt.save_json and save_dir is not None
     if opt.task == "speed":  # timing at deployment thresholds, not the mAP sweep
         conf_thres, iou_thres, save_json = 0.25, 0.45, False
-    options = PredictOptions(conf_thres=conf_thres, iou_thres=iou_thres, max_det=opt.max_det, multi_label=True,
-                             agnostic=opt.single_cls, augment=augment)
+    options = PredictOptions(
+        conf_thres=conf_thres,
+        iou_thres=iou_thres,
+        max_det=opt.max_det,
+        multi_label=True,
+        agnostic=opt.single_cls,
+        augment=augment,
+    )
     predictor = Predictor(runner, family_of(runner.meta.family), options)
-    evaluator = DetectionEvaluator(data_cfg["names"], single_cls=opt.single_cls,
-                                   confusion=save_dir is not None and not opt.noplots and main)
+    evaluator = DetectionEvaluator(
+        data_cfg["names"], single_cls=opt.single_cls, confusion=save_dir is not None and not opt.noplots and main
+    )
     if save_json:
         evaluator.json_ids = json_identities(loader.dataset, evaluator.names)
-    outputs = OutputOptions(save_dir=save_dir, main=main) if save_dir is None else OutputOptions(
-        save_dir=save_dir, plots=not opt.noplots, verbose=opt.verbose, save_json=save_json, save_txt=opt.save_txt,
-        save_conf=opt.save_conf, annotations_json=data_cfg.get("annotations") if split == "val" else None, main=main)
+    outputs = (
+        OutputOptions(save_dir=save_dir, main=main)
+        if save_dir is None
+        else OutputOptions(
+            save_dir=save_dir,
+            plots=not opt.noplots,
+            verbose=opt.verbose,
+            save_json=save_json,
+            save_txt=opt.save_txt,
+            save_conf=opt.save_conf,
+            annotations_json=data_cfg.get("annotations") if split == "val" else None,
+            main=main,
+        )
+    )
     return evaluate(predictor, loader, evaluator, ValOutputs(outputs, evaluator.names), gather=gather)
 
 

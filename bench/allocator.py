@@ -6,6 +6,7 @@ Each pair runs the same measurement in two new processes, glibc's default first,
 ``keep_freed_memory()``; prints images/s of both and their ratio (the machine's speed drifts, so compare
 within a pair).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,14 +62,30 @@ def main() -> None:
     for pair in range(args.pairs):
         runs = {}
         for mode in ("default", "keep"):
-            out = subprocess.run([sys.executable, __file__, "--child", mode, "--imgsz", str(args.imgsz),
-                                  "--batch-size", str(args.batch_size), "--steps", str(args.steps)],
-                                 capture_output=True, text=True, check=True).stdout
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--child",
+                    mode,
+                    "--imgsz",
+                    str(args.imgsz),
+                    "--batch-size",
+                    str(args.batch_size),
+                    "--steps",
+                    str(args.steps),
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
             runs[mode] = json.loads(out.splitlines()[-1])
         for part in ("train", "inference"):
             a, b = runs["default"][part], runs["keep"][part]
-            print(f"pair {pair + 1} {part:>9}: glibc default {a:6.1f} images/s, freed memory kept {b:6.1f} "
-                  f"images/s, {b / a:.2f}x")
+            print(
+                f"pair {pair + 1} {part:>9}: glibc default {a:6.1f} images/s, freed memory kept {b:6.1f} "
+                f"images/s, {b / a:.2f}x"
+            )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ split, are listed, not compared: they are measurements), and every tensor in the
 optimizer state, RNG state) must equal this one's bit for bit. Arguments after ``--`` go to both train.py runs.
 Exit status 0 when everything agrees; each difference is printed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,9 +28,31 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def train(checkout: Path, data: Path, project: Path, cfg: str, epochs: int, extra: list[str]) -> Path:
-    cmd = [sys.executable, str(checkout / "train.py"), "--data", str(data), "--cfg", cfg, "--epochs", str(epochs),
-           "--imgsz", "64", "--batch-size", "8", "--workers", "0", "--device", "cpu", "--deterministic", "--noplots",
-           "--project", str(project), "--name", "exp", *extra]
+    cmd = [
+        sys.executable,
+        str(checkout / "train.py"),
+        "--data",
+        str(data),
+        "--cfg",
+        cfg,
+        "--epochs",
+        str(epochs),
+        "--imgsz",
+        "64",
+        "--batch-size",
+        "8",
+        "--workers",
+        "0",
+        "--device",
+        "cpu",
+        "--deterministic",
+        "--noplots",
+        "--project",
+        str(project),
+        "--name",
+        "exp",
+        *extra,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(checkout), PYTHONDONTWRITEBYTECODE="1")
     done = subprocess.run(cmd, cwd=checkout, env=env, capture_output=True, text=True)
     if done.returncode:
@@ -53,8 +76,11 @@ def tensor_differences(reference: Any, other: Any, where: str = "last.pt") -> li
         return [d for k, v in reference.items() for d in tensor_differences(v, other.get(k), f"{where}[{k!r}]")]
     if isinstance(reference, (list, tuple)):
         others = list(other) if isinstance(other, (list, tuple)) else []
-        return [d for i, v in enumerate(reference)
-                for d in tensor_differences(v, others[i] if i < len(others) else None, f"{where}[{i}]")]
+        return [
+            d
+            for i, v in enumerate(reference)
+            for d in tensor_differences(v, others[i] if i < len(others) else None, f"{where}[{i}]")
+        ]
     return []
 
 
@@ -81,8 +107,10 @@ def compare(cfg: str, other: Path, data: Path, work: Path, epochs: int, extra: l
     reference, ckpt = load(theirs), load(ours)
     problems += [f"{where} differs" for where in tensor_differences(reference, ckpt)]
     n_tensors = count_tensors(reference)
-    print(f"{cfg}: {len(rows)} results rows x {len(reference_rows[0])} columns, {n_tensors} tensors compared: "
-          f"{'identical' if not problems else f'{len(problems)} differences'}")
+    print(
+        f"{cfg}: {len(rows)} results rows x {len(reference_rows[0])} columns, {n_tensors} tensors compared: "
+        f"{'identical' if not problems else f'{len(problems)} differences'}"
+    )
     if new:
         print(f"{cfg}: columns only this checkout writes (not compared): {', '.join(new)}")
     return problems
@@ -100,8 +128,9 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         data = write_rectangles_dataset(Path(tmp) / "data")
-        problems = [p for cfg in args.cfg for p in compare(cfg, args.other.resolve(), data, Path(tmp), args.epochs,
-                                                             args.extra)]
+        problems = [
+            p for cfg in args.cfg for p in compare(cfg, args.other.resolve(), data, Path(tmp), args.epochs, args.extra)
+        ]
     for problem in problems:
         print(problem)
     return 1 if problems else 0

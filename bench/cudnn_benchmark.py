@@ -7,6 +7,7 @@ inference of four rectangular validation-like shapes (batch 32, 384-480 x 640) a
 first training step at batch 64 x 640 x 640 and the median of 12 more. Why it matters: training keeps the
 benchmark (one shape), validation turns it off (utils/validation.py), where every new rectangle would be timed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,9 +54,11 @@ def measure(cfg: str, benchmark: bool) -> str:
     again = [_timed(lambda: infer(h)) for h in VAL_HEIGHTS]
     first_step = _timed(train_step)
     steady = sorted(_timed(train_step) for _ in range(12))[6]
-    return (f"benchmark {'on ' if benchmark else 'off'}: validation shapes first "
-            f"{' '.join(f'{t:.2f}' for t in first)} s, again {' '.join(f'{t * 1000:.0f}' for t in again)} ms; training first step {first_step:.1f} s, "
-            f"then median {steady * 1000:.1f} ms")
+    return (
+        f"benchmark {'on ' if benchmark else 'off'}: validation shapes first "
+        f"{' '.join(f'{t:.2f}' for t in first)} s, again {' '.join(f'{t * 1000:.0f}' for t in again)} ms; training first step {first_step:.1f} s, "
+        f"then median {steady * 1000:.1f} ms"
+    )
 
 
 def main() -> int:

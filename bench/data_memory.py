@@ -21,6 +21,7 @@ way (YOLOv5's code is run from that checkout, never imported here).
 Images are hard links to a few distinct 32x32 PNG files, so generating hundreds of thousands is quick, while
 every read opens, reads and decodes a real file; label files (1-3 random rows) are hard links too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,8 +57,7 @@ def generate(root: Path, n: int, n_val: int = 64, seed: int = 0) -> Path:
     for k in range(N_DISTINCT_LABELS):
         rows = rng.uniform(0.2, 0.4, (int(rng.integers(1, 4)), 4))
         rows[:, :2] += 0.2
-        (distinct / f"{k}.txt").write_text("".join(f"{k % 3} {x:.5f} {y:.5f} {w:.5f} {h:.5f}\n"
-                                                   for x, y, w, h in rows))
+        (distinct / f"{k}.txt").write_text("".join(f"{k % 3} {x:.5f} {y:.5f} {w:.5f} {h:.5f}\n" for x, y, w, h in rows))
     t0 = time.time()
     for split, count in (("train", n), ("val", n_val)):
         for i in range(count):
@@ -120,12 +120,34 @@ def _batches(text: str) -> int:
     return counts[-1] if counts else -1
 
 
-def measure_training(repo: Path, yaml_file: Path, warmup: float, seconds: float, workdir: Path,
-                     loader_only: bool = False) -> dict:
+def measure_training(
+    repo: Path, yaml_file: Path, warmup: float, seconds: float, workdir: Path, loader_only: bool = False
+) -> dict:
     """Worker memory at ``warmup`` s of training and ``seconds`` later (train.py of ``repo`` in a subprocess)."""
-    cmd = [sys.executable, "train.py", "--data", str(yaml_file), "--imgsz", "64", "--batch-size", "32",
-           "--workers", "2", "--cache", "off", "--epochs", "1", "--noautoanchor", "--noplots", "--device", "cpu",
-           "--project", str(workdir), "--name", "run"]
+    cmd = [
+        sys.executable,
+        "train.py",
+        "--data",
+        str(yaml_file),
+        "--imgsz",
+        "64",
+        "--batch-size",
+        "32",
+        "--workers",
+        "2",
+        "--cache",
+        "off",
+        "--epochs",
+        "1",
+        "--noautoanchor",
+        "--noplots",
+        "--device",
+        "cpu",
+        "--project",
+        str(workdir),
+        "--name",
+        "run",
+    ]
     if loader_only:
         cmd = [sys.executable, "-c", _LOADER_ONLY.format(repo=str(repo), data=str(yaml_file))]
     log = open(workdir / f"train-{yaml_file.parent.name}.log", "w+")
@@ -158,8 +180,15 @@ def measure_training(repo: Path, yaml_file: Path, warmup: float, seconds: float,
         proc.wait()
         log.close()
     mib = 1 << 20
-    return {w: {"uss_before_mib": before[w]["uss"] / mib, "uss_growth_mib": (after[w]["uss"] - before[w]["uss"]) / mib,
-                "pss_growth_mib": (after[w]["pss"] - before[w]["pss"]) / mib, "batches": batches} for w in after}
+    return {
+        w: {
+            "uss_before_mib": before[w]["uss"] / mib,
+            "uss_growth_mib": (after[w]["uss"] - before[w]["uss"]) / mib,
+            "pss_growth_mib": (after[w]["pss"] - before[w]["pss"]) / mib,
+            "batches": batches,
+        }
+        for w in after
+    }
 
 
 def memory(opt: argparse.Namespace) -> None:
@@ -171,15 +200,19 @@ def memory(opt: argparse.Namespace) -> None:
             per_worker = measure_training(repo, yaml_file, opt.warmup, opt.seconds, Path(tmp), opt.loader_only)
         results[n] = per_worker
         for w, r in per_worker.items():
-            print(f"{n:>8} images, worker {w}: USS {r['uss_before_mib']:.1f} MiB at {opt.warmup:g} s, "
-                  f"{r['uss_growth_mib']:+.1f} MiB USS, {r['pss_growth_mib']:+.1f} MiB PSS over {opt.seconds:g} s"
-                  + (f" ({r['batches']} batches of 32)" if r["batches"] >= 0 else ""),
-                  flush=True)
+            print(
+                f"{n:>8} images, worker {w}: USS {r['uss_before_mib']:.1f} MiB at {opt.warmup:g} s, "
+                f"{r['uss_growth_mib']:+.1f} MiB USS, {r['pss_growth_mib']:+.1f} MiB PSS over {opt.seconds:g} s"
+                + (f" ({r['batches']} batches of 32)" if r["batches"] >= 0 else ""),
+                flush=True,
+            )
     growth = {n: max(r["uss_growth_mib"] for r in per.values()) for n, per in results.items()}
     small, large = min(growth), max(growth)
-    print(f"repo {repo}: largest worker USS growth over {opt.seconds:g} s of training: "
-          + ", ".join(f"{growth[n]:.1f} MiB on {n} images" for n in sorted(growth))
-          + f"; difference {growth[large] - growth[small]:.1f} MiB (goal: within 8 MiB)")
+    print(
+        f"repo {repo}: largest worker USS growth over {opt.seconds:g} s of training: "
+        + ", ".join(f"{growth[n]:.1f} MiB on {n} images" for n in sorted(growth))
+        + f"; difference {growth[large] - growth[small]:.1f} MiB (goal: within 8 MiB)"
+    )
 
 
 _OURS = """
@@ -213,14 +246,28 @@ def cache(opt: argparse.Namespace) -> None:
     yaml_file = generate(Path(opt.root) / f"images{opt.n}", opt.n)
     images = str(yaml_file.parent / "images" / "train")
     labels = yaml_file.parent / "labels"
-    sides = [("this project", _OURS.format(repo=str(ROOT), images=images, workers=opt.workers), sys.executable,
-              None, lambda p: p.name.endswith(".yolo-train.cache"))]
+    sides = [
+        (
+            "this project",
+            _OURS.format(repo=str(ROOT), images=images, workers=opt.workers),
+            sys.executable,
+            None,
+            lambda p: p.name.endswith(".yolo-train.cache"),
+        )
+    ]
     if opt.yolov5:
         env = {**os.environ, "YOLO_OFFLINE": "1"}
         if opt.yolov5_pythonpath:
             env["PYTHONPATH"] = opt.yolov5_pythonpath
-        sides.append(("YOLOv5", _YOLOV5.format(repo=str(Path(opt.yolov5).resolve()), images=images),
-                      opt.yolov5_python, env, lambda p: not p.name.endswith(".yolo-train.cache")))
+        sides.append(
+            (
+                "YOLOv5",
+                _YOLOV5.format(repo=str(Path(opt.yolov5).resolve()), images=images),
+                opt.yolov5_python,
+                env,
+                lambda p: not p.name.endswith(".yolo-train.cache"),
+            )
+        )
     for name, code, python, env, is_its_cache in sides:
         for stale in labels.rglob("*.cache"):
             if is_its_cache(stale):
@@ -238,8 +285,11 @@ def main() -> None:
     m.add_argument("--seconds", type=float, default=120.0)
     m.add_argument("--warmup", type=float, default=20.0, help="seconds of training before the first reading")
     m.add_argument("--repo", default=str(ROOT), help="checkout whose train.py runs")
-    m.add_argument("--loader-only", action="store_true",
-                   help="run the training loader as fast as it goes instead of train.py (no model steps)")
+    m.add_argument(
+        "--loader-only",
+        action="store_true",
+        help="run the training loader as fast as it goes instead of train.py (no model steps)",
+    )
     c = sub.add_parser("cache")
     c.add_argument("--n", type=int, default=1_000_000)
     c.add_argument("--workers", type=int, default=8)

@@ -7,6 +7,7 @@ Shards against loose files on the same data (COCO128 converted with shards.py in
 Side by side with a YOLOv5 checkout (its own create_dataloader / LoadImagesAndLabels, same settings, same
 generated images): ``python bench/dataloader.py --yolov5 /path/to/yolov5 --yolov5-python /path/to/python``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,13 +36,24 @@ from utils.log import setup_logging  # noqa: E402
 COCO128 = ROOT.parent / "shared" / "datasets" / "coco128.yaml"
 
 
-def bench_augmented(workers: int, cache: str | None, epochs: int, imgsz: int = 640, batch_size: int = 16,
-                    data: Path = COCO128) -> float:
+def bench_augmented(
+    workers: int, cache: str | None, epochs: int, imgsz: int = 640, batch_size: int = 16, data: Path = COCO128
+) -> float:
     """Augmented (mosaic) training samples per second over the train split of ``data`` (COCO128 by default)."""
     cfg = load_data_config(data)
     hyp = YOLOV5.read_hyp(YOLOV5.default_hyp_path)
-    loader, dataset = create_dataloader(cfg["train"], imgsz, batch_size, 32, hyp=hyp, augment=True, shuffle=True,
-                                        workers=workers, nc=cfg["nc"], cache=cache)
+    loader, dataset = create_dataloader(
+        cfg["train"],
+        imgsz,
+        batch_size,
+        32,
+        hyp=hyp,
+        augment=True,
+        shuffle=True,
+        workers=workers,
+        nc=cfg["nc"],
+        cache=cache,
+    )
     loader.sampler.set_epoch(0)
     for _ in loader:  # warm-up (worker start, page cache): a whole epoch, as training never leaves one early,
         pass  # so the stream already holds epoch 1's first batches, as YOLOv5's endless iterator does after its warm-up
@@ -73,8 +85,10 @@ def bench_read_path(shard_yaml: Path, passes: int = 7) -> None:
             decode_image(reader.read(i))
         times["shards"].append(time.perf_counter() - t0)
     n = len(files.im_files)
-    print(f"read + decode per image, median of {passes} alternating passes over {n} images: files "
-          f"{np.median(times['files']) / n * 1e3:.2f} ms, shards {np.median(times['shards']) / n * 1e3:.2f} ms")
+    print(
+        f"read + decode per image, median of {passes} alternating passes over {n} images: files "
+        f"{np.median(times['files']) / n * 1e3:.2f} ms, shards {np.median(times['shards']) / n * 1e3:.2f} ms"
+    )
 
 
 def bench_shards(caches: list[str], repeats: int, epochs: int) -> None:
@@ -90,12 +104,15 @@ def bench_shards(caches: list[str], repeats: int, epochs: int) -> None:
                 runs: dict[str, list[float]] = {"loose files": [], "shards": []}
                 for _ in range(repeats):  # alternating: this machine's speed drifts from minute to minute
                     for name, data in (("loose files", COCO128), ("shards", shard_yaml)):
-                        runs[name].append(bench_augmented(workers, None if cache == "none" else cache, epochs,
-                                                          data=data))
+                        runs[name].append(
+                            bench_augmented(workers, None if cache == "none" else cache, epochs, data=data)
+                        )
                 loose, sharded = (float(np.median(runs[k])) for k in ("loose files", "shards"))
-                print(f"COCO128 imgsz 640 mosaic, cache {cache}, workers={workers}: shards {sharded:.1f} samples/s "
-                      f"({', '.join(f'{v:.1f}' for v in runs['shards'])}), loose files {loose:.1f} "
-                      f"({', '.join(f'{v:.1f}' for v in runs['loose files'])}): {sharded / loose:.2f}x")
+                print(
+                    f"COCO128 imgsz 640 mosaic, cache {cache}, workers={workers}: shards {sharded:.1f} samples/s "
+                    f"({', '.join(f'{v:.1f}' for v in runs['shards'])}), loose files {loose:.1f} "
+                    f"({', '.join(f'{v:.1f}' for v in runs['loose files'])}): {sharded / loose:.2f}x"
+                )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -187,33 +204,47 @@ def bench_cache(n: int, reference: bool, yolov5: str = "", yolov5_python: str = 
             for cache in (images.parent.parent / "labels").glob("*.cache"):
                 cache.unlink()  # YOLOv5 must build its own, not find ours
             build, reload = run_yolov5_probe(yolov5, yolov5_python, "cache", str(images), "0").split()
-            print(f"YOLOv5 label cache, same {n} images: build {build}s, reload {reload}s "
-                  f"(ours builds in {build_s / float(build):.2f} of its time)")
+            print(
+                f"YOLOv5 label cache, same {n} images: build {build}s, reload {reload}s "
+                f"(ours builds in {build_s / float(build):.2f} of its time)"
+            )
         if reference:
             pairs = [(f, img2label_path(f)) for f in files]
             workers = min(8, os.cpu_count() or 1)
             t0 = time.perf_counter()
             with multiprocessing.get_context("fork").Pool(workers) as pool:
                 sum(pool.imap(_pil_style_check, pairs, chunksize=64))
-            print(f"reference PIL-verify scan of the same {n} images ({workers} processes): "
-                  f"{time.perf_counter() - t0:.2f}s")
+            print(
+                f"reference PIL-verify scan of the same {n} images ({workers} processes): "
+                f"{time.perf_counter() - t0:.2f}s"
+            )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--images", type=int, default=20000,
-                        help="images in the generated label-cache benchmark (0 skips it)")
+    parser.add_argument(
+        "--images", type=int, default=20000, help="images in the generated label-cache benchmark (0 skips it)"
+    )
     parser.add_argument("--skip-coco", action="store_true", help="skip the COCO128 throughput benchmark")
     parser.add_argument("--reference", action="store_true", help="also time a PIL-verify style scan")
     parser.add_argument("--yolov5", default="", help="a YOLOv5 checkout to measure the same way")
     parser.add_argument("--yolov5-python", default=sys.executable, help="the Python that runs that checkout")
     parser.add_argument("--epochs", type=int, default=5, help="epochs timed after the warm-up epoch")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="throughput runs per setting, alternating with YOLOv5's; medians are compared")
-    parser.add_argument("--cache", nargs="+", default=["none"], choices=["none", "ram"],
-                        help="image caches to measure the throughput with (both frameworks alike)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="throughput runs per setting, alternating with YOLOv5's; medians are compared",
+    )
+    parser.add_argument(
+        "--cache",
+        nargs="+",
+        default=["none"],
+        choices=["none", "ram"],
+        help="image caches to measure the throughput with (both frameworks alike)",
+    )
     parser.add_argument("--shards", action="store_true", help="only compare shards with loose files (COCO128)")
     args = parser.parse_args()
     if args.repeats < 1 or args.epochs < 1:
@@ -236,8 +267,16 @@ def main() -> None:
                     for _ in range(args.repeats):
                         ours_runs.append(bench_augmented(workers, None if cache == "none" else cache, args.epochs))
                         if args.yolov5:
-                            theirs = run_yolov5_probe(args.yolov5, args.yolov5_python, "throughput", train_dir,
-                                                      str(workers), hyp_file, cache, str(args.epochs))
+                            theirs = run_yolov5_probe(
+                                args.yolov5,
+                                args.yolov5_python,
+                                "throughput",
+                                train_dir,
+                                str(workers),
+                                hyp_file,
+                                cache,
+                                str(args.epochs),
+                            )
                             if not theirs.startswith("failed"):
                                 theirs_runs.append(float(theirs))
                     ours = float(np.median(ours_runs))

@@ -22,6 +22,7 @@ Ultralytics' exporter writes for YOLO26 by default. Printed: one row per format 
 mAP50-95 change, latency and size, and for INT8 the goals (our drop at most max(half of theirs, theirs - 0.01) +
 0.002 and at most 0.01; our latency at most 1.05 x theirs).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.ultralytics_side_by_side import ROOT, ultralytics_env  # noqa: E402
 
 # Ultralytics' format names and precision arguments (8.4: ``quantize``).
-ULTRALYTICS_FORMAT = {"onnx": "onnx", "torchscript": "torchscript", "openvino": "openvino", "litert": "litert",
-                      "ncnn": "ncnn"}
+ULTRALYTICS_FORMAT = {
+    "onnx": "onnx",
+    "torchscript": "torchscript",
+    "openvino": "openvino",
+    "litert": "litert",
+    "ncnn": "ncnn",
+}
 ULTRALYTICS_QUANTIZE = {"fp32": None, "fp16": 16, "int8": 8}
 
 # Run in Ultralytics' Python: export one file, print its path as the last line.
@@ -101,8 +107,12 @@ def calibration_yaml(args: argparse.Namespace, cfg: dict, out: Path) -> Path:
     listing = out / "calibration.txt"
     listing.write_text("\n".join(files) + "\n")
     path = out / "calibration.yaml"
-    path.write_text(yaml.safe_dump({"path": str(out), "train": str(listing), "val": str(listing),
-                                    "names": dict(enumerate(cfg["names"]))}, sort_keys=False))
+    path.write_text(
+        yaml.safe_dump(
+            {"path": str(out), "train": str(listing), "val": str(listing), "names": dict(enumerate(cfg["names"]))},
+            sort_keys=False,
+        )
+    )
     return path
 
 
@@ -113,9 +123,16 @@ def ours(args: argparse.Namespace, fmt, precision: str, folder: Path) -> Path:  
     folder.mkdir(parents=True, exist_ok=True)
     weights = folder / Path(args.weights).name
     shutil.copyfile(args.weights, weights)
-    (path,) = export.run(weights=str(weights), include=[fmt.name], imgsz=[args.imgsz], half=precision == "fp16",
-                         int8=precision == "int8", data=args.data if precision == "int8" else None, max_drop=1.0,
-                         end2end=args.end2end)
+    (path,) = export.run(
+        weights=str(weights),
+        include=[fmt.name],
+        imgsz=[args.imgsz],
+        half=precision == "fp16",
+        int8=precision == "int8",
+        data=args.data if precision == "int8" else None,
+        max_drop=1.0,
+        end2end=args.end2end,
+    )
     return path
 
 
@@ -129,9 +146,13 @@ def theirs(args: argparse.Namespace, fmt, precision: str, folder: Path, calibrat
         kwargs["quantize"] = ULTRALYTICS_QUANTIZE[precision]
     if precision == "int8":
         kwargs["data"] = str(calibration)
-    done = subprocess.run([args.ultralytics_python, "-c", _ULTRALYTICS_EXPORT, str(weights), json.dumps(kwargs)],
-                          capture_output=True, text=True, cwd=folder,
-                          env={**os.environ, **ultralytics_env(folder, args.ultralytics_python)})
+    done = subprocess.run(
+        [args.ultralytics_python, "-c", _ULTRALYTICS_EXPORT, str(weights), json.dumps(kwargs)],
+        capture_output=True,
+        text=True,
+        cwd=folder,
+        env={**os.environ, **ultralytics_env(folder, args.ultralytics_python)},
+    )
     (folder / "ultralytics_export.log").write_text(done.stdout + done.stderr)
     lines = [line for line in done.stdout.splitlines() if line.startswith("EXPORTED ")]
     if done.returncode or not lines:
@@ -210,8 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     family = family_of(reference.meta.family)
     image = _one_val_image(cfg, args.imgsz, reference.meta.stride)
     base = split_map(reference, family, cfg, cfg["val"], args.imgsz, 0, batch_size=1)
-    print(f"PyTorch: mAP50-95 {base:.4f}, {latency_ms(reference, image):.2f} ms/img ({cpu_name()}, "
-          f"{torch.get_num_threads()} threads)")
+    print(
+        f"PyTorch: mAP50-95 {base:.4f}, {latency_ms(reference, image):.2f} ms/img ({cpu_name()}, "
+        f"{torch.get_num_threads()} threads)"
+    )
     rows = []
     for fmt in formats:
         for precision in args.precisions:
@@ -219,8 +242,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"skipped {fmt.name} {precision}: not a precision this version writes")
                 continue
             pair, runners = [], []
-            for name, make in (("ours", lambda f: ours(args, fmt, precision, f)),
-                               ("ultralytics", lambda f: theirs(args, fmt, precision, f, calibration))):
+            for name, make in (
+                ("ours", lambda f: ours(args, fmt, precision, f)),
+                ("ultralytics", lambda f: theirs(args, fmt, precision, f, calibration)),
+            ):
                 side = Side()
                 try:
                     side.path = make(out / name / f"{fmt.name}_{precision}")
@@ -233,8 +258,10 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((fmt.name, precision, *pair))
             print(_row(fmt.name, precision, base, *pair), flush=True)
     print(f"\nSide by side on {cpu_name()}, {args.imgsz} px, batch 1; mAP50-95 change against PyTorch {base:.4f}")
-    print(f"{'format':<12}{'precision':<10}{'ours dmAP':>10}{'theirs':>9}{'ours ms':>9}{'theirs':>8}"
-          f"{'ratio':>7}{'ours MB':>9}{'theirs':>8}  INT8 goals")
+    print(
+        f"{'format':<12}{'precision':<10}{'ours dmAP':>10}{'theirs':>9}{'ours ms':>9}{'theirs':>8}"
+        f"{'ratio':>7}{'ours MB':>9}{'theirs':>8}  INT8 goals"
+    )
     for row in rows:
         print(_row(*row[:2], base, *row[2:]))
     return 0
@@ -245,8 +272,9 @@ def _one_val_image(cfg: dict, imgsz: int, stride: int):  # noqa: ANN202 (a tenso
     from utils.evaluation.gate import first_image
 
     labels = load_labels(cfg["val"], nc=int(cfg["nc"]), workers=0, verbose=False)
-    loader, _ = create_dataloader(None, imgsz, 1, stride, augment=False, rect=False, workers=0, nc=int(cfg["nc"]),
-                                  label_set=labels)
+    loader, _ = create_dataloader(
+        None, imgsz, 1, stride, augment=False, rect=False, workers=0, nc=int(cfg["nc"]), label_set=labels
+    )
     return first_image(loader)
 
 
@@ -254,8 +282,10 @@ def _row(fmt: str, precision: str, base: float, ours_side: Side, theirs_side: Si
     cells = [f"{fmt:<12}{precision:<10}"]
     for side in (ours_side, theirs_side):
         cells.append(f"{side.map - base:>+10.4f}" if not side.error else f"{'failed':>10}")
-    cells.append(f"{ours_side.ms:>9.2f}{theirs_side.ms:>8.2f}{ours_side.ms / theirs_side.ms:>7.2f}"
-                 f"{ours_side.mb:>9.2f}{theirs_side.mb:>8.2f}")
+    cells.append(
+        f"{ours_side.ms:>9.2f}{theirs_side.ms:>8.2f}{ours_side.ms / theirs_side.ms:>7.2f}"
+        f"{ours_side.mb:>9.2f}{theirs_side.mb:>8.2f}"
+    )
     if precision == "int8" and not (ours_side.error or theirs_side.error):
         cells.append("  " + int8_goal(base - ours_side.map, base - theirs_side.map, ours_side.ms, theirs_side.ms))
     for name, side in (("ours", ours_side), ("ultralytics", theirs_side)):

@@ -12,6 +12,7 @@ interval that holds the final validation are left out: printed is the median of 
 images/s, and ours' own per-epoch share of the step spent waiting for data (results.csv ``time/data``). Each
 trainer's output is kept in ``--out``, every line stamped with the seconds since its start.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,16 @@ def make_dataset(out: Path, images: int, imgsz: int, parts: int) -> tuple[Path, 
         return yaml_file, images
     per = -(-images // parts)
     with ProcessPoolExecutor(parts) as pool:
-        list(pool.map(generate_shapes, [root / f"part{k}" for k in range(parts)], [per] * parts,
-                      [64 if k == 0 else 0 for k in range(parts)], [imgsz] * parts, range(parts)))
+        list(
+            pool.map(
+                generate_shapes,
+                [root / f"part{k}" for k in range(parts)],
+                [per] * parts,
+                [64 if k == 0 else 0 for k in range(parts)],
+                [imgsz] * parts,
+                range(parts),
+            )
+        )
     for split in ("train", "val"):
         for kind in ("images", "labels"):
             (root / kind / split).mkdir(parents=True, exist_ok=True)
@@ -84,8 +93,13 @@ def watch_saves(cmd: list[str], cwd: Path, checkpoint: Path, log: Path, env: dic
 
     watcher = threading.Thread(target=poll, daemon=True)
     watcher.start()
-    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+    )
     with open(log, "w") as out:
         # Each line (progress bars' carriage returns too) stamped with the seconds since start: where time goes.
         for line in iter(proc.stdout.readline, b""):
@@ -133,35 +147,76 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
     data_yaml, n_images = make_dataset(out, args.images, args.imgsz, min(os.cpu_count() or 1, 16))
-    print(f"data: {n_images} train images at {args.imgsz} ({time.perf_counter() - t:.0f} s to make) in {data_yaml}",
-          flush=True)
+    print(
+        f"data: {n_images} train images at {args.imgsz} ({time.perf_counter() - t:.0f} s to make) in {data_yaml}",
+        flush=True,
+    )
     env_ul = ultralytics_env(out, args.ultralytics_python) if args.ultralytics_python else {}
     for cfg in args.cfg:
         name = Path(cfg).stem
-        ours = [sys.executable, "train.py", "--data", str(data_yaml), "--cfg", cfg, "--epochs", str(args.epochs),
-                "--imgsz", str(args.imgsz), "--batch-size", str(args.batch_size), "--workers", str(args.workers),
-                "--device", args.device, "--close-mosaic", "0", "--noval", "--noplots", "--project",
-                str(out / "ours"), "--name", name, "--exist-ok"]
+        ours = [
+            sys.executable,
+            "train.py",
+            "--data",
+            str(data_yaml),
+            "--cfg",
+            cfg,
+            "--epochs",
+            str(args.epochs),
+            "--imgsz",
+            str(args.imgsz),
+            "--batch-size",
+            str(args.batch_size),
+            "--workers",
+            str(args.workers),
+            "--device",
+            args.device,
+            "--close-mosaic",
+            "0",
+            "--noval",
+            "--noplots",
+            "--project",
+            str(out / "ours"),
+            "--name",
+            name,
+            "--exist-ok",
+        ]
         runs = [("ours", ours, out / "ours" / name, {})]
         if args.ultralytics_python:
             theirs = ultralytics_train_cmd(
-                args.ultralytics_python, model=cfg, data=str(data_yaml), epochs=args.epochs, imgsz=args.imgsz,
-                batch=args.batch_size, workers=args.workers, device=args.device, close_mosaic=0, val=False,
-                plots=False, project=str(out / "ultralytics"), name=name, exist_ok=True)
+                args.ultralytics_python,
+                model=cfg,
+                data=str(data_yaml),
+                epochs=args.epochs,
+                imgsz=args.imgsz,
+                batch=args.batch_size,
+                workers=args.workers,
+                device=args.device,
+                close_mosaic=0,
+                val=False,
+                plots=False,
+                project=str(out / "ultralytics"),
+                name=name,
+                exist_ok=True,
+            )
             runs.append(("Ultralytics", theirs, out / "ultralytics" / name, env_ul))
         measured = {}
         for label, cmd, folder, env in runs:
             (folder / "weights/last.pt").unlink(missing_ok=True)
             t = time.perf_counter()
-            code, saves = watch_saves(cmd, ROOT if label == "ours" else out, folder / "weights/last.pt",
-                                      out / f"{label}_{name}.log", env)
+            code, saves = watch_saves(
+                cmd, ROOT if label == "ours" else out, folder / "weights/last.pt", out / f"{label}_{name}.log", env
+            )
             rate, intervals = images_per_s(saves, n_images, args.epochs)
             measured[label] = rate
             extra = ""
             if label == "ours" and (folder / "results.csv").exists():
                 extra = ", data share per epoch " + " ".join(f"{s:.0%}" for s in our_data_share(folder / "results.csv"))
-            print(f"{name} {label:>11}: {rate:7.0f} images/s (epochs {' '.join(f'{i:.2f}' for i in intervals)} s), "
-                  f"{len(saves)} saves, whole process {time.perf_counter() - t:.0f} s, exit {code}{extra}", flush=True)
+            print(
+                f"{name} {label:>11}: {rate:7.0f} images/s (epochs {' '.join(f'{i:.2f}' for i in intervals)} s), "
+                f"{len(saves)} saves, whole process {time.perf_counter() - t:.0f} s, exit {code}{extra}",
+                flush=True,
+            )
         if len(measured) == 2:
             print(f"{name}: ours / Ultralytics = {measured['ours'] / measured['Ultralytics']:.2f}x", flush=True)
     return 0

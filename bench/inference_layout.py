@@ -10,6 +10,7 @@ enabled on a model and an input that require none: nothing is recorded, only the
 the median time per pass of each round, and the median over the rounds of its ratio to the anchor in the same round
 (contiguous, plain SiLU: what the code did before either change).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,9 +55,13 @@ def main() -> int:
     torch.manual_seed(0)
     model = build_model(args.cfg, nc=80).fuse().eval().requires_grad_(False)
     image = torch.rand(1, 3, args.imgsz, args.imgsz)
-    layouts = {False: (model, image),  # the same weights in both layouts
-               True: (copy.deepcopy(model).to(memory_format=torch.channels_last),
-                      image.contiguous(memory_format=torch.channels_last))}
+    layouts = {
+        False: (model, image),  # the same weights in both layouts
+        True: (
+            copy.deepcopy(model).to(memory_format=torch.channels_last),
+            image.contiguous(memory_format=torch.channels_last),
+        ),
+    }
     for channels_last, in_place in SETTINGS.values():  # warm-up: every kernel created once
         block_seconds(*layouts[channels_last], in_place, 10)
     per_round: dict[str, list[float]] = {name: [] for name in SETTINGS}
@@ -68,8 +73,10 @@ def main() -> int:
         for name in SETTINGS:
             per_round[name].append(1000 * statistics.median(times[name]))
     anchor = per_round[next(iter(SETTINGS))]
-    print(f"{args.cfg} at {args.imgsz} px, batch 1, {torch.get_num_threads()} threads, {args.rounds} rounds of "
-          f"{args.runs} passes per setting")
+    print(
+        f"{args.cfg} at {args.imgsz} px, batch 1, {torch.get_num_threads()} threads, {args.rounds} rounds of "
+        f"{args.runs} passes per setting"
+    )
     for name, values in per_round.items():
         ratio = statistics.median(v / a for v, a in zip(values, anchor))
         print(f"{name:34s} {', '.join(f'{v:.2f}' for v in values)} ms per image; {ratio:.2f}x the anchor")

@@ -11,6 +11,7 @@ batch 1 (both sides' default), default thresholds (conf 0.25, IoU 0.7), nothing 
 times, alternating which side goes first; printed: each wall time, and the ratio ours / Ultralytics' (below 1:
 ours is faster) per case, the median over the pairs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,25 +43,80 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def commands(case: str, args: argparse.Namespace, weights: Path, onnx: Path, data: Path, images: Path,
-             out: Path) -> tuple[list[str], list[str]]:
+def commands(
+    case: str, args: argparse.Namespace, weights: Path, onnx: Path, data: Path, images: Path, out: Path
+) -> tuple[list[str], list[str]]:
     """(ours, Ultralytics') command lines of one case."""
     task, kind = case.split("-")
     model = weights if kind == "pt" else onnx
     yolo = str(Path(args.ultralytics_python).parent / "yolo")
     if task == "val":
         batch = args.batch if kind == "pt" else 1
-        ours = [sys.executable, "val.py", "--data", str(data), "--weights", str(model), "--imgsz", str(args.imgsz),
-                "--batch-size", str(batch), "--workers", str(args.workers), "--device", "cpu", "--noplots",
-                "--project", str(out / "ours"), "--exist-ok"]
-        theirs = [yolo, "detect", "val", f"model={model}", f"data={data}", f"imgsz={args.imgsz}", f"batch={batch}",
-                  f"workers={args.workers}", "device=cpu", "plots=False", f"project={out / 'ultralytics'}",
-                  "name=val", "exist_ok=True"]
+        ours = [
+            sys.executable,
+            "val.py",
+            "--data",
+            str(data),
+            "--weights",
+            str(model),
+            "--imgsz",
+            str(args.imgsz),
+            "--batch-size",
+            str(batch),
+            "--workers",
+            str(args.workers),
+            "--device",
+            "cpu",
+            "--noplots",
+            "--project",
+            str(out / "ours"),
+            "--exist-ok",
+        ]
+        theirs = [
+            yolo,
+            "detect",
+            "val",
+            f"model={model}",
+            f"data={data}",
+            f"imgsz={args.imgsz}",
+            f"batch={batch}",
+            f"workers={args.workers}",
+            "device=cpu",
+            "plots=False",
+            f"project={out / 'ultralytics'}",
+            "name=val",
+            "exist_ok=True",
+        ]
     else:
-        ours = [sys.executable, "detect.py", "--weights", str(model), "--source", str(images), "--imgsz",
-                str(args.imgsz), "--device", "cpu", "--nosave", "--project", str(out / "ours"), "--exist-ok"]
-        theirs = [yolo, "detect", "predict", f"model={model}", f"source={images}", f"imgsz={args.imgsz}",
-                  "device=cpu", "save=False", f"project={out / 'ultralytics'}", "name=predict", "exist_ok=True"]
+        ours = [
+            sys.executable,
+            "detect.py",
+            "--weights",
+            str(model),
+            "--source",
+            str(images),
+            "--imgsz",
+            str(args.imgsz),
+            "--device",
+            "cpu",
+            "--nosave",
+            "--project",
+            str(out / "ours"),
+            "--exist-ok",
+        ]
+        theirs = [
+            yolo,
+            "detect",
+            "predict",
+            f"model={model}",
+            f"source={images}",
+            f"imgsz={args.imgsz}",
+            "device=cpu",
+            "save=False",
+            f"project={out / 'ultralytics'}",
+            "name=predict",
+            "exist_ok=True",
+        ]
     return ours, theirs
 
 
@@ -79,12 +135,19 @@ def main() -> int:
     data = absolute_data_yaml(Path(args.data), out)
     weights = out / Path(args.weights).name
     shutil.copyfile(args.weights, weights)
-    subprocess.run([sys.executable, "export.py", "--weights", str(weights), "--include", "onnx", "--imgsz",
-                    str(args.imgsz)], cwd=ROOT, check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "export.py", "--weights", str(weights), "--include", "onnx", "--imgsz", str(args.imgsz)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
     onnx = weights.with_suffix(".onnx")
     images = val_images(data)
-    print(f"{weights.name} and {onnx.name} on {images} at {args.imgsz} px, CPU; val batch {args.batch} (.pt) / 1 "
-          f"(.onnx), {args.workers} workers; {args.pairs} pair(s), alternating order", flush=True)
+    print(
+        f"{weights.name} and {onnx.name} on {images} at {args.imgsz} px, CPU; val batch {args.batch} (.pt) / 1 "
+        f"(.onnx), {args.workers} workers; {args.pairs} pair(s), alternating order",
+        flush=True,
+    )
     env = ultralytics_env(out, args.ultralytics_python)
     for case in args.cases:
         ours_cmd, theirs_cmd = commands(case, args, weights, onnx, data, images, out)
@@ -92,16 +155,22 @@ def main() -> int:
         for pair in range(args.pairs):
             order = [("ours", ours_cmd), ("ultralytics", theirs_cmd)]
             times = {}
-            for side, cmd in (order if pair % 2 == 0 else order[::-1]):
+            for side, cmd in order if pair % 2 == 0 else order[::-1]:
                 measured = run_timed(cmd, ROOT, out / f"{case}_{side}_{pair}.log", env=env)
                 if measured.exit_code:
                     raise SystemExit(f"{case} {side} failed (exit {measured.exit_code}); see {measured.log}")
                 times[side] = measured.wall_s
             ratios.append(times["ours"] / times["ultralytics"])
-            print(f"{case:12s} pair {pair + 1}: ours {times['ours']:.2f} s, Ultralytics {times['ultralytics']:.2f} s, "
-                  f"ratio {ratios[-1]:.3f}", flush=True)
-        print(f"{case:12s} median ratio ours / Ultralytics: {statistics.median(ratios):.3f} "
-              f"(range {min(ratios):.3f}-{max(ratios):.3f})", flush=True)
+            print(
+                f"{case:12s} pair {pair + 1}: ours {times['ours']:.2f} s, Ultralytics {times['ultralytics']:.2f} s, "
+                f"ratio {ratios[-1]:.3f}",
+                flush=True,
+            )
+        print(
+            f"{case:12s} median ratio ours / Ultralytics: {statistics.median(ratios):.3f} "
+            f"(range {min(ratios):.3f}-{max(ratios):.3f})",
+            flush=True,
+        )
     return 0
 
 

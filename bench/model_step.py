@@ -1,7 +1,8 @@
 """The model step alone (forward, loss, backward, SGD step; no data): images/s by layout and precision.
 
-    python bench/model_step.py [--cfg models/yolov5n.yaml] [--imgsz 320] [--batch-size 16] [--steps 8]
+python bench/model_step.py [--cfg models/yolov5n.yaml] [--imgsz 320] [--batch-size 16] [--steps 8]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,15 @@ from utils.amp import cpu_supports_bf16  # noqa: E402
 from utils.loss import ComputeLoss  # noqa: E402
 
 
-def images_per_second(cfg: str, imgsz: int, batch_size: int, steps: int, channels_last: bool,
-                      dtype: torch.dtype | None, device: torch.device) -> float:
+def images_per_second(
+    cfg: str,
+    imgsz: int,
+    batch_size: int,
+    steps: int,
+    channels_last: bool,
+    dtype: torch.dtype | None,
+    device: torch.device,
+) -> float:
     torch.manual_seed(0)
     model = Model(cfg, nc=80).to(device)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
@@ -60,9 +68,11 @@ def main() -> None:
     args = p.parse_args()
     device = torch.device(args.device)
     low = torch.float16 if device.type == "cuda" else torch.bfloat16
-    print(f"{Path(args.cfg).stem}, batch {args.batch_size} at {args.imgsz}, {device}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads" + ("" if device.type == "cuda" or cpu_supports_bf16()
-                                                 else " (no native bf16 on this CPU)"))
+    print(
+        f"{Path(args.cfg).stem}, batch {args.batch_size} at {args.imgsz}, {device}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads"
+        + ("" if device.type == "cuda" or cpu_supports_bf16() else " (no native bf16 on this CPU)")
+    )
     for channels_last in (False, True):
         for dtype in (None, low):
             ips = images_per_second(args.cfg, args.imgsz, args.batch_size, args.steps, channels_last, dtype, device)

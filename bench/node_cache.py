@@ -6,6 +6,7 @@ reads its PSS (``/proc/self/smaps_rollup``: shared pages are split between the p
 over processes counts shared memory once) before and after building the cached training dataset, and the
 launcher prints the sum of the increases.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,11 +55,15 @@ def measure(data: str, imgsz: int, out: Path) -> None:
 
 def launch(nproc: int, data: str, imgsz: int) -> tuple[int, bool]:
     with tempfile.TemporaryDirectory() as tmp:
-        prefix = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                      f"--nproc_per_node={nproc}"]
+        prefix = (
+            [sys.executable]
+            if nproc == 1
+            else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        )
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        subprocess.run([*prefix, __file__, "--measure", tmp, "--data", data, "--imgsz", str(imgsz)], check=True,
-                       env=env, cwd=ROOT)
+        subprocess.run(
+            [*prefix, __file__, "--measure", tmp, "--data", data, "--imgsz", str(imgsz)], check=True, env=env, cwd=ROOT
+        )
         parts = [json.loads(p.read_text()) for p in Path(tmp).glob("rank*.json")]
     return sum(p["delta"] for p in parts), all(p["shared"] for p in parts)
 
@@ -75,8 +80,10 @@ def main() -> None:
     one, _ = launch(1, args.data, args.imgsz)
     two, shared = launch(2, args.data, args.imgsz)
     mib = 1 << 20
-    print(f"--cache ram adds {one / mib:.1f} MiB (1 process) and {two / mib:.1f} MiB (2 ranks, PSS summed, "
-          f"{'one shared copy' if shared else 'private copies'}): {two / one:.2f}x")
+    print(
+        f"--cache ram adds {one / mib:.1f} MiB (1 process) and {two / mib:.1f} MiB (2 ranks, PSS summed, "
+        f"{'one shared copy' if shared else 'private copies'}): {two / one:.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ the other (never at once: they would share the cores); each is a whole process t
 and its defaults (run by the Python given with --ultralytics-python; see bench/ultralytics_side_by_side.py). Printed
 per seed: both mAP50-95, their difference, both wall times and their ratio; then the means.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,15 +24,21 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.ultralytics_side_by_side import (ROOT, final_map, run_timed, ultralytics_env,  # noqa: E402
-                                            ultralytics_train_cmd)
+from bench.ultralytics_side_by_side import (
+    ROOT,
+    final_map,
+    run_timed,
+    ultralytics_env,  # noqa: E402
+    ultralytics_train_cmd,
+)
 from utils.data.shapes import SHAPE_NAMES, ensure_shapes_dataset  # noqa: E402
 
 
 def shapes_set(out: Path, n_train: int, n_val: int, imgsz: int, seed: int) -> Path:
     """The generated set and a data YAML for both trainers (absolute path)."""
-    root = ensure_shapes_dataset(out / f"shapes_{n_train}_{n_val}_{imgsz}_s{seed}", n_train=n_train, n_val=n_val,
-                                 imgsz=imgsz, seed=seed)
+    root = ensure_shapes_dataset(
+        out / f"shapes_{n_train}_{n_val}_{imgsz}_s{seed}", n_train=n_train, n_val=n_val, imgsz=imgsz, seed=seed
+    )
     data = {"path": str(root.resolve()), "train": "images/train", "val": "images/val", "names": list(SHAPE_NAMES)}
     data_yaml = root.parent / f"{root.name}.yaml"
     data_yaml.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -58,33 +65,75 @@ def main() -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     data_yaml = shapes_set(out, args.n_train, args.n_val, args.data_imgsz, args.data_seed)
-    print(f"data: {data_yaml} ({args.n_train} train / {args.n_val} val images at {args.data_imgsz} px); "
-          f"{args.cfg}, {args.epochs} epochs at {args.imgsz}, batch {args.batch_size}, {args.workers} workers, CPU")
+    print(
+        f"data: {data_yaml} ({args.n_train} train / {args.n_val} val images at {args.data_imgsz} px); "
+        f"{args.cfg}, {args.epochs} epochs at {args.imgsz}, batch {args.batch_size}, {args.workers} workers, CPU"
+    )
     rows = []
     for seed in args.seeds:
         name = f"seed{seed}"
-        ours_cmd = [sys.executable, "train.py", "--data", str(data_yaml), "--cfg", args.cfg, "--epochs",
-                    str(args.epochs), "--imgsz", str(args.imgsz), "--batch-size", str(args.batch_size), "--workers",
-                    str(args.workers), "--device", "cpu", "--seed", str(seed), "--project", str(out / "ours"),
-                    "--name", name, "--exist-ok", "--noplots", *args.extra.split()]
+        ours_cmd = [
+            sys.executable,
+            "train.py",
+            "--data",
+            str(data_yaml),
+            "--cfg",
+            args.cfg,
+            "--epochs",
+            str(args.epochs),
+            "--imgsz",
+            str(args.imgsz),
+            "--batch-size",
+            str(args.batch_size),
+            "--workers",
+            str(args.workers),
+            "--device",
+            "cpu",
+            "--seed",
+            str(seed),
+            "--project",
+            str(out / "ours"),
+            "--name",
+            name,
+            "--exist-ok",
+            "--noplots",
+            *args.extra.split(),
+        ]
         ours = run_timed(ours_cmd, ROOT, out / f"ours_{name}.log")
-        theirs_cmd = ultralytics_train_cmd(args.ultralytics_python, model=args.cfg, data=str(data_yaml),
-                                           epochs=args.epochs, imgsz=args.imgsz, batch=args.batch_size,
-                                           workers=args.workers, device="cpu", seed=seed,
-                                           project=str(out / "ultralytics"), name=name, exist_ok=True, plots=False)
-        theirs = run_timed(theirs_cmd, out, out / f"ultralytics_{name}.log",
-                           env=ultralytics_env(out, args.ultralytics_python))
+        theirs_cmd = ultralytics_train_cmd(
+            args.ultralytics_python,
+            model=args.cfg,
+            data=str(data_yaml),
+            epochs=args.epochs,
+            imgsz=args.imgsz,
+            batch=args.batch_size,
+            workers=args.workers,
+            device="cpu",
+            seed=seed,
+            project=str(out / "ultralytics"),
+            name=name,
+            exist_ok=True,
+            plots=False,
+        )
+        theirs = run_timed(
+            theirs_cmd, out, out / f"ultralytics_{name}.log", env=ultralytics_env(out, args.ultralytics_python)
+        )
         ours_map, theirs_map = final_map(ours.log), final_map(theirs.log)
         rows.append((ours_map, theirs_map, ours.wall_s, theirs.wall_s))
-        print(f"seed {seed}: mAP50-95 ours {ours_map:.3f} | Ultralytics {theirs_map:.3f} | difference "
-              f"{ours_map - theirs_map:+.3f};  wall ours {ours.wall_s:.0f} s | Ultralytics {theirs.wall_s:.0f} s | "
-              f"ours / Ultralytics {ours.wall_s / theirs.wall_s:.2f}  (exit {ours.exit_code}/{theirs.exit_code}; "
-              f"logs {ours.log}, {theirs.log})", flush=True)
+        print(
+            f"seed {seed}: mAP50-95 ours {ours_map:.3f} | Ultralytics {theirs_map:.3f} | difference "
+            f"{ours_map - theirs_map:+.3f};  wall ours {ours.wall_s:.0f} s | Ultralytics {theirs.wall_s:.0f} s | "
+            f"ours / Ultralytics {ours.wall_s / theirs.wall_s:.2f}  (exit {ours.exit_code}/{theirs.exit_code}; "
+            f"logs {ours.log}, {theirs.log})",
+            flush=True,
+        )
     if len(rows) > 1:
         means = [statistics.fmean(r[k] for r in rows) for k in range(4)]
-        print(f"mean of {len(rows)} seeds: mAP50-95 ours {means[0]:.3f} | Ultralytics {means[1]:.3f} | difference "
-              f"{means[0] - means[1]:+.3f};  wall ours {means[2]:.0f} s | Ultralytics {means[3]:.0f} s | "
-              f"ours / Ultralytics {means[2] / means[3]:.2f}")
+        print(
+            f"mean of {len(rows)} seeds: mAP50-95 ours {means[0]:.3f} | Ultralytics {means[1]:.3f} | difference "
+            f"{means[0] - means[1]:+.3f};  wall ours {means[2]:.0f} s | Ultralytics {means[3]:.0f} s | "
+            f"ours / Ultralytics {means[2] / means[3]:.2f}"
+        )
     return 0
 
 

@@ -11,6 +11,7 @@ gives its peak resident set size (see bench/ultralytics_side_by_side.py). Printe
 RSS, then the ratios (Ultralytics' time / ours: above 1 means ours is faster; our peak RSS / Ultralytics'); with
 ``--pairs N``, N such pairs, alternating which trainer goes first, then the median and range of each ratio.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.ultralytics_side_by_side import (ROOT, absolute_data_yaml, final_map, run_timed,  # noqa: E402
-                                            ultralytics_env, ultralytics_train_cmd)
+from bench.ultralytics_side_by_side import (
+    ROOT,
+    absolute_data_yaml,
+    final_map,
+    run_timed,  # noqa: E402
+    ultralytics_env,
+    ultralytics_train_cmd,
+)
 
 # ../shared/datasets beside the checkout (or beside the folder of worktrees that holds it)
 _COCO128 = "shared/datasets/coco128.yaml"
@@ -46,22 +53,56 @@ def main() -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     data_yaml = absolute_data_yaml(Path(args.data), out)
-    common = ["--data", str(data_yaml), "--cfg", args.cfg, "--epochs", str(args.epochs), "--imgsz", str(args.imgsz),
-              "--batch-size", str(args.batch_size), "--workers", str(args.workers), "--device", args.device, "--noval",
-              "--noplots", "--project", str(out / "ours"), "--exist-ok"]
+    common = [
+        "--data",
+        str(data_yaml),
+        "--cfg",
+        args.cfg,
+        "--epochs",
+        str(args.epochs),
+        "--imgsz",
+        str(args.imgsz),
+        "--batch-size",
+        str(args.batch_size),
+        "--workers",
+        str(args.workers),
+        "--device",
+        args.device,
+        "--noval",
+        "--noplots",
+        "--project",
+        str(out / "ours"),
+        "--exist-ok",
+    ]
     variants = {"ours": []} if args.skip_fp32 else {"ours": [], "ours --no-amp": ["--no-amp"]}
     ultralytics_cmd = ultralytics_train_cmd(
-        args.ultralytics_python, model=args.cfg, data=str(data_yaml), epochs=args.epochs, imgsz=args.imgsz,
-        batch=args.batch_size, workers=args.workers, device=args.device, val=False, plots=False,
-        project=str(out / "ultralytics"), name="speed", exist_ok=True)
-    print(f"{args.cfg} on {Path(args.data).name}: {args.epochs} epochs at {args.imgsz}, batch {args.batch_size}, "
-          f"{args.workers} workers, device {args.device}, last epoch validated", flush=True)
+        args.ultralytics_python,
+        model=args.cfg,
+        data=str(data_yaml),
+        epochs=args.epochs,
+        imgsz=args.imgsz,
+        batch=args.batch_size,
+        workers=args.workers,
+        device=args.device,
+        val=False,
+        plots=False,
+        project=str(out / "ultralytics"),
+        name="speed",
+        exist_ok=True,
+    )
+    print(
+        f"{args.cfg} on {Path(args.data).name}: {args.epochs} epochs at {args.imgsz}, batch {args.batch_size}, "
+        f"{args.workers} workers, device {args.device}, last epoch validated",
+        flush=True,
+    )
+
     def ours() -> dict:
         runs = {}
         for label, extra in variants.items():
             name = label.replace(" --", "_").replace("-", "_")
-            runs[label] = run_timed([sys.executable, "train.py", *common, "--name", name, *extra], ROOT,
-                                    out / f"{name}.log")
+            runs[label] = run_timed(
+                [sys.executable, "train.py", *common, "--name", name, *extra], ROOT, out / f"{name}.log"
+            )
         return runs
 
     def theirs() -> dict:
@@ -76,20 +117,28 @@ def main() -> int:
         print(f"pair {pair + 1} ({first} first):", flush=True)
         for label, m in measured.items():
             score = final_map(m.log)
-            print(f"{label:>14}: {m.wall_s:8.1f} s, peak RSS {m.peak_rss_mib:8.0f} MiB, final mAP50-95 {score:.3f}, "
-                  f"exit {m.exit_code} (log {m.log})", flush=True)
+            print(
+                f"{label:>14}: {m.wall_s:8.1f} s, peak RSS {m.peak_rss_mib:8.0f} MiB, final mAP50-95 {score:.3f}, "
+                f"exit {m.exit_code} (log {m.log})",
+                flush=True,
+            )
         reference = measured["Ultralytics"]
         for label in variants:
             m = measured[label]
             ratios[label].append((reference.wall_s / m.wall_s, m.peak_rss_mib / reference.peak_rss_mib))
-            print(f"{label}: speed-up (Ultralytics time / ours) {ratios[label][-1][0]:.2f}x; "
-                  f"peak RSS ours / Ultralytics {ratios[label][-1][1]:.2f}", flush=True)
+            print(
+                f"{label}: speed-up (Ultralytics time / ours) {ratios[label][-1][0]:.2f}x; "
+                f"peak RSS ours / Ultralytics {ratios[label][-1][1]:.2f}",
+                flush=True,
+            )
     if args.pairs > 1:
         for label, pairs in ratios.items():
             speed, rss = [sorted(x) for x in zip(*pairs)]
-            print(f"{label} over {args.pairs} pairs: speed-up median {statistics.median(speed):.2f}x "
-                  f"(range {speed[0]:.2f}x-{speed[-1]:.2f}x); peak RSS ratio median {statistics.median(rss):.2f} "
-                  f"(range {rss[0]:.2f}-{rss[-1]:.2f})")
+            print(
+                f"{label} over {args.pairs} pairs: speed-up median {statistics.median(speed):.2f}x "
+                f"(range {speed[0]:.2f}x-{speed[-1]:.2f}x); peak RSS ratio median {statistics.median(rss):.2f} "
+                f"(range {rss[0]:.2f}-{rss[-1]:.2f})"
+            )
     return 0
 
 

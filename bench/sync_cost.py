@@ -7,6 +7,7 @@ previous step's losses, a save flag: see utils/engine/step.py's sync). This prin
 step beside the time of a DDP step of yolov5n (forward, loss, backward with its gradient all-reduce, SGD) on
 the same two ranks, and their ratio.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,11 +56,18 @@ def _rank(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     g = torch.Generator().manual_seed(rank)
     imgs = torch.rand(args.batch_size, 3, args.imgsz, args.imgsz, generator=g).contiguous(
-        memory_format=torch.channels_last)
+        memory_format=torch.channels_last
+    )
     n = 3 * args.batch_size
-    targets = torch.cat((torch.arange(n).remainder(args.batch_size).unsqueeze(1).float(),
-                         torch.randint(0, 80, (n, 1), generator=g).float(),
-                         torch.rand(n, 2, generator=g) * 0.6 + 0.2, torch.rand(n, 2, generator=g) * 0.3 + 0.05), 1)
+    targets = torch.cat(
+        (
+            torch.arange(n).remainder(args.batch_size).unsqueeze(1).float(),
+            torch.randint(0, 80, (n, 1), generator=g).float(),
+            torch.rand(n, 2, generator=g) * 0.6 + 0.2,
+            torch.rand(n, 2, generator=g) * 0.3 + 0.05,
+        ),
+        1,
+    )
     for step in range(args.steps + 1):  # the first step creates the kernels
         if step == 1:
             t0 = time.perf_counter()
@@ -84,9 +92,11 @@ def main() -> None:
         out = f"{tmp}/result"
         mp.spawn(_rank, args=(_free_port(), args, out), nprocs=2, join=True)
         per_reduce, per_step = map(float, Path(out).read_text().split())
-    print(f"2 gloo ranks, 1 thread each, yolov5n batch {args.batch_size} per rank at {args.imgsz}: "
-          f"all-reduce of the step's counts {per_reduce * 1e3:.3f} ms, DDP step {per_step * 1e3:.0f} ms, "
-          f"ratio {per_reduce / per_step:.2e}")
+    print(
+        f"2 gloo ranks, 1 thread each, yolov5n batch {args.batch_size} per rank at {args.imgsz}: "
+        f"all-reduce of the step's counts {per_reduce * 1e3:.3f} ms, DDP step {per_step * 1e3:.0f} ms, "
+        f"ratio {per_reduce / per_step:.2e}"
+    )
 
 
 if __name__ == "__main__":

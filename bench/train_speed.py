@@ -10,6 +10,7 @@ largest sum of proportional set size (PSS) over the trainer's whole process tree
 workers), sampled every 0.25 s. YOLOv5 resolves a relative `path:` against its working directory, so it
 gets a copy of the data YAML with `path:` made absolute.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -96,34 +97,83 @@ def main() -> int:
     p.add_argument("--yolov5-python", default=sys.executable, help="the Python that runs the YOLOv5 checkout")
     args = p.parse_args()
 
-    common = ["--data", args.data, "--imgsz", str(args.imgsz), "--batch-size", str(args.batch_size),
-              "--workers", str(args.workers), "--epochs", str(args.epochs), "--noval", "--noplots",
-              "--device", "cpu", "--exist-ok"]
+    common = [
+        "--data",
+        args.data,
+        "--imgsz",
+        str(args.imgsz),
+        "--batch-size",
+        str(args.batch_size),
+        "--workers",
+        str(args.workers),
+        "--epochs",
+        str(args.epochs),
+        "--noval",
+        "--noplots",
+        "--device",
+        "cpu",
+        "--exist-ok",
+    ]
     out = Path(tempfile.mkdtemp(prefix="train_speed_"))
-    runs = {"ours": ([sys.executable, "train.py", *common, "--cfg", "models/yolov5n.yaml", "--close-mosaic", "0",
-                      "--project", str(out), "--name", "ours", *args.extra.split()], ROOT)}
+    runs = {
+        "ours": (
+            [
+                sys.executable,
+                "train.py",
+                *common,
+                "--cfg",
+                "models/yolov5n.yaml",
+                "--close-mosaic",
+                "0",
+                "--project",
+                str(out),
+                "--name",
+                "ours",
+                *args.extra.split(),
+            ],
+            ROOT,
+        )
+    }
     if args.yolov5:
         data = yaml.safe_load(Path(args.data).read_text())
         data["path"] = str((Path(args.data).parent / data.get("path", "")).resolve())
         absolute_yaml = out / "data_absolute.yaml"
         absolute_yaml.write_text(yaml.safe_dump(data, sort_keys=False))
         common[1] = str(absolute_yaml)
-        runs["yolov5"] = ([args.yolov5_python, "train.py", *common, "--cfg", "models/yolov5n.yaml", "--weights", "",
-                           "--project", str(out), "--name", "yolov5"], Path(args.yolov5))
+        runs["yolov5"] = (
+            [
+                args.yolov5_python,
+                "train.py",
+                *common,
+                "--cfg",
+                "models/yolov5n.yaml",
+                "--weights",
+                "",
+                "--project",
+                str(out),
+                "--name",
+                "yolov5",
+            ],
+            Path(args.yolov5),
+        )
     results = {}
     for name, (cmd, cwd) in runs.items():
         elapsed, peak, code = run_measured(cmd, cwd, out / f"{name}.log")
         results[name] = (elapsed, peak)
-        print(f"{name:>7}: {elapsed:7.1f} s whole process, peak memory {peak / 2**30:.2f} GiB, exit {code} "
-              f"(log: {out / f'{name}.log'})")
+        print(
+            f"{name:>7}: {elapsed:7.1f} s whole process, peak memory {peak / 2**30:.2f} GiB, exit {code} "
+            f"(log: {out / f'{name}.log'})"
+        )
         if name == "ours":
             text = (out / "ours.log").read_text(errors="replace")
             for line in re.findall(r"epoch \d+: [\d.]+ images/s, \d+% of the time waiting for data[^\n\r]*", text):
                 print(f"         {line}")
     if "yolov5" in results:
         ours, theirs = results["ours"], results["yolov5"]
-        print(f"speed-up (YOLOv5 time / ours): {theirs[0] / ours[0]:.2f}x; "
-              f"peak memory ours / YOLOv5: {ours[1] / theirs[1]:.2f}")
+        print(
+            f"speed-up (YOLOv5 time / ours): {theirs[0] / ours[0]:.2f}x; "
+            f"peak memory ours / YOLOv5: {ours[1] / theirs[1]:.2f}"
+        )
     return 0
 
 

@@ -10,6 +10,7 @@ with our ONNX and with its own ONNX export of the same weights. Printed: mAP50-9
 scores it, and the largest box and score difference between the two ONNX files' detections (the same count of
 detections per image is required). Exit status 1 when a file does not load or the detections differ in count.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,30 +63,62 @@ def main() -> int:
         (out / name).mkdir(exist_ok=True)
         weights = out / name / Path(args.weights).name
         shutil.copyfile(args.weights, weights)
-        subprocess.run([sys.executable, "export.py", "--weights", str(weights), "--imgsz", str(args.imgsz), *extra],
-                       cwd=ROOT, check=True, capture_output=True)
+        subprocess.run(
+            [sys.executable, "export.py", "--weights", str(weights), "--imgsz", str(args.imgsz), *extra],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
         files[name] = weights
     checkpoint, onnx = files["plain"], files["plain"].with_suffix(".onnx")
     openvino, nms = out / "plain" / f"{checkpoint.stem}_openvino_model", files["nms"].with_suffix(".onnx")
     yolo = str(Path(args.ultralytics_python).parent / "yolo")
     failed = False
-    for label, model in (("checkpoint", checkpoint), ("our ONNX", onnx), ("our OpenVINO", openvino),
-                         ("our ONNX --nms", nms)):
+    for label, model in (
+        ("checkpoint", checkpoint),
+        ("our ONNX", onnx),
+        ("our OpenVINO", openvino),
+        ("our ONNX --nms", nms),
+    ):
         log = out / f"val_{label.replace(' ', '_')}.log"
         with open(log, "w") as f:
-            code = subprocess.call([yolo, "detect", "val", f"model={model}", f"data={data}", f"imgsz={args.imgsz}",
-                                    "batch=1", "device=cpu", "plots=False", f"project={out / 'val'}", "name=v",
-                                    "exist_ok=True"], cwd=out, env={**os.environ, **env}, stdout=f,
-                                   stderr=subprocess.STDOUT)
+            code = subprocess.call(
+                [
+                    yolo,
+                    "detect",
+                    "val",
+                    f"model={model}",
+                    f"data={data}",
+                    f"imgsz={args.imgsz}",
+                    "batch=1",
+                    "device=cpu",
+                    "plots=False",
+                    f"project={out / 'val'}",
+                    "name=v",
+                    "exist_ok=True",
+                ],
+                cwd=out,
+                env={**os.environ, **env},
+                stdout=f,
+                stderr=subprocess.STDOUT,
+            )
         failed |= code != 0
-        print(f"Ultralytics' validator, {label:16s} ({model.name}): exit {code}, mAP50-95 {final_map(log):.4f}",
-              flush=True)
-    done = subprocess.run([args.ultralytics_python, "-c", _COMPARE, str(checkpoint), str(onnx),
-                           str(val_images(data)), str(args.imgsz)], cwd=out, env={**os.environ, **env},
-                          capture_output=True, text=True)
+        print(
+            f"Ultralytics' validator, {label:16s} ({model.name}): exit {code}, mAP50-95 {final_map(log):.4f}",
+            flush=True,
+        )
+    done = subprocess.run(
+        [args.ultralytics_python, "-c", _COMPARE, str(checkpoint), str(onnx), str(val_images(data)), str(args.imgsz)],
+        cwd=out,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+    )
     result = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    print(f"Ultralytics' predictor, its ONNX against ours: "
-          f"{result[0][7:] if result else (done.stderr or done.stdout).strip().splitlines()[-1:]}")
+    print(
+        f"Ultralytics' predictor, its ONNX against ours: "
+        f"{result[0][7:] if result else (done.stderr or done.stdout).strip().splitlines()[-1:]}"
+    )
     return int(failed or done.returncode != 0)
 
 

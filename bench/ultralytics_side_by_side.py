@@ -7,6 +7,7 @@ under GNU time, which reports its wall time and its peak resident set size (the 
 waited-for children, as GNU time measures it). Where GNU time is not installed (some GPU images), a Python parent
 reads the same figure from the kernel (``getrusage(RUSAGE_CHILDREN)``, the call GNU time makes).
 """
+
 from __future__ import annotations
 
 import os
@@ -23,9 +24,11 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 GNU_TIME = "/usr/bin/time"
 # GNU time's "%M %e" for a machine without it: the child's peak RSS in KiB (wait4's rusage) and its wall seconds.
-_PYTHON_TIME = ("import resource, subprocess, sys, time; t = time.perf_counter(); subprocess.call(sys.argv[2:]); "
-                "open(sys.argv[1], 'w').write(f'{resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss} "
-                "{time.perf_counter() - t:.2f}')")
+_PYTHON_TIME = (
+    "import resource, subprocess, sys, time; t = time.perf_counter(); subprocess.call(sys.argv[2:]); "
+    "open(sys.argv[1], 'w').write(f'{resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss} "
+    "{time.perf_counter() - t:.2f}')"
+)
 
 # The summary row of a validation table (ours and Ultralytics' alike): all, images, instances, P, R, mAP50, mAP50-95.
 _NUMBER = r"([\d.]+(?:e[+-]?\d+)?)"
@@ -46,8 +49,11 @@ def run_timed(cmd: list[str], cwd: Path, log: Path, env: dict[str, str] | None =
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log, "w") as out:
         t0 = time.perf_counter()
-        timer = ([GNU_TIME, "-f", "%M %e", "-o", str(stats)] if os.access(GNU_TIME, os.X_OK) else
-                 [sys.executable, "-c", _PYTHON_TIME, str(stats)])
+        timer = (
+            [GNU_TIME, "-f", "%M %e", "-o", str(stats)]
+            if os.access(GNU_TIME, os.X_OK)
+            else [sys.executable, "-c", _PYTHON_TIME, str(stats)]
+        )
         code = subprocess.call([*timer, *cmd], cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=full_env)
         wall = time.perf_counter() - t0
     fields = stats.read_text().split()
@@ -73,15 +79,27 @@ def ultralytics_train_cmd(python: str, **kwargs) -> list[str]:
 
 # Ultralytics' integrations that log a training run when their package is installed (MLflow is on by default, and our
 # test requirements install it): switched off, so that its trainer is timed alone, as ours is without --loggers.
-_INTEGRATIONS_OFF = ("clearml=False", "comet=False", "dvc=False", "mlflow=False", "neptune=False", "raytune=False",
-                     "tensorboard=False", "wandb=False")
+_INTEGRATIONS_OFF = (
+    "clearml=False",
+    "comet=False",
+    "dvc=False",
+    "mlflow=False",
+    "neptune=False",
+    "raytune=False",
+    "tensorboard=False",
+    "wandb=False",
+)
 
 
 def ultralytics_env(out: Path, python: str) -> dict[str, str]:
     """Offline, with its settings in ``out`` (not the user's home), its tracker integrations off."""
     env = {"YOLO_OFFLINE": "1", "YOLO_CONFIG_DIR": str(out / "ultralytics_config")}
-    subprocess.run([str(Path(python).parent / "yolo"), "settings", *_INTEGRATIONS_OFF], env={**os.environ, **env},
-                   check=True, capture_output=True)
+    subprocess.run(
+        [str(Path(python).parent / "yolo"), "settings", *_INTEGRATIONS_OFF],
+        env={**os.environ, **env},
+        check=True,
+        capture_output=True,
+    )
     return env
 
 

@@ -8,6 +8,7 @@ pre-processing and inference honestly but NMS hardly at all. --zero-head-bias se
 (objectness and class scores near 0.5), the worst case for NMS: every box and class passes conf 0.001 and
 each image sends the full cap of 30,000 candidates to NMS, far more than a trained model does.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,16 +51,30 @@ def bench_val(weights: str | None, zero_head_bias: bool, imgsz: int, batch_size:
         weights = weights or str(random_checkpoint(Path(tmp) / "yolov5n_random.pt", zero_head_bias))
         LOGGER.setLevel(logging.WARNING)  # keep val.py's table out of the benchmark output
         t0 = time.perf_counter()
-        r = val.run(data=str(DATA), weights=weights, imgsz=imgsz, batch_size=batch_size, conf_thres=0.001,
-                    iou_thres=0.6, device="cpu", workers=workers, project=str(Path(tmp) / "runs"), noplots=True)
+        r = val.run(
+            data=str(DATA),
+            weights=weights,
+            imgsz=imgsz,
+            batch_size=batch_size,
+            conf_thres=0.001,
+            iou_thres=0.6,
+            device="cpu",
+            workers=workers,
+            project=str(Path(tmp) / "runs"),
+            noplots=True,
+        )
         wall = time.perf_counter() - t0
         LOGGER.setLevel(logging.INFO)
     pre, inference, nms = r.speed
     per_image = pre + inference + nms
-    print(f"val.py on {DATA.name}, {r.n_images} images at {imgsz} px, CPU ({torch.get_num_threads()} threads), "
-          f"conf 0.001, weights: {label}")
-    print(f"  {1000 / per_image:.2f} images/s in the loop ({per_image:.1f} ms/image: {pre:.1f} pre-process, "
-          f"{inference:.1f} inference, {nms:.1f} NMS); {r.n_images / wall:.2f} images/s including start-up")
+    print(
+        f"val.py on {DATA.name}, {r.n_images} images at {imgsz} px, CPU ({torch.get_num_threads()} threads), "
+        f"conf 0.001, weights: {label}"
+    )
+    print(
+        f"  {1000 / per_image:.2f} images/s in the loop ({per_image:.1f} ms/image: {pre:.1f} pre-process, "
+        f"{inference:.1f} inference, {nms:.1f} NMS); {r.n_images / wall:.2f} images/s including start-up"
+    )
     print(f"  {r.n_detections / max(r.n_images, 1):.0f} detections per image after NMS; mAP50-95 {r.map:.4f}")
     if label.startswith("random"):
         print("  note: random weights; NMS load is unlike a trained model's (see this script's docstring)")
@@ -97,10 +112,14 @@ def bench_nms(images: int, chunk: int = 8) -> None:
         out = non_max_suppression(pred, conf_thres=0.001, iou_thres=0.6, multi_label=True, max_det=300)
         nms_seconds += time.perf_counter() - t0
         kept += sum(len(o) for o in out)
-    print(f"NMS alone on {images} images of synthetic raw predictions (25200 x 85, conf 0.001, IoU 0.6, "
-          f"multi-label), CPU ({torch.get_num_threads()} threads):")
-    print(f"  {images / nms_seconds:.1f} images/s ({1000 * nms_seconds / images:.2f} ms/image); "
-          f"{candidates / images:.0f} boxes/image above the objectness threshold, {kept / images:.0f} kept")
+    print(
+        f"NMS alone on {images} images of synthetic raw predictions (25200 x 85, conf 0.001, IoU 0.6, "
+        f"multi-label), CPU ({torch.get_num_threads()} threads):"
+    )
+    print(
+        f"  {images / nms_seconds:.1f} images/s ({1000 * nms_seconds / images:.2f} ms/image); "
+        f"{candidates / images:.0f} boxes/image above the objectness threshold, {kept / images:.0f} kept"
+    )
 
 
 def main() -> None:

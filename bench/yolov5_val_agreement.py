@@ -9,6 +9,7 @@ then read that one file: YOLOv5's by unpickling its classes, ours through its sa
 checkpoint (``--weights`` ending in a file YOLOv5 wrote) is used as it is. Both run on the CPU with the same
 image size, batch size, thresholds (conf 0.001, IoU 0.6) and split.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,14 @@ def figures(output: str, who: str) -> dict[str, float]:
     if not rows:
         raise SystemExit(f"{who}: no 'all' row in its output:\n{output[-3000:]}")
     images, instances, p, r, map50, map50_95 = rows[-1]
-    return {"images": int(images), "instances": int(instances), "P": float(p), "R": float(r),
-            "mAP50": float(map50), "mAP50-95": float(map50_95)}
+    return {
+        "images": int(images),
+        "instances": int(instances),
+        "P": float(p),
+        "R": float(r),
+        "mAP50": float(map50),
+        "mAP50-95": float(map50_95),
+    }
 
 
 def run(cmd: list[str], cwd: Path, who: str) -> str:
@@ -83,9 +90,27 @@ def main() -> int:
         data.pop("builtin", None)
         data_yaml = out / "data.yaml"
         data_yaml.write_text(yaml.safe_dump(data, sort_keys=False))
-        common = ["--weights", str(weights), "--data", str(data_yaml), "--imgsz", str(args.imgsz), "--batch-size",
-                  str(args.batch_size), "--conf-thres", "0.001", "--iou-thres", "0.6", "--device", "cpu",
-                  "--workers", "0", "--project", str(out), "--exist-ok"]
+        common = [
+            "--weights",
+            str(weights),
+            "--data",
+            str(data_yaml),
+            "--imgsz",
+            str(args.imgsz),
+            "--batch-size",
+            str(args.batch_size),
+            "--conf-thres",
+            "0.001",
+            "--iou-thres",
+            "0.6",
+            "--device",
+            "cpu",
+            "--workers",
+            "0",
+            "--project",
+            str(out),
+            "--exist-ok",
+        ]
         their_output = run([args.yolov5_python, "val.py", *common, "--name", "yolov5"], yolov5, "YOLOv5 val.py")
         theirs = figures(their_output, "YOLOv5 val.py")
         ours = figures(run([sys.executable, "val.py", *common, "--name", "ours"], ROOT, "our val.py"), "our val.py")
@@ -93,12 +118,16 @@ def main() -> int:
     print(f"weights: {args.weights}  data: {args.data}  imgsz {args.imgsz}, conf 0.001, IoU 0.6, CPU")
     print(f"{'':14}{'images':>8}{'boxes':>8}{'P':>8}{'R':>8}{'mAP50':>9}{'mAP50-95':>10}")
     for who, f in (("YOLOv5 val.py", theirs), ("our val.py", ours)):
-        print(f"{who:14}{f['images']:>8}{f['instances']:>8}{f['P']:>8.3f}{f['R']:>8.3f}{f['mAP50']:>9.4f}"
-              f"{f['mAP50-95']:>10.4f}")
+        print(
+            f"{who:14}{f['images']:>8}{f['instances']:>8}{f['P']:>8.3f}{f['R']:>8.3f}{f['mAP50']:>9.4f}"
+            f"{f['mAP50-95']:>10.4f}"
+        )
     if "NMS time limit" in their_output:  # YOLOv5 drops the rest of a batch whose NMS takes over 0.5 + 0.05 * bs s
         print("WARNING YOLOv5's NMS hit its time limit: its figures miss detections (run on an idle machine)")
-    print(f"difference (ours - YOLOv5): mAP50 {ours['mAP50'] - theirs['mAP50']:+.4f}, "
-          f"mAP50-95 {ours['mAP50-95'] - theirs['mAP50-95']:+.4f}")
+    print(
+        f"difference (ours - YOLOv5): mAP50 {ours['mAP50'] - theirs['mAP50']:+.4f}, "
+        f"mAP50-95 {ours['mAP50-95'] - theirs['mAP50-95']:+.4f}"
+    )
     return 0
 
 

@@ -12,6 +12,7 @@ A page asks for a script's table with a pair of markers; everything between them
 tests/test_docs.py runs the check, so a default changed in a parser and not in the docs fails the suite.
 The parser comes from the script's ``build_parser()``; importing a script has no side effects.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -93,8 +94,11 @@ def option_table(script: str) -> str:
     parser = load_parser(script)
     out: list[str] = []
     for group in parser._action_groups:
-        actions = [a for a in group._group_actions
-                   if a.help is not argparse.SUPPRESS and not isinstance(a, argparse._HelpAction)]
+        actions = [
+            a
+            for a in group._group_actions
+            if a.help is not argparse.SUPPRESS and not isinstance(a, argparse._HelpAction)
+        ]
         if not actions:
             continue
         if group.title and group.title not in DEFAULT_GROUP_TITLES:
@@ -132,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     stale = stale_pages()
     for page, text in stale.items():
         if opt.check:
-            print(f"{page.relative_to(ROOT)}: option tables differ from the parsers; run python docs/make_option_tables.py")
+            print(
+                f"{page.relative_to(ROOT)}: option tables differ from the parsers; run python docs/make_option_tables.py"
+            )
         else:
             page.write_text(text, encoding="utf-8")
             print(f"{page.relative_to(ROOT)}: option tables written")

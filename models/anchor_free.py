@@ -13,6 +13,7 @@ Tensor layout (shared with the loss, validation and export):
   With ``end2end_output`` (YOLO26) pred is ``(B, min(max_det, A), 6)``: x1 y1 x2 y2 score class, from the
   one-to-one head.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,8 +33,11 @@ from models.heads import PROBE_SIZE, DetectionHead, probe_input
 DEPTHWISE_CLASS_BRANCH_BLOCKS = frozenset({"C3k2", "A2C2f"})
 
 
-def make_anchors(feats_or_shapes: Sequence[torch.Tensor] | Sequence[Sequence[int]] | torch.Tensor,
-                 strides: Sequence[float] | torch.Tensor, offset: float = 0.5) -> tuple[torch.Tensor, torch.Tensor]:
+def make_anchors(
+    feats_or_shapes: Sequence[torch.Tensor] | Sequence[Sequence[int]] | torch.Tensor,
+    strides: Sequence[float] | torch.Tensor,
+    offset: float = 0.5,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Anchor points ``(A, 2)`` as (x, y) in grid units and their strides ``(A, 1)``.
 
     ``feats_or_shapes`` is a list of feature maps ``(B, C, ny, nx)`` or of ``(ny, nx)`` sizes, one per level.
@@ -107,9 +111,11 @@ def _class_branch(c_in: int, c_hidden: int, nc: int, legacy: bool) -> nn.Sequent
     if legacy:  # YOLOv8: two full 3x3 convs
         return nn.Sequential(Conv(c_in, c_hidden, 3), Conv(c_hidden, c_hidden, 3), nn.Conv2d(c_hidden, nc, 1))
     # YOLO11/26: depthwise 3x3 then pointwise 1x1, twice
-    return nn.Sequential(nn.Sequential(DWConv(c_in, c_in, 3), Conv(c_in, c_hidden, 1)),
-                         nn.Sequential(DWConv(c_hidden, c_hidden, 3), Conv(c_hidden, c_hidden, 1)),
-                         nn.Conv2d(c_hidden, nc, 1))
+    return nn.Sequential(
+        nn.Sequential(DWConv(c_in, c_in, 3), Conv(c_in, c_hidden, 1)),
+        nn.Sequential(DWConv(c_hidden, c_hidden, 3), Conv(c_hidden, c_hidden, 1)),
+        nn.Conv2d(c_hidden, nc, 1),
+    )
 
 
 class AnchorFreeDetect(DetectionHead):
@@ -122,8 +128,15 @@ class AnchorFreeDetect(DetectionHead):
 
     max_det = 300
 
-    def __init__(self, nc: int = 80, reg_max: int = 16, end2end: bool = False, ch: Sequence[int] = (),
-                 legacy: bool = False, class_width: int | None = None):
+    def __init__(
+        self,
+        nc: int = 80,
+        reg_max: int = 16,
+        end2end: bool = False,
+        ch: Sequence[int] = (),
+        legacy: bool = False,
+        class_width: int | None = None,
+    ):
         super().__init__()
         self.nc = nc
         self.nl = len(ch)
@@ -156,8 +169,14 @@ class AnchorFreeDetect(DetectionHead):
         """(nc, reg_max, end2end, channels, legacy, class_width) from the row's [nc] and the config's keys."""
         rows = list(cfg.get("backbone") or []) + list(cfg.get("head") or [])
         legacy = not any(len(row) > 2 and row[2] in DEPTHWISE_CLASS_BRANCH_BLOCKS for row in rows)
-        return [args[0], cfg.get("reg_max", 16), bool(cfg.get("end2end", False)), channels, legacy,
-                cfg.get("head_class_width")]
+        return [
+            args[0],
+            cfg.get("reg_max", 16),
+            bool(cfg.get("end2end", False)),
+            channels,
+            legacy,
+            cfg.get("head_class_width"),
+        ]
 
     @classmethod
     def fine_tune_config(cls, weights: Mapping[str, torch.Tensor]) -> dict[str, Any]:

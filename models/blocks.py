@@ -3,6 +3,7 @@
 Attribute names follow the published checkpoints (``cv1``, ``cv2``, ``m``, ``attn.qkv``, ``ffn.0``, ...) so that
 their state_dicts load into these modules by name. Shapes, not code, come from Ultralytics' models.
 """
+
 from __future__ import annotations
 
 import math
@@ -57,8 +58,17 @@ class C3k2(C2f):
 
     C3K_SCALES = ("m", "l", "x")  # scales at which every C3k2 uses C3k inner blocks, whatever the YAML says
 
-    def __init__(self, c1: int, c2: int, n: int = 1, c3k: bool = False, e: float = 0.5, attn: bool = False,
-                 g: int = 1, shortcut: bool = True):
+    def __init__(
+        self,
+        c1: int,
+        c2: int,
+        n: int = 1,
+        c3k: bool = False,
+        e: float = 0.5,
+        attn: bool = False,
+        g: int = 1,
+        shortcut: bool = True,
+    ):
         super().__init__(c1, c2, n, shortcut, g, e)
         self.m = nn.ModuleList(self._inner_block(c3k, attn, g, shortcut) for _ in range(n))
 
@@ -72,8 +82,9 @@ class C3k2(C2f):
     def _inner_block(self, c3k: bool, attn: bool, g: int, shortcut: bool) -> nn.Module:
         c = self.c
         if attn:
-            return nn.Sequential(Bottleneck(c, c, shortcut, g, k=(3, 3)),
-                                 PSABlock(c, attn_ratio=0.5, num_heads=max(c // 64, 1)))
+            return nn.Sequential(
+                Bottleneck(c, c, shortcut, g, k=(3, 3)), PSABlock(c, attn_ratio=0.5, num_heads=max(c // 64, 1))
+            )
         if c3k:
             return C3k(c, c, 2, shortcut, g)
         return Bottleneck(c, c, shortcut, g, k=(3, 3))
@@ -91,7 +102,7 @@ class Attention(nn.Module):
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.key_dim = int(self.head_dim * attn_ratio)
-        self.scale = self.key_dim ** -0.5
+        self.scale = self.key_dim**-0.5
         self.qkv = Conv(dim, dim + 2 * self.key_dim * num_heads, 1, act=False)
         self.proj = Conv(dim, dim, 1, act=False)
         self.pe = Conv(dim, dim, 3, 1, g=dim, act=False)
@@ -151,7 +162,7 @@ class AreaAttention(nn.Module):
         self.area = area
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         inner = self.head_dim * num_heads
         self.qkv = Conv(dim, 3 * inner, 1, act=False)
         self.proj = Conv(inner, dim, 1, act=False)
@@ -203,8 +214,19 @@ class A2C2f(nn.Module):
 
     RESIDUAL_SCALES = ("l", "x")  # scales whose attention blocks are residual, with a narrower feed-forward (1.2)
 
-    def __init__(self, c1: int, c2: int, n: int = 1, a2: bool = True, area: int = 1, residual: bool = False,
-                 mlp_ratio: float = 2.0, e: float = 0.5, g: int = 1, shortcut: bool = True):
+    def __init__(
+        self,
+        c1: int,
+        c2: int,
+        n: int = 1,
+        a2: bool = True,
+        area: int = 1,
+        residual: bool = False,
+        mlp_ratio: float = 2.0,
+        e: float = 0.5,
+        g: int = 1,
+        shortcut: bool = True,
+    ):
         super().__init__()
         hidden = int(c2 * e)
         if hidden % 32:
@@ -213,8 +235,11 @@ class A2C2f(nn.Module):
         self.cv2 = Conv((1 + n) * hidden, c2, 1)
         self.gamma = nn.Parameter(torch.full((c2,), 0.01)) if a2 and residual else None
         self.m = nn.ModuleList(
-            nn.Sequential(*(AreaAttentionBlock(hidden, hidden // 32, mlp_ratio, area) for _ in range(2))) if a2
-            else C3k(hidden, hidden, 2, shortcut, g) for _ in range(n))
+            nn.Sequential(*(AreaAttentionBlock(hidden, hidden // 32, mlp_ratio, area) for _ in range(2)))
+            if a2
+            else C3k(hidden, hidden, 2, shortcut, g)
+            for _ in range(n)
+        )
 
     @classmethod
     def adjust_yaml_args(cls, args: list, *, scale: str | None, given: int) -> list:

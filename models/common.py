@@ -2,6 +2,7 @@
 
 The blocks only the anchor-free families use (C2f, C3k2, attention, ...) live in models/blocks.py.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,9 @@ def same_padding(kernel: int | list[int], padding: int | None = None, dilation: 
 class Conv(nn.Module):
     """Conv2d without bias, BatchNorm, SiLU. After ``Model.fuse()`` the BN is folded into the conv."""
 
-    def __init__(self, c1: int, c2: int, k: int = 1, s: int = 1, p: int | None = None, g: int = 1, d: int = 1,
-                 act: bool = True):
+    def __init__(
+        self, c1: int, c2: int, k: int = 1, s: int = 1, p: int | None = None, g: int = 1, d: int = 1, act: bool = True
+    ):
         super().__init__()
         self.conv = nn.Conv2d(c1, c2, k, s, same_padding(k, p, d), groups=g, dilation=d, bias=False)
         # BN settings of the published YOLOv5 models (eps 1e-3, momentum 0.03).
@@ -46,8 +48,9 @@ class Bottleneck(nn.Module):
     The anchor-free families use 3x3 then 3x3 (``k=(3, 3)``).
     """
 
-    def __init__(self, c1: int, c2: int, shortcut: bool = True, g: int = 1, e: float = 0.5,
-                 k: tuple[int, int] = (1, 3)):
+    def __init__(
+        self, c1: int, c2: int, shortcut: bool = True, g: int = 1, e: float = 0.5, k: tuple[int, int] = (1, 3)
+    ):
         super().__init__()
         hidden = int(c2 * e)
         self.cv1 = Conv(c1, hidden, k[0], 1)

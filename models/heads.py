@@ -6,6 +6,7 @@ and what they set once the model around them exists (:meth:`DetectionHead.setup`
 units, the first biases). ``models.yolo.Model`` calls these and never asks which head it has. The anchor-free head
 is in models/anchor_free.py.
 """
+
 from __future__ import annotations
 
 import math
@@ -101,7 +102,7 @@ class Detect(DetectionHead):
             b = conv.bias.view(self.na, -1)
             with torch.no_grad():
                 b[:, 4] += math.log(8 / (640 / float(s)) ** 2)
-                b[:, 5:5 + self.nc] += math.log(0.6 / (self.nc - 0.99999))
+                b[:, 5 : 5 + self.nc] += math.log(0.6 / (self.nc - 0.99999))
 
     def forward(self, x: list[torch.Tensor]) -> list[torch.Tensor] | tuple[torch.Tensor, list[torch.Tensor]]:
         outputs = []
@@ -133,8 +134,11 @@ class Detect(DetectionHead):
         key = None if tracing else (level, nx, ny, device, dtype, self.anchors.data_ptr(), self.anchors._version)
         if tracing or key not in self._grid_cache:
             # arange in fp32, then cast: the ONNX exporter cannot infer a Range of fp16 (an --half export fails).
-            ys, xs = torch.meshgrid(torch.arange(ny, device=device, dtype=torch.float32).to(dtype),
-                                    torch.arange(nx, device=device, dtype=torch.float32).to(dtype), indexing="ij")
+            ys, xs = torch.meshgrid(
+                torch.arange(ny, device=device, dtype=torch.float32).to(dtype),
+                torch.arange(nx, device=device, dtype=torch.float32).to(dtype),
+                indexing="ij",
+            )
             grid = torch.stack((xs, ys), 2).view(1, 1, ny, nx, 2) - 0.5
             anchor_grid = (self.anchors[level] * self.stride[level]).view(1, self.na, 1, 1, 2).to(dtype)
             if tracing:

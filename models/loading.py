@@ -1,5 +1,6 @@
 """Models from checkpoint files: the checkpoint code (utils/checkpoint.py) reads files into dicts, the model
 registry (models/yolo.py) builds models from configs; this joins the two."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,4 +1,5 @@
 """Model summary: layers, parameters, gradients and GFLOPs (counted by thop when it is installed)."""
+
 from __future__ import annotations
 
 from copy import deepcopy

@@ -4,6 +4,7 @@ Two YAML forms are read: YOLOv5's (``depth_multiple``/``width_multiple``, ``anch
 Ultralytics' later form (a ``scales`` table of [depth, width, max_channels] per scale letter, the letter taken from
 the file name, e.g. ``yolo11n.yaml`` -> ``yolo11.yaml`` at scale n), whose ``Detect`` is the anchor-free head.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -77,22 +78,28 @@ def _scaling(cfg: dict) -> tuple[float, float, float, str | None]:
     scale = cfg.get("scale")
     if not scale:
         scale = next(iter(scales))
-        LOGGER.warning(f"{cfg.get('yaml_file', 'model config')}: no model scale given (e.g. yolo11n.yaml for "
-                       f"scale n); using scale '{scale}'")
+        LOGGER.warning(
+            f"{cfg.get('yaml_file', 'model config')}: no model scale given (e.g. yolo11n.yaml for "
+            f"scale n); using scale '{scale}'"
+        )
     if scale not in scales:
-        raise UserError(f"{cfg.get('yaml_file', 'model config')}: scale '{scale}' is not among its scales "
-                        f"{', '.join(map(str, scales))}")
+        raise UserError(
+            f"{cfg.get('yaml_file', 'model config')}: scale '{scale}' is not among its scales "
+            f"{', '.join(map(str, scales))}"
+        )
     depth, width, max_channels = scales[scale]
     return depth, width, max_channels, scale
 
 
-def _layer_args(block: type[nn.Module], args: list, where: str, *, channels: list[int], source: Any,
-                repeats: int, scaling: Scaling) -> tuple[list, int, int]:
+def _layer_args(
+    block: type[nn.Module], args: list, where: str, *, channels: list[int], source: Any, repeats: int, scaling: Scaling
+) -> tuple[list, int, int]:
     """(constructor arguments, output channels, repeats left to stack) of one YAML row's ``block``."""
     if block in _CHANNEL_BLOCKS:
         if not args or isinstance(args[0], bool) or not isinstance(args[0], (int, float)):
-            raise UserError(f"{where}: the first argument must be a channel count, got "
-                            f"{args[0] if args else 'nothing'!r}")
+            raise UserError(
+                f"{where}: the first argument must be a channel count, got {args[0] if args else 'nothing'!r}"
+            )
         c_in, c_out = channels[source], args[0]
         if c_out != scaling.head_outputs:
             c_out = make_divisible(min(c_out, scaling.max_channels) * scaling.width, 8)
@@ -140,11 +147,13 @@ def parse_model(cfg: dict, ch: int) -> tuple[nn.Sequential, list[int]]:
             args, c_out = block.yaml_args(args, cfg, [channels[s] for s in source]), channels[source[-1]]
         elif name in MODULES:
             block = MODULES[name]
-            args, c_out, repeats = _layer_args(block, args, where, channels=channels, source=source,
-                                               repeats=repeats, scaling=scaling)
+            args, c_out, repeats = _layer_args(
+                block, args, where, channels=channels, source=source, repeats=repeats, scaling=scaling
+            )
         else:
-            raise UserError(f"model YAML layer {i}: unknown module '{name}'; known modules: "
-                            f"{', '.join([*MODULES, *HEADS])}")
+            raise UserError(
+                f"model YAML layer {i}: unknown module '{name}'; known modules: {', '.join([*MODULES, *HEADS])}"
+            )
         try:
             module = nn.Sequential(*(block(*args) for _ in range(repeats))) if repeats > 1 else block(*args)
         except (TypeError, ValueError) as e:
@@ -254,9 +263,16 @@ class Model(nn.Module):
         return self.model[-1].stride
 
 
-def build_model(cfg: str | Path | dict, *, nc: int | None = None, weights: dict[str, torch.Tensor] | None = None,
-                transfer: bool = False, keep_anchors: bool = True, anchors: float | None = None,
-                names: list[str] | None = None) -> Model:
+def build_model(
+    cfg: str | Path | dict,
+    *,
+    nc: int | None = None,
+    weights: dict[str, torch.Tensor] | None = None,
+    transfer: bool = False,
+    keep_anchors: bool = True,
+    anchors: float | None = None,
+    names: list[str] | None = None,
+) -> Model:
     """The one way models are made: from a config, then loaded with ``weights`` if given.
 
     Without ``transfer`` every tensor of ``weights`` must match (resuming, evaluating a checkpoint). With it,
@@ -275,8 +291,11 @@ def build_model(cfg: str | Path | dict, *, nc: int | None = None, weights: dict[
     if weights is not None:
         if transfer:
             own = model.state_dict()
-            fitting = {k: v for k, v in weights.items() if k in own and own[k].shape == v.shape
-                       and (keep_anchors or not k.endswith(".anchors"))}
+            fitting = {
+                k: v
+                for k, v in weights.items()
+                if k in own and own[k].shape == v.shape and (keep_anchors or not k.endswith(".anchors"))
+            }
             model.load_state_dict(fitting, strict=False)
             LOGGER.info(f"Transferred {len(fitting)}/{len(own)} tensors")
         else:

@@ -1,4 +1,5 @@
 """Make the repository root importable; shared generated-data fixtures."""
+
 from __future__ import annotations
 
 import logging
@@ -24,8 +25,15 @@ if str(ROOT) not in sys.path:
 COLOURS = [(40, 40, 220), (220, 160, 40), (40, 200, 40), (200, 40, 200), (20, 220, 220)]  # BGR, one per class
 
 
-def write_rectangles_dataset(root: Path, n_train: int = 16, n_val: int = 8, size: int = 96, seed: int = 0,
-                             n_classes: int = 2, width: int | None = None) -> Path:
+def write_rectangles_dataset(
+    root: Path,
+    n_train: int = 16,
+    n_val: int = 8,
+    size: int = 96,
+    seed: int = 0,
+    n_classes: int = 2,
+    width: int | None = None,
+) -> Path:
     """A tiny YOLO-format dataset of coloured rectangles and its data YAML; returns the YAML path.
 
     Images are ``size`` high and ``width`` (default ``size``) wide; up to 5 classes, one colour each.
@@ -44,11 +52,15 @@ def write_rectangles_dataset(root: Path, n_train: int = 16, n_val: int = 8, size
                 w, h = int(rng.integers(width // 6, width // 2)), int(rng.integers(size // 6, size // 2))
                 x1, y1 = int(rng.integers(0, width - w)), int(rng.integers(0, size - h))
                 cv2.rectangle(img, (x1, y1), (x1 + w - 1, y1 + h - 1), colours[cls], -1)
-                rows.append(f"{cls} {(x1 + w / 2) / width:.6f} {(y1 + h / 2) / size:.6f} {w / width:.6f} {h / size:.6f}")
+                rows.append(
+                    f"{cls} {(x1 + w / 2) / width:.6f} {(y1 + h / 2) / size:.6f} {w / width:.6f} {h / size:.6f}"
+                )
             cv2.imwrite(str(root / "images" / split / f"{i:04d}.jpg"), img)
             (root / "labels" / split / f"{i:04d}.txt").write_text("\n".join(rows) + "\n")
     yaml_file = root / "rectangles.yaml"
-    names = "".join(f"  {k}: {name}\n" for k, name in enumerate(["red", "blue", "green", "magenta", "yellow"][:n_classes]))
+    names = "".join(
+        f"  {k}: {name}\n" for k, name in enumerate(["red", "blue", "green", "magenta", "yellow"][:n_classes])
+    )
     yaml_file.write_text(f"path: {root}\ntrain: images/train\nval: images/val\nnames:\n{names}")
     return yaml_file
 
@@ -74,8 +86,14 @@ def _forked(target: Callable[..., int | None], args: tuple, env: dict[str, str])
     # OpenMP's thread pool does not survive fork: a forked child that enters a parallel region hangs. One
     # thread per process is also what the launched tests give each process (OMP_NUM_THREADS=1).
     torch.set_num_threads(1)
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID",
-                 "TORCHELASTIC_RESTART_COUNT"):
+    for name in (
+        "WORLD_SIZE",
+        "RANK",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_RESTART_COUNT",
+    ):
         os.environ.pop(name, None)
     os.environ.update(env)
     sys.exit(target(*args) or 0)
@@ -111,10 +129,21 @@ def rank_jobs(target: Callable[..., int | None], world_size: int, *args) -> list
     """``run_forked``'s jobs for ``target(rank, *args)`` on the ranks of one world (env:// with the variables
     torch.distributed.run sets, on a port of its own): several worlds can run side by side."""
     port = str(free_port())
-    return [(target, (rank, *args), {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-                                     "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
-                                     "MASTER_PORT": port})
-            for rank in range(world_size)]
+    return [
+        (
+            target,
+            (rank, *args),
+            {
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_WORLD_SIZE": str(world_size),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+            },
+        )
+        for rank in range(world_size)
+    ]
 
 
 def fork_ranks(target: Callable[..., int | None], world_size: int, *args, timeout: float = 120) -> list[int]:
@@ -131,8 +160,9 @@ def _main_writing_to(main: Callable[[list[str]], int], argv: list[str], output: 
     return main(argv)
 
 
-def main_on_ranks(main: Callable[[list[str]], int], argv: list[str], world_size: int, out_dir: Path,
-                  timeout: float = 240) -> tuple[list[int], list[str]]:
+def main_on_ranks(
+    main: Callable[[list[str]], int], argv: list[str], world_size: int, out_dir: Path, timeout: float = 240
+) -> tuple[list[int], list[str]]:
     """A script's ``main(argv)`` (train.py's, val.py's) on ``world_size`` forked gloo ranks, as
     ``torch.distributed.run --standalone`` would run it; returns each rank's exit code and output."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -153,8 +183,18 @@ def rectangles96_yaml(tmp_path_factory) -> Path:
 
 
 # train.py in this process: yolov5n at 64 px, batch 8, no workers, no AutoAnchor, no plots (later flags override).
-TINY_IN_PROCESS = ["--imgsz", "64", "--batch-size", "8", "--workers", "0", "--noautoanchor", "--device", "cpu",
-                   "--noplots"]
+TINY_IN_PROCESS = [
+    "--imgsz",
+    "64",
+    "--batch-size",
+    "8",
+    "--workers",
+    "0",
+    "--noautoanchor",
+    "--device",
+    "cpu",
+    "--noplots",
+]
 
 
 @pytest.fixture(scope="session")
@@ -164,8 +204,18 @@ def finished_run(rectangles_yaml, tmp_path_factory) -> tuple[Path, str]:
     import train
 
     project = tmp_path_factory.mktemp("finished")
-    argv = [*TINY_IN_PROCESS, "--data", str(rectangles_yaml), "--project", str(project), "--name", "exp",
-            "--epochs", "1", "--noval"]
+    argv = [
+        *TINY_IN_PROCESS,
+        "--data",
+        str(rectangles_yaml),
+        "--project",
+        str(project),
+        "--name",
+        "exp",
+        "--epochs",
+        "1",
+        "--noval",
+    ]
     codes, outputs = main_on_ranks(train.main, argv, 1, project / "logs")
     assert codes == [0], outputs[0][-3000:]
     return project / "exp/weights/last.pt", outputs[0]
@@ -186,8 +236,14 @@ def train_here(monkeypatch):
     import train
     from utils.log import LOGGER
 
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT",
-                 "TORCHELASTIC_RUN_ID"):
+    for name in (
+        "WORLD_SIZE",
+        "RANK",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_RUN_ID",
+    ):
         monkeypatch.delenv(name, raising=False)
     handler = _Lines()
     LOGGER.addHandler(handler)

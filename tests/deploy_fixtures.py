@@ -8,6 +8,7 @@ tests/conftest.py so that every test module, the format modules' included, uses 
 
 The checkpoints are tests/fixtures/deploy/*.pt, written by tests/fixtures/deploy/make_checkpoints.py.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -30,8 +31,9 @@ def write_dataset(root: Path) -> Path:
     return write_rectangles_dataset(root, **DATASET)
 
 
-def assert_same_rows(got: np.ndarray, expected: np.ndarray, atol: float | list[float], rtol: float = 0.0,
-                     err_msg: str = "") -> None:
+def assert_same_rows(
+    got: np.ndarray, expected: np.ndarray, atol: float | list[float], rtol: float = 0.0, err_msg: str = ""
+) -> None:
     """Detections (n, 6+) equal row for row within ``atol`` (one value, or one per column) + ``rtol`` x |expected|, in
     any order: rows of equal or nearly equal score come from top-k or a sort in either order, and a change in the
     last bit of a score may swap them."""
@@ -80,8 +82,7 @@ class _ExportedOnce(dict):
     def __missing__(self, layout: str) -> Path:
         import export
 
-        (path,) = export.run(weights=str(self.trained[layout]), include=["onnx"], dynamic=True,
-                             end2end=end2end(layout))
+        (path,) = export.run(weights=str(self.trained[layout]), include=["onnx"], dynamic=True, end2end=end2end(layout))
         self[layout] = path
         return path
 

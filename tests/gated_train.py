@@ -7,6 +7,7 @@ trackers (MLflow's import, W&B's service) can take longer to start than the whol
 with GATE_TRACKERS_FILE (the trackers.yaml to watch) and GATE_TRACKERS (names, comma-separated) set. Waiting
 delays the run and changes nothing it computes; after 180 s it goes on regardless.
 """
+
 from __future__ import annotations
 
 import os

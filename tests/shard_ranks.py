@@ -6,6 +6,7 @@ Each rank writes ``OUT/rank{r}.json`` with
 * ``val``: the figures of distributed validation (every rank validates its part, results gathered);
 * ``shm``: whether the ``--cache ram`` images sit in one node-wide shared mapping that is already unlinked.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,9 +32,22 @@ IMGSZ, BATCH, WINDOW = 64, 3, 5
 
 
 def training_keys(labels, info, workers: int) -> dict[str, list]:
-    loader, _ = create_dataloader(None, IMGSZ, BATCH, 32, hyp=YOLOV5.hyp_type(), augment=True, shuffle=True,
-                                  workers=workers, world_size=info.world_size, global_rank=info.rank, label_set=labels,
-                                  shard_window=WINDOW, seed=7, cache=None)
+    loader, _ = create_dataloader(
+        None,
+        IMGSZ,
+        BATCH,
+        32,
+        hyp=YOLOV5.hyp_type(),
+        augment=True,
+        shuffle=True,
+        workers=workers,
+        world_size=info.world_size,
+        global_rank=info.rank,
+        label_set=labels,
+        shard_window=WINDOW,
+        seed=7,
+        cache=None,
+    )
     out: dict[str, list] = {}
     for epoch in (0, 1):
         loader.set_epoch(epoch)
@@ -48,8 +62,10 @@ def training_keys(labels, info, workers: int) -> dict[str, list]:
 
 def _figures(r) -> dict:
     cm = r.class_metrics
-    return {"figures": [r.p, r.r, r.map50, r.map, r.n_images, r.n_instances, r.n_detections, r.losses.tolist()],
-            "per_class": [cm.p.tolist(), cm.r.tolist(), cm.ap50.tolist(), cm.ap50_95.tolist()]}
+    return {
+        "figures": [r.p, r.r, r.map50, r.map, r.n_images, r.n_instances, r.n_detections, r.losses.tolist()],
+        "per_class": [cm.p.tolist(), cm.r.tolist(), cm.ap50.tolist(), cm.ap50_95.tolist()],
+    }
 
 
 def distributed_val(data: dict, info) -> dict:
@@ -60,10 +76,25 @@ def distributed_val(data: dict, info) -> dict:
     model = build_model(ROOT / "models/yolov5n.yaml", nc=2, names=["red", "blue"]).eval()
     loss = ComputeLoss(model, YOLOV5.read_hyp(YOLOV5.default_hyp_path))
     with torch_distributed_zero_first(info.local_rank):
-        loader, _ = create_dataloader(data["val"], IMGSZ, 2, 32, rect=True, pad=0.5, workers=0,
-                                      world_size=info.world_size, global_rank=info.rank, nc=2)
-    out = {"gathered": _figures(validate(model, loader, names=["red", "blue"], device="cpu", compute_loss=loss,
-                                         gather=True, main=info.rank == 0))}
+        loader, _ = create_dataloader(
+            data["val"],
+            IMGSZ,
+            2,
+            32,
+            rect=True,
+            pad=0.5,
+            workers=0,
+            world_size=info.world_size,
+            global_rank=info.rank,
+            nc=2,
+        )
+    out = {
+        "gathered": _figures(
+            validate(
+                model, loader, names=["red", "blue"], device="cpu", compute_loss=loss, gather=True, main=info.rank == 0
+            )
+        )
+    }
     if info.rank == 0:
         whole, _ = create_dataloader(data["val"], IMGSZ, 2, 32, rect=True, pad=0.5, workers=0, nc=2)
         out["single"] = _figures(validate(model, whole, names=["red", "blue"], device="cpu", compute_loss=loss))
@@ -79,8 +110,14 @@ def shm_check(labels, out_dir: Path) -> dict:
     private = ShardDataset(IMGSZ, BATCH, cache=None, label_set=labels)
     same = all(np.array_equal(ds.ram_images[i], private.load_image(i)[0]) for i in range(ds.n))
     same = same and all(private.load_image(i)[0].std() > 0 for i in range(ds.n))  # real pixels, not grey stand-ins
-    return {"node_cache": True, "path": str(cache.path), "mapped": str(cache.path) in maps,
-            "exists": cache.path.exists(), "pixels_equal": same, "nbytes": cache.nbytes}
+    return {
+        "node_cache": True,
+        "path": str(cache.path),
+        "mapped": str(cache.path) in maps,
+        "exists": cache.path.exists(),
+        "pixels_equal": same,
+        "nbytes": cache.nbytes,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -91,8 +128,11 @@ def main(argv: list[str] | None = None) -> None:
     data = load_data_config(yaml_file)
     with torch_distributed_zero_first(info.local_rank):  # local rank 0 builds the index, the other waits
         labels = load_labels(data["train"], nc=2, verbose=False)
-    result = {"keys": {str(w): training_keys(labels, info, w) for w in (0, 2)},
-              "val": distributed_val(data, info), "shm": shm_check(labels, out_dir)}
+    result = {
+        "keys": {str(w): training_keys(labels, info, w) for w in (0, 2)},
+        "val": distributed_val(data, info),
+        "shm": shm_check(labels, out_dir),
+    }
     (out_dir / f"rank{info.rank}.json").write_text(json.dumps(result))
     destroy_process_group()
 

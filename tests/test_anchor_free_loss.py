@@ -4,6 +4,7 @@ tests/fixtures/ultralytics/anchor_free_loss.pt holds Ultralytics' numbers (see t
 sums them; ours returns that sum directly (times the global image count, the local batch here), so our loss is
 compared with the sum of theirs, and the items one for one.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -56,6 +57,7 @@ def _loss(case: dict, **kwargs) -> AnchorFreeLoss:
 def _preds(case: dict, grad: bool = False):
     def levels(key):
         return [p.float().requires_grad_(grad) for p in case[key]]
+
     return levels("levels") if case["reg_max"] > 1 else {"one2many": levels("one2many"), "one2one": levels("one2one")}
 
 
@@ -122,8 +124,10 @@ def _split(case: dict, bounds: tuple[int, ...]) -> list[tuple[object, torch.Tens
     t = case["targets"]
     parts = []
     for lo, hi in zip(bounds, bounds[1:]):
+
         def cut(levels):
             return [p[lo:hi].detach().clone().requires_grad_(True) for p in levels]
+
         part = cut(preds) if isinstance(preds, list) else {k: cut(v) for k, v in preds.items()}
         rows = t[(t[:, 0] >= lo) & (t[:, 0] < hi)].clone()
         rows[:, 0] -= lo
@@ -209,18 +213,28 @@ def test_end2end_total_is_the_weighted_heads(cases):
 def test_one_to_one_head_gets_one_positive_per_object(cases):
     case = cases["yolo26_forward"]
     # Well separated objects: each gets exactly one positive from the one-to-one assigner, several from the other.
-    targets = torch.tensor([[0, 0, 0.25, 0.25, 0.3, 0.3], [0, 1, 0.75, 0.7, 0.35, 0.4], [1, 2, 0.5, 0.5, 0.5, 0.6],
-                            [1, 0, 0.1, 0.9, 0.1, 0.1]])
+    targets = torch.tensor(
+        [
+            [0, 0, 0.25, 0.25, 0.3, 0.3],
+            [0, 1, 0.75, 0.7, 0.35, 0.4],
+            [1, 2, 0.5, 0.5, 0.5, 0.6],
+            [1, 0, 0.1, 0.9, 0.1, 0.1],
+        ]
+    )
     g = torch.Generator().manual_seed(0)
-    levels = [torch.cat((torch.rand(2, 4, s, s, generator=g) * 3, torch.randn(2, 3, s, s, generator=g)), 1)
-              for s in (8, 4, 2)]
+    levels = [
+        torch.cat((torch.rand(2, 4, s, s, generator=g) * 3, torch.randn(2, 3, s, s, generator=g)), 1) for s in (8, 4, 2)
+    ]
     loss = _loss(case)
     gt = loss._ground_truth(levels, targets)
     for assigner, expect_one in ((loss.o2o_assigner, True), (loss.assigner, False)):
         a = loss.assign(levels, gt, assigner).assigned
         per_gt = torch.zeros(gt.mask.shape, dtype=torch.long)
-        per_gt.view(-1).scatter_add_(0, (a.target_gt + torch.arange(2)[:, None] * gt.mask.shape[1])[a.fg_mask],
-                                     torch.ones(int(a.fg_mask.sum()), dtype=torch.long))
+        per_gt.view(-1).scatter_add_(
+            0,
+            (a.target_gt + torch.arange(2)[:, None] * gt.mask.shape[1])[a.fg_mask],
+            torch.ones(int(a.fg_mask.sum()), dtype=torch.long),
+        )
         if expect_one:
             assert per_gt[gt.mask].tolist() == [1, 1, 1, 1]
         else:
@@ -238,7 +252,7 @@ def test_batch_assignment_equals_per_image(cases):
     t = case["targets"]
     whole = loss.assign(levels, loss._ground_truth(levels, t), loss.assigner).assigned
     for i in range(levels[0].shape[0]):
-        one = [p[i:i + 1] for p in levels]
+        one = [p[i : i + 1] for p in levels]
         rows = t[t[:, 0] == i].clone()
         rows[:, 0] = 0
         alone = loss.assign(one, loss._ground_truth(one, rows), loss.assigner).assigned

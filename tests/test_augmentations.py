@@ -1,4 +1,5 @@
 """Tests for utils/augmentations.py on generated images: boxes must stay on their pixels."""
+
 from __future__ import annotations
 
 import cv2
@@ -177,11 +178,14 @@ def mosaic_then_perspective(seed: int, imgsz: int, **kwargs: float) -> tuple[np.
     return random_perspective(canvas, boxes, rng, border=(-imgsz // 2, -imgsz // 2), **kwargs)
 
 
-@pytest.mark.parametrize("params", [
-    dict(degrees=0, translate=0.1, scale=0.5, shear=0, perspective=0),
-    dict(degrees=20, translate=0.1, scale=0.3, shear=5, perspective=0.0005),
-    dict(degrees=45, translate=0.3, scale=0.9, shear=10, perspective=0.001),
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(degrees=0, translate=0.1, scale=0.5, shear=0, perspective=0),
+        dict(degrees=20, translate=0.1, scale=0.3, shear=5, perspective=0.0005),
+        dict(degrees=45, translate=0.3, scale=0.9, shear=10, perspective=0.001),
+    ],
+)
 def test_warped_mosaic_equals_mosaic_then_perspective_and_skips_hidden_tiles(params: dict) -> None:
     skipped = 0
     for seed in range(60):
@@ -194,8 +198,9 @@ def test_warped_mosaic_equals_mosaic_then_perspective_and_skips_hidden_tiles(par
             loaded.append(k)
             paste_region(images[k], region, out)
 
-        img, out = warped_mosaic4(load, [im.shape[:2] for im in images], labels, imgsz,
-                                  np.random.default_rng([seed, 1]), Warp(**params))
+        img, out = warped_mosaic4(
+            load, [im.shape[:2] for im in images], labels, imgsz, np.random.default_rng([seed, 1]), Warp(**params)
+        )
         assert np.array_equal(out, expected_labels)
         # Same warp from a crop of the canvas: only fixed-point rounding of a few interpolated values differs.
         diff = np.abs(img.astype(np.int16) - expected_img)
@@ -216,8 +221,14 @@ def test_warped_mosaic_rejects_a_tile_smaller_than_its_shape() -> None:
         paste_region(images[k][:-20], region, out)  # 20 rows fewer than announced
 
     with pytest.raises(ValueError, match="tile"):
-        warped_mosaic4(load_short_tile, shapes, labels, 64, np.random.default_rng(0),
-                       Warp(degrees=0, translate=0, scale=0, shear=0))
+        warped_mosaic4(
+            load_short_tile,
+            shapes,
+            labels,
+            64,
+            np.random.default_rng(0),
+            Warp(degrees=0, translate=0, scale=0, shear=0),
+        )
 
 
 def test_mosaic_perspective_keeps_boxes_on_pixels_without_rotation() -> None:
@@ -368,9 +379,7 @@ def test_hsv_changes_colours_in_place_and_keeps_grey_grey() -> None:
 
 
 def test_box_candidates() -> None:
-    before = np.array(
-        [[0, 0, 100, 100], [0, 0, 2, 50], [0, 0, 500, 4], [0, 0, 100, 100], [0, 0, 100, 100]], np.float32
-    )
+    before = np.array([[0, 0, 100, 100], [0, 0, 2, 50], [0, 0, 500, 4], [0, 0, 100, 100], [0, 0, 100, 100]], np.float32)
     after = np.array(
         [[10, 10, 90, 90], [0, 0, 2, 50], [0, 0, 500, 4], [0, 0, 100, 9], [0, 0, 100, 11]], dtype=np.float32
     )
@@ -398,9 +407,7 @@ def full_pipeline(seed: int) -> tuple[np.ndarray, np.ndarray]:
     images, labels = make_mosaic_inputs(0, 96)  # same inputs; only the augmentation seed varies
     rng = np.random.default_rng([seed, 0, 7])
     img, boxes = mosaic4(images, labels, 96, rng)
-    img, boxes = random_perspective(
-        img, boxes, rng, degrees=5, translate=0.1, scale=0.5, shear=2, border=(-48, -48)
-    )
+    img, boxes = random_perspective(img, boxes, rng, degrees=5, translate=0.1, scale=0.5, shear=2, border=(-48, -48))
     augment_hsv(img, rng, 0.015, 0.7, 0.4)
     norm = boxes.copy()
     norm[:, 1:] = xyxy2xywhn(boxes[:, 1:], 96, 96)

@@ -1,4 +1,5 @@
 """Tests of AutoAnchor: BPR on hand-made boxes, refitting, keeping good anchors, k-means determinism, order."""
+
 from __future__ import annotations
 
 import logging

@@ -1,4 +1,5 @@
 """check_data.py on generated sets with known problems: counts, leaks naming both files, thresholds, --strict."""
+
 from __future__ import annotations
 
 import json
@@ -45,21 +46,28 @@ def test_check_data_reports_problems_and_leaks(tmp_path: Path, capsys) -> None:
     args = ["--data", str(yaml_file), "--imgsz", "40", "--save-dir", str(tmp_path / "out"), "--workers", "1"]
     assert check_data.main(args) == 0  # a report, not a verdict, without --strict
     out = capsys.readouterr().out
-    assert "train: 8 images (2 backgrounds), 8 instances; 1 corrupt images, 1 label errors, 1 tiny boxes, " \
-           "1 extreme aspect ratios" in out
+    assert (
+        "train: 8 images (2 backgrounds), 8 instances; 1 corrupt images, 1 label errors, 1 tiny boxes, "
+        "1 extreme aspect ratios" in out
+    )
     lines = [" ".join(line.split()) for line in out.splitlines()]
     assert "a: 6 instances in 6 images" in lines and "b: 2 instances in 2 images" in lines
     assert "c: 0 instances in 0 images" in lines and "WARNING classes without instances in train: c" in lines
-    assert f"duplicate in train: {tmp_path}/images/train/t1.png has the same bytes as " \
-           f"{tmp_path}/images/train/copy_of_t1.png" in out
-    assert f"LEAK val image {tmp_path}/images/val/leak.png is a copy of train image " \
-           f"{tmp_path}/images/train/t4.png" in out
+    assert (
+        f"duplicate in train: {tmp_path}/images/train/t1.png has the same bytes as "
+        f"{tmp_path}/images/train/copy_of_t1.png" in out
+    )
+    assert (
+        f"LEAK val image {tmp_path}/images/val/leak.png is a copy of train image {tmp_path}/images/train/t4.png" in out
+    )
     assert "broken.png" in out and "badrow.txt" in out  # the corrupt image and the bad row, named
     assert (tmp_path / "out" / "labels.jpg").is_file()
     assert check_data.main([*args, "--strict", "--noplots"]) == 1
     capsys.readouterr()
-    assert check_data.main([*args, "--noplots", "--min-box-px", "0.1", "--max-aspect", "60",
-                            "--max-imbalance", "1.5"]) == 0
+    assert (
+        check_data.main([*args, "--noplots", "--min-box-px", "0.1", "--max-aspect", "60", "--max-imbalance", "1.5"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "0 tiny boxes, 0 extreme aspect ratios" in out and "class imbalance > 1.5x" in out
     assert "WARNING class imbalance in train: 3.0x" in out
@@ -70,11 +78,14 @@ def test_check_data_reads_coco_json_and_passes_a_clean_set_strictly(tmp_path: Pa
     for i in range(3):
         _image(tmp_path / "train" / f"{i}.jpg", i)
         images.append({"id": i + 1, "file_name": f"{i}.jpg", "width": 40, "height": 40})
-    anns = [{"id": 1, "image_id": 1, "category_id": 1, "bbox": [5, 5, 20, 20]},
-            {"id": 2, "image_id": 2, "category_id": 9, "bbox": [5, 5, 20, 20]}]  # unknown category: label error
+    anns = [
+        {"id": 1, "image_id": 1, "category_id": 1, "bbox": [5, 5, 20, 20]},
+        {"id": 2, "image_id": 2, "category_id": 9, "bbox": [5, 5, 20, 20]},
+    ]  # unknown category: label error
     (tmp_path / "annotations").mkdir()
-    (tmp_path / "annotations" / "instances_train.json").write_text(json.dumps(
-        {"images": images, "annotations": anns, "categories": [{"id": 1, "name": "thing"}]}))
+    (tmp_path / "annotations" / "instances_train.json").write_text(
+        json.dumps({"images": images, "annotations": anns, "categories": [{"id": 1, "name": "thing"}]})
+    )
     _image(tmp_path / "val" / "v.jpg", 9)
     yaml_file = tmp_path / "coco.yaml"
     yaml_file.write_text(f"path: {tmp_path}\ntrain: annotations/instances_train.json\nval: val\n")
@@ -84,6 +95,7 @@ def test_check_data_reads_coco_json_and_passes_a_clean_set_strictly(tmp_path: Pa
     assert "train: 3 images (2 backgrounds), 1 instances; 0 corrupt images, 1 label errors" in out
     assert "annotation 2 has category id 9 not in 'categories'" in out
     anns.pop()
-    (tmp_path / "annotations" / "instances_train.json").write_text(json.dumps(
-        {"images": images, "annotations": anns, "categories": [{"id": 1, "name": "thing"}]}))
+    (tmp_path / "annotations" / "instances_train.json").write_text(
+        json.dumps({"images": images, "annotations": anns, "categories": [{"id": 1, "name": "thing"}]})
+    )
     assert check_data.main(args) == 0

@@ -1,5 +1,6 @@
 """The scripts' command lines agree (utils/cli.py), their help shows defaults and groups, runs go under ./runs,
 the training presets (demo vs any other data) and the inference image size taken from the checkpoint."""
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,14 @@ from utils.engine.resume import resumed_config
 from utils.errors import UserError
 from utils.log import LOGGER
 
-SCRIPTS = {"train.py": train, "val.py": val, "detect.py": detect, "export.py": export, "shards.py": shards,
-           "check_data.py": check_data}
+SCRIPTS = {
+    "train.py": train,
+    "val.py": val,
+    "detect.py": detect,
+    "export.py": export,
+    "shards.py": shards,
+    "check_data.py": check_data,
+}
 # Which scripts take each shared option (as YOLOv5 has them); "imgsz" is also --img and --img-size everywhere.
 SHARED = {
     "imgsz": {"train.py", "val.py", "detect.py", "export.py", "check_data.py"},
@@ -107,16 +114,20 @@ def test_detect_needs_a_source(capsys) -> None:
 
 # ---- the training presets --------------------------------------------------------------------------------
 
+
 def test_the_demo_preset_applies_to_the_built_in_data_only(rectangles_yaml) -> None:
     for argv in ([], ["--data", "shapes.yaml"], ["--data", str(train.ROOT / "data/shapes.yaml")]):
         opt, explicit = train.parse_opt(argv)
         assert (opt.cfg, opt.imgsz, opt.epochs) == ("yolo11n.yaml", 192, 22), argv
-        assert train.preset_line(opt, explicit) == ("defaults: --cfg yolo11n.yaml --imgsz 192 --epochs 22, fewer if the "
-                                                    "whole run would not end within 270 s (preset: the built-in demo's)")
+        assert train.preset_line(opt, explicit) == (
+            "defaults: --cfg yolo11n.yaml --imgsz 192 --epochs 22, fewer if the "
+            "whole run would not end within 270 s (preset: the built-in demo's)"
+        )
     opt, explicit = train.parse_opt(["--data", str(rectangles_yaml)])
     assert (opt.cfg, opt.imgsz, opt.epochs) == ("yolov5n.yaml", 640, 100)
     assert "--cfg yolov5n.yaml --imgsz 640 --epochs 100 (preset: YOLOv5's, for any --data but" in train.preset_line(
-        opt, explicit)
+        opt, explicit
+    )
     opt, explicit = train.parse_opt(["--data", str(rectangles_yaml), "--img", "320"])  # explicit flags win
     assert (opt.imgsz, opt.epochs) == (320, 100)
     assert train.preset_line(opt, explicit).startswith("defaults: --cfg yolov5n.yaml --epochs 100 ")
@@ -151,9 +162,17 @@ def test_a_resumed_run_keeps_its_own_size_and_length_unless_epochs_is_given(tmp_
     last = tmp_path / "exp/weights/last.pt"
     run_opt = vars(train.parse_opt(["--data", "some/data.yaml", "--imgsz", "96", "--epochs", "7"])[0])
     ckpt = {"optimizer": {}, "epoch": 3, "opt": run_opt}  # the options as checkpoints before config_schema 1 held them
-    for stored in (ckpt, {"optimizer": {}, "epoch": 3, "config_schema": 1,
-                          "config": train.make_launch(*train.parse_opt(["--data", "some/data.yaml", "--imgsz", "96",
-                                                                         "--epochs", "7"])).config.to_dict()}):
+    for stored in (
+        ckpt,
+        {
+            "optimizer": {},
+            "epoch": 3,
+            "config_schema": 1,
+            "config": train.make_launch(
+                *train.parse_opt(["--data", "some/data.yaml", "--imgsz", "96", "--epochs", "7"])
+            ).config.to_dict(),
+        },
+    ):
         opt, explicit = train.parse_opt(["--resume", str(last)])  # the demo's defaults: not the run's
         assert train.preset_line(opt, explicit) is None
         launch = train.make_launch(opt, explicit)
@@ -164,6 +183,7 @@ def test_a_resumed_run_keeps_its_own_size_and_length_unless_epochs_is_given(tmp_
 
 
 # ---- run folders -----------------------------------------------------------------------------------------
+
 
 def test_every_script_saves_runs_under_the_current_directory() -> None:
     for script, task in (("train.py", "train"), ("val.py", "val"), ("detect.py", "detect")):
@@ -177,8 +197,11 @@ def test_evolve_goes_under_the_current_directory_with_its_absolute_folder(tmp_pa
     from utils.distributed import DistInfo
 
     trained = []
-    monkeypatch.setattr(evolution, "train", lambda config, *a, **k: trained.append(config.project) or
-                        types.SimpleNamespace(results=[0.5] * 7))
+    monkeypatch.setattr(
+        evolution,
+        "train",
+        lambda config, *a, **k: trained.append(config.project) or types.SimpleNamespace(results=[0.5] * 7),
+    )
     monkeypatch.setattr(records, "plot_evolve", lambda *a: None)
     monkeypatch.chdir(tmp_path)
     launch = train.make_launch(*train.parse_opt(["--evolve", "1"]))
@@ -210,7 +233,8 @@ def test_resume_without_a_path_takes_the_newest_last_pt_here_or_beside_train_py(
 
 @pytest.mark.slow
 def test_a_run_under_the_current_directory_records_its_absolute_folder_and_resumes_from_anywhere(
-        train_here, rectangles_yaml, tmp_path, monkeypatch) -> None:
+    train_here, rectangles_yaml, tmp_path, monkeypatch
+) -> None:
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     monkeypatch.chdir(tmp_path / "a")
@@ -228,6 +252,7 @@ def test_a_run_under_the_current_directory_records_its_absolute_folder_and_resum
 
 
 # ---- inference image size --------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def trained_at_64(tmp_path_factory) -> Path:
@@ -276,26 +301,46 @@ def test_trained_size_is_read_from_ours_yolov5s_and_ultralytics_records() -> Non
 
 @pytest.mark.slow
 def test_val_detect_and_export_default_to_the_size_the_checkpoint_was_trained_at(
-        trained_at_64, rectangles_yaml, tmp_path, monkeypatch, log_lines, capsys) -> None:
+    trained_at_64, rectangles_yaml, tmp_path, monkeypatch, log_lines, capsys
+) -> None:
     import utils.data.loader
 
     sizes = []
     real = utils.data.loader.create_dataloader
-    monkeypatch.setattr(utils.data.loader, "create_dataloader",
-                        lambda path, imgsz, *a, **k: sizes.append(imgsz) or real(path, imgsz, *a, **k))
-    val.run(data=str(rectangles_yaml), weights=str(trained_at_64), device="cpu", workers=0, noplots=True,
-            project=str(tmp_path / "val"))
+    monkeypatch.setattr(
+        utils.data.loader,
+        "create_dataloader",
+        lambda path, imgsz, *a, **k: sizes.append(imgsz) or real(path, imgsz, *a, **k),
+    )
+    val.run(
+        data=str(rectangles_yaml),
+        weights=str(trained_at_64),
+        device="cpu",
+        workers=0,
+        noplots=True,
+        project=str(tmp_path / "val"),
+    )
     assert sizes == [64] and "image size 64 (from the checkpoint)" in log_lines
     log_lines.clear()
     source = Path(rectangles_yaml).parent / "images/val"
-    detect.run(weights=str(trained_at_64), source=str(next(source.iterdir())), device="cpu", nosave=True,
-               project=str(tmp_path / "detect"))
+    detect.run(
+        weights=str(trained_at_64),
+        source=str(next(source.iterdir())),
+        device="cpu",
+        nosave=True,
+        project=str(tmp_path / "detect"),
+    )
     assert "image size 64 (from the checkpoint)" in log_lines and ": 64x64 " in capsys.readouterr().out
     log_lines.clear()
     (path,) = export.run(weights=str(trained_at_64), include=["torchscript"])
     assert "image size 64 (from the checkpoint)" in log_lines
     assert open_runner(path).meta.imgsz == (64, 64)
     log_lines.clear()
-    detect.run(weights=str(path), source=str(next(source.iterdir())), device="cpu", nosave=True,
-               project=str(tmp_path / "detect"))
+    detect.run(
+        weights=str(path),
+        source=str(next(source.iterdir())),
+        device="cpu",
+        nosave=True,
+        project=str(tmp_path / "detect"),
+    )
     assert "image size 64 (from the exported file)" in log_lines

@@ -3,6 +3,7 @@
 COCOeval keeps at most maxDets[-1] detections per image and class; these tests pass maxDets=[1, 10, 1000]
 so that nothing is dropped, and read AP from COCOeval's precision array (area "all", last maxDets).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -54,8 +55,15 @@ def generate_case(seed: int, n_images: int = 25, nc: int = 6, integer: bool = Fa
         det_cls[det_cls == nc - 2] = nc - 1  # class nc-2 is never predicted
         scores = np.round(rng.uniform(0.01, 1.0, len(det_cls)), 2)  # coarse: many ties
         images.append(
-            {"w": w, "h": h, "gt_boxes": gt_boxes, "gt_cls": gt_cls, "det_boxes": det_boxes,
-             "scores": scores, "det_cls": det_cls}
+            {
+                "w": w,
+                "h": h,
+                "gt_boxes": gt_boxes,
+                "gt_cls": gt_cls,
+                "det_boxes": det_boxes,
+                "scores": scores,
+                "det_cls": det_cls,
+            }
         )
     return images
 
@@ -67,8 +75,9 @@ def ours(images: list[dict]) -> tuple[float, float]:
         conf.append(im["scores"])
         pred_cls.append(im["det_cls"])
         target_cls.append(im["gt_cls"])
-    metrics = ap_per_class(np.concatenate(correct), np.concatenate(conf), np.concatenate(pred_cls),
-                           np.concatenate(target_cls))
+    metrics = ap_per_class(
+        np.concatenate(correct), np.concatenate(conf), np.concatenate(pred_cls), np.concatenate(target_cls)
+    )
     _, _, map50, map50_95 = mean_metrics(metrics)
     return map50, map50_95
 
@@ -80,11 +89,25 @@ def reference(images: list[dict], nc: int, tmp_path, max_dets: int = 1000) -> tu
         gt["images"].append({"id": image_id, "width": im["w"], "height": im["h"]})
         for box, c in zip(im["gt_boxes"], im["gt_cls"]):
             bw, bh = box[2] - box[0], box[3] - box[1]
-            gt["annotations"].append({"id": len(gt["annotations"]) + 1, "image_id": image_id, "category_id": int(c),
-                                      "bbox": [box[0], box[1], bw, bh], "area": bw * bh, "iscrowd": 0})
+            gt["annotations"].append(
+                {
+                    "id": len(gt["annotations"]) + 1,
+                    "image_id": image_id,
+                    "category_id": int(c),
+                    "bbox": [box[0], box[1], bw, bh],
+                    "area": bw * bh,
+                    "iscrowd": 0,
+                }
+            )
         for box, s, c in zip(im["det_boxes"], im["scores"], im["det_cls"]):
-            results.append({"image_id": image_id, "category_id": int(c), "score": float(s),
-                            "bbox": [box[0], box[1], box[2] - box[0], box[3] - box[1]]})
+            results.append(
+                {
+                    "image_id": image_id,
+                    "category_id": int(c),
+                    "score": float(s),
+                    "bbox": [box[0], box[1], box[2] - box[0], box[3] - box[1]],
+                }
+            )
     gt_path = write_json(gt, tmp_path / "gt.json")
     _, evaluation = coco_eval(gt_path, results, image_ids=range(len(images)), max_dets=(1, 10, max_dets))
     return coco_map(evaluation)
@@ -112,14 +135,26 @@ def test_hand_made_ties_match_cocoeval_exactly(tmp_path):
     """One detection equally overlapping two boxes, tied scores, a box at IoU exactly 0.5."""
     gt_boxes = np.array([[0, 0, 10, 10], [2, 0, 12, 10], [40, 40, 60, 60]], dtype=float)
     det_boxes = np.array(
-        [[1, 0, 11, 10],  # IoU 9/11 with both of the first two boxes: COCOeval takes the later one
-         [0, 0, 10, 10],  # then this one still finds box 0 at every threshold
-         [2, 0, 12, 10],  # same score as the previous one: file order decides
-         [40, 40, 60, 50],  # IoU exactly 0.5 with box 2
-         [1, 0, 11, 10]], dtype=float)
-    images = [{"w": 100.0, "h": 100.0, "gt_boxes": gt_boxes, "gt_cls": np.array([0, 0, 1]),
-               "det_boxes": det_boxes, "scores": np.array([0.9, 0.8, 0.8, 0.7, 0.8]),
-               "det_cls": np.array([0, 0, 0, 1, 0])}]
+        [
+            [1, 0, 11, 10],  # IoU 9/11 with both of the first two boxes: COCOeval takes the later one
+            [0, 0, 10, 10],  # then this one still finds box 0 at every threshold
+            [2, 0, 12, 10],  # same score as the previous one: file order decides
+            [40, 40, 60, 50],  # IoU exactly 0.5 with box 2
+            [1, 0, 11, 10],
+        ],
+        dtype=float,
+    )
+    images = [
+        {
+            "w": 100.0,
+            "h": 100.0,
+            "gt_boxes": gt_boxes,
+            "gt_cls": np.array([0, 0, 1]),
+            "det_boxes": det_boxes,
+            "scores": np.array([0.9, 0.8, 0.8, 0.7, 0.8]),
+            "det_cls": np.array([0, 0, 0, 1, 0]),
+        }
+    ]
     mine, ref = ours(images), reference(images, 2, tmp_path)
     assert mine == pytest.approx(ref, abs=1e-12)
 
@@ -151,8 +186,11 @@ def test_yolo_labels_to_coco_ground_truth_and_results(tmp_path):
     """Ground truth written from YOLO labels, and detections equal to it, give AP 1 in COCOeval."""
     from utils.coco_json import detections_to_results, ground_truth_dict
 
-    labels = [np.array([[0, 0.5, 0.5, 0.2, 0.4], [1, 0.25, 0.25, 0.1, 0.1]]), np.zeros((0, 5)),
-              np.array([[1, 0.6, 0.3, 0.3, 0.2]])]
+    labels = [
+        np.array([[0, 0.5, 0.5, 0.2, 0.4], [1, 0.25, 0.25, 0.1, 0.1]]),
+        np.zeros((0, 5)),
+        np.array([[1, 0.6, 0.3, 0.3, 0.2]]),
+    ]
     shapes = [(100, 200), (50, 50), (300, 150)]  # (h, w)
     gt = ground_truth_dict(labels, shapes, [0, 1, 2], ["a.jpg", "dir/b.jpg", "c.jpg"], ["cat", "dog"])
     assert [im["width"] for im in gt["images"]] == [200, 50, 150] and gt["images"][1]["file_name"] == "b.jpg"

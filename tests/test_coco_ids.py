@@ -1,4 +1,5 @@
 """COCO identities in val.py's JSON: image ids from file names, COCO's 91 category ids, official annotations."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,15 @@ import pytest
 
 from models.families import YOLOV5
 from test_val import IMAGE_SIZES, ColourOracle, make_dataset
-from utils.coco_json import (COCO80_TO_91, COCO_NAMES, category_ids, ground_truth_dict, image_ids_for,
-                             is_coco_classes, write_json)
+from utils.coco_json import (
+    COCO80_TO_91,
+    COCO_NAMES,
+    category_ids,
+    ground_truth_dict,
+    image_ids_for,
+    is_coco_classes,
+    write_json,
+)
 from utils.data.loader import create_dataloader
 from utils.validation import validate
 
@@ -44,12 +52,22 @@ def test_predictions_json_scores_against_the_dataset_annotations(tmp_path, capsy
     shapes = list(IMAGE_SIZES) + [(50, 50)]
     labels.append(np.array([[0, 0.5, 0.5, 0.2, 0.2]]))
     ids = [int(s) for s in stems.values()] + [1]
-    annotations = write_json(ground_truth_dict(labels, shapes, ids, [f"{i}.png" for i in ids], COCO_NAMES,
-                                               COCO80_TO_91), tmp_path / "instances_val2017.json")
+    annotations = write_json(
+        ground_truth_dict(labels, shapes, ids, [f"{i}.png" for i in ids], COCO_NAMES, COCO80_TO_91),
+        tmp_path / "instances_val2017.json",
+    )
 
     loader, _ = create_dataloader(str(root / "images" / "val"), 128, 4, 32, rect=True, pad=0.5, workers=0)
-    r = validate(ColourOracle(), loader, names=list(COCO_NAMES), device="cpu", family=YOLOV5, save_json=True,
-                     save_dir=tmp_path / "run", annotations_json=annotations)
+    r = validate(
+        ColourOracle(),
+        loader,
+        names=list(COCO_NAMES),
+        device="cpu",
+        family=YOLOV5,
+        save_json=True,
+        save_dir=tmp_path / "run",
+        annotations_json=annotations,
+    )
     predictions = json.loads((tmp_path / "run" / "predictions.json").read_text())
     assert {p["image_id"] for p in predictions} <= {int(s) for s in stems.values()}
     assert {p["category_id"] for p in predictions} <= {1, 2}  # person and bicycle, COCO's ids

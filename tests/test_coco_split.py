@@ -1,5 +1,6 @@
 """A COCO JSON as a split: lookup of its images, boxes, crowds, classes, bad items, the cache, ids in --save-json,
 and the same training as the YOLO-label form of the same set."""
+
 from __future__ import annotations
 
 import csv
@@ -29,9 +30,16 @@ def coco_from_yolo(root: Path, split: str, out: Path, category_ids=(1, 2), extra
         images.append({"id": image_id, "file_name": im.name, "width": w, "height": h})
         rows = np.loadtxt(root / "labels" / split / f"{im.stem}.txt", ndmin=2)
         for cls, x, y, bw, bh in rows:
-            annotations.append({"id": len(annotations) + 1, "image_id": image_id,
-                                "category_id": category_ids[int(cls)], "iscrowd": 0, "area": bw * w * bh * h,
-                                "bbox": [(x - bw / 2) * w, (y - bh / 2) * h, bw * w, bh * h]})
+            annotations.append(
+                {
+                    "id": len(annotations) + 1,
+                    "image_id": image_id,
+                    "category_id": category_ids[int(cls)],
+                    "iscrowd": 0,
+                    "area": bw * w * bh * h,
+                    "bbox": [(x - bw / 2) * w, (y - bh / 2) * h, bw * w, bh * h],
+                }
+            )
     categories = [{"id": c, "name": n} for c, n in zip(category_ids, NAMES)] + list(extra_categories)
     data = {"images": images, "annotations": annotations, "categories": categories}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -55,8 +63,10 @@ def _split(root: Path, data: dict, name: str = "instances_x.json", **kw) -> Coco
 
 
 def test_coco_split_gives_the_labels_of_the_yolo_form(coco_root: Path) -> None:
-    (coco_root / "coco.yaml").write_text(f"path: {coco_root}\ntrain: annotations/instances_train.json\n"
-                                         "val: {annotations: annotations/instances_val.json, images: images/val}\n")
+    (coco_root / "coco.yaml").write_text(
+        f"path: {coco_root}\ntrain: annotations/instances_train.json\n"
+        "val: {annotations: annotations/instances_val.json, images: images/val}\n"
+    )
     cfg = load_data_config(coco_root / "coco.yaml")
     assert cfg["names"] == NAMES and cfg["annotations"] == str(coco_root / "annotations" / "instances_val.json")
     coco = load_labels(cfg["train"], verbose=False)
@@ -98,11 +108,13 @@ def test_coco_forms_boxes_crowds_backgrounds_and_bad_items(tmp_path: Path, log_l
     for name in ("a.jpg", "b.jpg", "sub/c.jpg", "d.jpg"):
         cv2.imwrite(str(images / name), np.full((50, 100, 3), 128, np.uint8))
     data = {
-        "images": [{"id": 1, "file_name": "a.jpg", "width": 100, "height": 50},
-                   {"id": 2, "file_name": "b.jpg", "width": 100, "height": 50},
-                   {"id": 3, "file_name": "sub/c.jpg", "width": 100, "height": 50},  # a subfolder in file_name
-                   {"id": 4, "file_name": "d.jpg", "width": 100, "height": 50},  # background: no annotation
-                   {"id": 5, "file_name": "gone.jpg", "width": 100, "height": 50}],  # listed but missing
+        "images": [
+            {"id": 1, "file_name": "a.jpg", "width": 100, "height": 50},
+            {"id": 2, "file_name": "b.jpg", "width": 100, "height": 50},
+            {"id": 3, "file_name": "sub/c.jpg", "width": 100, "height": 50},  # a subfolder in file_name
+            {"id": 4, "file_name": "d.jpg", "width": 100, "height": 50},  # background: no annotation
+            {"id": 5, "file_name": "gone.jpg", "width": 100, "height": 50},
+        ],  # listed but missing
         "categories": [{"id": 0, "name": "objects"}, {"id": 7, "name": "cat"}, {"id": 3, "name": "dog"}],
         "annotations": [
             {"id": 10, "image_id": 1, "category_id": 7, "bbox": [10, 10, 20, 10], "iscrowd": 0},
@@ -113,12 +125,20 @@ def test_coco_forms_boxes_crowds_backgrounds_and_bad_items(tmp_path: Path, log_l
             {"id": 15, "image_id": 99, "category_id": 7, "bbox": [10, 10, 5, 5]},  # unknown image
             {"id": 16, "image_id": 3, "category_id": 42, "bbox": [10, 10, 5, 5]},  # unknown category
             {"id": 17, "image_id": 3, "category_id": 3, "bbox": [50, 25, 50, 25]},
-        ]}
+        ],
+    }
     split = _split(tmp_path, data, "instances_train2017.json")
     table = load_labels(split, prefix="train: ")
     c = table.counts
-    assert (c["crowd_annotations_left_out"], c["clipped_boxes"], c["bad_boxes"], c["unknown_image_annotations"],
-            c["unknown_category_annotations"], c["missing_images"], c["unused_categories"]) == (1, 1, 2, 1, 1, 1, 1)
+    assert (
+        c["crowd_annotations_left_out"],
+        c["clipped_boxes"],
+        c["bad_boxes"],
+        c["unknown_image_annotations"],
+        c["unknown_category_annotations"],
+        c["missing_images"],
+        c["unused_categories"],
+    ) == (1, 1, 2, 1, 1, 1, 1)
     assert (c["labelled"], c["background"], c["empty"], c["corrupt"]) == (2, 1, 1, 1)
     files = [os.path.relpath(f, images) for f in table.im_files]
     assert files == ["a.jpg", "b.jpg", "d.jpg", "sub/c.jpg"]  # ordered by path, gone.jpg skipped
@@ -134,16 +154,20 @@ def test_coco_forms_boxes_crowds_backgrounds_and_bad_items(tmp_path: Path, log_l
 
 
 def test_coco_classes_by_yaml_names_and_unknown_category_error(coco_root: Path) -> None:
-    (coco_root / "by_name.yaml").write_text(f"path: {coco_root}\ntrain: annotations/instances_train.json\n"
-                                            "val: annotations/instances_val.json\nnames: [blue, red, green]\n")
+    (coco_root / "by_name.yaml").write_text(
+        f"path: {coco_root}\ntrain: annotations/instances_train.json\n"
+        "val: annotations/instances_val.json\nnames: [blue, red, green]\n"
+    )
     cfg = load_data_config(coco_root / "by_name.yaml")
     named = load_labels(cfg["train"], verbose=False)
     by_id = load_labels(CocoSplit(cfg["train"].annotations), verbose=False)
     for a, b in zip(named.labels, by_id.labels):
         np.testing.assert_array_equal(a[:, 0], 1 - b[:, 0])  # red is class 1 now, blue class 0
     assert list(named.meta["category_ids"]) == [2, 1, -1]
-    (coco_root / "short.yaml").write_text(f"path: {coco_root}\ntrain: annotations/instances_train.json\n"
-                                          "val: annotations/instances_val.json\nnames: [red]\n")
+    (coco_root / "short.yaml").write_text(
+        f"path: {coco_root}\ntrain: annotations/instances_train.json\n"
+        "val: annotations/instances_val.json\nnames: [red]\n"
+    )
     with pytest.raises(UserError, match=r"instances_train.json: category 2 'blue' is not in the data YAML's names"):
         load_labels(load_data_config(coco_root / "short.yaml")["train"], verbose=False)
 
@@ -157,8 +181,11 @@ def test_not_coco_json_and_no_image_folder_are_one_line_errors(tmp_path: Path) -
     bad.write_text("{not json")
     with pytest.raises(UserError, match="labels.json: cannot read COCO JSON"):
         load_labels(CocoSplit(str(bad)), verbose=False)
-    split = _split(tmp_path, {"images": [{"id": 1, "file_name": "x.jpg"}], "annotations": [],
-                              "categories": [{"id": 1, "name": "a"}]}, "instances_val.json")
+    split = _split(
+        tmp_path,
+        {"images": [{"id": 1, "file_name": "x.jpg"}], "annotations": [], "categories": [{"id": 1, "name": "a"}]},
+        "instances_val.json",
+    )
     with pytest.raises(UserError) as e:
         load_labels(split, verbose=False)
     message = str(e.value)
@@ -170,9 +197,11 @@ def test_roboflow_layout_and_cache_rebuilt_when_the_json_changes(tmp_path: Path)
     folder = tmp_path / "train"
     folder.mkdir()
     cv2.imwrite(str(folder / "a.jpg"), np.full((40, 40, 3), 90, np.uint8))
-    data = {"images": [{"id": 0, "file_name": "a.jpg", "width": 40, "height": 40}],
-            "annotations": [{"id": 1, "image_id": 0, "category_id": 1, "bbox": [0, 0, 20, 20]}],
-            "categories": [{"id": 0, "name": "things"}, {"id": 1, "name": "a"}]}
+    data = {
+        "images": [{"id": 0, "file_name": "a.jpg", "width": 40, "height": 40}],
+        "annotations": [{"id": 1, "image_id": 0, "category_id": 1, "bbox": [0, 0, 20, 20]}],
+        "categories": [{"id": 0, "name": "things"}, {"id": 1, "name": "a"}],
+    }
     path = folder / "_annotations.coco.json"  # Roboflow: the JSON beside its images
     path.write_text(json.dumps(data))
     first, reused = read_table(CocoSplit(str(path)), verbose=False)
@@ -197,8 +226,9 @@ def _results(run: Path) -> np.ndarray:
 
 @pytest.mark.slow
 def test_coco_json_and_yolo_labels_train_identically(coco_root: Path, train_here) -> None:
-    (coco_root / "coco.yaml").write_text(f"path: {coco_root}\ntrain: annotations/instances_train.json\n"
-                                         "val: annotations/instances_val.json\n")
+    (coco_root / "coco.yaml").write_text(
+        f"path: {coco_root}\ntrain: annotations/instances_train.json\nval: annotations/instances_val.json\n"
+    )
     common = ["--epochs", "1", "--deterministic", "--seed", "3", "--exist-ok", "--name", "r"]
     assert train_here("--data", coco_root / "rectangles.yaml", "--project", coco_root / "yolo", *common)[0] == 0
     assert train_here("--data", coco_root / "coco.yaml", "--project", coco_root / "coco", *common)[0] == 0
@@ -219,8 +249,16 @@ def test_save_json_scores_against_the_val_json_with_its_ids(coco_root: Path, tmp
     cfg = load_data_config(_yaml(coco_root))
     labels = load_labels(cfg["val"], verbose=False)
     loader, _ = create_dataloader(None, 128, 4, 32, rect=True, pad=0.5, workers=0, label_set=labels)
-    r = validate(ColourOracle(), loader, names=cfg["names"], device="cpu", family=YOLOV5, save_json=True,
-                 save_dir=tmp_path / "run", annotations_json=cfg["annotations"])
+    r = validate(
+        ColourOracle(),
+        loader,
+        names=cfg["names"],
+        device="cpu",
+        family=YOLOV5,
+        save_json=True,
+        save_dir=tmp_path / "run",
+        annotations_json=cfg["annotations"],
+    )
     predictions = json.loads((tmp_path / "run" / "predictions.json").read_text())
     assert predictions and {p["image_id"] for p in predictions} <= {100, 103, 106, 109}
     assert {p["category_id"] for p in predictions} <= {1, 2}

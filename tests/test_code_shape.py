@@ -1,6 +1,7 @@
 """The shape of the code (the developer guide): no library function (models/, utils/) over 80 lines, and no function
 anywhere over 10 parameters (``self`` and ``cls`` not counted, keyword-only ones counted): a longer list is said
 better by a small typed object (a dataclass of options, as ``utils/data/loader.py: LoaderOptions``)."""
+
 from __future__ import annotations
 
 import ast
@@ -67,9 +68,11 @@ def test_no_function_has_over_10_parameters() -> None:
 
 def test_the_counts_of_lines_and_parameters() -> None:
     body = "".join(f"    x{i} = {i}\n" for i in range(MAX_LINES - 1))
-    source = (f"def at_the_limit():\n{body}\n\ndef over():\n{body}    return 0\n\n\n"
-              "class C:\n    def wide(self, a, b, c, d, e, f, g, h, i, j, *, k):\n        pass\n\n"
-              "    def fits(self, a, /, b, c, d, e, f, g, h, i, *args, j, **options):\n        pass\n")
+    source = (
+        f"def at_the_limit():\n{body}\n\ndef over():\n{body}    return 0\n\n\n"
+        "class C:\n    def wide(self, a, b, c, d, e, f, g, h, i, j, *, k):\n        pass\n\n"
+        "    def fits(self, a, /, b, c, d, e, f, g, h, i, *args, j, **options):\n        pass\n"
+    )
     found = {f.name: f for f in functions(source)}
     assert n_lines(found["at_the_limit"]) == MAX_LINES and n_lines(found["over"]) == MAX_LINES + 1
     assert len(parameters(found["wide"])) == MAX_PARAMETERS + 1 and len(parameters(found["fits"])) == MAX_PARAMETERS

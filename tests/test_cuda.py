@@ -4,6 +4,7 @@ These run only where CUDA is available (CI has no GPU: there they are skipped, n
 
     python -m pytest -q -n 0 tests/test_cuda.py
 """
+
 from __future__ import annotations
 
 import os
@@ -32,13 +33,24 @@ TINY_CUDA = ["--imgsz", "64", "--batch-size", "8", "--workers", "0", "--device",
 
 
 def _train(*args: str, nproc: int = 0, devices: str = "", timeout: float = 300) -> subprocess.CompletedProcess:
-    launcher = ([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
-                 f"--master_port={free_port()}"] if nproc else [sys.executable])
+    launcher = (
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--nnodes=1",
+            f"--master_port={free_port()}",
+        ]
+        if nproc
+        else [sys.executable]
+    )
     cmd = [*launcher, "train.py", *TINY_CUDA, *map(str, args)]
     if nproc:
         cmd[cmd.index("--device") + 1] = devices or ",".join(str(i) for i in range(nproc))
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
 
 
 def _differing_tensors(a: dict, b: dict) -> list[str]:
@@ -80,8 +92,20 @@ def test_resume_on_the_gpu_continues_the_same_run(rectangles_yaml, tmp_path) -> 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank: two ranks need two GPUs")
 def test_ddp_with_nccl_trains(rectangles_yaml, tmp_path) -> None:
     nproc = torch.cuda.device_count()
-    run = _train("--data", rectangles_yaml, "--cfg", "yolo26n.yaml", "--epochs", "2", "--sync-bn",
-                 "--project", tmp_path, "--name", "exp", nproc=nproc)
+    run = _train(
+        "--data",
+        rectangles_yaml,
+        "--cfg",
+        "yolo26n.yaml",
+        "--epochs",
+        "2",
+        "--sync-bn",
+        "--project",
+        tmp_path,
+        "--name",
+        "exp",
+        nproc=nproc,
+    )
     log = run.stdout + run.stderr
     assert run.returncode == 0, log[-3000:]
     assert f"DDP: world size {nproc}, backend nccl" in log
@@ -91,8 +115,21 @@ def test_ddp_with_nccl_trains(rectangles_yaml, tmp_path) -> None:
 def test_two_ranks_share_one_gpu_over_gloo_with_sync_bn(rectangles_yaml, tmp_path) -> None:
     # NCCL refuses two ranks on one device; '--device 0,0' puts both on GPU 0 and joins them over gloo, whose
     # all-reduce SyncBN (utils/sync_bn.py) then runs on CUDA tensors.
-    run = _train("--data", rectangles_yaml, "--cfg", "yolo11n.yaml", "--epochs", "2", "--sync-bn",
-                 "--project", tmp_path, "--name", "exp", nproc=2, devices="0,0")
+    run = _train(
+        "--data",
+        rectangles_yaml,
+        "--cfg",
+        "yolo11n.yaml",
+        "--epochs",
+        "2",
+        "--sync-bn",
+        "--project",
+        tmp_path,
+        "--name",
+        "exp",
+        nproc=2,
+        devices="0,0",
+    )
     log = run.stdout + run.stderr
     assert run.returncode == 0, log[-3000:]
     assert "DDP: world size 2, backend gloo" in log and "on cuda:0" in log
@@ -103,8 +140,10 @@ def test_two_ranks_share_one_gpu_over_gloo_with_sync_bn(rectangles_yaml, tmp_pat
 def test_val_detect_and_export_on_the_gpu_in_fp16(tmp_path) -> None:
     # The fixture predicts 20 classes: a rectangles set whose YAML names 20 (two of them drawn).
     rectangles_yaml = write_rectangles_dataset(tmp_path / "data")
-    rectangles_yaml.write_text(f"path: {rectangles_yaml.parent}\ntrain: images/train\nval: images/val\n"
-                               f"names: {[f'class{i}' for i in range(20)]}\n")
+    rectangles_yaml.write_text(
+        f"path: {rectangles_yaml.parent}\ntrain: images/train\nval: images/val\n"
+        f"names: {[f'class{i}' for i in range(20)]}\n"
+    )
     weights = tmp_path / "yolo11-final.pt"
     shutil.copyfile(FIXTURES / "yolo11-final.pt", weights)  # trained by Ultralytics, fp16 as it is stored
     x, ref = reference("yolo11")
@@ -114,18 +153,39 @@ def test_val_detect_and_export_on_the_gpu_in_fp16(tmp_path) -> None:
     # TF32 convolutions and cuDNN's kernels round otherwise than the CPU's; boxes are in input pixels.
     torch.testing.assert_close(out, ref["pred"], atol=2e-2, rtol=1e-3)
 
-    options = dict(data=str(rectangles_yaml), weights=str(weights), imgsz=64, batch_size=8, workers=0, device="0",
-                   noplots=True, project=str(tmp_path))
+    options = dict(
+        data=str(rectangles_yaml),
+        weights=str(weights),
+        imgsz=64,
+        batch_size=8,
+        workers=0,
+        device="0",
+        noplots=True,
+        project=str(tmp_path),
+    )
     plain, half = val.run(**options), val.run(**options, half=True)
     assert plain.n_images == half.n_images == 8
     assert abs(plain.map50 - half.map50) < 0.05
 
-    found = detect.run(weights=str(weights), source=str(Path(rectangles_yaml).parent / "images/val"), imgsz=64,
-                       device="0", half=True, project=str(tmp_path), name="detect")
+    found = detect.run(
+        weights=str(weights),
+        source=str(Path(rectangles_yaml).parent / "images/val"),
+        imgsz=64,
+        device="0",
+        half=True,
+        project=str(tmp_path),
+        name="detect",
+    )
     assert len(found.detections) == 8
 
-    files = export.run(weights=str(weights), imgsz=list(x.shape[2:]), batch_size=x.shape[0],
-                       include=["onnx", "torchscript"], device="0", half=True)
+    files = export.run(
+        weights=str(weights),
+        imgsz=list(x.shape[2:]),
+        batch_size=x.shape[0],
+        include=["onnx", "torchscript"],
+        device="0",
+        half=True,
+    )
     assert {p.suffix for p in files} == {".onnx", ".torchscript"}
     runner = open_runner(next(p for p in files if p.suffix == ".torchscript"), device="cuda:0")
     assert runner.meta.layout == "anchor_free"

@@ -1,4 +1,5 @@
 """Dataset YAML loading: path resolution, names, image lists, label paths and clear errors."""
+
 from __future__ import annotations
 
 import os
@@ -45,8 +46,9 @@ def test_path_falls_back_to_current_directory_and_lists(tmp_path: Path, monkeypa
     _dataset(tmp_path / "data_root")
     (tmp_path / "cfg").mkdir()
     yaml_file = tmp_path / "cfg" / "d.yaml"
-    yaml_file.write_text("path: data_root\ntrain: [images/train2017, images/val2017]\nval: images/val2017\n"
-                         "nc: 3\nnames: [a, b, c]\n")
+    yaml_file.write_text(
+        "path: data_root\ntrain: [images/train2017, images/val2017]\nval: images/val2017\nnc: 3\nnames: [a, b, c]\n"
+    )
     monkeypatch.chdir(tmp_path)
     cfg = load_data_config(yaml_file)
     assert cfg["path"] == (tmp_path / "data_root").resolve()
@@ -57,27 +59,36 @@ def test_txt_lists_resolve_relative_to_their_folder(tmp_path: Path, monkeypatch)
     _dataset(tmp_path / "ds")
     abs_entry = tmp_path / "ds" / "images" / "val2017" / "a.jpg"
     (tmp_path / "ds" / "train.txt").write_text(
-        f"./images/train2017/a.jpg\nimages/train2017/b.PNG\n{abs_entry}\n\nnotes.md\n")
+        f"./images/train2017/a.jpg\nimages/train2017/b.PNG\n{abs_entry}\n\nnotes.md\n"
+    )
     (tmp_path / "ds" / "d.yaml").write_text("path: .\ntrain: train.txt\nval: images/val2017\nnames: [x]\n")
     monkeypatch.chdir(tmp_path.parent)
     cfg = load_data_config(tmp_path / "ds" / "d.yaml")
     files = list_image_files(cfg["train"])
-    assert files == sorted([str(tmp_path / "ds" / "images" / "train2017" / "a.jpg"),
-                            str(tmp_path / "ds" / "images" / "train2017" / "b.PNG"), str(abs_entry)])
+    assert files == sorted(
+        [
+            str(tmp_path / "ds" / "images" / "train2017" / "a.jpg"),
+            str(tmp_path / "ds" / "images" / "train2017" / "b.PNG"),
+            str(abs_entry),
+        ]
+    )
 
 
-@pytest.mark.parametrize("body, words", [
-    ("path: .\ntrain: images/train2017\nnames: [a]\n", ["'val'"]),
-    ("path: .\nval: images/val2017\nnames: [a]\n", ["'train'"]),
-    ("path: .\ntrain: images/train2017\nval: images/val2017\n", ["'names'"]),
-    ("path: .\ntrain: images/train2017\nval: images/nope\nnames: [a]\n", ["'val'", "images/nope", "tried"]),
-    ("path: missing_root\ntrain: images/train2017\nval: images/val2017\nnames: [a]\n", ["'path'", "missing_root"]),
-    ("path: .\ntrain: images/train2017\nval: images/val2017\nnc: 2\nnames: [a]\n", ["'nc' is 2", "1 classes"]),
-    ("path: .\ntrain: images/train2017\nval: images/val2017\nnames: {0: a, 2: b}\n", ["'names'"]),
-    ("- just\n- a list\n", ["mapping"]),
-    ("path: .\ntrain: [unclosed\n", ["cannot parse"]),
-    ("!!python/object/apply:os.system ['echo hi']\n", ["cannot parse"]),
-])
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        ("path: .\ntrain: images/train2017\nnames: [a]\n", ["'val'"]),
+        ("path: .\nval: images/val2017\nnames: [a]\n", ["'train'"]),
+        ("path: .\ntrain: images/train2017\nval: images/val2017\n", ["'names'"]),
+        ("path: .\ntrain: images/train2017\nval: images/nope\nnames: [a]\n", ["'val'", "images/nope", "tried"]),
+        ("path: missing_root\ntrain: images/train2017\nval: images/val2017\nnames: [a]\n", ["'path'", "missing_root"]),
+        ("path: .\ntrain: images/train2017\nval: images/val2017\nnc: 2\nnames: [a]\n", ["'nc' is 2", "1 classes"]),
+        ("path: .\ntrain: images/train2017\nval: images/val2017\nnames: {0: a, 2: b}\n", ["'names'"]),
+        ("- just\n- a list\n", ["mapping"]),
+        ("path: .\ntrain: [unclosed\n", ["cannot parse"]),
+        ("!!python/object/apply:os.system ['echo hi']\n", ["cannot parse"]),
+    ],
+)
 def test_yaml_errors_name_file_key_and_path(tmp_path: Path, body: str, words: list[str]) -> None:
     _dataset(tmp_path)
     yaml_file = tmp_path / "bad.yaml"
@@ -127,15 +138,21 @@ def test_folder_listing_recurses_keeps_linked_files_and_skips_linked_folders(tmp
     (images / ".hidden").mkdir()
     outside = tmp_path / "outside"
     outside.mkdir()
-    for f in (images / "z.jpg", images / "sub" / "a.png", images / "sub" / "deeper" / "b.JPG",
-              images / ".hidden" / "c.jpg", outside / "d.jpg"):
+    for f in (
+        images / "z.jpg",
+        images / "sub" / "a.png",
+        images / "sub" / "deeper" / "b.JPG",
+        images / ".hidden" / "c.jpg",
+        outside / "d.jpg",
+    ):
         f.write_bytes(b"x")
     (images / "notes.txt").write_text("not an image")
     (images / "folder.jpg").mkdir()  # a folder named like an image is not one
     (images / "linked.jpg").symlink_to(outside / "d.jpg")  # a linked file is listed
     (images / "broken.jpg").symlink_to(tmp_path / "missing.jpg")  # a dangling link is not
     (images / "linked_folder").symlink_to(outside, target_is_directory=True)  # a linked folder is not followed
-    expected = sorted(str(images / p) for p in (".hidden/c.jpg", "linked.jpg", "sub/a.png", "sub/deeper/b.JPG",
-                                                 "z.jpg"))
+    expected = sorted(
+        str(images / p) for p in (".hidden/c.jpg", "linked.jpg", "sub/a.png", "sub/deeper/b.JPG", "z.jpg")
+    )
     assert list_image_files(images) == expected
     assert list_image_files(str(images) + "/") == expected

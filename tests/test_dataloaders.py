@@ -1,4 +1,5 @@
 """create_dataloader's training stream: one epoch per iteration, prefetch across epochs, same content as a plain loader."""
+
 from __future__ import annotations
 
 import time
@@ -26,8 +27,9 @@ def images(tmp_path_factory) -> str:
 
 
 def _loader(images: str, workers: int) -> EpochStreamLoader:
-    loader, _ = create_dataloader(images, IMGSZ, BATCH, 32, hyp=HYP, augment=True, shuffle=True, seed=2, nc=5,
-                                  workers=workers)
+    loader, _ = create_dataloader(
+        images, IMGSZ, BATCH, 32, hyp=HYP, augment=True, shuffle=True, seed=2, nc=5, workers=workers
+    )
     assert isinstance(loader, EpochStreamLoader)
     return loader
 
@@ -41,7 +43,8 @@ def _plain_epoch(loader: EpochStreamLoader, epoch: int) -> list[tuple]:
 
 def _same(a: list[tuple], b: list[tuple]) -> bool:
     return len(a) == len(b) and all(
-        torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) and x[2] == y[2] for x, y in zip(a, b))
+        torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) and x[2] == y[2] for x, y in zip(a, b)
+    )
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
 """YoloDataset and create_dataloader: batch format, reproducibility across workers and ranks, caches, rect."""
+
 from __future__ import annotations
 
 import logging
@@ -20,8 +21,20 @@ from utils.data.shapes import generate_shapes
 from models.families import YOLOV5
 
 IMGSZ = 64
-HYP = YOLOV5.hyp_type(hsv_h=0.015, hsv_s=0.7, hsv_v=0.4, degrees=5.0, translate=0.1, scale=0.5, shear=2.0,
-                      perspective=0.0, flipud=0.2, fliplr=0.5, mosaic=0.7, mixup=0.5)
+HYP = YOLOV5.hyp_type(
+    hsv_h=0.015,
+    hsv_s=0.7,
+    hsv_v=0.4,
+    degrees=5.0,
+    translate=0.1,
+    scale=0.5,
+    shear=2.0,
+    perspective=0.0,
+    flipud=0.2,
+    fliplr=0.5,
+    mosaic=0.7,
+    mixup=0.5,
+)
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +104,18 @@ def test_close_mosaic_epoch_turns_mosaic_off(data_root: Path) -> None:
 def test_validation_rect_batches_sharded_over_ranks(data_root: Path) -> None:
     seen: list[str] = []
     for rank in range(2):
-        loader, dataset = create_dataloader(str(data_root / "images" / "val"), IMGSZ, 4, 32, rect=True, pad=0.5,
-                                            world_size=2, global_rank=rank, nc=5, workers=0)
+        loader, dataset = create_dataloader(
+            str(data_root / "images" / "val"),
+            IMGSZ,
+            4,
+            32,
+            rect=True,
+            pad=0.5,
+            world_size=2,
+            global_rank=rank,
+            nc=5,
+            workers=0,
+        )
         assert dataset.rect and dataset.batch_shapes is not None and (dataset.batch_shapes % 32 == 0).all()
         for imgs, _, paths, _ in loader:
             assert imgs.shape[2] % 32 == 0 and imgs.shape[3] % 32 == 0
@@ -101,8 +124,9 @@ def test_validation_rect_batches_sharded_over_ranks(data_root: Path) -> None:
 
 
 def test_letterbox_shapes_map_boxes_back_to_the_original(data_root: Path) -> None:
-    loader, dataset = create_dataloader(str(data_root / "images" / "val"), 96, 5, 32, rect=True, pad=0.5, nc=5,
-                                        workers=0)
+    loader, dataset = create_dataloader(
+        str(data_root / "images" / "val"), 96, 5, 32, rect=True, pad=0.5, nc=5, workers=0
+    )
     checked = 0
     for imgs, targets, paths, shapes in loader:
         h, w = imgs.shape[2:]
@@ -151,8 +175,9 @@ def mixed_sizes_root(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("which", ["shapes", "mixed sizes"])
-def test_mosaic_tiles_decoded_in_part_give_the_same_samples(which: str, data_root: Path, mixed_sizes_root: Path,
-                                                            monkeypatch) -> None:
+def test_mosaic_tiles_decoded_in_part_give_the_same_samples(
+    which: str, data_root: Path, mixed_sizes_root: Path, monkeypatch
+) -> None:
     images = str(data_root / "images" / "train") if which == "shapes" else str(mixed_sizes_root / "images")
     dataset = create_dataloader(images, IMGSZ, 4, 32, hyp=HYP, augment=True, shuffle=True, workers=0, nc=5)[1]
     decoded_parts = []
@@ -202,8 +227,9 @@ def test_disk_cache_on_read_only_folder_warns_once(data_root: Path, monkeypatch,
 
 
 def test_rect_training_letterboxes_to_the_batch_shape_without_mosaic(data_root: Path) -> None:
-    loader, dataset = create_dataloader(str(data_root / "images" / "train"), IMGSZ, 4, 32, hyp=HYP, augment=True,
-                                        rect=True, pad=0.0, nc=5, workers=0)
+    loader, dataset = create_dataloader(
+        str(data_root / "images" / "train"), IMGSZ, 4, 32, hyp=HYP, augment=True, rect=True, pad=0.0, nc=5, workers=0
+    )
     loader.sampler.set_epoch(0)
     for b, (imgs, _, _, shapes) in enumerate(loader):  # rect keeps the dataset order: batch b is batch_shapes[b]
         assert tuple(imgs.shape[2:]) == tuple(dataset.batch_shapes[b])

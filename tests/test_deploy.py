@@ -1,6 +1,7 @@
 """The deploy seam on narrow trained checkpoints of every output layout (tests/deploy_fixtures.py): NMS inside the
 ONNX graph against the PyTorch path, the accuracy gate and its table, files set aside, other people's ONNX clients,
 the format registry, metadata in export folders and INT8 calibration data."""
+
 from __future__ import annotations
 
 import os
@@ -41,8 +42,12 @@ def test_onnx_nms_finds_what_detect_finds_with_the_pt(layout, trained, deploy_da
     family_iou = 0.45 if layout == "yolov5" else 0.7
     assert runner.meta.layout == "end2end" and runner.meta.nms == {"conf": 0.25, "iou": family_iou, "max_det": 1000}
     source = deploy_data.parent / "images" / "val"
-    runs = {w.suffix: detect.run(weights=str(w), source=str(source), batch_size=4, nosave=True,
-                                 project=str(tmp_path), name=w.suffix[1:]) for w in (weights, path)}
+    runs = {
+        w.suffix: detect.run(
+            weights=str(w), source=str(source), batch_size=4, nosave=True, project=str(tmp_path), name=w.suffix[1:]
+        )
+        for w in (weights, path)
+    }
     found = runs[".pt"].detections
     assert sum(len(d) for d in found.values()) >= 8, "too few detections to compare"  # a trained model finds boxes
     for key, det in found.items():
@@ -72,9 +77,26 @@ def test_export_py_sets_aside_a_file_past_the_gate_and_exits_1_naming_it(trained
     """A gate no file can pass (--max-drop -1): the file is renamed .rejected with both mAPs in one line, the others
     would be kept, and the command fails naming it."""
     weights = _copy(trained["yolov5"], tmp_path).rename(tmp_path / "w.pt")
-    done = subprocess.run([sys.executable, "export.py", "--weights", str(weights), "--include", "onnx", "--data",
-                           str(deploy_data), "--max-drop", "-1", "--no-simplify"], capture_output=True, text=True, cwd=ROOT,
-                          timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "export.py",
+            "--weights",
+            str(weights),
+            "--include",
+            "onnx",
+            "--data",
+            str(deploy_data),
+            "--max-drop",
+            "-1",
+            "--no-simplify",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     errors = [line for line in done.stdout.splitlines() if line.startswith("ERROR")]
     assert errors[-1] == f"ERROR 1 file(s) set aside: {weights.with_name('w.onnx.rejected')}"
@@ -108,8 +130,15 @@ def test_fp32_onnx_runs_in_opencv_dnn_with_onnxruntimes_outputs(layout, exported
 @pytest.mark.parametrize("layout", ["yolov5", "anchor_free", "end2end"])
 def test_val_py_scores_the_onnx_as_the_pt(layout, trained, exported_onnx, deploy_data, tmp_path) -> None:
     """val.py on each layout's fp32 ONNX gives the .pt's figures at the same shape (square letterboxes)."""
-    options = dict(data=str(deploy_data), imgsz=64, batch_size=4, workers=0, noplots=True, project=str(tmp_path),
-                   end2end=end2end(layout))
+    options = dict(
+        data=str(deploy_data),
+        imgsz=64,
+        batch_size=4,
+        workers=0,
+        noplots=True,
+        project=str(tmp_path),
+        end2end=end2end(layout),
+    )
     onnx = val.run(weights=str(exported_onnx[layout]), **options)
     assert onnx.n_images == 16 and onnx.map > 0.05
     runner = open_runner(trained[layout], end2end=end2end(layout))
@@ -166,7 +195,8 @@ def test_a_missing_onnxslim_is_one_line_not_a_silent_skip(trained, tmp_path, mon
     (path,) = export.run(weights=str(_copy(trained["yolov5"], tmp_path)), include=["onnx"])
     assert [line for line in lines if "onnxslim" in line] == [
         "WARNING --include onnx: onnxslim is not installed, the graph is written as traced, not simplified (pip "
-        "install onnxslim; --no-simplify to ask for that)"]
+        "install onnxslim; --no-simplify to ask for that)"
+    ]
     assert "not simplified (onnxslim not installed)" in capsys.readouterr().out and path.is_file()
 
 
@@ -193,21 +223,47 @@ def test_the_registry_recognises_paths_by_their_shape(tmp_path, monkeypatch) -> 
 def test_metadata_in_an_export_folder_reads_back_and_as_ultralytics_writes_it(tmp_path) -> None:
     import yaml
 
-    meta = ModelMeta(names=["red", "blue"], stride=32, kind="demo", imgsz=(64, 64), batch=1, family="yolo11",
-                     layout="end2end", precision="int8", nms={"conf": 0.25, "iou": 0.7, "max_det": 300})
+    meta = ModelMeta(
+        names=["red", "blue"],
+        stride=32,
+        kind="demo",
+        imgsz=(64, 64),
+        batch=1,
+        family="yolo11",
+        layout="end2end",
+        precision="int8",
+        nms={"conf": 0.25, "iou": 0.7, "max_det": 300},
+    )
     meta.write_yaml(tmp_path, export_batch=1)
     raw = yaml.safe_load((tmp_path / "metadata.yaml").read_text())
     assert raw["names"] == {0: "red", 1: "blue"} and raw["imgsz"] == [64, 64] and raw["end2end"] is True
-    assert raw["args"] == {"batch": 1, "half": False, "int8": True, "dynamic": False, "nms": True, "conf": 0.25,
-                           "iou": 0.7, "max_det": 300}
+    assert raw["args"] == {
+        "batch": 1,
+        "half": False,
+        "int8": True,
+        "dynamic": False,
+        "nms": True,
+        "conf": 0.25,
+        "iou": 0.7,
+        "max_det": 300,
+    }
     back = ModelMeta.from_yaml(tmp_path, "demo")
-    assert (back.names, back.imgsz, back.layout, back.precision, back.nms) == (meta.names, meta.imgsz, meta.layout,
-                                                                            meta.precision, meta.nms)
+    assert (back.names, back.imgsz, back.layout, back.precision, back.nms) == (
+        meta.names,
+        meta.imgsz,
+        meta.layout,
+        meta.precision,
+        meta.nms,
+    )
     del raw["yolo_train"]  # an Ultralytics folder: its own keys only
     (tmp_path / "metadata.yaml").write_text(yaml.safe_dump(raw))
     theirs = ModelMeta.from_yaml(tmp_path, "demo")
-    assert (theirs.names, theirs.layout, theirs.precision, theirs.nms["max_det"]) == (["red", "blue"], "end2end",
-                                                                                   "int8", 300)
+    assert (theirs.names, theirs.layout, theirs.precision, theirs.nms["max_det"]) == (
+        ["red", "blue"],
+        "end2end",
+        "int8",
+        300,
+    )
 
 
 def test_calibration_images_come_from_train_outside_the_held_out_slice(deploy_data) -> None:

@@ -1,5 +1,6 @@
 """Store waits between ranks are bounded by the progress of the rank waited for (issue 30, defect 5), and a
 failed collective is recognised by its exception type."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,17 @@ import torch.distributed as dist
 from conftest import fork_ranks, rank_jobs, run_forked
 
 from utils import distributed
-from utils.distributed import (CollectiveError, DistInfo, WaitAbandoned, collective, collective_failure, dist_info,
-                               init_process_group, node_barrier, rank_zero_decides)
+from utils.distributed import (
+    CollectiveError,
+    DistInfo,
+    WaitAbandoned,
+    collective,
+    collective_failure,
+    dist_info,
+    init_process_group,
+    node_barrier,
+    rank_zero_decides,
+)
 
 TIMEOUT_MINUTES = 2 / 60  # --dist-timeout of 2 s: heartbeats every 0.5 s
 
@@ -50,14 +60,17 @@ def _silent_rank(rank: int, out: str, mode: str) -> int:
 @pytest.mark.slow
 def test_a_rank_that_dies_or_stops_beating_in_a_node_barrier_is_named_within_the_timeout(tmp_path) -> None:
     modes = {"dies": [1, 3], "freezes": [1, 0]}  # two worlds side by side: they mostly wait
-    codes = run_forked([job for mode in modes for job in rank_jobs(_silent_rank, 2, str(tmp_path / mode), mode)],
-                       timeout=60)
+    codes = run_forked(
+        [job for mode in modes for job in rank_jobs(_silent_rank, 2, str(tmp_path / mode), mode)], timeout=60
+    )
     assert codes == [code for expected in modes.values() for code in expected]
     for mode in modes:
         report = json.loads(open(f"{tmp_path / mode}.0").read())
         assert report["waited_live"] >= 2.5  # not given up while rank 1 was busy but beating
-        assert report["error"].startswith("rank 0: gave up waiting at 'filled (node barrier)' after 2 s without "
-                                          "progress from rank 1 (its heartbeat stopped"), report
+        assert report["error"].startswith(
+            "rank 0: gave up waiting at 'filled (node barrier)' after 2 s without "
+            "progress from rank 1 (its heartbeat stopped"
+        ), report
         assert 2 <= report["seconds"] < 6, report
 
 
@@ -82,8 +95,9 @@ def test_ranks_whose_waits_do_not_match_give_up_instead_of_hanging(tmp_path) -> 
     assert fork_ranks(_mismatched, 2, out, timeout=60) == [1, 1]
     for rank, other, where in ((0, 1, "a (node barrier)"), (1, 0, "rank 0's decision")):
         report = json.loads(open(f"{out}.{rank}").read())
-        assert report["error"].startswith(f"rank {rank}: gave up waiting at '{where}' after 2 s without progress "
-                                          f"from rank {other} (it waits at "), report
+        assert report["error"].startswith(
+            f"rank {rank}: gave up waiting at '{where}' after 2 s without progress from rank {other} (it waits at "
+        ), report
         assert "the ranks' waits do not match" in report["error"] and report["seconds"] < 6
 
 

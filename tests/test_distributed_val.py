@@ -1,4 +1,5 @@
 """val.py under torch.distributed.run (2 gloo ranks) prints and writes exactly what one process does."""
+
 from __future__ import annotations
 
 import json
@@ -33,13 +34,35 @@ def test_val_py_on_two_ranks_equals_one_process(tmp_path, caplog) -> None:
     weights = _random_checkpoint(tmp_path / "rand.pt")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("WORLD_SIZE", None)
-    args = ["--data", str(data), "--weights", str(weights), "--imgsz", "64", "--batch-size", "2", "--device", "cpu",
-            "--workers", "0", "--verbose", "--save-json", "--noplots", "--exist-ok"]
+    args = [
+        "--data",
+        str(data),
+        "--weights",
+        str(weights),
+        "--imgsz",
+        "64",
+        "--batch-size",
+        "2",
+        "--device",
+        "cpu",
+        "--workers",
+        "0",
+        "--verbose",
+        "--save-json",
+        "--noplots",
+        "--exist-ok",
+    ]
     # Launched, not forked: val.py's only 2-rank test also covers its start under the launcher (the agent's store,
     # ending with the launcher), which the train.py launcher tests cover for train.py.
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "val.py"]
-    proc = subprocess.run([*torchrun, *args, "--project", str(tmp_path / "ddp")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [*torchrun, *args, "--project", str(tmp_path / "ddp")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
 
     # one process, in this one, with the ranks' thread count (the kernels' summation order depends on it)

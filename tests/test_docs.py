@@ -9,6 +9,7 @@
 - no page tells its own history or points to the issue tracker;
 - the README starts with the commands .ci/run runs and links every page of docs/.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -159,7 +160,7 @@ def _invocation(tokens: list[str]) -> list[Invocation]:
     for i, token in enumerate(tokens):
         name = Path(token).name
         if name in PYTHONS:
-            rest = tokens[i + 1:]
+            rest = tokens[i + 1 :]
             launcher: list[str] = []
             if len(rest) >= 2 and rest[0] == "-m":
                 if rest[1] in LAUNCHER_MODULES:
@@ -177,12 +178,18 @@ def _invocation(tokens: list[str]) -> list[Invocation]:
                 return []
             return [Invocation(rest[0].removeprefix("./"), _options(rest[1:]), _options(launcher), rest[1:])]
         if name == "torchrun":
-            rest = tokens[i + 1:]
+            rest = tokens[i + 1 :]
             script_at = next((k for k, t in enumerate(rest) if t.endswith(".py")), None)
             if script_at is None:
                 return []
-            return [Invocation(rest[script_at].removeprefix("./"), _options(rest[script_at + 1:]),
-                               _options(rest[:script_at]), rest[script_at + 1:])]
+            return [
+                Invocation(
+                    rest[script_at].removeprefix("./"),
+                    _options(rest[script_at + 1 :]),
+                    _options(rest[:script_at]),
+                    rest[script_at + 1 :],
+                )
+            ]
     return []
 
 
@@ -239,15 +246,21 @@ def check_commands(text: str, options_of=script_options) -> list[str]:
                 problems.append(f"line {number}: {inv.script} does not exist ({line.strip()})")
                 continue
             accepted = options_of(inv.script)
-            problems += [f"line {number}: {inv.script} has no option {o} ({line.strip()})"
-                         for o in inv.options if o not in accepted]
+            problems += [
+                f"line {number}: {inv.script} has no option {o} ({line.strip()})"
+                for o in inv.options
+                if o not in accepted
+            ]
             model = inv.value_of("--cfg")
             if model and "/" not in model and (why := model_config_problem(model)):
                 problems.append(f"line {number}: --cfg {model}: {why} ({line.strip()})")
             if inv.launcher_options:
                 launcher = launcher if launcher is not None else launcher_options()
-                problems += [f"line {number}: torch.distributed.run has no option {o} ({line.strip()})"
-                             for o in inv.launcher_options if o not in launcher]
+                problems += [
+                    f"line {number}: torch.distributed.run has no option {o} ({line.strip()})"
+                    for o in inv.launcher_options
+                    if o not in launcher
+                ]
     return problems
 
 
@@ -263,9 +276,15 @@ def test_documented_commands_use_existing_options():
 
 def all_project_options() -> set[str]:
     """Every option some script of the project (or the launcher) accepts."""
-    scripts = [*ENTRY_POINTS, *(p.relative_to(ROOT).as_posix() for p in sorted((ROOT / "bench").glob("*.py"))),
-               *(p.relative_to(ROOT).as_posix() for p in sorted((ROOT / "utils").rglob("*.py"))
-                 if "add_argument(" in p.read_text(encoding="utf-8"))]
+    scripts = [
+        *ENTRY_POINTS,
+        *(p.relative_to(ROOT).as_posix() for p in sorted((ROOT / "bench").glob("*.py"))),
+        *(
+            p.relative_to(ROOT).as_posix()
+            for p in sorted((ROOT / "utils").rglob("*.py"))
+            if "add_argument(" in p.read_text(encoding="utf-8")
+        ),
+    ]
     names = launcher_options()
     for script in scripts:
         names |= script_options(script)
@@ -321,8 +340,13 @@ def test_checker_reads_continuations_launchers_and_inline_code():
     assert [inv.script for inv in found] == ["train.py", "train.py", "train.py", "val.py", "train.py"]
     assert found[0].options == ["--data", "--batch-size"]  # the comment is not read
     assert found[1].options == ["--device", "--batch-size"]  # the continued line
-    assert found[1].launcher_options == ["--nnodes", "--node_rank", "--nproc_per_node", "--master_addr",
-                                         "--master_port"]
+    assert found[1].launcher_options == [
+        "--nnodes",
+        "--node_rank",
+        "--nproc_per_node",
+        "--master_addr",
+        "--master_port",
+    ]
     assert found[2].options == ["--imgsz", "--batch-size"] and found[2].launcher_options[0] == "--standalone"
     assert found[4].options == ["--resume", "--batch-size"]
     assert check_commands(SYNTHETIC_PAGE) == []
@@ -351,8 +375,9 @@ def test_checker_fails_when_a_documented_flag_is_renamed():
     assert prose_option_problems(SYNTHETIC_PAGE, known) == []
     assert len(prose_option_problems(SYNTHETIC_PAGE, known - {"--batch-size"})) == 2  # inline command and alone
     # The real pages use train.py's --batch-size, so renaming it fails the real check too.
-    pages_problems = [p for page in doc_pages()
-                      for p in check_commands(page.read_text(encoding="utf-8"), options_of=renamed)]
+    pages_problems = [
+        p for page in doc_pages() for p in check_commands(page.read_text(encoding="utf-8"), options_of=renamed)
+    ]
     assert any("--batch-size" in p for p in pages_problems)
 
 
@@ -414,9 +439,11 @@ def test_link_checker_finds_missing_files_and_anchors(tmp_path):
     root.mkdir()
     page = root / "page.md"
     (root / "other.md").write_text("# Other page\n\n## The `--cache` option\n")
-    text = ("# Title\n\n[ok](other.md) [ok](other.md#the---cache-option) [ok](#title) [web](https://x.y/z)\n"
-            "[gone](missing.md) [bad anchor](other.md#nothing) `[not a link](nowhere.md)` [up](../x.md)\n"
-            "[here](#nowhere)\n")
+    text = (
+        "# Title\n\n[ok](other.md) [ok](other.md#the---cache-option) [ok](#title) [web](https://x.y/z)\n"
+        "[gone](missing.md) [bad anchor](other.md#nothing) `[not a link](nowhere.md)` [up](../x.md)\n"
+        "[here](#nowhere)\n"
+    )
     (tmp_path / "x.md").touch()
     problems = check_links(page, text, root=root)
     assert len(problems) == 4, problems
@@ -439,7 +466,11 @@ def _split_problem(key: str, value: object) -> str | None:
             return None if ok else f"'{key}': a COCO split is {{annotations: <json>, images: <folder>}}"
         if "voc" in value:
             folders = value["voc"] if isinstance(value["voc"], list) else [value["voc"]]
-            ok = set(value) == {"voc", "set"} and isinstance(value["set"], str) and all(isinstance(f, str) for f in folders)
+            ok = (
+                set(value) == {"voc", "set"}
+                and isinstance(value["set"], str)
+                and all(isinstance(f, str) for f in folders)
+            )
             return None if ok else f"'{key}': a VOC split is {{voc: <folder or list>, set: <image set>}}"
         return f"'{key}': a mapping must be {{annotations, images}} (COCO JSON) or {{voc, set}} (Pascal VOC)"
     entries = value if isinstance(value, list) else [value]
@@ -543,13 +574,17 @@ def test_data_yaml_form_check_matches_the_loader(tmp_path):
 
 # ---- generated option tables -----------------------------------------------------------------------------
 
+
 def test_option_tables_equal_what_the_parsers_give():
     pages_with_tables = [p for p in doc_pages() if GENERATOR.MARKER.search(p.read_text(encoding="utf-8"))]
-    scripts = {m.group("script") for p in pages_with_tables
-               for m in GENERATOR.MARKER.finditer(p.read_text(encoding="utf-8"))}
+    scripts = {
+        m.group("script") for p in pages_with_tables for m in GENERATOR.MARKER.finditer(p.read_text(encoding="utf-8"))
+    }
     assert set(ENTRY_POINTS) <= scripts, f"no option table for {sorted(set(ENTRY_POINTS) - scripts)}"
     stale = [str(page.relative_to(ROOT)) for page in GENERATOR.stale_pages()]
-    assert not stale, f"{', '.join(stale)}: option tables differ from the parsers; run python docs/make_option_tables.py"
+    assert not stale, (
+        f"{', '.join(stale)}: option tables differ from the parsers; run python docs/make_option_tables.py"
+    )
 
 
 def test_option_table_follows_a_changed_default(monkeypatch):
@@ -572,20 +607,35 @@ def _with_default(parser: argparse.ArgumentParser, dest: str, value: object) -> 
 # ---- no history, no tracker ------------------------------------------------------------------------------
 
 HISTORY = [
-    r"\btoday'?s?\b", r"\byesterday\b", r"\bearlier\b", r"\bpreviously\b", r"\bno longer\b", r"\bnot met\b",
-    r"\bthis (round|session|change|PR|pull request)\b", r"\b(a|the|this|that) session (later|before)\b",
+    r"\btoday'?s?\b",
+    r"\byesterday\b",
+    r"\bearlier\b",
+    r"\bpreviously\b",
+    r"\bno longer\b",
+    r"\bnot met\b",
+    r"\bthis (round|session|change|PR|pull request)\b",
+    r"\b(a|the|this|that) session (later|before)\b",
     r"\b(was|were|has been|have been) (changed|fixed|added|removed|renamed|introduced|replaced|rewritten)\b",
-    r"\bbefore (this|the|these|those) (change|changes|fix|fixes)\b", r"\bwe (now|changed|fixed|added|removed)\b",
-    r"\bnow (works|supports|handles|runs)\b", r"\bnew in\b", r"\bthe goal\b",
-    r"\bissues? #?\d+\b", r"(?<![\w(])#\d+\b", r"\bissue tracker\b", r"\bbug tracker\b",
+    r"\bbefore (this|the|these|those) (change|changes|fix|fixes)\b",
+    r"\bwe (now|changed|fixed|added|removed)\b",
+    r"\bnow (works|supports|handles|runs)\b",
+    r"\bnew in\b",
+    r"\bthe goal\b",
+    r"\bissues? #?\d+\b",
+    r"(?<![\w(])#\d+\b",
+    r"\bissue tracker\b",
+    r"\bbug tracker\b",
     r"github\.com/[^)\s]*/(issues|pull)\b",
 ]
 HISTORY_RE = re.compile("|".join(f"(?:{p})" for p in HISTORY), re.I)
 
 
 def history_phrases(text: str) -> list[str]:
-    return [f"line {n}: '{m.group(0)}' in: {line.strip()}"
-            for n, line in enumerate(text.splitlines(), 1) for m in HISTORY_RE.finditer(line)]
+    return [
+        f"line {n}: '{m.group(0)}' in: {line.strip()}"
+        for n, line in enumerate(text.splitlines(), 1)
+        for m in HISTORY_RE.finditer(line)
+    ]
 
 
 def test_pages_tell_no_history_and_do_not_point_to_the_tracker():
@@ -596,28 +646,46 @@ def test_pages_tell_no_history_and_do_not_point_to_the_tracker():
 
 
 def test_history_check_fires_on_stories_only():
-    stories = ["Earlier, the run took 5 s.", "Today's code is faster.", "This was fixed in issue 12.",
-               "See #31 for the story.", "The loss was changed to CIoU.", "Not met: 2x in fp32.",
-               "Reported at https://github.com/o/r/issues/3."]
-    plain = ["The checkpoint was written by YOLOv5.", "The seed is used to draw the samples.",
-             "A run that was interrupted resumes.", "Measured on 2026-11-23 on 2 cores.",
-             "See [the table](#options) and `--max-det 300`.", "The epoch is the earliest one kept."]
+    stories = [
+        "Earlier, the run took 5 s.",
+        "Today's code is faster.",
+        "This was fixed in issue 12.",
+        "See #31 for the story.",
+        "The loss was changed to CIoU.",
+        "Not met: 2x in fp32.",
+        "Reported at https://github.com/o/r/issues/3.",
+    ]
+    plain = [
+        "The checkpoint was written by YOLOv5.",
+        "The seed is used to draw the samples.",
+        "A run that was interrupted resumes.",
+        "Measured on 2026-11-23 on 2 cores.",
+        "See [the table](#options) and `--max-det 300`.",
+        "The epoch is the earliest one kept.",
+    ]
     assert all(history_phrases(s) for s in stories), [s for s in stories if not history_phrases(s)]
     assert not any(history_phrases(s) for s in plain), [history_phrases(s) for s in plain]
 
 
 # ---- the README ------------------------------------------------------------------------------------------
 
+
 def test_readme_starts_with_the_commands_ci_runs_and_links_every_page():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     first_block = code_blocks(readme)[0].text
-    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
-          if line.strip().startswith("python ")]
+    ci = [
+        line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.strip().startswith("python ")
+    ]
     assert ci, ".ci/run runs no python command"
     for command in ci:
-        assert any(line.split("#")[0].strip().startswith(command) or f"&& {command}" in line
-                   for line in first_block.splitlines()), f"README's first block lacks: {command}"
-    linked = {(ROOT / m.group(1).partition("#")[0]).resolve()
-              for m in LINK.finditer(readme) if m.group(1) and not re.match(r"^[a-z]+:", m.group(1))}
+        assert any(
+            line.split("#")[0].strip().startswith(command) or f"&& {command}" in line
+            for line in first_block.splitlines()
+        ), f"README's first block lacks: {command}"
+    linked = {
+        (ROOT / m.group(1).partition("#")[0]).resolve()
+        for m in LINK.finditer(readme)
+        if m.group(1) and not re.match(r"^[a-z]+:", m.group(1))
+    }
     unlinked = [p.name for p in sorted((ROOT / "docs").glob("*.md")) if p.resolve() not in linked]
     assert not unlinked, f"README.md does not link: {', '.join(unlinked)}"

@@ -1,6 +1,7 @@
 """--evolve through train.py: YOLOv5's genetic operations inside the limits, a study of trials recorded in evolve.csv
 and continued from its folder, and trained by every rank of a distributed worker (the study itself, its workers and
 samplers: tests/test_search.py)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -59,8 +60,7 @@ def test_evolve_csv_round_trip_any_number_of_loss_terms_and_wrong_columns(tmp_pa
 
     csv_file = tmp_path / "evolve.csv"
     append_evolve_row(csv_file, (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7), BASE.to_dict(), KEYS, LOSS_NAMES)
-    append_evolve_row(csv_file, (0.2, 0.2, 0.3, 0.5, 0.5, 0.6, 0.7), BASE.replace(lr0=0.02).to_dict(), KEYS,
-                      LOSS_NAMES)
+    append_evolve_row(csv_file, (0.2, 0.2, 0.3, 0.5, 0.5, 0.6, 0.7), BASE.replace(lr0=0.02).to_dict(), KEYS, LOSS_NAMES)
     rows = read_evolve_csv(csv_file, KEYS, LOSS_NAMES)
     assert rows.shape == (2, N_RESULTS + len(KEYS))
     assert rows[1, N_RESULTS + KEYS.index("lr0")] == 0.02
@@ -109,12 +109,15 @@ def test_evolve_one_trial_then_continue_the_study_to_two(train_here, small_data,
     expected = next_hyp(BASE, rows, KEYS, np.random.default_rng([0, 1]), LIMITS, N_RESULTS)
     assert expected != BASE
     np.testing.assert_allclose(more[1, N_RESULTS:], [expected.to_dict()[k] for k in KEYS], rtol=1e-4)
-    assert sorted(p.name for p in folder.glob("trial*")) == ["trial0", "trial1"] and not (tmp_path / "evolve/ev2").exists()
+    assert (
+        sorted(p.name for p in folder.glob("trial*")) == ["trial0", "trial1"] and not (tmp_path / "evolve/ev2").exists()
+    )
     # Each trial reported its validated epoch to the pruner: the fitness evolve.csv's row gives.
     trials = _study(folder).get_trials()
     assert [t.intermediate_values.keys() for t in trials] == [{0}, {0}]
-    np.testing.assert_allclose([t.intermediate_values[0] for t in trials], 0.1 * more[:, 2] + 0.9 * more[:, 3],
-                               rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(
+        [t.intermediate_values[0] for t in trials], 0.1 * more[:, 2] + 0.9 * more[:, 3], rtol=1e-4, atol=1e-6
+    )
 
     status, log = train_here(*common, "--evolve", "2", "--resume-evolve", folder)
     assert status == 0 and "study 'ev' already has 2 finished trials (--evolve 2): nothing to train" in log, log
@@ -126,8 +129,27 @@ def test_evolve_under_two_gloo_ranks_trains_each_trial_together(small_data, tmp_
     import train
     from conftest import main_on_ranks
 
-    argv = ["--data", str(small_data), "--epochs", "1", "--imgsz", "64", "--batch-size", "8", "--workers", "0",
-            "--noautoanchor", "--device", "cpu", "--project", str(tmp_path / "evolve"), "--name", "ev", "--evolve", "2"]
+    argv = [
+        "--data",
+        str(small_data),
+        "--epochs",
+        "1",
+        "--imgsz",
+        "64",
+        "--batch-size",
+        "8",
+        "--workers",
+        "0",
+        "--noautoanchor",
+        "--device",
+        "cpu",
+        "--project",
+        str(tmp_path / "evolve"),
+        "--name",
+        "ev",
+        "--evolve",
+        "2",
+    ]
     codes, outputs = main_on_ranks(train.main, argv, 2, tmp_path)
     assert codes == [0, 0], "".join(outputs)[-3000:]
     assert "world size 2" in outputs[0]

@@ -1,6 +1,7 @@
 """export.py, detect.py and val.py on checkpoints of YOLOv8, YOLO11 and YOLO26 written by Ultralytics' own trainer
 (tests/fixtures/ultralytics): the exported ONNX and TorchScript files compute Ultralytics' own outputs and carry
 the metadata its apps read."""
+
 from __future__ import annotations
 
 import ast
@@ -17,8 +18,7 @@ import export
 import val
 from utils.formats import open_runner
 from tests.conftest import write_rectangles_dataset, write_video
-from tests.ultralytics_reference import (FIXTURES, assert_close_to_ultralytics, assert_same_end2end_detections,
-                                         reference)
+from tests.ultralytics_reference import FIXTURES, assert_close_to_ultralytics, assert_same_end2end_detections, reference
 from utils.errors import UserError
 
 FAMILIES = {"yolov8": "yolov8-final.pt", "yolo11": "yolo11-final.pt", "yolo26": "yolo26-final.pt"}
@@ -28,8 +28,9 @@ def _export(folder: Path, family: str, **options) -> dict[str, Path]:
     weights = folder / FAMILIES[family]
     shutil.copyfile(FIXTURES / FAMILIES[family], weights)
     x, _ = reference(family)
-    files = export.run(weights=str(weights), imgsz=list(x.shape[2:]), batch_size=x.shape[0],
-                       include=["onnx", "torchscript"], **options)
+    files = export.run(
+        weights=str(weights), imgsz=list(x.shape[2:]), batch_size=x.shape[0], include=["onnx", "torchscript"], **options
+    )
     return {p.suffix: p for p in files}
 
 
@@ -71,8 +72,12 @@ def test_yolo26_end2end_export_computes_ultralytics_end2end_output(tmp_path) -> 
     shutil.copyfile(FIXTURES / FAMILIES["yolo26"], weights)
     x, ref = reference("yolo26")
     # ONNX only: the TorchScript path is the same trace as the one-to-many output's, tested above.
-    files = {p.suffix: p for p in export.run(weights=str(weights), imgsz=list(x.shape[2:]), batch_size=x.shape[0],
-                                             include=["onnx"], end2end=True)}
+    files = {
+        p.suffix: p
+        for p in export.run(
+            weights=str(weights), imgsz=list(x.shape[2:]), batch_size=x.shape[0], include=["onnx"], end2end=True
+        )
+    }
     for path in files.values():
         runner = open_runner(path, end2end=True)
         assert runner.meta.layout == "end2end"
@@ -125,9 +130,17 @@ def _images(folder: Path, n: int = 3) -> Path:
 def test_detect_and_val_run_on_ultralytics_checkpoints(tmp_path) -> None:
     source = _images(tmp_path / "images")
     for family, end2end in (("yolov8", False), ("yolo26", True)):
-        result = detect.run(weights=str(FIXTURES / FAMILIES[family]), source=str(source), imgsz=64, conf_thres=0.0,
-                            max_det=20, save_txt=True, project=str(tmp_path / "runs"), name=f"{family}{end2end}",
-                            end2end=end2end)
+        result = detect.run(
+            weights=str(FIXTURES / FAMILIES[family]),
+            source=str(source),
+            imgsz=64,
+            conf_thres=0.0,
+            max_det=20,
+            save_txt=True,
+            project=str(tmp_path / "runs"),
+            name=f"{family}{end2end}",
+            end2end=end2end,
+        )
         assert len(result.detections) == 3
         for det in result.detections.values():  # conf 0 keeps boxes: a check of the layout's decoding
             assert det.shape[1] == 6 and 0 < len(det) <= 20
@@ -135,14 +148,30 @@ def test_detect_and_val_run_on_ultralytics_checkpoints(tmp_path) -> None:
             assert (det[:, 4] >= 0).all() and (det[:, 4] <= 1).all() and (det[:, 5] < nc).all()
             assert (det[:, 2] >= det[:, 0]).all() and (det[:, 3] >= det[:, 1]).all()
     data = write_rectangles_dataset(tmp_path / "data", n_train=2, n_val=4, size=64, n_classes=3)
-    results = val.run(data=str(data), weights=str(FIXTURES / FAMILIES["yolov8"]), imgsz=64, batch_size=2,
-                      workers=0, noplots=True, project=str(tmp_path / "val"), name="v8")
+    results = val.run(
+        data=str(data),
+        weights=str(FIXTURES / FAMILIES["yolov8"]),
+        imgsz=64,
+        batch_size=2,
+        workers=0,
+        noplots=True,
+        project=str(tmp_path / "val"),
+        name="v8",
+    )
     assert 0 <= results.map <= results.map50 <= 1 and results.n_images == 4
     data5 = write_rectangles_dataset(tmp_path / "data5", n_train=2, n_val=4, size=64, n_classes=5)
     for end2end in (False, True):  # YOLO26: the one-to-many head with NMS, or the one-to-one head's top-k as is
-        results = val.run(data=str(data5), weights=str(FIXTURES / FAMILIES["yolo26"]), imgsz=64, batch_size=2,
-                          workers=0, noplots=True, project=str(tmp_path / "val"), name=f"v26{end2end}",
-                          end2end=end2end)
+        results = val.run(
+            data=str(data5),
+            weights=str(FIXTURES / FAMILIES["yolo26"]),
+            imgsz=64,
+            batch_size=2,
+            workers=0,
+            noplots=True,
+            project=str(tmp_path / "val"),
+            name=f"v26{end2end}",
+            end2end=end2end,
+        )
         assert 0 <= results.map <= results.map50 <= 1 and results.n_images == 4
         if end2end:
             assert 0 < results.n_detections <= 4 * 300
@@ -153,8 +182,16 @@ def test_detect_on_a_video_with_an_ultralytics_checkpoint(tmp_path) -> None:
 
     video = write_video(tmp_path / "clip.mp4", frames=3)
     for family, end2end in (("yolo11", False), ("yolo26", True)):
-        result = detect.run(weights=str(FIXTURES / FAMILIES[family]), source=str(video), imgsz=64, conf_thres=0.0,
-                            max_det=10, project=str(tmp_path / "runs"), name=family, end2end=end2end)
+        result = detect.run(
+            weights=str(FIXTURES / FAMILIES[family]),
+            source=str(video),
+            imgsz=64,
+            conf_thres=0.0,
+            max_det=10,
+            project=str(tmp_path / "runs"),
+            name=family,
+            end2end=end2end,
+        )
         assert sorted(result.detections) == [f"{video}:{i}" for i in range(3)]
         assert all(det.shape[1] == 6 and 0 < len(det) <= 10 for det in result.detections.values())
         out = cv2.VideoCapture(str(result.save_dir / "clip.mp4"))
@@ -177,17 +214,39 @@ def test_ultralytics_own_export_metadata_is_read() -> None:
 def test_test_time_augmentation_on_ultralytics_checkpoints(tmp_path) -> None:
     source = _images(tmp_path / "images")
     # YOLO26 through its one-to-many head, before NMS
-    result = detect.run(weights=str(FIXTURES / FAMILIES["yolo26"]), source=str(source), imgsz=64, conf_thres=0.0,
-                        max_det=20, augment=True, nosave=True, project=str(tmp_path / "runs"))
+    result = detect.run(
+        weights=str(FIXTURES / FAMILIES["yolo26"]),
+        source=str(source),
+        imgsz=64,
+        conf_thres=0.0,
+        max_det=20,
+        augment=True,
+        nosave=True,
+        project=str(tmp_path / "runs"),
+    )
     assert len(result.detections) == 3
     for det in result.detections.values():  # boxes of every pass mapped back inside the 80 x 64 images
         assert det.shape[1] == 6 and 0 < len(det) <= 20
         assert (det[:, :4] >= 0).all() and (det[:, [0, 2]] <= 80).all() and (det[:, [1, 3]] <= 64).all()
     data = write_rectangles_dataset(tmp_path / "data", n_train=2, n_val=4, size=64, n_classes=3)
-    results = val.run(data=str(data), weights=str(FIXTURES / FAMILIES["yolov8"]), imgsz=64, batch_size=2, workers=0,
-                      augment=True, noplots=True, project=str(tmp_path / "val"))
+    results = val.run(
+        data=str(data),
+        weights=str(FIXTURES / FAMILIES["yolov8"]),
+        imgsz=64,
+        batch_size=2,
+        workers=0,
+        augment=True,
+        noplots=True,
+        project=str(tmp_path / "val"),
+    )
     assert results.plain is not None and results.n_images == results.plain.n_images == 4
     # The one-to-one head's detections are final: nothing to merge (val.py makes the same check).
     with pytest.raises(UserError, match=r"^--augment needs predictions before NMS .*--end2end"):
-        detect.run(weights=str(FIXTURES / FAMILIES["yolo26"]), source=str(source), imgsz=64, augment=True,
-                   end2end=True, project=str(tmp_path / "refused"))
+        detect.run(
+            weights=str(FIXTURES / FAMILIES["yolo26"]),
+            source=str(source),
+            imgsz=64,
+            augment=True,
+            end2end=True,
+            project=str(tmp_path / "refused"),
+        )

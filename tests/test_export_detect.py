@@ -1,4 +1,5 @@
 """export.py (ONNX, TorchScript) and detect.py (folders with a broken image, videos, exported files)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -80,9 +81,18 @@ def test_detect_skips_a_broken_image_and_agrees_across_formats(tmp_path, weights
     (source / "broken.jpg").write_bytes(b"not a jpeg")
     results = {}
     for path in (weights, exported[".onnx"], exported[".torchscript"]):
-        results[path.suffix] = detect.run(weights=str(path), source=str(source), imgsz=64, conf_thres=0.5,
-                                          save_txt=True, save_conf=True, save_crop=True, batch_size=2,
-                                          project=str(tmp_path / "runs"), name=path.suffix[1:])
+        results[path.suffix] = detect.run(
+            weights=str(path),
+            source=str(source),
+            imgsz=64,
+            conf_thres=0.5,
+            save_txt=True,
+            save_conf=True,
+            save_crop=True,
+            batch_size=2,
+            project=str(tmp_path / "runs"),
+            name=path.suffix[1:],
+        )
     out = capsys.readouterr().out
     assert "1 input(s) skipped" in out and "broken.jpg" in out and "Speed:" in out
     ref = results[".pt"]
@@ -105,8 +115,9 @@ def test_detect_skips_a_broken_image_and_agrees_across_formats(tmp_path, weights
 
 def test_detect_on_a_video(tmp_path, weights) -> None:
     video = write_video(tmp_path / "clip.mp4", frames=4)
-    result = detect.run(weights=str(weights), source=str(video), imgsz=64, conf_thres=0.5, save_txt=True,
-                        project=str(tmp_path / "runs"))
+    result = detect.run(
+        weights=str(weights), source=str(video), imgsz=64, conf_thres=0.5, save_txt=True, project=str(tmp_path / "runs")
+    )
     assert sorted(result.detections) == [f"{video}:{i}" for i in range(4)]
     out = cv2.VideoCapture(str(result.save_dir / "clip.mp4"))
     assert out.isOpened() and int(out.get(cv2.CAP_PROP_FRAME_COUNT)) == 4
@@ -115,8 +126,22 @@ def test_detect_on_a_video(tmp_path, weights) -> None:
 
 @pytest.mark.slow
 def test_detect_reports_a_missing_source_in_one_line(tmp_path, weights) -> None:
-    done = subprocess.run([sys.executable, "detect.py", "--weights", str(weights), "--source", str(tmp_path / "nothing"),
-                           "--project", str(tmp_path / "runs")], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "detect.py",
+            "--weights",
+            str(weights),
+            "--source",
+            str(tmp_path / "nothing"),
+            "--project",
+            str(tmp_path / "runs"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert done.returncode == 1
     errors = [line for line in done.stdout.splitlines() if line.startswith("ERROR")]
     assert len(errors) == 1 and "nothing: source not found" in errors[0] and "Traceback" not in done.stderr

@@ -1,5 +1,6 @@
 """The family contract (models/families/): which family a config is, each family's loss, hyper-parameters,
 optimizer groups, NMS, and the hooks export builds on (layout, export module, NMS candidates, INT8 scope)."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,8 +8,20 @@ import torch
 import torchvision
 import yaml
 
-from models.families import (FAMILIES, YOLO11, YOLO26, YOLOV5, YOLOV8, family_name, family_of, import_checkpoint,
-                             importer_of_source, known_layouts, missing_weights_message, ultralytics_export_family)
+from models.families import (
+    FAMILIES,
+    YOLO11,
+    YOLO26,
+    YOLOV5,
+    YOLOV8,
+    family_name,
+    family_of,
+    import_checkpoint,
+    importer_of_source,
+    known_layouts,
+    missing_weights_message,
+    ultralytics_export_family,
+)
 from models.common import Conv
 from models.yolo import Model, load_model_config
 from utils.errors import UserError
@@ -77,8 +90,10 @@ def test_yolov5_loss_is_computeloss_with_gains_scaled_for_levels_classes_and_siz
     assert loss.cls_positive == pytest.approx(0.95)
     for name in ("yolo11", "yolo26"):
         family = family_of(name)
-        assert family.make_loss(models[name], family.read_hyp(family.default_hyp_path), imgsz=64).item_names == \
-            family.loss_names
+        assert (
+            family.make_loss(models[name], family.read_hyp(family.default_hyp_path), imgsz=64).item_names
+            == family.loss_names
+        )
 
 
 def test_each_family_reads_its_own_hyperparameters_and_refuses_another_familys(caplog) -> None:
@@ -149,8 +164,9 @@ def test_anchor_free_nms_equals_yolov5_nms_with_objectness_one() -> None:
     for multi_label in (False, True):
         for classes in (None, [1, 3]):
             expected = non_max_suppression(v5, 0.05, 0.5, classes=classes, multi_label=multi_label, max_det=50)
-            got = non_max_suppression_anchor_free(anchor_free, 0.05, 0.5, classes=classes, multi_label=multi_label,
-                                                  max_det=50)
+            got = non_max_suppression_anchor_free(
+                anchor_free, 0.05, 0.5, classes=classes, multi_label=multi_label, max_det=50
+            )
             assert all(torch.equal(a, b) for a, b in zip(expected, got))
             assert any(len(d) for d in got)
 
@@ -164,8 +180,9 @@ def test_end_to_end_output_is_only_filtered() -> None:
     assert YOLO26.detections(det, 0.25, 0.7)[0].equal(kept) and YOLO26.candidates(det) is None
 
 
-def _nms_of_candidates(boxes: torch.Tensor, scores: torch.Tensor, conf: float, iou: float,
-                       max_det: int) -> list[torch.Tensor]:
+def _nms_of_candidates(
+    boxes: torch.Tensor, scores: torch.Tensor, conf: float, iou: float, max_det: int
+) -> list[torch.Tensor]:
     """What NMS inside an exported graph computes from ``candidates``: the best class per box above ``conf``,
     torchvision's batched NMS per class, the ``max_det`` best."""
     out = []
@@ -226,11 +243,13 @@ def test_int8_scope_names_the_decoding_and_the_dfl_of_the_model(models) -> None:
         # The head's conv-norm-activation blocks may be quantized: only their decoding is kept in float. Its
         # prediction convolutions (the logits) are named apart, for the formats that keep them float.
         assert not any(isinstance(modules[m], (torch.nn.Conv2d, Conv)) for m in scope.modules)
-        assert scope.logits and all(isinstance(modules[m], torch.nn.Conv2d) and m.startswith(scope.decoding[0] + ".")
-                                    for m in scope.logits)
+        assert scope.logits and all(
+            isinstance(modules[m], torch.nn.Conv2d) and m.startswith(scope.decoding[0] + ".") for m in scope.logits
+        )
     assert YOLO11.int8_float_scope(models["yolo11"]).modules == ("model.23.dfl",)
     assert YOLO11.int8_float_scope(models["yolo11"]).logits == tuple(
-        f"model.23.{branch}.{level}.2" for branch in ("cv2", "cv3") for level in range(3))
+        f"model.23.{branch}.{level}.2" for branch in ("cv2", "cv3") for level in range(3)
+    )
     assert YOLO26.int8_float_scope(models["yolo26"]).modules == ()  # no DFL (reg_max 1)
     assert YOLOV5.int8_float_scope(models["yolov5n"]).logits == ("model.24.m.0", "model.24.m.1", "model.24.m.2")
 

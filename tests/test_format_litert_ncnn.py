@@ -9,6 +9,7 @@ end-to-end layouts a model of three convolutions and the family's head (``conver
 layouts is the head and its decoding. Each is converted once per session (across pytest-xdist workers too;
 ``_convert`` is memoised here, and what it converts is checked by the fp32 tests).
 """
+
 from __future__ import annotations
 
 import json
@@ -46,14 +47,22 @@ class _OncePerLayout(dict):
         weights.parent.mkdir()
         shutil.copyfile(self.trained[layout], weights)
         options = {"fp16": dict(half=True), "int8": dict(int8=True, data=str(self.data), max_drop=1.0)}
-        (path,) = export.run(weights=str(weights), include=[self.fmt], imgsz=[IMGSZ], end2end=end2end(layout),
-                             **options.get(precision, {}))
+        (path,) = export.run(
+            weights=str(weights),
+            include=[self.fmt],
+            imgsz=[IMGSZ],
+            end2end=end2end(layout),
+            **options.get(precision, {}),
+        )
         self[key] = path
         return path
 
 
 HEAD_ONLY_ANCHORS = [[10, 13, 16, 30, 33, 23], [30, 61, 62, 45, 59, 119], [116, 90, 156, 198, 373, 326]]
-HEAD_ONLY_FAMILIES = {"yolov5": ("yolov5", {"anchors": HEAD_ONLY_ANCHORS}), "end2end": ("yolo26", {"end2end": True, "reg_max": 1})}
+HEAD_ONLY_FAMILIES = {
+    "yolov5": ("yolov5", {"anchors": HEAD_ONLY_ANCHORS}),
+    "end2end": ("yolo26", {"end2end": True, "reg_max": 1}),
+}
 
 
 def head_only_checkpoint(layout: str, path: Path) -> Path:
@@ -63,9 +72,15 @@ def head_only_checkpoint(layout: str, path: Path) -> Path:
 
     family, extra = HEAD_ONLY_FAMILIES[layout]
     detect_args = ["nc", "anchors"] if "anchors" in extra else ["nc"]
-    cfg = {"family": family, "nc": 2, "depth_multiple": 1.0, "width_multiple": 1.0, **extra,
-           "backbone": [[-1, 1, "Conv", [8, 3, 8]], [-1, 1, "Conv", [8, 3, 2]], [-1, 1, "Conv", [8, 3, 2]]],
-           "head": [[[0, 1, 2], 1, "Detect", detect_args]]}
+    cfg = {
+        "family": family,
+        "nc": 2,
+        "depth_multiple": 1.0,
+        "width_multiple": 1.0,
+        **extra,
+        "backbone": [[-1, 1, "Conv", [8, 3, 8]], [-1, 1, "Conv", [8, 3, 2]], [-1, 1, "Conv", [8, 3, 2]]],
+        "head": [[[0, 1, 2], 1, "Detect", detect_args]],
+    }
     torch.manual_seed(0)
     model = build_model(cfg, names=["red", "blue"])
     save_checkpoint({**model_state(model), "opt": {"imgsz": IMGSZ}}, path)
@@ -140,7 +155,11 @@ def test_litert_fp32_computes_what_pytorch_computes(layout, litert_files, conver
     assert path.name == converted[layout].stem + ".tflite"  # Ultralytics' name: best.tflite
     runner = open_runner(path)
     assert (runner.meta.layout, runner.meta.imgsz, runner.meta.batch, runner.meta.precision) == (
-        layout, (IMGSZ, IMGSZ), 1, "fp32")
+        layout,
+        (IMGSZ, IMGSZ),
+        1,
+        "fp32",
+    )
     _compare_with_pytorch(path, converted[layout], layout, atol=1e-3)
 
 
@@ -227,12 +246,16 @@ def test_what_cannot_be_written_is_one_line(trained, tmp_path, monkeypatch) -> N
     with pytest.raises(UserError, match=r"^--include ncnn: no int8 files \(ncnn's INT8 tools"):
         export.run(weights=str(weights), include=["ncnn"], int8=True, data="x.yaml")
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name in ("pnnx", "ai_edge_quantizer") else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name in ("pnnx", "ai_edge_quantizer") else real(name, *a)
+    )
     with pytest.raises(UserError, match=r"^--include ncnn: ncnn needs pnnx \(pip install pnnx\)$"):
         format_named("ncnn")
-    with pytest.raises(UserError, match=r"^--include litert: litert needs ai-edge-quantizer \(pip install "
-                                        r"ai-edge-quantizer\)$"):
+    with pytest.raises(
+        UserError,
+        match=r"^--include litert: litert needs ai-edge-quantizer \(pip install "
+        r"ai-edge-quantizer\)$",
+    ):
         format_named("litert")
     assert sorted(p.name for p in tmp_path.iterdir()) == [weights.name]
 
@@ -242,20 +265,31 @@ def test_val_py_scores_the_tflite_as_the_pt(litert_files, trained, deploy_data, 
     from utils.data.config import load_data_config
     from utils.evaluation.gate import split_map
 
-    result = val.run(weights=str(litert_files["anchor_free", "fp32"]), data=str(deploy_data), imgsz=IMGSZ,
-                     batch_size=4, workers=0, noplots=True, project=str(tmp_path))
+    result = val.run(
+        weights=str(litert_files["anchor_free", "fp32"]),
+        data=str(deploy_data),
+        imgsz=IMGSZ,
+        batch_size=4,
+        workers=0,
+        noplots=True,
+        project=str(tmp_path),
+    )
     runner = open_runner(trained["anchor_free"])
     cfg = load_data_config(str(deploy_data))
     reference = split_map(runner, family_of(runner.meta.family), cfg, cfg["val"], IMGSZ, 0, batch_size=4)
     assert result.n_images == 16 and result.map > 0.05 and abs(result.map - reference) <= 1e-3
 
 
-def test_detect_py_finds_with_the_ncnn_folder_what_it_finds_with_the_pt(ncnn_files, trained, deploy_data,
-                                                                       tmp_path) -> None:
+def test_detect_py_finds_with_the_ncnn_folder_what_it_finds_with_the_pt(
+    ncnn_files, trained, deploy_data, tmp_path
+) -> None:
     source = deploy_data.parent / "images" / "val"
-    runs = [detect.run(weights=str(w), source=str(source), imgsz=IMGSZ, batch_size=4, nosave=True,
-                       project=str(tmp_path), name=name)
-            for name, w in (("pt", trained["anchor_free"]), ("ncnn", ncnn_files["anchor_free", "fp32"]))]
+    runs = [
+        detect.run(
+            weights=str(w), source=str(source), imgsz=IMGSZ, batch_size=4, nosave=True, project=str(tmp_path), name=name
+        )
+        for name, w in (("pt", trained["anchor_free"]), ("ncnn", ncnn_files["anchor_free", "fp32"]))
+    ]
     found, other = runs[0].detections, runs[1].detections
     assert sum(len(d) for d in found.values()) >= 8 and found.keys() == other.keys()
     for key, det in found.items():

@@ -2,6 +2,7 @@
 output layout's OpenVINO folder computes what PyTorch computes, its metadata.yaml carries Ultralytics' keys, val.py
 and detect.py take the folder, and the fp16 and INT8 files pass export.py's accuracy gate; the INT8 ONNX is a QDQ
 graph with signed symmetric INT8 and the head's decoding in float."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,8 +20,20 @@ from utils.formats import format_named, open_runner
 
 # The keys of the metadata.yaml Ultralytics 8.4 writes into an OpenVINO folder for a detection model (less
 # license/docs/head, which are about Ultralytics itself).
-ULTRALYTICS_KEYS = {"description", "author", "date", "version", "stride", "task", "batch", "imgsz", "names", "args",
-                    "channels", "end2end"}
+ULTRALYTICS_KEYS = {
+    "description",
+    "author",
+    "date",
+    "version",
+    "stride",
+    "task",
+    "batch",
+    "imgsz",
+    "names",
+    "args",
+    "channels",
+    "end2end",
+}
 
 
 class _OpenVinoOnce(dict):
@@ -90,16 +103,32 @@ def test_val_py_and_detect_py_take_the_openvino_folder(trained, openvino_fp32, d
     from utils.evaluation.gate import split_map
 
     folder = openvino_fp32["anchor_free"]
-    scored = val.run(weights=str(folder), data=str(deploy_data), imgsz=64, batch_size=4, workers=0, noplots=True,
-                     project=str(tmp_path))
+    scored = val.run(
+        weights=str(folder),
+        data=str(deploy_data),
+        imgsz=64,
+        batch_size=4,
+        workers=0,
+        noplots=True,
+        project=str(tmp_path),
+    )
     runner = open_runner(trained["anchor_free"])
     cfg = load_data_config(str(deploy_data))
     reference = split_map(runner, family_of(runner.meta.family), cfg, cfg["val"], 64, 0, batch_size=4)
     assert scored.n_images == 16 and reference > 0.2 and abs(scored.map - reference) <= 1e-3
     source = deploy_data.parent / "images" / "val"
-    runs = {w.suffix or "ov": detect.run(weights=str(w), source=str(source), imgsz=64, batch_size=4, nosave=True,
-                                         project=str(tmp_path), name=w.suffix[1:] or "ov").detections
-            for w in (trained["anchor_free"], folder)}
+    runs = {
+        w.suffix or "ov": detect.run(
+            weights=str(w),
+            source=str(source),
+            imgsz=64,
+            batch_size=4,
+            nosave=True,
+            project=str(tmp_path),
+            name=w.suffix[1:] or "ov",
+        ).detections
+        for w in (trained["anchor_free"], folder)
+    }
     assert sum(len(d) for d in runs[".pt"].values()) >= 8
     for key, det in runs[".pt"].items():
         other = runs["ov"][key]
@@ -108,8 +137,9 @@ def test_val_py_and_detect_py_take_the_openvino_folder(trained, openvino_fp32, d
 
 
 @pytest.mark.slow
-def test_openvino_fp16_passes_the_gate_with_half_the_weights(trained, openvino_fp32, deploy_data, tmp_path,
-                                                            capsys) -> None:
+def test_openvino_fp16_passes_the_gate_with_half_the_weights(
+    trained, openvino_fp32, deploy_data, tmp_path, capsys
+) -> None:
     weights = _copy(trained["anchor_free"], tmp_path)
     (path,) = export.run(weights=str(weights), include=["openvino"], half=True, dynamic=True, data=str(deploy_data))
     assert path.name == "narrow_yolo11_fp16_openvino_model"
@@ -144,8 +174,9 @@ def test_the_int8_scope_maps_onto_the_onnx_nodes_of_the_decoding(trained, export
     assert own and dfl and own | dfl <= kept
     assert any(n.op_type == "Sigmoid" for n in _own_nodes(model, head))
     others = [n for n in model.graph.node if n.name not in kept]
-    assert all(n.op_type != "Concat" or not n.name.startswith(f"/model/{head}/") or n.name.count("/") > 3
-               for n in others)
+    assert all(
+        n.op_type != "Concat" or not n.name.startswith(f"/model/{head}/") or n.name.count("/") > 3 for n in others
+    )
     assert any(n.op_type == "Conv" and n.name.startswith(f"/model/{head}/cv") for n in others)  # head convs: INT8
     assert not any(n.startswith("/model/model.0/") for n in kept)
 
@@ -167,8 +198,7 @@ def test_int8_onnx_and_openvino_pass_the_gate(trained, deploy_data, tmp_path, ca
     model = onnx.load(str(kept[0]))
     inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
     quantizers = [n for n in model.graph.node if n.op_type == "QuantizeLinear"]
-    assert quantizers and all(inits[n.input[2]].dtype == np.int8 and not inits[n.input[2]].any()
-                              for n in quantizers)
+    assert quantizers and all(inits[n.input[2]].dtype == np.int8 and not inits[n.input[2]].any() for n in quantizers)
     head = f"model.{len(open_runner(weights).model.model) - 1}"
     prediction = [n for n in model.graph.node if n.op_type == "Conv" and n.name.startswith(f"/model/{head}/m.")]
     convs = [n for n in model.graph.node if n.op_type == "Conv" and n not in prediction]
@@ -176,8 +206,9 @@ def test_int8_onnx_and_openvino_pass_the_gate(trained, deploy_data, tmp_path, ca
     weight_dq = [producers[n.input[1]] for n in convs]
     assert all(p.op_type == "DequantizeLinear" and inits[p.input[1]].size > 1 for p in weight_dq)  # per channel
     assert len(prediction) == 3 and all(inits[n.input[1]].dtype == np.float32 for n in prediction)
-    dequantized = [inits[n.input[0]] for n in model.graph.node
-                   if n.op_type == "DequantizeLinear" and n.input[0] in inits]
+    dequantized = [
+        inits[n.input[0]] for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits
+    ]
     assert dequantized and all(a.dtype == np.int8 for a in dequantized)  # no INT32 biases: TensorRT refuses them
     decoding = {out for n in _own_nodes(model, head) for out in n.output}
     assert decoding and not [n.name for n in quantizers if n.input[0] in decoding]  # nothing decoded is quantized
@@ -187,8 +218,9 @@ def test_int8_onnx_and_openvino_pass_the_gate(trained, deploy_data, tmp_path, ca
 
     ops = ov.Core().read_model(str(kept[1] / "narrow_yolov5.xml")).get_ordered_ops()
     activations = [op for op in ops if op.get_type_name() in ("Swish", "Sigmoid")]
-    assert activations and not [op.get_friendly_name() for op in activations
-                                if op.input_value(0).get_node().get_type_name() == "FakeQuantize"]
+    assert activations and not [
+        op.get_friendly_name() for op in activations if op.input_value(0).get_node().get_type_name() == "FakeQuantize"
+    ]
 
 
 def test_a_missing_openvino_is_one_line(monkeypatch) -> None:

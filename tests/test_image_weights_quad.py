@@ -1,4 +1,5 @@
 """--image-weights (weighted per-epoch draw, the same on every rank and after a resume) and --quad collate."""
+
 from __future__ import annotations
 
 import shutil
@@ -13,8 +14,12 @@ import utils.engine.step as step_module
 from conftest import main_on_ranks, write_rectangles_dataset
 from test_train import train_args
 from utils.checkpoint import load_checkpoint
-from utils.data.image_weights import (class_weights_from_maps, labels_to_class_weights, labels_to_image_weights,
-                                      weighted_draw)
+from utils.data.image_weights import (
+    class_weights_from_maps,
+    labels_to_class_weights,
+    labels_to_image_weights,
+    weighted_draw,
+)
 from utils.data.quad import quad_collate
 from utils.data.samplers import WeightedShardedSampler
 
@@ -57,8 +62,9 @@ def test_rare_class_is_drawn_more_often_than_its_share() -> None:
     # Inverse frequency makes both classes equally likely: about half of the draws, five times its share.
     assert 0.4 < rare_share < 0.6, rare_share
     # A class that validates well loses weight: (1 - mAP)**2.
-    learnt = labels_to_image_weights(labels, class_weights_from_maps(labels_to_class_weights(labels, 2),
-                                                                     np.array([0.0, 0.9])))
+    learnt = labels_to_image_weights(
+        labels, class_weights_from_maps(labels_to_class_weights(labels, 2), np.array([0.0, 0.9]))
+    )
     drawn = np.concatenate([weighted_draw(learnt, 0, e) for e in range(20)])
     assert np.mean([labels[i][0, 0] == 1 for i in drawn]) < 0.05
 
@@ -115,8 +121,12 @@ def test_quad_and_image_weights_refuse_rect(train_here, rectangles_yaml, tmp_pat
 
 
 @pytest.mark.slow
-def test_image_weights_resume_continues_the_draw_and_quad_trains(train_here, small_yaml, tmp_path,  # noqa: F811
-                                                                 monkeypatch) -> None:
+def test_image_weights_resume_continues_the_draw_and_quad_trains(
+    train_here,
+    small_yaml,
+    tmp_path,  # noqa: F811
+    monkeypatch,
+) -> None:
     draws: dict[int, list[int]] = {}
     original = WeightedShardedSampler.global_draw
 
@@ -127,10 +137,12 @@ def test_image_weights_resume_continues_the_draw_and_quad_trains(train_here, sma
     monkeypatch.setattr(WeightedShardedSampler, "global_draw", record)
     shapes = []
     original_step = step_module.prepare_images
-    monkeypatch.setattr(step_module, "prepare_images", lambda imgs, *a: shapes.append(tuple(imgs.shape)) or
-                        original_step(imgs, *a))
-    status, log = train_here("--data", small_yaml, "--project", tmp_path, "--epochs", "2", "--save-period", "1",
-                             "--image-weights", "--quad")
+    monkeypatch.setattr(
+        step_module, "prepare_images", lambda imgs, *a: shapes.append(tuple(imgs.shape)) or original_step(imgs, *a)
+    )
+    status, log = train_here(
+        "--data", small_yaml, "--project", tmp_path, "--epochs", "2", "--save-period", "1", "--image-weights", "--quad"
+    )
     assert status == 0, log
     assert set(shapes) == {(2, 3, 128, 128)}  # batches of 8 at 64 px became 2 images at 128 px
     first = dict(draws)
@@ -153,8 +165,12 @@ def test_image_weights_resume_continues_the_draw_and_quad_trains(train_here, sma
 
 @pytest.mark.slow
 def test_image_weights_and_quad_under_two_rank_ddp(small_yaml, tmp_path) -> None:
-    codes, outputs = main_on_ranks(train.main, train_args(small_yaml, tmp_path, "--epochs", "2", "--noplots",
-                                                          "--image-weights", "--quad"), 2, tmp_path)
+    codes, outputs = main_on_ranks(
+        train.main,
+        train_args(small_yaml, tmp_path, "--epochs", "2", "--noplots", "--image-weights", "--quad"),
+        2,
+        tmp_path,
+    )
     out = "".join(outputs)
     assert codes == [0, 0], out[-3000:]
     for epoch in (0, 1):  # every rank's draw was compared (an all-reduce of its checksum) before the epoch

@@ -1,10 +1,12 @@
 """The project's modules import one another without cycles (imports inside functions count too)."""
+
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
 
 def project_modules() -> dict[str, Path]:
     modules = {}
@@ -89,6 +91,9 @@ def test_library_code_never_imports_an_entry_point_script() -> None:
     modules = project_modules()
     scripts = {"train", "val", "detect", "export", "shards"}
     graph = import_graph(modules)
-    offenders = {name: sorted(graph[name] & scripts) for name in modules
-                 if name.startswith(("models.", "utils.")) and graph[name] & scripts}
+    offenders = {
+        name: sorted(graph[name] & scripts)
+        for name in modules
+        if name.startswith(("models.", "utils.")) and graph[name] & scripts
+    }
     assert offenders == {}

@@ -1,4 +1,5 @@
 """Partial JPEG decoding: the pixels of a region equal that crop of a whole OpenCV decode, or None (fall back)."""
+
 from __future__ import annotations
 
 import io

@@ -1,4 +1,5 @@
 """Verification of image/label pairs and the label cache, on a generated dataset full of bad inputs."""
+
 from __future__ import annotations
 
 import os
@@ -80,9 +81,14 @@ def make_broken_dataset(root: Path) -> dict[str, int]:
     (images / "broken_markers.jpg").write_bytes(b"\xff\xd8" + bytes(range(256)) * 2)
     (images / "zero.jpg").write_bytes(b"")
     cv2.imwrite(str(images / "tiny.jpg"), _pattern(5, 5))
-    for name, text in (("six_col", "0 0.5 0.5 0.2 0.2 0.1\n"), ("neg_cls", "-1 0.5 0.5 0.2 0.2\n"),
-                       ("big_cls", f"{NC} 0.5 0.5 0.2 0.2\n"), ("coord", "0 1.5 0.5 0.2 0.2\n"),
-                       ("nan", "0 nan 0.5 0.2 0.2\n"), ("nonutf8", b"\xff\xfe0 0.5 0.5 0.2 0.2\n")):
+    for name, text in (
+        ("six_col", "0 0.5 0.5 0.2 0.2 0.1\n"),
+        ("neg_cls", "-1 0.5 0.5 0.2 0.2\n"),
+        ("big_cls", f"{NC} 0.5 0.5 0.2 0.2\n"),
+        ("coord", "0 1.5 0.5 0.2 0.2\n"),
+        ("nan", "0 nan 0.5 0.2 0.2\n"),
+        ("nonutf8", b"\xff\xfe0 0.5 0.5 0.2 0.2\n"),
+    ):
         cv2.imwrite(str(images / f"{name}.jpg"), _pattern(32, 32, seed=10))
         label(name, text)
     label("tiny", GOOD_ROW)
@@ -111,19 +117,50 @@ def _scan_counter(monkeypatch) -> list[int]:
 
 def test_broken_dataset_counts_exact_and_good_samples_intact(broken: Path) -> None:
     label_set = load_label_set(list_image_files(str(broken)), nc=NC, source=str(broken))
-    assert label_set.counts == {"labelled": 10, "background": 1, "empty": 1, "corrupt": 10, "duplicates": 1,
-                                "label_files_unusable": 6}
+    assert label_set.counts == {
+        "labelled": 10,
+        "background": 1,
+        "empty": 1,
+        "corrupt": 10,
+        "duplicates": 1,
+        "label_files_unusable": 6,
+    }
     names = {Path(f).stem for f in label_set.im_files}
-    assert names == {"good_a", "good_b", "truncated", "rgba", "deep", "gray", "exif", "dup", "excess", "bitmap",
-                     "nolabel", "empty"}
+    assert names == {
+        "good_a",
+        "good_b",
+        "truncated",
+        "rgba",
+        "deep",
+        "gray",
+        "exif",
+        "dup",
+        "excess",
+        "bitmap",
+        "nolabel",
+        "empty",
+    }
     # one warning per problem, each naming its file
-    for stem in ("garbage", "broken_markers", "zero", "tiny", "six_col", "neg_cls", "big_cls", "coord", "nan",
-                 "nonutf8", "truncated", "dup"):
+    for stem in (
+        "garbage",
+        "broken_markers",
+        "zero",
+        "tiny",
+        "six_col",
+        "neg_cls",
+        "big_cls",
+        "coord",
+        "nan",
+        "nonutf8",
+        "truncated",
+        "dup",
+    ):
         assert any(f"{stem}." in m for m in label_set.messages), stem
     by_name = {Path(f).stem: i for i, f in enumerate(label_set.im_files)}
     assert label_set.labels[by_name["dup"]].shape == (2, 5)
-    np.testing.assert_allclose(label_set.labels[by_name["good_b"]],
-                               [[1, 0.3, 0.3, 0.2, 0.2], [2, 0.7, 0.7, 0.3, 0.3]], atol=1e-6)
+    np.testing.assert_allclose(
+        label_set.labels[by_name["good_b"]], [[1, 0.3, 0.3, 0.2, 0.2], [2, 0.7, 0.7, 0.3, 0.3]], atol=1e-6
+    )
     assert label_set.labels[by_name["excess"]][0, 3] == pytest.approx(1.0)  # clipped, not rejected
     assert label_set.labels[by_name["nolabel"]].shape == (0, 5)
     assert tuple(label_set.shapes[by_name["exif"]]) == (20, 40)  # (w, h) after the EXIF rotation
@@ -155,11 +192,18 @@ def test_probe_image_reads_sizes_without_decoding(tmp_path: Path) -> None:
         probe_image(str(tmp_path / "cut.jpg"))
 
 
-@pytest.mark.parametrize("text, message", [
-    ("0 0.5 0.5 0.2\n", "4 columns"), ("0 0.5 0.5 0.2 0.2 0.3\n", "6 columns"), ("0.5 0.5 0.5 0.2 0.2\n", "class"),
-    ("0 0.5 0.5 0 0.2\n", "positive"), ("0 inf 0.5 0.2 0.2\n", "NaN"), ("0 a 0.5 0.2 0.2\n", "non-numeric"),
-    ("0 0.5 -0.01 0.2 0.2\n", "outside"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("0 0.5 0.5 0.2\n", "4 columns"),
+        ("0 0.5 0.5 0.2 0.2 0.3\n", "6 columns"),
+        ("0.5 0.5 0.5 0.2 0.2\n", "class"),
+        ("0 0.5 0.5 0 0.2\n", "positive"),
+        ("0 inf 0.5 0.2 0.2\n", "NaN"),
+        ("0 a 0.5 0.2 0.2\n", "non-numeric"),
+        ("0 0.5 -0.01 0.2 0.2\n", "outside"),
+    ],
+)
 def test_parse_label_text_rejects(text: str, message: str) -> None:
     with pytest.raises(LabelError, match=message):
         parse_label_text(text, NC)

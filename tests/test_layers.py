@@ -1,6 +1,7 @@
 """The library's layers (docs/design.md, "Layers"): import-linter's contracts in .importlinter hold, fail on a planted
 upward import and on a planted ``import train``, and place every module in exactly one layer; no module outside
 models/families/ names a model family in its code."""
+
 from __future__ import annotations
 
 import ast
@@ -27,13 +28,17 @@ def contracts() -> configparser.ConfigParser:
 def layers() -> list[list[tuple[str, bool]]]:
     """The layers contract's layers, highest first: (module, optional) per entry."""
     lines = [line.strip() for line in contracts()["importlinter:contract:layers"]["layers"].splitlines()]
-    return [[(entry.strip().strip("()"), entry.strip().startswith("(")) for entry in line.split(":")]
-            for line in lines if line]
+    return [
+        [(entry.strip().strip("()"), entry.strip().startswith("(")) for entry in line.split(":")]
+        for line in lines
+        if line
+    ]
 
 
 def lint(root: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", LINT], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", LINT], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 def test_the_contracts_hold_and_fail_on_a_planted_upward_import_and_on_import_train(tmp_path) -> None:
@@ -83,8 +88,16 @@ _BUILDER = re.compile(r"yolov?(\(|\[|\\d|\{)", re.IGNORECASE)
 _TEMPLATE_HEAD = re.compile(r"yolov?$", re.IGNORECASE)
 
 
-_IDENTIFIER_FIELDS = {ast.Name: "id", ast.Attribute: "attr", ast.FunctionDef: "name", ast.AsyncFunctionDef: "name",
-                      ast.ClassDef: "name", ast.arg: "arg", ast.keyword: "arg", ast.alias: "asname"}
+_IDENTIFIER_FIELDS = {
+    ast.Name: "id",
+    ast.Attribute: "attr",
+    ast.FunctionDef: "name",
+    ast.AsyncFunctionDef: "name",
+    ast.ClassDef: "name",
+    ast.arg: "arg",
+    ast.keyword: "arg",
+    ast.alias: "asname",
+}
 
 
 def family_names_in(source: str) -> list[str]:
@@ -97,14 +110,21 @@ def family_names_in(source: str) -> list[str]:
     for node in ast.walk(tree):
         kind = type(node)
         if kind is ast.Constant:
-            if isinstance(node.value, str) and id(node) not in docstrings and (
-                    _NAME.search(node.value) or _BUILDER.search(node.value)):
+            if (
+                isinstance(node.value, str)
+                and id(node) not in docstrings
+                and (_NAME.search(node.value) or _BUILDER.search(node.value))
+            ):
                 found.append(f"{node.lineno}: {node.value}")
         elif kind is ast.JoinedStr:
             parts = node.values
-            found += [f"{node.lineno}: {p.value}" for p, after in zip(parts, [*parts[1:], None])
-                      if isinstance(p, ast.Constant) and isinstance(after, ast.FormattedValue)
-                      and _TEMPLATE_HEAD.search(str(p.value))]
+            found += [
+                f"{node.lineno}: {p.value}"
+                for p, after in zip(parts, [*parts[1:], None])
+                if isinstance(p, ast.Constant)
+                and isinstance(after, ast.FormattedValue)
+                and _TEMPLATE_HEAD.search(str(p.value))
+            ]
         elif kind in _IDENTIFIER_FIELDS:
             identifier = getattr(node, _IDENTIFIER_FIELDS[kind])
             if isinstance(identifier, str) and _IDENTIFIER.search(identifier):

@@ -1,5 +1,6 @@
 """TensorBoard logging from a training run: event files that TensorBoard's own reader understands, and runs
 without tensorboard (the trackers themselves: tests/test_trackers.py; MLflow and W&B in training: tests/test_train.py)."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,4 +1,5 @@
 """Tests of the training loss and its target assignment, on the real yolov5n head and synthetic predictions."""
+
 from __future__ import annotations
 
 import math
@@ -197,7 +198,9 @@ def test_label_smoothing_sets_class_targets(model: Model) -> None:
         _, items = compute(preds, targets)
         positive, negative = 1 - 0.5 * eps, 0.5 * eps
         mean_target = (positive + (NC - 1) * negative) / NC
-        levels_with_targets = sum(bool(lt.valid.any()) for lt in compute.build_targets([p.shape[2:4] for p in preds], targets))
+        levels_with_targets = sum(
+            bool(lt.valid.any()) for lt in compute.build_targets([p.shape[2:4] for p in preds], targets)
+        )
         expected = HYP.cls * (F.softplus(torch.tensor(z)) - z * mean_target) * levels_with_targets
         assert items[2] == pytest.approx(float(expected), rel=1e-5)
 

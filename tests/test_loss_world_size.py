@@ -53,7 +53,7 @@ def _rank_worker(rank: int, out_dir: str) -> None:
     dist.init_process_group("gloo")
     images, targets = _batch()
     mine = targets[:, 0].div(2, rounding_mode="floor") == rank
-    local_images, local_targets = images[2 * rank:2 * rank + 2], targets[mine].clone()
+    local_images, local_targets = images[2 * rank : 2 * rank + 2], targets[mine].clone()
     local_targets[:, 0] -= 2 * rank
     results = {}
     for normalisation in ("global", "per_rank"):
@@ -70,8 +70,11 @@ def _rank_worker(rank: int, out_dir: str) -> None:
             loss.backward()
         dist.all_reduce(loss.detach())
         dist.all_reduce(items)
-        results[normalisation] = {"loss": loss.detach() / (1 if normalisation == "global" else WORLD),
-                                  "items": items, "grad": _gradients(model.module)}
+        results[normalisation] = {
+            "loss": loss.detach() / (1 if normalisation == "global" else WORLD),
+            "items": items,
+            "grad": _gradients(model.module),
+        }
     if rank == 0:
         torch.save(results, f"{out_dir}/ranks.pt")
     dist.destroy_process_group()

@@ -1,4 +1,5 @@
 """Matching, AP, P/R at max F1, fitness and the confusion matrix on hand-made cases."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -72,7 +72,7 @@ def test_unknown_module_is_a_clear_error_listing_known_ones() -> None:
 
 
 def test_yaml_strings_are_never_evaluated(tmp_path) -> None:
-    cfg_text = (tmp_path / "m.yaml")
+    cfg_text = tmp_path / "m.yaml"
     base = open("models/yolov5n.yaml").read()
     cfg_text.write_text(base.replace("[64, 6, 2, 2]", "[__import__('os').getpid(), 6, 2, 2]"))
     with pytest.raises(UserError, match="layer 0 .*channel count"):

@@ -2,6 +2,7 @@
 
 The reference numbers and fixtures were made with Ultralytics 8.4 (tests/fixtures/ultralytics/README.md).
 """
+
 from __future__ import annotations
 
 import json
@@ -25,13 +26,25 @@ FIXTURES = Path(__file__).parent / "fixtures" / "ultralytics"
 
 # Parameters at nc=80 as Ultralytics 8.4 builds each YAML (unfused; both YOLO26 heads; DFL's 16 frozen weights).
 ULTRALYTICS_PARAMS = {
-    "yolov8n": 3_157_200, "yolov8s": 11_166_560, "yolov8m": 25_902_640, "yolov8l": 43_691_520,
+    "yolov8n": 3_157_200,
+    "yolov8s": 11_166_560,
+    "yolov8m": 25_902_640,
+    "yolov8l": 43_691_520,
     "yolov8x": 68_229_648,
-    "yolo11n": 2_624_080, "yolo11s": 9_458_752, "yolo11m": 20_114_688, "yolo11l": 25_372_160,
+    "yolo11n": 2_624_080,
+    "yolo11s": 9_458_752,
+    "yolo11m": 20_114_688,
+    "yolo11l": 25_372_160,
     "yolo11x": 56_966_176,
-    "yolo26n": 2_572_280, "yolo26s": 10_009_784, "yolo26m": 21_896_248, "yolo26l": 26_299_704,
+    "yolo26n": 2_572_280,
+    "yolo26s": 10_009_784,
+    "yolo26m": 21_896_248,
+    "yolo26l": 26_299_704,
     "yolo26x": 58_993_368,
-    "yolo12n": 2_602_288, "yolo12s": 9_284_096, "yolo12m": 20_199_168, "yolo12l": 26_450_784,
+    "yolo12n": 2_602_288,
+    "yolo12s": 9_284_096,
+    "yolo12m": 20_199_168,
+    "yolo12l": 26_450_784,
     "yolo12x": 59_210_784,
 }
 
@@ -64,10 +77,10 @@ def unpack_state_dict(packed: dict) -> dict[str, torch.Tensor]:
         n = math.prod(shape)
         if is_float:
             exponent = packed["exponents"][floats_seen]
-            state[name] = (packed["int8_values"][f_at:f_at + n].float() * 2.0 ** exponent).view(shape)
+            state[name] = (packed["int8_values"][f_at : f_at + n].float() * 2.0**exponent).view(shape)
             f_at, floats_seen = f_at + n, floats_seen + 1
         else:
-            state[name] = packed["int_values"][i_at:i_at + n].view(shape).clone()
+            state[name] = packed["int_values"][i_at : i_at + n].view(shape).clone()
             i_at += n
     assert f_at == packed["int8_values"].numel() and i_at == packed["int_values"].numel()
     return state
@@ -209,8 +222,16 @@ def test_eval_output_layout_and_nc_override() -> None:
 
 def test_anchor_geometry_round_trip() -> None:
     points, strides = make_anchors([(2, 3), (1, 2)], torch.tensor([8.0, 16.0]))
-    assert points.tolist() == [[0.5, 0.5], [1.5, 0.5], [2.5, 0.5], [0.5, 1.5], [1.5, 1.5], [2.5, 1.5],
-                               [0.5, 0.5], [1.5, 0.5]]
+    assert points.tolist() == [
+        [0.5, 0.5],
+        [1.5, 0.5],
+        [2.5, 0.5],
+        [0.5, 1.5],
+        [1.5, 1.5],
+        [2.5, 1.5],
+        [0.5, 0.5],
+        [1.5, 0.5],
+    ]
     assert strides.flatten().tolist() == [8.0] * 6 + [16.0] * 2
     boxes = torch.tensor([[0.0, 0.0, 2.0, 1.0], [1.0, 0.0, 3.0, 2.0]])
     anchor = torch.tensor([[1.5, 0.5], [1.5, 0.5]])
@@ -246,8 +267,9 @@ def test_scale_from_file_name_and_block_variants(caplog) -> None:
             layers = layers_on_meta_from(unscaled)
     finally:
         LOGGER.removeHandler(caplog.handler)
-    assert "no model scale" in caplog.text and sum(p.numel() for p in layers.parameters()) == ULTRALYTICS_PARAMS[
-        "yolo11n"]
+    assert (
+        "no model scale" in caplog.text and sum(p.numel() for p in layers.parameters()) == ULTRALYTICS_PARAMS["yolo11n"]
+    )
     bad = dict(unscaled, scale="q")
     with pytest.raises(UserError, match="scale 'q'"):
         layers_on_meta_from(bad)

@@ -1,4 +1,5 @@
 """Non-maximum suppression, and mapping its boxes back through the letterbox."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -111,8 +112,9 @@ def test_nms_over_the_best_prefix_keeps_what_full_nms_keeps(monkeypatch, spread)
     n, nc = 6000, 5
     xy = rng.uniform(0, spread, (n, 2))
     wh = rng.uniform(30, 60, (n, 2))
-    pred = torch.tensor(np.concatenate((xy, wh, rng.uniform(0.01, 1, (n, 1)), rng.uniform(0, 1, (n, nc))), 1),
-                        dtype=torch.float32)[None]
+    pred = torch.tensor(
+        np.concatenate((xy, wh, rng.uniform(0.01, 1, (n, 1)), rng.uniform(0, 1, (n, nc))), 1), dtype=torch.float32
+    )[None]
     calls = []
     real_nms = nms.batched_nms
     monkeypatch.setattr(nms, "batched_nms", lambda b, *a: calls.append(len(b)) or real_nms(b, *a))

@@ -1,4 +1,5 @@
 """Plots write real image files without touching matplotlib's global state."""
+
 from __future__ import annotations
 
 import re
@@ -29,7 +30,9 @@ def test_plot_images_with_labels_and_predictions(tmp_path):
     imgs = torch.zeros((3, 3, 64, 96), dtype=torch.uint8)
     imgs[:, 1] = 200  # green
     labels = torch.tensor([[0, 0, 0.5, 0.5, 0.4, 0.4], [2, 1, 0.3, 0.3, 0.2, 0.2]])
-    out = plot_images(imgs, labels, ["a.jpg", "b.jpg", "c.jpg"], tmp_path / "labels.png", names=["cat", "dog"])  # png: exact pixels
+    out = plot_images(
+        imgs, labels, ["a.jpg", "b.jpg", "c.jpg"], tmp_path / "labels.png", names=["cat", "dog"]
+    )  # png: exact pixels
     image = cv2.imread(str(out))
     assert image is not None and image.shape[0] >= 64 and image.shape[1] >= 96
     # the box of class 0 (red in the palette, BGR (56, 56, 255)) is drawn on the green first tile
@@ -51,8 +54,13 @@ def test_charts_are_png_and_matplotlib_state_untouched(tmp_path):
     rng = np.random.default_rng(0)
     files = [
         plot_confusion_matrix(matrix, names, tmp_path / "confusion_matrix.png"),
-        plot_pr_curve(RECALL_POINTS, np.sort(rng.random((3, 101)))[:, ::-1], np.array([0.5, 0.6, 0.7]), names,
-                      tmp_path / "PR_curve.png"),
+        plot_pr_curve(
+            RECALL_POINTS,
+            np.sort(rng.random((3, 101)))[:, ::-1],
+            np.array([0.5, 0.6, 0.7]),
+            names,
+            tmp_path / "PR_curve.png",
+        ),
         plot_metric_curve(CONF_POINTS, rng.random((3, 1000)), names, tmp_path / "F1_curve.png", "F1"),
     ]
     for f in files:

@@ -1,4 +1,5 @@
 """Mixed precision and channels-last change speed, not results."""
+
 from __future__ import annotations
 
 import torch
@@ -7,7 +8,6 @@ from models.yolo import Model
 from models.families import YOLOV5
 from utils.amp import autocast, choose_precision, cpu_supports_bf16
 from utils.loss import ComputeLoss
-
 
 
 def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,5 @@
 """utils/process.py: freed memory reused without page faults; imports' objects frozen after a collection."""
+
 from __future__ import annotations
 
 import os
@@ -29,16 +30,23 @@ print(faults_of_one_buffer())
 print(message)
 """
 
-glibc_only = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
-                                reason="mallopt is glibc's")
+glibc_only = pytest.mark.skipif(
+    platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's"
+)
 
 
 def second_buffer_faults(keep: bool, extra_env: dict[str, str] | None = None) -> tuple[int, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES",
-                                                                                            "LD_PRELOAD")}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "LD_PRELOAD")
+    }
     env.update(extra_env or {})
-    out = subprocess.run([sys.executable, "-c", PROBE.format(root=str(ROOT), keep=keep)], env=env,
-                         capture_output=True, text=True, check=True).stdout.splitlines()
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE.format(root=str(ROOT), keep=keep)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
     return int(out[0]), out[1]
 
 
@@ -78,11 +86,16 @@ print(gc.get_freeze_count() > 1000, len(gc.get_objects()) < before // 10, gone()
 
 # ---- process-wide settings are made in one place (issue 30) ------------------------------------------------
 
+
 def _kernel_flags() -> tuple:
     import torch
 
-    return (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
-            torch.are_deterministic_algorithms_enabled(), torch.get_num_threads())
+    return (
+        torch.backends.cudnn.benchmark,
+        torch.backends.cudnn.deterministic,
+        torch.are_deterministic_algorithms_enabled(),
+        torch.get_num_threads(),
+    )
 
 
 def test_seeding_and_choosing_a_device_leave_process_settings_alone(monkeypatch) -> None:
@@ -109,8 +122,10 @@ def test_setup_process_makes_the_settings_and_says_so(monkeypatch) -> None:
     old = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
     try:
         lines = process.setup_process("cpu", deterministic=True).splitlines()
-        assert lines[:2] == ["CUDA_VISIBLE_DEVICES=-1 (--device cpu: CUDA stays uninitialised)",
-                             "kernels: deterministic (--deterministic)"]
+        assert lines[:2] == [
+            "CUDA_VISIBLE_DEVICES=-1 (--device cpu: CUDA stays uninitialised)",
+            "kernels: deterministic (--deterministic)",
+        ]
         assert os.environ["CUDA_VISIBLE_DEVICES"] == "-1"
         assert (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic) == (False, True)
         assert torch.are_deterministic_algorithms_enabled()

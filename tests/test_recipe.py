@@ -1,4 +1,5 @@
 """The training recipe: the automatic optimizer choice and closing mosaic for the last epochs."""
+
 from __future__ import annotations
 
 import cv2
@@ -47,8 +48,25 @@ def test_explicit_optimizer_always_wins_with_yolov5s_accumulation() -> None:
 # ---- close-mosaic -------------------------------------------------------------------------------------------
 # Every image is one flat, unique colour: a mosaic sample shows several colours, a plain one shows one.
 N_IMAGES, SIZE, CLOSE_AT, EPOCHS = 8, 64, 2, 4
-MOSAIC_ONLY = HYP.replace(**{k: 0.0 for k in ("hsv_h", "hsv_s", "hsv_v", "degrees", "translate", "scale", "shear",
-                                               "perspective", "flipud", "fliplr", "mixup")}, mosaic=1.0)
+MOSAIC_ONLY = HYP.replace(
+    **{
+        k: 0.0
+        for k in (
+            "hsv_h",
+            "hsv_s",
+            "hsv_v",
+            "degrees",
+            "translate",
+            "scale",
+            "shear",
+            "perspective",
+            "flipud",
+            "fliplr",
+            "mixup",
+        )
+    },
+    mosaic=1.0,
+)
 
 
 @pytest.fixture(scope="module")
@@ -63,16 +81,29 @@ def flat_colour_images(tmp_path_factory) -> str:
     return str(root / "images")
 
 
-def _mosaic_per_epoch(images: str, workers: int, rank: int = 0, world_size: int = 1,
-                      epochs: range = range(EPOCHS)) -> dict[int, list[bool]]:
-    loader, _ = create_dataloader(images, SIZE, 2, 32, hyp=MOSAIC_ONLY, augment=True, shuffle=True,
-                                  workers=workers, seed=3, close_mosaic_epoch=CLOSE_AT, global_rank=rank,
-                                  world_size=world_size)
+def _mosaic_per_epoch(
+    images: str, workers: int, rank: int = 0, world_size: int = 1, epochs: range = range(EPOCHS)
+) -> dict[int, list[bool]]:
+    loader, _ = create_dataloader(
+        images,
+        SIZE,
+        2,
+        32,
+        hyp=MOSAIC_ONLY,
+        augment=True,
+        shuffle=True,
+        workers=workers,
+        seed=3,
+        close_mosaic_epoch=CLOSE_AT,
+        global_rank=rank,
+        world_size=world_size,
+    )
     seen = {}
     for epoch in epochs:
         loader.sampler.set_epoch(epoch)
-        seen[epoch] = [np.unique(img.reshape(3, -1).numpy(), axis=1).shape[1] > 1
-                       for imgs, *_ in loader for img in imgs]
+        seen[epoch] = [
+            np.unique(img.reshape(3, -1).numpy(), axis=1).shape[1] > 1 for imgs, *_ in loader for img in imgs
+        ]
     return seen
 
 
@@ -120,13 +151,32 @@ def test_short_training_learns_more_with_the_new_defaults_than_with_the_old(tmp_
     # both runs near 0 mAP, where a one-grey-level change of a few pixels could swing the result several-fold.
     # At 32 px (the 64 px images halved): a quarter of the compute of 64 px, and the same verdict.
     data = write_rectangles_dataset(tmp_path / "data", n_train=320, n_val=16, size=64, seed=2)
-    common = ["--data", str(data), "--imgsz", "32", "--batch-size", "16", "--epochs", "6", "--workers", "0",
-              "--noval", "--noautoanchor", "--noplots", "--device", "cpu", "--project", str(tmp_path), "--exist-ok"]
+    common = [
+        "--data",
+        str(data),
+        "--imgsz",
+        "32",
+        "--batch-size",
+        "16",
+        "--epochs",
+        "6",
+        "--workers",
+        "0",
+        "--noval",
+        "--noautoanchor",
+        "--noplots",
+        "--device",
+        "cpu",
+        "--project",
+        str(tmp_path),
+        "--exist-ok",
+    ]
     old_defaults = ["--optimizer", "SGD", "--close-mosaic", "0"]  # YOLOv5's recipe
     # The two runs take one thread each and run side by side (this machine has 2 cores).
     runs = {"new": [], "old": old_defaults}
-    statuses = run_forked([(train.main, ([*common, "--name", name, *extra],), {}) for name, extra in runs.items()],
-                          timeout=300)
+    statuses = run_forked(
+        [(train.main, ([*common, "--name", name, *extra],), {}) for name, extra in runs.items()], timeout=300
+    )
     assert statuses == [0, 0]
     final_map50 = {}
     for name in runs:

@@ -1,4 +1,5 @@
 """A resumed run keeps the optimizer, lr0, momentum and accumulation it started with (issue 30, defect 1)."""
+
 from __future__ import annotations
 
 import shutil
@@ -17,8 +18,9 @@ def _optimizer_lines(log: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_a_resume_with_many_more_epochs_or_a_time_budget_keeps_the_runs_optimizer(train_here, finished_run,
-                                                                                 tmp_path) -> None:
+def test_a_resume_with_many_more_epochs_or_a_time_budget_keeps_the_runs_optimizer(
+    train_here, finished_run, tmp_path
+) -> None:
     # 16 images, batch 8, 1 epoch: auto picks AdamW (a short run). 10002 epochs would pick SGD (> 10,000 steps);
     # the resumed run must still be AdamW (SGD loading AdamW's state died with KeyError 'momentum'). --time with a
     # budget spent after one epoch keeps the resumed run short.
@@ -26,8 +28,10 @@ def test_a_resume_with_many_more_epochs_or_a_time_budget_keeps_the_runs_optimize
     shutil.copytree(run_dir, tmp_path / "exp")
     assert "optimizer: AdamW" in log
     # auto set lr0 and momentum itself: the log names the hyp file's values it did not use
-    assert f"optimizer: the hyp file's lr0 {HYP.lr0} and momentum {HYP.momentum} not used (AdamW's own instead)" \
-        in _optimizer_lines(log), log
+    assert (
+        f"optimizer: the hyp file's lr0 {HYP.lr0} and momentum {HYP.momentum} not used (AdamW's own instead)"
+        in _optimizer_lines(log)
+    ), log
     last = tmp_path / "exp/weights/last.pt"
     saved = load_checkpoint(last)["optimizer_choice"]
     assert (saved["name"], saved["accumulate"], saved["momentum"]) == ("AdamW", 1, 0.9)

@@ -1,4 +1,5 @@
 """ShardedSampler: equal training shards, disjoint complete validation shards, per-epoch shuffles."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,6 @@
 """Hyper-parameter search on one Optuna study: YOLOv5's genetic evolution as a sampler, several workers at once,
 a worker killed mid-trial, pruning. A cheap objective stands in for training, so these take seconds."""
+
 from __future__ import annotations
 
 import multiprocessing
@@ -34,8 +35,11 @@ def results_of(hyp) -> tuple[float, ...]:
 
 def fast(folder: Path, n: int, **changes) -> SearchConfig:
     # A worker killed while its heartbeat writes to the journal leaves the lock file: taken over after 1 s here.
-    return SearchConfig(folder, n, **{"heartbeat_s": 0.2, "stale_s": 5.0, "poll_s": 0.1, "pruner": "none",
-                                      "lock_grace_s": 1.0, **changes})
+    return SearchConfig(
+        folder,
+        n,
+        **{"heartbeat_s": 0.2, "stale_s": 5.0, "poll_s": 0.1, "pruner": "none", "lock_grace_s": 1.0, **changes},
+    )
 
 
 def trials_of(folder: Path, name: str = "evolve") -> list:
@@ -152,8 +156,11 @@ def test_a_killed_workers_trial_is_failed_and_a_restarted_study_finishes_n(tmp_p
     assert marker.exists(), "the first worker never reached trial 2"
     os.kill(first.pid, signal.SIGKILL)  # every worker of the study is gone, trial 2 RUNNING
     assert _wait([first]) == [-signal.SIGKILL]
-    assert [t.state for t in trials_of(tmp_path / "ev")][:3] == [TrialState.COMPLETE, TrialState.COMPLETE,
-                                                                 TrialState.RUNNING]
+    assert [t.state for t in trials_of(tmp_path / "ev")][:3] == [
+        TrialState.COMPLETE,
+        TrialState.COMPLETE,
+        TrialState.RUNNING,
+    ]
     (tmp_path / "ev/study.journal.lock").touch()  # as a worker killed while writing leaves it (taken over after 1 s)
     second = _start(config)  # the study restarted: it waits out trial 2's heartbeat, fails it, finishes
     assert _wait([second]) == [0]

@@ -1,4 +1,5 @@
 """The built-in shapes dataset: deterministic, valid labels, generated once and atomically."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,8 +22,9 @@ def test_generation_is_deterministic_and_labels_valid(tmp_path: Path) -> None:
     c = _contents(generate_shapes(tmp_path / "c", n_train=6, n_val=2, imgsz=96, seed=2))
     assert a == b and a != c
     assert sum(k.startswith("images/train/") for k in a) == 6 and sum(k.startswith("labels/val/") for k in a) == 2
-    all_labels = np.concatenate([parse_label_text(v.decode(), len(SHAPE_NAMES))[0]
-                                 for k, v in a.items() if k.endswith(".txt")])
+    all_labels = np.concatenate(
+        [parse_label_text(v.decode(), len(SHAPE_NAMES))[0] for k, v in a.items() if k.endswith(".txt")]
+    )
     assert len(all_labels) >= 8
     assert (all_labels[:, 3:] >= 0.05).all() and (all_labels[:, 3:] <= 0.6).all()  # not tiny, not huge
 
@@ -45,8 +47,10 @@ def test_ensure_generates_once_atomically(tmp_path: Path) -> None:
 def test_builtin_yaml_hook_generates_on_first_use(tmp_path: Path) -> None:
     yaml_file = tmp_path / "cfg" / "s.yaml"
     yaml_file.parent.mkdir()
-    yaml_file.write_text("path: ../datasets/shapes\ntrain: images/train\nval: images/val\n"
-                         f"names: {list(SHAPE_NAMES)}\nbuiltin: {{name: shapes, n_train: 3, n_val: 2, imgsz: 64}}\n")
+    yaml_file.write_text(
+        "path: ../datasets/shapes\ntrain: images/train\nval: images/val\n"
+        f"names: {list(SHAPE_NAMES)}\nbuiltin: {{name: shapes, n_train: 3, n_val: 2, imgsz: 64}}\n"
+    )
     cfg = load_data_config(yaml_file)
     assert cfg["path"] == (tmp_path / "datasets" / "shapes").resolve() and cfg["nc"] == 5
     assert len(list(Path(cfg["val"]).iterdir())) == 2

@@ -1,4 +1,5 @@
 """WebDataset tar shards: converter round trip, exact-epoch plans, bad shards, pipe:/http:// URLs, 2 gloo ranks."""
+
 from __future__ import annotations
 
 import functools
@@ -98,8 +99,9 @@ def test_shard_pixels_equal_loose_files(converted) -> None:
     loose_yaml, shard_yaml = converted
     batches = []
     for yaml_file in (loose_yaml, shard_yaml):
-        loader, _ = create_dataloader(load_data_config(yaml_file)["val"], 64, 4, 32, rect=True, pad=0.5, workers=0,
-                                      nc=2)
+        loader, _ = create_dataloader(
+            load_data_config(yaml_file)["val"], 64, 4, 32, rect=True, pad=0.5, workers=0, nc=2
+        )
         batches.append([(b[0], b[1], [Path(p).stem for p in b[2]]) for b in loader])
     for (im_a, t_a, names_a), (im_b, t_b, names_b) in zip(*batches, strict=True):
         assert [f"images_val_{n}" for n in names_a] == names_b
@@ -122,9 +124,18 @@ def test_bad_shards_and_members_are_skipped_and_counted(converted, tmp_path, cap
     (tmp_path / "a-000001.tar").write_bytes(data[: len(data) // 2])  # truncated mid-member
     members = _tar_members(good)
     jpg = next(v for k, v in members.items() if k.endswith(".jpg"))
-    _write_tar(tmp_path / "a-000002.tar", {"ok.jpg": jpg, "ok.txt": b"0 0.5 0.5 0.2 0.2\n", "bad.jpg": b"garbage",
-                                           "bad.txt": b"", "nolabel.jpg": jpg, "orphan.txt": b"1 0.5 0.5 0.1 0.1\n",
-                                           f"sub/{'x' * 120}.jpg": jpg})  # a PAX long name in a folder
+    _write_tar(
+        tmp_path / "a-000002.tar",
+        {
+            "ok.jpg": jpg,
+            "ok.txt": b"0 0.5 0.5 0.2 0.2\n",
+            "bad.jpg": b"garbage",
+            "bad.txt": b"",
+            "nolabel.jpg": jpg,
+            "orphan.txt": b"1 0.5 0.5 0.1 0.1\n",
+            f"sub/{'x' * 120}.jpg": jpg,
+        },
+    )  # a PAX long name in a folder
     shards = ShardSet(tuple(str(tmp_path / f"a-00000{i}.tar") for i in range(3)), "test")
     LOGGER.addHandler(caplog.handler)
     try:
@@ -137,8 +148,9 @@ def test_bad_shards_and_members_are_skipped_and_counted(converted, tmp_path, cap
     assert f"{tmp_path / 'a-000001.tar'}: unreadable or truncated shard" in text
     assert f"{tmp_path / 'a-000002.tar'}/bad.jpg: corrupt image" in text
     # training goes on over what is left
-    loader, _ = create_dataloader(None, 64, 4, 32, augment=True, shuffle=True, workers=0, label_set=labels,
-                                  shard_window=4)
+    loader, _ = create_dataloader(
+        None, 64, 4, 32, augment=True, shuffle=True, workers=0, label_set=labels, shard_window=4
+    )
     loader.set_epoch(0)
     assert sum(len(b[2]) for b in loader) == 9
     long_name = next(i for i, f in enumerate(labels.im_files) if f.endswith("x" * 120 + ".jpg"))
@@ -150,8 +162,9 @@ def test_bad_shards_and_members_are_skipped_and_counted(converted, tmp_path, cap
 def test_missing_shard_is_a_one_line_error(converted, tmp_path) -> None:
     _, shard_yaml = converted
     bad = tmp_path / "missing.yaml"
-    bad.write_text(f"path: {shard_yaml.parent}\ntrain: train-{{000000..000009}}.tar\nval: val-000000.tar\n"
-                   "names: [red, blue]\n")
+    bad.write_text(
+        f"path: {shard_yaml.parent}\ntrain: train-{{000000..000009}}.tar\nval: val-000000.tar\nnames: [red, blue]\n"
+    )
     with pytest.raises(UserError, match=r"train-000004\.tar: shard not found") as e:
         load_data_config(bad)
     assert "\n" not in str(e.value)
@@ -172,15 +185,18 @@ def test_http_and_pipe_urls_read_like_local_shards(converted, http_server, tmp_p
     monkeypatch.setenv("YOLO_TRAIN_SHARD_CACHE", str(tmp_path / "node-cache"))
     sh = shard_yaml.parent
     remote = tmp_path / "remote.yaml"
-    remote.write_text(f"path: {tmp_path}\ntrain: ['{http_server}/train-{{000000..000001}}.tar', "
-                      f"'pipe:cat {sh}/train-000002.tar', '{sh}/train-000003.tar']\n"
-                      f"val: pipe:cat {sh}/val-000000.tar\nnames: [red, blue]\n")
+    remote.write_text(
+        f"path: {tmp_path}\ntrain: ['{http_server}/train-{{000000..000001}}.tar', "
+        f"'pipe:cat {sh}/train-000002.tar', '{sh}/train-000003.tar']\n"
+        f"val: pipe:cat {sh}/val-000000.tar\nnames: [red, blue]\n"
+    )
     cfg, local_cfg = load_data_config(remote), load_data_config(shard_yaml)
     got, want = load_labels(cfg["train"], nc=2, verbose=False), load_labels(local_cfg["train"], nc=2, verbose=False)
     assert [Path(f).name for f in got.im_files] == [Path(f).name for f in want.im_files]
     assert len(list((tmp_path / "node-cache").glob("*.tar"))) == 3  # fetched once into the node's cache
-    for a, b in zip(*(create_dataloader(c["val"], 64, 3, 32, rect=True, workers=0, nc=2)[0]
-                      for c in (cfg, local_cfg)), strict=True):
+    for a, b in zip(
+        *(create_dataloader(c["val"], 64, 3, 32, rect=True, workers=0, nc=2)[0] for c in (cfg, local_cfg)), strict=True
+    ):
         assert torch.equal(a[0], b[0])
     with pytest.raises(UserError, match="nothere-000000.tar: cannot fetch shard"):
         load_labels(ShardSet((f"{http_server}/nothere-000000.tar",), "test"), nc=2)
@@ -213,8 +229,7 @@ def test_two_gloo_ranks_exact_epochs_distributed_val_and_node_cache(converted, t
     codes, outputs = main_on_ranks(shard_ranks.main, [str(shard_yaml), str(tmp_path)], 2, tmp_path)
     assert codes == [0, 0], "".join(outputs)[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    all_names = {Path(f).name for f in load_labels(load_data_config(shard_yaml)["train"], nc=2,
-                                                   verbose=False).im_files}
+    all_names = {Path(f).name for f in load_labels(load_data_config(shard_yaml)["train"], nc=2, verbose=False).im_files}
     for epoch in ("0", "1"):
         for workers in ("0", "2"):
             names = [[Path(p).name for p in r["keys"][workers][epoch][0]] for r in ranks]
@@ -246,9 +261,31 @@ def test_train_py_on_two_ranks_from_shards(converted, tmp_path) -> None:
     import train
 
     before = set(Path("/dev/shm").glob("yolo-train-cache-*"))  # other tests may run beside this one
-    argv = ["--data", str(shard_yaml), "--cfg", "yolo11n.yaml", "--project", str(tmp_path), "--name", "exp", "--imgsz",
-            "64", "--batch-size", "8", "--workers", "1", "--device", "cpu", "--epochs", "1", "--noplots", "--cache",
-            "ram", "--shard-window", "8"]
+    argv = [
+        "--data",
+        str(shard_yaml),
+        "--cfg",
+        "yolo11n.yaml",
+        "--project",
+        str(tmp_path),
+        "--name",
+        "exp",
+        "--imgsz",
+        "64",
+        "--batch-size",
+        "8",
+        "--workers",
+        "1",
+        "--device",
+        "cpu",
+        "--epochs",
+        "1",
+        "--noplots",
+        "--cache",
+        "ram",
+        "--shard-window",
+        "8",
+    ]
     codes, outputs = main_on_ranks(train.main, argv, 2, tmp_path)
     assert codes == [0, 0], "".join(outputs)[-3000:]
     assert "one copy shared by the 2 ranks of this node" in outputs[0]
@@ -260,8 +297,9 @@ def test_train_py_on_two_ranks_from_shards(converted, tmp_path) -> None:
     assert not [p for p in left if p.exists()]
 
 
-def test_image_weights_on_shards_is_refused_at_start_up_in_one_line(converted, train_here, tmp_path,
-                                                                     monkeypatch) -> None:
+def test_image_weights_on_shards_is_refused_at_start_up_in_one_line(
+    converted, train_here, tmp_path, monkeypatch
+) -> None:
     _, shard_yaml = converted
     import utils.data.labels as labels_module
 
@@ -284,9 +322,11 @@ def test_data_yaml_names_shards_in_every_form(converted, tmp_path) -> None:
         shutil.copy(sh / f"train-00000{i}.tar", folder)
     (tmp_path / "list.txt").write_text(f"# shards\n{sh}/train-{{000000..000001}}.tar\nonly-train/train-000002.tar\n")
     want = [str(sh / f"train-00000{i}.tar") for i in range(4)]
-    forms = {"folder": ("only-train", [str(folder / f"train-00000{i}.tar") for i in range(4)]),
-             "txt": ("list.txt", [*want[:2], str(folder / "train-000002.tar")]),
-             "list": (f"['{sh}/train-000000.tar', '{sh}/train-{{000001..000003}}.tar']", want)}
+    forms = {
+        "folder": ("only-train", [str(folder / f"train-00000{i}.tar") for i in range(4)]),
+        "txt": ("list.txt", [*want[:2], str(folder / "train-000002.tar")]),
+        "list": (f"['{sh}/train-000000.tar', '{sh}/train-{{000001..000003}}.tar']", want),
+    }
     for name, (spec, urls) in forms.items():
         yaml_file = tmp_path / f"{name}.yaml"
         yaml_file.write_text(f"path: {tmp_path}\ntrain: {spec}\nval: {sh}/val-000000.tar\nnames: [red, blue]\n")
@@ -296,15 +336,19 @@ def test_data_yaml_names_shards_in_every_form(converted, tmp_path) -> None:
     assert isinstance(load_data_config(yaml_file)["train"], str)
 
 
-def test_shards_written_by_webdataset_itself_load_and_train_also_over_pipe(tmp_path, monkeypatch,
-                                                                            train_here) -> None:
+def test_shards_written_by_webdataset_itself_load_and_train_also_over_pipe(tmp_path, monkeypatch, train_here) -> None:
     # The form WebDataset's own writer makes: keys in folders, PNG/WebP/BMP beside JPEG (PIL-encoded from arrays
     # by the writer), members this trainer does not read (.json, .cls), a background without .txt, an empty .txt.
     import webdataset as wds
 
     rng = np.random.default_rng(0)
-    plan = [("set/a/im0", "png", 2), ("set/a/im1", "jpg", 1), ("set/b/im2", "webp", 2), ("im3", "bmp", None),
-            ("im4", "jpeg", 0)]  # (key, image type, boxes; None: no .txt member)
+    plan = [
+        ("set/a/im0", "png", 2),
+        ("set/a/im1", "jpg", 1),
+        ("set/b/im2", "webp", 2),
+        ("im3", "bmp", None),
+        ("im4", "jpeg", 0),
+    ]  # (key, image type, boxes; None: no .txt member)
     label_text: dict[str, str | None] = {}
     shard = tmp_path / "foreign-000000.tar"
     with wds.TarWriter(str(shard)) as sink:
@@ -334,8 +378,7 @@ def test_shards_written_by_webdataset_itself_load_and_train_also_over_pipe(tmp_p
     labels = load_labels(split, nc=2, verbose=False)
     assert labels.counts == {**labels.counts, "labelled": 3, "background": 1, "empty": 1, "corrupt": 0}
     _, dataset = create_dataloader(split, 64, 2, 32, workers=0, nc=2)
-    assert sorted(f.rsplit(".tar/", 1)[1] for f in dataset.im_files) == sorted(
-        f"{key}.{ext}" for key, ext, _ in plan)
+    assert sorted(f.rsplit(".tar/", 1)[1] for f in dataset.im_files) == sorted(f"{key}.{ext}" for key, ext, _ in plan)
     for i, im_file in enumerate(dataset.im_files):
         member = im_file.rsplit(".tar/", 1)[1]
         pixels, original_hw, _ = dataset.load_image(i)
@@ -347,8 +390,9 @@ def test_shards_written_by_webdataset_itself_load_and_train_also_over_pipe(tmp_p
     # Trained with its training split read over pipe: (the WebDataset convention for any fetch command).
     monkeypatch.setenv("YOLO_TRAIN_SHARD_CACHE", str(tmp_path / "node-cache"))
     yaml_file.write_text(f"path: {tmp_path}\ntrain: pipe:cat {shard}\nval: foreign-000000.tar\nnames: [red, blue]\n")
-    status, _ = train_here("--data", yaml_file, "--project", tmp_path, "--name", "exp", "--batch-size", "2",
-                           "--epochs", "1")
+    status, _ = train_here(
+        "--data", yaml_file, "--project", tmp_path, "--name", "exp", "--batch-size", "2", "--epochs", "1"
+    )
     assert status == 0
     rows = (tmp_path / "exp" / "results.csv").read_text().strip().splitlines()
     assert len(rows) == 2 and (tmp_path / "exp" / "weights" / "last.pt").is_file()

@@ -1,4 +1,5 @@
 """The per-node shared-memory image cache: filled once, unlinked at once, nothing left when a process is killed."""
+
 from __future__ import annotations
 
 import os

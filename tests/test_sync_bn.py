@@ -29,14 +29,16 @@ def _worker(rank: int, out_dir: str) -> None:
     with torch.no_grad():
         bn.weight.copy_(weight)
         bn.bias.copy_(bias)
-    part = x[rank * 4:(rank + 1) * 4].clone().requires_grad_(True)
+    part = x[rank * 4 : (rank + 1) * 4].clone().requires_grad_(True)
     y = bn(part)
     # The same loss as the reference, restricted to this rank's half of the batch.
-    coeff = torch.arange(x.numel(), dtype=x.dtype).view_as(x).sin()[rank * 4:(rank + 1) * 4]
+    coeff = torch.arange(x.numel(), dtype=x.dtype).view_as(x).sin()[rank * 4 : (rank + 1) * 4]
     (y * coeff).sum().backward()
     dist.all_reduce(bn.weight.grad)  # DDP would average; the reference sums over the whole batch
-    torch.save({"y": y.detach(), "x_grad": part.grad, "w_grad": bn.weight.grad, "rm": bn.running_mean,
-                "rv": bn.running_var}, f"{out_dir}/{rank}.pt")
+    torch.save(
+        {"y": y.detach(), "x_grad": part.grad, "w_grad": bn.weight.grad, "rm": bn.running_mean, "rv": bn.running_var},
+        f"{out_dir}/{rank}.pt",
+    )
     dist.destroy_process_group()
 
 
@@ -68,8 +70,12 @@ def test_without_process_group_it_is_batchnorm_with_exact_statistics() -> None:
     conv = plain[0](x).detach().double()
     var64 = conv.var((0, 2, 3), unbiased=True)
     assert torch.allclose(synced[1].running_var.double(), var64, rtol=1e-4)
-    y64 = (conv - conv.mean((0, 2, 3), keepdim=True)) / (conv.var((0, 2, 3), unbiased=False, keepdim=True) + 1e-5).sqrt()
-    assert float((y_synced.detach() - y64).abs().max()) < 1e-3  # PyTorch's channels-last kernel: 6e-3 here (not asserted)
+    y64 = (conv - conv.mean((0, 2, 3), keepdim=True)) / (
+        conv.var((0, 2, 3), unbiased=False, keepdim=True) + 1e-5
+    ).sqrt()
+    assert (
+        float((y_synced.detach() - y64).abs().max()) < 1e-3
+    )  # PyTorch's channels-last kernel: 6e-3 here (not asserted)
     assert y_synced.shape == y_plain.shape
     synced.load_state_dict(plain.state_dict())
     synced.eval(), plain.eval()

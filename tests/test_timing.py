@@ -1,6 +1,7 @@
 """Where a training step's time goes (utils/engine/timing.py): planted delays land in their columns of
 results.csv, the log says it per epoch and at the end, with advice when data loading is the bottleneck;
 --profile writes a Chrome trace. Tiny in-process runs (yolov5n at 64 px, 16 images)."""
+
 from __future__ import annotations
 
 import csv
@@ -30,8 +31,9 @@ def phase_seconds(row: dict[str, float], images: int) -> dict[str, float]:
     return {p: row[f"time/{p}"] * total for p in PHASES}
 
 
-def test_a_slow_data_source_and_a_slow_optimizer_step_land_in_their_columns(train_here, rectangles_yaml, tmp_path,
-                                                                              monkeypatch, capsys) -> None:
+def test_a_slow_data_source_and_a_slow_optimizer_step_land_in_their_columns(
+    train_here, rectangles_yaml, tmp_path, monkeypatch, capsys
+) -> None:
     """Epoch 0 loads its images slowly, epoch 1 steps its optimizer slowly; each epoch is the other's control."""
     from utils.data.dataset import YoloDataset
 
@@ -52,8 +54,9 @@ def test_a_slow_data_source_and_a_slow_optimizer_step_land_in_their_columns(trai
     monkeypatch.setattr(YoloDataset, "__getitem__", slow_load)
     hook = register_optimizer_step_pre_hook(slow_step)
     try:
-        status, log = train_here("--data", rectangles_yaml, "--project", tmp_path, "--name", "exp", "--epochs", "2",
-                                 "--noval")
+        status, log = train_here(
+            "--data", rectangles_yaml, "--project", tmp_path, "--name", "exp", "--epochs", "2", "--noval"
+        )
     finally:
         hook.remove()
     assert status == 0, log[-3000:]
@@ -78,9 +81,14 @@ def test_a_slow_data_source_and_a_slow_optimizer_step_land_in_their_columns(trai
     # The progress line ends with the whole run's remaining time: after epoch 0's last batch, epoch 1 is left (at
     # epoch 0's pace, at least its 0.96 s of planted delay); after epoch 1's, nothing.
     lines = re.split(r"[\r\n]", capsys.readouterr().err)
-    left = {epoch: [int(h) * 3600 + int(m) * 60 + int(s) for line in lines
-                    for h, m, s in re.findall(rf"^\s*{epoch}/1\s.* 2/2 \[.*run (\d+):(\d\d):(\d\d) left", line)]
-            for epoch in (0, 1)}
+    left = {
+        epoch: [
+            int(h) * 3600 + int(m) * 60 + int(s)
+            for line in lines
+            for h, m, s in re.findall(rf"^\s*{epoch}/1\s.* 2/2 \[.*run (\d+):(\d\d):(\d\d) left", line)
+        ]
+        for epoch in (0, 1)
+    }
     assert left[0] and left[1] and min(left[0]) >= 1 and max(left[1]) == 0, left
     # No loader workers: this process waited for the slow images; the advice follows the run's data share.
     data_share = (first["data"] + second["data"]) / sum(16 / r["time/images_per_s"] for r in rows)
@@ -90,11 +98,25 @@ def test_a_slow_data_source_and_a_slow_optimizer_step_land_in_their_columns(trai
     assert all("with 0 loader workers per rank" in line for line in advice)
 
 
-def test_a_balanced_run_gets_no_advice_and_profile_writes_a_chrome_trace(train_here, rectangles96_yaml,
-                                                                         tmp_path) -> None:
+def test_a_balanced_run_gets_no_advice_and_profile_writes_a_chrome_trace(
+    train_here, rectangles96_yaml, tmp_path
+) -> None:
     # 96 images in 12 batches, a step each: --profile 1 skips one step, warms up on one, records the third.
-    status, log = train_here("--data", rectangles96_yaml, "--project", tmp_path, "--name", "exp", "--epochs", "1",
-                             "--noval", "--workers", "2", "--profile", "1")
+    status, log = train_here(
+        "--data",
+        rectangles96_yaml,
+        "--project",
+        tmp_path,
+        "--name",
+        "exp",
+        "--epochs",
+        "1",
+        "--noval",
+        "--workers",
+        "2",
+        "--profile",
+        "1",
+    )
     assert status == 0, log[-3000:]
     assert "Time over 1 epoch: " in log
     (row,) = rows_of(tmp_path / "exp/results.csv")
@@ -121,13 +143,33 @@ def test_a_run_starved_by_heavy_augmentation_without_workers_gets_the_advice(tra
             cv2.imwrite(str(tmp_path / f"set/images/{split}/{i}.png"), rng.integers(0, 255, (1024, 1024, 3), np.uint8))
             (tmp_path / f"set/labels/{split}/{i}.txt").write_text("0 0.5 0.5 0.25 0.25\n")
     data = tmp_path / "set.yaml"
-    data.write_text(yaml.safe_dump({"path": str(tmp_path / "set"), "train": "images/train", "val": "images/val",
-                                    "names": ["noise"]}))
+    data.write_text(
+        yaml.safe_dump(
+            {"path": str(tmp_path / "set"), "train": "images/train", "val": "images/val", "names": ["noise"]}
+        )
+    )
     hyp = yaml.safe_load((Path(__file__).parents[1] / "data/hyps/hyp.scratch-low.yaml").read_text())
     hyp.update(mosaic=1.0, mixup=1.0, degrees=10.0, shear=5.0, perspective=0.0005)
     (tmp_path / "heavy.yaml").write_text(yaml.safe_dump(hyp))
-    status, log = train_here("--data", data, "--project", tmp_path, "--name", "exp", "--epochs", "1", "--noval",
-                             "--cache", "off", "--hyp", tmp_path / "heavy.yaml", "--close-mosaic", "0", "--imgsz", "32")
+    status, log = train_here(
+        "--data",
+        data,
+        "--project",
+        tmp_path,
+        "--name",
+        "exp",
+        "--epochs",
+        "1",
+        "--noval",
+        "--cache",
+        "off",
+        "--hyp",
+        tmp_path / "heavy.yaml",
+        "--close-mosaic",
+        "0",
+        "--imgsz",
+        "32",
+    )
     assert status == 0, log[-3000:]
     (row,) = rows_of(tmp_path / "exp/results.csv")
     assert row["time/data"] > DATA_BOUND_SHARE, row  # measured, not planted: the augmentations themselves
@@ -141,7 +183,8 @@ def test_the_advice_says_how_many_workers_would_keep_up() -> None:
     # 0 workers: this process spends 60% building batches; 40% busy -> 2 workers (0.6 / 0.4, rounded up).
     assert data_advice(starved, 0, 8) == (
         "data loading is the bottleneck: 60% of the step time waits for data with 0 loader workers per rank; "
-        "--workers 2 would keep up (about 2 per rank; 8 cores per rank here)")
+        "--workers 2 would keep up (about 2 per rank; 8 cores per rank here)"
+    )
     # 2 starved workers: each batch takes them 2 step times -> 2 / 0.4 = 5 workers.
     assert "--workers 5 would keep up" in data_advice(starved, 2, 8)
     assert "more than the 4 cores per rank here: cache the images (--cache ram)" in data_advice(starved, 2, 4)

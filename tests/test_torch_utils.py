@@ -20,8 +20,13 @@ from utils.ema import ModelEMA
 from utils.optimizer import build_optimizer
 from utils.process import visible_devices
 from utils.sync_bn import CpuSyncBatchNorm, convert_sync_batchnorm
-from utils.torch_utils import (init_torch_seeds, local_ranks_share_a_gpu, select_device, time_synchronized,
-                               torch_distributed_zero_first)
+from utils.torch_utils import (
+    init_torch_seeds,
+    local_ranks_share_a_gpu,
+    select_device,
+    time_synchronized,
+    torch_distributed_zero_first,
+)
 
 
 def test_select_device_cpu_and_default(monkeypatch) -> None:
@@ -47,8 +52,9 @@ def _pretend_gpus(monkeypatch, count: int) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda i: type("P", (), {"name": "fake", "total_memory": 1})())
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda i: type("P", (), {"name": "fake", "total_memory": 1})()
+    )
 
 
 def test_select_device_picks_the_gpu_of_the_local_rank(monkeypatch) -> None:
@@ -89,11 +95,13 @@ def test_two_ranks_can_share_one_gpu_over_gloo(monkeypatch) -> None:
     # Outside an NCCL group --sync-bn takes the all-reduce BatchNorm, which runs over gloo on the GPU too. It is made
     # where the model already is (the meta device and float64 stand in for a GPU here): DDP refuses a model whose
     # parameters sit on two devices, as the first two-rank run on one GPU found.
-    bn = convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(4, device="meta", dtype=torch.float64)),
-                                torch.device("cuda", 0))
+    bn = convert_sync_batchnorm(
+        nn.Sequential(nn.BatchNorm2d(4, device="meta", dtype=torch.float64)), torch.device("cuda", 0)
+    )
     assert isinstance(bn[0], CpuSyncBatchNorm)
     assert {(t.device.type, t.dtype) for t in (*bn.parameters(), bn[0].running_mean, bn[0].running_var)} == {
-        ("meta", torch.float64)}
+        ("meta", torch.float64)
+    }
     assert bn[0].num_batches_tracked.device.type == "meta"
 
 

@@ -3,6 +3,7 @@
 Here with stand-in trackers and TensorBoard; a real training killed twice, with a real MLflow server and W&B
 offline, is test_train.py's launcher-restart test (tracker_servers.py).
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -48,8 +49,9 @@ class Recording(Tracker):
 
     name, title = "recording", "Recording"
 
-    def __init__(self, held: dict[str, set[int]] | None = None, gate: threading.Event | None = None,
-                 fail_at: int | None = None):
+    def __init__(
+        self, held: dict[str, set[int]] | None = None, gate: threading.Event | None = None, fail_at: int | None = None
+    ):
         self.logged: list[tuple[int, tuple[str, ...]]] = []
         self._held, self.gate, self.fail_at = held or {}, gate, fail_at
         self.closed_with = ""
@@ -106,15 +108,17 @@ def test_a_tracker_that_hangs_or_fails_never_holds_training_up(tmp_path) -> None
         "them; the tracker run is completed from it at the end)",
         "WARNING Hanging did not finish within 0.5 s; its last records may be missing (results.csv holds them)",
         "WARNING Failing stopped for the rest of this run (OSError: [Errno 28] No space left on device); "
-        "training goes on and results.csv keeps the record"]
+        "training goes on and results.csv keeps the record",
+    ]
 
 
 def test_reconciling_with_results_csv_logs_each_epoch_once(tmp_path) -> None:
     csv_file = tmp_path / "results.csv"
     write_rows(csv_file, range(4))
     tracker = Recording(held={c: {0, 1} for c in COLUMNS[1:]})  # its run holds epochs 0 and 1 already
-    trackers = Trackers(TrackerRun(tmp_path, resumed=True, saved={"recording": {"run_id": "from-checkpoint"}}),
-                        [tracker])
+    trackers = Trackers(
+        TrackerRun(tmp_path, resumed=True, saved={"recording": {"run_id": "from-checkpoint"}}), [tracker]
+    )
     trackers.log_epoch(3, dict(zip(COLUMNS[1:], values_of(3))))  # held now: the reconciliation logged it
     trackers.log_epoch(4, dict(zip(COLUMNS[1:], values_of(4))))
     write_rows(csv_file, [4, 5])  # epoch 5: a record the tracker never got (a full queue discarded it)
@@ -150,8 +154,10 @@ def test_tracker_names_packages_and_ranks(tmp_path, monkeypatch) -> None:
     assert isinstance(open_trackers(TrackerRun(tmp_path, names=()), is_main=True), NullLogger)
     assert not list(tmp_path.iterdir())
     # Importing the trackers imports none of the trackers' packages (nor torch).
-    code = ("import sys, utils.trackers; "
-            "print(sorted(m for m in ('mlflow', 'wandb', 'tensorboard', 'torch') if m in sys.modules))")
+    code = (
+        "import sys, utils.trackers; "
+        "print(sorted(m for m in ('mlflow', 'wandb', 'tensorboard', 'torch') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], capture_output=True, text=True)
     assert out.stdout.strip() == "[]", out.stderr
 

@@ -1,4 +1,5 @@
 """train.py end to end on generated data: single process, DDP on CPU (gloo), resume, failures."""
+
 from __future__ import annotations
 
 import contextlib
@@ -36,8 +37,9 @@ def train_args(data: Path, project: Path, *extra: str) -> list[str]:
     return ["--data", str(data), "--project", str(project), "--name", "exp", *TINY, *extra]
 
 
-def train_cmd(data: Path, project: Path, *extra: str, nproc: int = 0, nnodes: int = 1, node_rank: int = 0,
-              port: int | None = None) -> list[str]:
+def train_cmd(
+    data: Path, project: Path, *extra: str, nproc: int = 0, nnodes: int = 1, node_rank: int = 0, port: int | None = None
+) -> list[str]:
     args = ["train.py", *train_args(data, project, *extra)]
     if not nproc:
         return [sys.executable, *args]
@@ -80,13 +82,24 @@ def test_sync_bn_ddp_matches_single_process_with_same_global_batch(rectangles_ya
     # Losses divide by the positives of the global batch (all-reduced), so with SyncBN a step on 2 ranks is
     # the step of 1 process on the same global batch up to float summation order (issue 19). The rectangles
     # spread 1-3 boxes per image, so the ranks' positives differ in every step.
-    common = ("--epochs", "2", "--noplots", "--noval", "--deterministic", "--no-amp", "--optimizer", "SGD",
-              "--seed", "3")
+    common = (
+        "--epochs",
+        "2",
+        "--noplots",
+        "--noval",
+        "--deterministic",
+        "--no-amp",
+        "--optimizer",
+        "SGD",
+        "--seed",
+        "3",
+    )
     # Both in processes of one thread (the kernels' summation order depends on the thread count).
     single = run_forked([(train.main, (train_args(rectangles_yaml, tmp_path / "single", *common, "--sync-bn"),), {})])
     assert single == [0]  # --sync-bn in one process: exact BN statistics
-    codes, outputs = main_on_ranks(train.main, train_args(rectangles_yaml, tmp_path / "synced", *common, "--sync-bn"),
-                                   2, tmp_path)
+    codes, outputs = main_on_ranks(
+        train.main, train_args(rectangles_yaml, tmp_path / "synced", *common, "--sync-bn"), 2, tmp_path
+    )
     assert codes == [0, 0], "".join(outputs)[-3000:]
     reference = weights(tmp_path / "single/exp/weights/last.pt")
     synced_diff = relative_l2(weights(tmp_path / "synced/exp/weights/last.pt"), reference)
@@ -102,16 +115,35 @@ def _two_nodes(data: Path, project: Path, *extra: str) -> list[subprocess.Popen]
     port, procs = free_port(), []
     for node in (0, 1):
         with open(project / f"node{node}.log", "w") as log:
-            procs.append(subprocess.Popen(train_cmd(data, project, "--epochs", "50", "--noplots", "--noval", *extra,
-                                                    nproc=1, nnodes=2, node_rank=node, port=port),
-                                          cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    train_cmd(
+                        data,
+                        project,
+                        "--epochs",
+                        "50",
+                        "--noplots",
+                        "--noval",
+                        *extra,
+                        nproc=1,
+                        nnodes=2,
+                        node_rank=node,
+                        port=port,
+                    ),
+                    cwd=ROOT,
+                    env=_env(),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
     return procs
 
 
 @pytest.mark.slow
-def test_a_frozen_node_and_a_node_whose_launcher_is_killed_each_make_the_other_node_exit_naming_it(rectangles_yaml,
-                                                                                                  tmp_path) -> None:
+def test_a_frozen_node_and_a_node_whose_launcher_is_killed_each_make_the_other_node_exit_naming_it(
+    rectangles_yaml, tmp_path
+) -> None:
     # Two 2-node runs at once, so that their waits overlap. In the first, node 1 freezes: it keeps its sockets open,
     # so nothing fails fast and only the collective timeout (--dist-timeout 0.15: 9 s) can end node 0's wait. In the
     # second, only node 1's launcher is killed -9 (as the OOM killer would): its rank must not train on unsupervised
@@ -180,8 +212,12 @@ BATCH_LINE = re.compile(r"rank (\d+) epoch (\d+) batch (\d+): ([^\r\n]*)")
 
 def files_trained_on(output: str, epoch: int, batches: range | None = None) -> list[str]:
     """The image files of ``epoch``'s batches (all ranks) in a YOLO_LOG_LEVEL=DEBUG log."""
-    return [name for _, e, b, names in BATCH_LINE.findall(output) if int(e) == epoch
-            and (batches is None or int(b) in batches) for name in names.split()]
+    return [
+        name
+        for _, e, b, names in BATCH_LINE.findall(output)
+        if int(e) == epoch and (batches is None or int(b) in batches)
+        for name in names.split()
+    ]
 
 
 def rank_pid(proc: subprocess.Popen, rank: int) -> int:
@@ -205,18 +241,37 @@ def kill_run(proc: subprocess.Popen) -> None:
 
 @pytest.mark.slow
 def test_a_2_rank_run_cut_mid_epoch_resumes_on_1_and_on_4_ranks_with_the_unseen_samples_and_on_3_at_the_next_epoch(
-        rectangles96_yaml, tmp_path, monkeypatch) -> None:
+    rectangles96_yaml, tmp_path, monkeypatch
+) -> None:
     # Global batch 32 on 96 images: 3 batches per epoch, 2 per optimizer step (an explicit optimizer accumulates
     # up to the nominal batch of 64), so there is a step boundary inside each epoch; --save-steps 1 writes a
     # checkpoint there. At 32 px: which samples each rank sees does not depend on the size.
     rectangles_yaml = rectangles96_yaml
-    common = ("--epochs", "2", "--noplots", "--noval", "--batch-size", "32", "--save-steps", "1", "--optimizer",
-              "AdamW", "--imgsz", "32")
+    common = (
+        "--epochs",
+        "2",
+        "--noplots",
+        "--noval",
+        "--batch-size",
+        "32",
+        "--save-steps",
+        "1",
+        "--optimizer",
+        "AdamW",
+        "--imgsz",
+        "32",
+    )
     env = dict(_env(), YOLO_LOG_LEVEL="DEBUG")
     log = tmp_path / "cut.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(train_cmd(rectangles_yaml, tmp_path / "cut", *common, nproc=2), cwd=ROOT, env=env,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            train_cmd(rectangles_yaml, tmp_path / "cut", *common, nproc=2),
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         last, snapshot = tmp_path / "cut/exp/weights/last.pt", tmp_path / "snapshot.pt"
         try:
             deadline = time.time() + 240
@@ -254,8 +309,9 @@ def test_a_2_rank_run_cut_mid_epoch_resumes_on_1_and_on_4_ranks_with_the_unseen_
         resumed_last = tmp_path / f"on{ranks}/exp/weights/last.pt"
         resumed_last.parent.mkdir(parents=True)
         shutil.copy(snapshot, resumed_last)
-        codes, outputs = main_on_ranks(train.main, ["--resume", str(resumed_last), "--epochs", str(epoch + 1)], ranks,
-                                       tmp_path / f"logs{ranks}")
+        codes, outputs = main_on_ranks(
+            train.main, ["--resume", str(resumed_last), "--epochs", str(epoch + 1)], ranks, tmp_path / f"logs{ranks}"
+        )
         output = "".join(outputs)
         assert codes == [0] * ranks, output[-3000:]
         assert f"Resuming training at batch {cut} of epoch {epoch}" in output
@@ -267,7 +323,7 @@ def test_a_2_rank_run_cut_mid_epoch_resumes_on_1_and_on_4_ranks_with_the_unseen_
         assert sorted(p.name for p in resumed_last.parents[2].iterdir()) == ["exp"]
         # The time split: the same columns at any number of ranks, and the slowest rank one of these.
         (row,) = results_rows(resumed_last.parents[1])
-        assert list(row)[-len(TIME_COLUMNS):] == list(TIME_COLUMNS) and int(float(row["time/slowest_rank"])) < ranks
+        assert list(row)[-len(TIME_COLUMNS) :] == list(TIME_COLUMNS) and int(float(row["time/slowest_rank"])) < ranks
         headers.add(tuple(row))
     assert len(headers) == 1
 
@@ -275,8 +331,9 @@ def test_a_2_rank_run_cut_mid_epoch_resumes_on_1_and_on_4_ranks_with_the_unseen_
     resumed_last = tmp_path / "on3/exp/weights/last.pt"
     resumed_last.parent.mkdir(parents=True)
     shutil.copy(snapshot, resumed_last)
-    codes, outputs = main_on_ranks(train.main, ["--resume", str(resumed_last), "--epochs", str(epoch + 2)], 3,
-                                   tmp_path / "logs3")
+    codes, outputs = main_on_ranks(
+        train.main, ["--resume", str(resumed_last), "--epochs", str(epoch + 2)], 3, tmp_path / "logs3"
+    )
     output = "".join(outputs)
     assert codes == [0] * 3, output[-3000:]
     assert "the global batch 32 cannot be split over 3 ranks: continuing with 30 from the next epoch boundary" in output
@@ -289,14 +346,22 @@ EPOCHS = 3  # a kill inside epoch 0 (the launcher restarts), one inside a later 
 
 @pytest.mark.slow
 def test_a_launcher_restart_and_a_kill_inside_an_epoch_end_as_an_uninterrupted_run_in_one_tracker_run(
-        rectangles_yaml, tmp_path, monkeypatch, request) -> None:
+    rectangles_yaml, tmp_path, monkeypatch, request
+) -> None:
     """A 2-rank run launched with --max-restarts 1 and MLflow (a real server), W&B (offline) and TensorBoard: one
     rank killed (the launcher restarts the group, which resumes by itself), then the whole run killed inside an
     epoch and resumed with --resume. Its weights equal an uninterrupted run's, results.csv and each tracker hold
     every epoch once, in one MLflow run and one W&B run id, with the weights and results.csv; then the MLflow
     server is killed under a logging run, which goes on at its pace with one warning."""
-    from tracker_servers import (MLflowServer, check_mlflow_run, check_wandb_files, orphaned_wandb_services,
-                                 run_through_a_stopped_server, tracker_environment, wandb_services)
+    from tracker_servers import (
+        MLflowServer,
+        check_mlflow_run,
+        check_wandb_files,
+        orphaned_wandb_services,
+        run_through_a_stopped_server,
+        tracker_environment,
+        wandb_services,
+    )
 
     pytest.importorskip("mlflow")
     pytest.importorskip("wandb")
@@ -306,13 +371,25 @@ def test_a_launcher_restart_and_a_kill_inside_an_epoch_end_as_an_uninterrupted_r
     try:
         # yolo26n: its one-to-one loss weight follows the epoch, so a restart that lost its place would show.
         # --save-steps 1: a checkpoint inside every epoch (2 steps each).
-        common = ("--cfg", "yolo26n.yaml", "--epochs", str(EPOCHS), "--noplots", "--noval", "--deterministic",
-                  "--imgsz", "32", "--save-steps", "1")
+        common = (
+            "--cfg",
+            "yolo26n.yaml",
+            "--epochs",
+            str(EPOCHS),
+            "--noplots",
+            "--noval",
+            "--deterministic",
+            "--imgsz",
+            "32",
+            "--save-steps",
+            "1",
+        )
         # The uninterrupted run is forked from this process (while the server starts), with plots (they change
         # nothing it computes); the interrupted one launched.
         straight = [a for a in common if a != "--noplots"]
-        codes, outputs = main_on_ranks(train.main, train_args(rectangles_yaml, tmp_path / "straight", *straight), 2,
-                                       tmp_path / "logs")
+        codes, outputs = main_on_ranks(
+            train.main, train_args(rectangles_yaml, tmp_path / "straight", *straight), 2, tmp_path / "logs"
+        )
         assert codes == [0, 0], "".join(outputs)[-3000:]
         assert sorted(p.name for p in (tmp_path / "straight").iterdir()) == ["exp"]  # rank 1 made no exp2
         _check_a_finished_run(tmp_path / "straight/exp")
@@ -322,12 +399,18 @@ def test_a_launcher_restart_and_a_kill_inside_an_epoch_end_as_an_uninterrupted_r
         import mlflow  # noqa: F401  (imported once here: the forked resume starts with it)
         import wandb  # noqa: F401
 
-        cmd = train_cmd(rectangles_yaml, tmp_path / "restarted", *common, "--loggers", "tensorboard", "mlflow", "wandb",
-                        nproc=2)
+        cmd = train_cmd(
+            rectangles_yaml, tmp_path / "restarted", *common, "--loggers", "tensorboard", "mlflow", "wandb", nproc=2
+        )
         at = cmd.index("--standalone")  # the elastic form (--nnodes MIN:MAX, a c10d rendezvous), as on a cluster
-        cmd[at:at + 1] = ["--max-restarts=1", "--nnodes=1:2", "--rdzv-backend=c10d",
-                          f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=elastic-job",
-                          "--rdzv-conf=last_call_timeout=1"]
+        cmd[at : at + 1] = [
+            "--max-restarts=1",
+            "--nnodes=1:2",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+            "--rdzv-id=elastic-job",
+            "--rdzv-conf=last_call_timeout=1",
+        ]
         run_dir = tmp_path / "restarted/exp"
         last, snapshot = run_dir / "weights/last.pt", tmp_path / "snapshot.pt"
         # Its data loading waits for its first trackers to start (tests/gated_train.py): the kills below must find
@@ -335,14 +418,20 @@ def test_a_launcher_restart_and_a_kill_inside_an_epoch_end_as_an_uninterrupted_r
         cmd[cmd.index("train.py")] = str(Path(__file__).with_name("gated_train.py"))
         env.update(GATE_TRACKERS_FILE=str(run_dir / "trackers.yaml"), GATE_TRACKERS="mlflow,wandb")
         with open(tmp_path / "launched.log", "w") as log:
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
             try:
                 _wait_for(last, proc)  # inside epoch 0: the launcher restarts the group, which resumes from it
                 os.kill(rank_pid(proc, 1), signal.SIGKILL)
                 # Killed inside an epoch once the restarted group has written a checkpoint (naming the tracker runs).
-                mid = _snapshot_inside_an_epoch(last, snapshot, proc, with_trackers=("mlflow", "wandb"),
-                                                after=(tmp_path / "launched.log", "restart 1 of launcher run"))
+                mid = _snapshot_inside_an_epoch(
+                    last,
+                    snapshot,
+                    proc,
+                    with_trackers=("mlflow", "wandb"),
+                    after=(tmp_path / "launched.log", "restart 1 of launcher run"),
+                )
             finally:
                 kill_run(proc)
         output = (tmp_path / "launched.log").read_text()
@@ -352,8 +441,9 @@ def test_a_launcher_restart_and_a_kill_inside_an_epoch_end_as_an_uninterrupted_r
         # The epoch the kill was inside, as if its row had been written before the kill: trained again, written once.
         rows = (run_dir / "results.csv").read_text().splitlines()
         if not any(int(r.split(",")[0]) == mid for r in rows[1:]):
-            (run_dir / "results.csv").write_text("\n".join([*rows, rows[-1].replace(rows[-1].split(",")[0],
-                                                                                      f"{mid:>20}", 1)]) + "\n")
+            (run_dir / "results.csv").write_text(
+                "\n".join([*rows, rows[-1].replace(rows[-1].split(",")[0], f"{mid:>20}", 1)]) + "\n"
+            )
         (run_dir / "trackers.yaml").unlink()  # lost: the checkpoint keeps the tracker runs' ids too
 
         codes, outputs = main_on_ranks(train.main, ["--resume", str(last)], 2, tmp_path / "logs_resumed")
@@ -363,9 +453,14 @@ def test_a_launcher_restart_and_a_kill_inside_an_epoch_end_as_an_uninterrupted_r
         assert max_difference(weights(last), weights(tmp_path / "straight/exp/weights/last.pt")) == 0.0
         now = yaml.safe_load((run_dir / "trackers.yaml").read_text())
         assert [now[k]["run_id"] for k in ("mlflow", "wandb")] == [ids[k]["run_id"] for k in ("mlflow", "wandb")]
-        check_mlflow_run(server.uri, "restarted", ids["mlflow"]["run_id"], run_dir / "results.csv",
-                         {"cfg": "yolo26n.yaml", "epochs": str(EPOCHS), "hyp/lr0": "0.01"},
-                         {"results.csv", "weights/best.pt", "weights/last.pt"})
+        check_mlflow_run(
+            server.uri,
+            "restarted",
+            ids["mlflow"]["run_id"],
+            run_dir / "results.csv",
+            {"cfg": "yolo26n.yaml", "epochs": str(EPOCHS), "hyp/lr0": "0.01"},
+            {"results.csv", "weights/best.pt", "weights/last.pt"},
+        )
         check_wandb_files(run_dir, ids["wandb"]["run_id"], run_dir / "results.csv", (2, 3))  # restarted, resumed
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -374,13 +469,17 @@ def test_a_launcher_restart_and_a_kill_inside_an_epoch_end_as_an_uninterrupted_r
         assert [e.step for e in events.Scalars("train/l1_loss")] == list(range(EPOCHS))
 
         # The server stops in the middle of a run: training goes on at its pace, with one warning.
-        for key, value in {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-                           "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0"}.items():  # a blocking call would wait >= 2 s
+        for key, value in {
+            "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+            "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+            "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0",
+        }.items():  # a blocking call would wait >= 2 s
             monkeypatch.setenv(key, value)
         slowest, warnings = run_through_a_stopped_server(server, tmp_path / "runs/stopped")
         assert slowest < 0.5, slowest
-        assert len(warnings) == 1 and warnings[0].startswith("WARNING MLflow stopped for the rest of this run ("), \
+        assert len(warnings) == 1 and warnings[0].startswith("WARNING MLflow stopped for the rest of this run ("), (
             warnings
+        )
     finally:
         left = server.stop()
     assert not left, f"the MLflow server left processes behind: {left}"
@@ -399,8 +498,9 @@ def _check_a_finished_run(run_dir: Path) -> None:
     assert ckpt["epoch"] == EPOCHS - 1 and ckpt["optimizer"] is not None and ckpt["ema"] is not None
 
 
-def _snapshot_inside_an_epoch(last: Path, snapshot: Path, proc: subprocess.Popen, with_trackers: tuple[str, ...],
-                              after: tuple[Path, str]) -> int:
+def _snapshot_inside_an_epoch(
+    last: Path, snapshot: Path, proc: subprocess.Popen, with_trackers: tuple[str, ...], after: tuple[Path, str]
+) -> int:
     """Copy ``last`` as soon as it is a checkpoint written inside an epoch that names these trackers' runs, and
     written after ``after``'s log file shows its text; its epoch."""
     deadline = time.time() + 240

@@ -3,6 +3,7 @@
 One tiny yolo11n run (2 epochs at 64 px, an epoch checkpoint kept) is shared by the checks of its outputs, of
 exact resume and of test-time augmentation; DDP, --evolve and --image-weights/--quad have runs of their own.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -27,8 +28,24 @@ TINY = ["--imgsz", "32", "--batch-size", "8", "--workers", "0", "--device", "cpu
 def yolo11_run(rectangles_yaml, tmp_path_factory) -> tuple[Path, str]:
     """A finished 2-epoch yolo11n run (with epoch0.pt) and its log."""
     project = tmp_path_factory.mktemp("yolo11")
-    argv = ["--data", str(rectangles_yaml), "--cfg", "yolo11n.yaml", "--epochs", "2", "--save-period", "1",
-            "--deterministic", "--seed", "1", "--project", str(project), "--name", "exp", *TINY]
+    argv = [
+        "--data",
+        str(rectangles_yaml),
+        "--cfg",
+        "yolo11n.yaml",
+        "--epochs",
+        "2",
+        "--save-period",
+        "1",
+        "--deterministic",
+        "--seed",
+        "1",
+        "--project",
+        str(project),
+        "--name",
+        "exp",
+        *TINY,
+    ]
     codes, outputs = main_on_ranks(train.main, argv, 1, project / "logs")
     assert codes == [0], outputs[0][-3000:]
     return project / "exp", outputs[0]
@@ -39,8 +56,14 @@ def test_yolo11_trains_with_its_own_loss_terms_hyperparameters_and_no_autoanchor
     run_dir, log = yolo11_run
     rows = results_rows(run_dir)
     assert [int(r["epoch"]) for r in rows] == [0, 1]
-    for column in ("train/box_loss", "train/cls_loss", "train/dfl_loss", "val/box_loss", "val/cls_loss",
-                   "val/dfl_loss"):
+    for column in (
+        "train/box_loss",
+        "train/cls_loss",
+        "train/dfl_loss",
+        "val/box_loss",
+        "val/cls_loss",
+        "val/dfl_loss",
+    ):
         assert all(float(r[column]) > 0 for r in rows), column
     assert not any("obj" in column for column in rows[0])
     assert log.count("AutoAnchor does not apply: yolo11 is anchor-free") == 1
@@ -70,16 +93,44 @@ def test_yolo11_resume_from_an_epoch_checkpoint_is_bit_exact(yolo11_run, tmp_pat
 @pytest.mark.slow
 def test_val_with_test_time_augmentation_on_an_anchor_free_model(yolo11_run, rectangles_yaml, tmp_path) -> None:
     run_dir, _ = yolo11_run
-    r = val.run(data=str(rectangles_yaml), weights=str(run_dir / "weights/last.pt"), imgsz=32, batch_size=8,
-                workers=0, device="cpu", augment=True, noplots=True, project=str(tmp_path))
+    r = val.run(
+        data=str(rectangles_yaml),
+        weights=str(run_dir / "weights/last.pt"),
+        imgsz=32,
+        batch_size=8,
+        workers=0,
+        device="cpu",
+        augment=True,
+        noplots=True,
+        project=str(tmp_path),
+    )
     assert r.plain is not None and r.n_images == r.plain.n_images == 8
     assert r.n_detections > 0 and r.plain.n_detections > 0
 
 
 @pytest.mark.slow
 def test_yolo26_step_on_two_ranks_with_sync_bn_equals_one_process(rectangles_yaml, tmp_path) -> None:
-    common = ["--data", str(rectangles_yaml), "--cfg", "yolo26n.yaml", "--epochs", "2", "--noval", "--deterministic",
-              "--no-amp", "--optimizer", "SGD", "--seed", "3", "--sync-bn", "--name", "exp", *TINY, "--imgsz", "32"]
+    common = [
+        "--data",
+        str(rectangles_yaml),
+        "--cfg",
+        "yolo26n.yaml",
+        "--epochs",
+        "2",
+        "--noval",
+        "--deterministic",
+        "--no-amp",
+        "--optimizer",
+        "SGD",
+        "--seed",
+        "3",
+        "--sync-bn",
+        "--name",
+        "exp",
+        *TINY,
+        "--imgsz",
+        "32",
+    ]
     single = run_forked([(train.main, ([*common, "--project", str(tmp_path / "single")],), {})])
     assert single == [0]
     codes, outputs = main_on_ranks(train.main, [*common, "--project", str(tmp_path / "synced")], 2, tmp_path)
@@ -96,8 +147,22 @@ def test_yolo26_step_on_two_ranks_with_sync_bn_equals_one_process(rectangles_yam
 def test_evolve_a_yolo11_over_its_own_hyperparameters(train_here, rectangles_yaml, tmp_path) -> None:
     from models.families import YOLO11
 
-    status, log = train_here("--data", rectangles_yaml, "--cfg", "yolo11n.yaml", "--imgsz", "32", "--epochs", "1",
-                             "--project", tmp_path, "--name", "ev", "--evolve", "2")
+    status, log = train_here(
+        "--data",
+        rectangles_yaml,
+        "--cfg",
+        "yolo11n.yaml",
+        "--imgsz",
+        "32",
+        "--epochs",
+        "1",
+        "--project",
+        tmp_path,
+        "--name",
+        "ev",
+        "--evolve",
+        "2",
+    )
     assert status == 0, log
     keys = YOLO11.evolve_keys(YOLO11.read_hyp(YOLO11.default_hyp_path))
     assert "dfl" in keys and "obj" not in keys and "anchor_t" not in keys
@@ -107,8 +172,20 @@ def test_evolve_a_yolo11_over_its_own_hyperparameters(train_here, rectangles_yam
 
 @pytest.mark.slow
 def test_image_weights_and_quad_train_a_yolo26(train_here, rectangles_yaml, tmp_path) -> None:
-    status, log = train_here("--data", rectangles_yaml, "--cfg", "yolo26n.yaml", "--imgsz", "32", "--epochs", "2",
-                             "--project", tmp_path, "--image-weights", "--quad")
+    status, log = train_here(
+        "--data",
+        rectangles_yaml,
+        "--cfg",
+        "yolo26n.yaml",
+        "--imgsz",
+        "32",
+        "--epochs",
+        "2",
+        "--project",
+        tmp_path,
+        "--image-weights",
+        "--quad",
+    )
     assert status == 0, log
     rows = results_rows(tmp_path / "exp")
     assert len(rows) == 2 and all(float(r["train/l1_loss"]) > 0 for r in rows)
@@ -117,8 +194,9 @@ def test_image_weights_and_quad_train_a_yolo26(train_here, rectangles_yaml, tmp_
 @pytest.mark.slow
 def test_fine_tune_from_an_ultralytics_checkpoint(train_here, rectangles_yaml, tmp_path) -> None:
     weights_file = Path(__file__).parent / "fixtures/ultralytics/yolo11-final.pt"
-    status, log = train_here("--data", rectangles_yaml, "--weights", weights_file, "--imgsz", "32", "--epochs", "1",
-                             "--project", tmp_path)
+    status, log = train_here(
+        "--data", rectangles_yaml, "--weights", weights_file, "--imgsz", "32", "--epochs", "1", "--project", tmp_path
+    )
     assert status == 0, log
     assert "Ultralytics yolo11 checkpoint imported" in log and "Transferred" in log
     ckpt = load_checkpoint(tmp_path / "exp/weights/last.pt")

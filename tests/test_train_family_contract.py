@@ -6,6 +6,7 @@ denoising query that must give back the true box, as DETR-style detectors train)
 its own hyper-parameter record and file (its loss gains; its augmentation preset: no mosaic, no flips). It keeps
 to the family contract (a ``Family`` subclass overriding what differs) and is registered by name for the test.
 """
+
 from __future__ import annotations
 
 import csv
@@ -24,8 +25,21 @@ from utils.engine.timing import TIME_COLUMNS
 from utils.hyp import AugmentationHyp, HypRecord, OptimisationHyp
 
 QUERIES = 4
-PRESET = {"mosaic": 0.0, "mixup": 0.0, "fliplr": 0.0, "flipud": 0.0, "scale": 0.0, "translate": 0.0, "hsv_h": 0.0,
-          "hsv_s": 0.0, "hsv_v": 0.0, "warmup_epochs": 0.0, "lr0": 0.003, "lrf": 0.5, "denoise": 2.0}
+PRESET = {
+    "mosaic": 0.0,
+    "mixup": 0.0,
+    "fliplr": 0.0,
+    "flipud": 0.0,
+    "scale": 0.0,
+    "translate": 0.0,
+    "hsv_h": 0.0,
+    "hsv_s": 0.0,
+    "hsv_v": 0.0,
+    "warmup_epochs": 0.0,
+    "lr0": 0.003,
+    "lrf": 0.5,
+    "denoise": 2.0,
+}
 
 
 @dataclass(frozen=True)
@@ -43,8 +57,14 @@ class ToyDetector(nn.Module):
     def __init__(self, cfg: dict, nc: int) -> None:
         super().__init__()
         self.yaml, self.nc, self.names = {**cfg, "nc": nc}, nc, [str(i) for i in range(nc)]
-        self.trunk = nn.Sequential(nn.Conv2d(3, 8, 3, 2, 1), nn.BatchNorm2d(8), nn.SiLU(),
-                                   nn.Conv2d(8, 16, 3, 4, 1), nn.BatchNorm2d(16), nn.SiLU())
+        self.trunk = nn.Sequential(
+            nn.Conv2d(3, 8, 3, 2, 1),
+            nn.BatchNorm2d(8),
+            nn.SiLU(),
+            nn.Conv2d(8, 16, 3, 4, 1),
+            nn.BatchNorm2d(16),
+            nn.SiLU(),
+        )
         self.slots = nn.Linear(16, QUERIES * (4 + nc))
         self.denoise = nn.Linear(16 + 4, 4)
         self.register_buffer("stride", torch.tensor([32.0]))
@@ -83,8 +103,10 @@ class ToyLoss:
         images = norm.images if norm is not None else len(preds["logits"])
         present = torch.zeros_like(preds["logits"][:, 0])
         present[targets[:, 0].long(), targets[:, 1].long()] = 1.0  # which classes each image holds
-        presence = nn.functional.binary_cross_entropy_with_logits(preds["logits"].max(1).values, present,
-                                                                  reduction="sum") / self.nc
+        presence = (
+            nn.functional.binary_cross_entropy_with_logits(preds["logits"].max(1).values, present, reduction="sum")
+            / self.nc
+        )
         denoise = (preds["denoised"] - targets[:, 2:6]).abs().sum() if "denoised" in preds else presence * 0
         items = torch.stack((denoise, presence)) * self.gains / images
         return items.sum(), items.detach()
@@ -105,8 +127,9 @@ class ToyFamily(families.Family):
         self.default_hyp = str(hyp_file)  # absolute: default_hyp_path is it
         self.targets_seen: list[int] = []
 
-    def build_model(self, cfg, *, nc=None, weights=None, transfer=False, keep_anchors=True, anchors=None,
-                    names=None) -> ToyDetector:
+    def build_model(
+        self, cfg, *, nc=None, weights=None, transfer=False, keep_anchors=True, anchors=None, names=None
+    ) -> ToyDetector:
         config = dict(cfg) if not isinstance(cfg, (str, Path)) else yaml.safe_load(Path(cfg).read_text())
         model = ToyDetector(config, nc or config["nc"])
         if weights is not None:
@@ -143,7 +166,8 @@ def toy_family(tmp_path, monkeypatch) -> tuple[ToyFamily, Path]:
 
 @pytest.mark.slow
 def test_a_detector_that_takes_the_targets_in_its_forward_pass_trains_through_the_engine(
-        train_here, toy_family, rectangles_yaml, tmp_path) -> None:
+    train_here, toy_family, rectangles_yaml, tmp_path
+) -> None:
     family, cfg = toy_family
     status, log = train_here("--data", rectangles_yaml, "--cfg", cfg, "--epochs", "1", "--project", tmp_path / "runs")
     assert status == 0, log
@@ -152,9 +176,21 @@ def test_a_detector_that_takes_the_targets_in_its_forward_pass_trains_through_th
     assert "denoise_loss presence_loss" in " ".join(log.split())  # the progress header follows the loss names
     with open(run_dir / "results.csv") as f:
         rows = [{k.strip(): float(v) for k, v in row.items()} for row in csv.DictReader(f)]
-    assert list(rows[0]) == ["epoch", "train/denoise_loss", "train/presence_loss", "metrics/precision",
-                             "metrics/recall", "metrics/mAP_0.5", "metrics/mAP_0.5:0.95", "val/denoise_loss",
-                             "val/presence_loss", "x/lr0", "x/lr1", "x/lr2", *TIME_COLUMNS]
+    assert list(rows[0]) == [
+        "epoch",
+        "train/denoise_loss",
+        "train/presence_loss",
+        "metrics/precision",
+        "metrics/recall",
+        "metrics/mAP_0.5",
+        "metrics/mAP_0.5:0.95",
+        "val/denoise_loss",
+        "val/presence_loss",
+        "x/lr0",
+        "x/lr1",
+        "x/lr2",
+        *TIME_COLUMNS,
+    ]
     assert rows[0]["train/denoise_loss"] > 0 and rows[0]["val/presence_loss"] > 0
     assert rows[0]["val/denoise_loss"] == 0  # no targets in the evaluation forward pass: no denoising queries
     hyp = yaml.safe_load((run_dir / "hyp.yaml").read_text())

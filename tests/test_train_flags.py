@@ -3,6 +3,7 @@
 Each test asserts what the flag does (classes seen, batch shapes, learning rates, files written, where images
 were read from), not only that the run ends.
 """
+
 from __future__ import annotations
 
 import csv
@@ -65,18 +66,22 @@ def record_calls(monkeypatch, owner, name: str, record) -> None:
 
 # ---- classes and devices ---------------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_single_cls_keeps_every_image_and_trains_one_class(train_here, five_classes, tmp_path, monkeypatch) -> None:
     classes_seen: set[int] = set()
-    record_calls(monkeypatch, ComputeLoss, "__call__",
-                 lambda args, _: classes_seen.update(args[2][:, 1].long().tolist()))
+    record_calls(
+        monkeypatch, ComputeLoss, "__call__", lambda args, _: classes_seen.update(args[2][:, 1].long().tolist())
+    )
     # --local_rank is what torch.distributed.launch passes; it is accepted and LOCAL_RANK is what counts.
-    status, log = train_here("--data", five_classes, "--project", tmp_path, "--epochs", "1", "--single-cls",
-                             "--local_rank", "0")
+    status, log = train_here(
+        "--data", five_classes, "--project", tmp_path, "--epochs", "1", "--single-cls", "--local_rank", "0"
+    )
     assert status == 0, log
     summaries = [line for line in log.splitlines() if " corrupt, " in line]
-    assert len(summaries) == 2 and all("16 images: 16 labelled" in summaries[0] and ", 0 corrupt, " in line
-                                       for line in summaries), summaries  # train and val, nothing dropped
+    assert len(summaries) == 2 and all(
+        "16 images: 16 labelled" in summaries[0] and ", 0 corrupt, " in line for line in summaries
+    ), summaries  # train and val, nothing dropped
     assert classes_seen == {0}  # training (and validation's loss) saw one class
     ckpt = load_checkpoint(tmp_path / "exp/weights/last.pt")
     assert ckpt["model_cfg"]["nc"] == 1 and ckpt["names"] == ["item"]
@@ -98,8 +103,9 @@ def test_a_gpu_list_without_a_launcher_is_refused_with_the_command(train_here, r
     assert not tmp_path.joinpath("exp").exists()
 
 
-def test_a_global_batch_that_does_not_divide_by_the_world_size_is_one_line(train_here, rectangles_yaml, tmp_path,
-                                                                           monkeypatch) -> None:
+def test_a_global_batch_that_does_not_divide_by_the_world_size_is_one_line(
+    train_here, rectangles_yaml, tmp_path, monkeypatch
+) -> None:
     # Rank 0 of a 2-rank launch, as the launcher describes it: every rank checks this before joining the group.
     for name, value in (("WORLD_SIZE", "2"), ("RANK", "0"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2")):
         monkeypatch.setenv(name, value)
@@ -109,11 +115,14 @@ def test_a_global_batch_that_does_not_divide_by_the_world_size_is_one_line(train
     assert not tmp_path.joinpath("exp").exists()
 
 
-@pytest.mark.parametrize("flag, value, message", [
-    ("--weights", "missing.pt", "missing.pt: checkpoint not found"),
-    ("--data", "nowhere.yaml", "nowhere.yaml"),
-    ("--cfg", "models/nothing.yaml", "nothing.yaml"),
-])
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--weights", "missing.pt", "missing.pt: checkpoint not found"),
+        ("--data", "nowhere.yaml", "nowhere.yaml"),
+        ("--cfg", "models/nothing.yaml", "nothing.yaml"),
+    ],
+)
 def test_a_failed_start_leaves_no_run_folder(train_here, rectangles_yaml, tmp_path, flag, value, message) -> None:
     args = ["--data", rectangles_yaml, "--project", tmp_path / "runs", "--epochs", "1", flag, value]
     status, log = train_here(*args)
@@ -138,9 +147,28 @@ def test_bad_inputs_are_one_line_errors(train_here, rectangles_yaml, tmp_path) -
 @pytest.mark.slow
 def test_fine_tune_with_optional_flags(train_here, finished_run, rectangles_yaml, tmp_path) -> None:
     start = finished_run[0]
-    status, log = train_here("--data", rectangles_yaml, "--project", tmp_path / "tuned", "--weights", start,
-                             "--epochs", "2", "--single-cls", "--multi-scale", "--rect", "--freeze", "2", "--cos-lr",
-                             "--label-smoothing", "0.1", "--save-period", "1", "--optimizer", "SGD")
+    status, log = train_here(
+        "--data",
+        rectangles_yaml,
+        "--project",
+        tmp_path / "tuned",
+        "--weights",
+        start,
+        "--epochs",
+        "2",
+        "--single-cls",
+        "--multi-scale",
+        "--rect",
+        "--freeze",
+        "2",
+        "--cos-lr",
+        "--label-smoothing",
+        "0.1",
+        "--save-period",
+        "1",
+        "--optimizer",
+        "SGD",
+    )
     assert status == 0, log
     assert "Transferred" in log and "optimizer: SGD" in log
     run_dir = tmp_path / "tuned/exp"
@@ -154,6 +182,7 @@ def test_fine_tune_with_optional_flags(train_here, finished_run, rectangles_yaml
 
 
 # ---- early stopping, validation, saving ------------------------------------------------------------------
+
 
 def _record(tmp_path: Path, **kwargs) -> RunRecord:
     options = dict(patience=2, noval=False, nosave=True, save_period=-1)
@@ -193,13 +222,15 @@ def test_best_pt_is_the_improving_epochs_last_pt_byte_for_byte_and_stays_through
 
 
 @pytest.mark.slow
-def test_noval_validates_the_last_epoch_and_nosave_writes_only_its_checkpoint(train_here, rectangles_yaml, tmp_path,
-                                                                              monkeypatch) -> None:
+def test_noval_validates_the_last_epoch_and_nosave_writes_only_its_checkpoint(
+    train_here, rectangles_yaml, tmp_path, monkeypatch
+) -> None:
     written: list[str] = []
     for writer in ("save_checkpoint", "copy_checkpoint"):  # best.pt is a copy of last.pt
         record_calls(monkeypatch, run_record_module, writer, lambda args, _: written.append(Path(args[1]).name))
-    status, log = train_here("--data", rectangles_yaml, "--project", tmp_path, "--epochs", "3", "--noval",
-                             "--patience", "1", "--nosave")
+    status, log = train_here(
+        "--data", rectangles_yaml, "--project", tmp_path, "--epochs", "3", "--noval", "--patience", "1", "--nosave"
+    )
     assert status == 0, log
     rows = results(tmp_path / "exp")
     assert [int(r["epoch"]) for r in rows] == [0, 1, 2]
@@ -224,13 +255,15 @@ def test_nosave_writes_the_final_epochs_checkpoint_and_saving_writes_every_epoch
 
 # ---- what the flags change in training -------------------------------------------------------------------
 
+
 def _training_batches(data: Path, epochs: int, **options):
     """``(epoch, batch)`` of the training loader the engine builds for these options (utils/engine/setup.py),
     iterated for ``epochs`` without a model: what a flag changes in the batches needs no training."""
     config = TrainConfig(data=str(data), imgsz=64, batch_size=8, workers=0, epochs=epochs, **options)
     data_config = load_data_config(config.data)
-    labels = [load_labels(data_config[split], nc=data_config["nc"], workers=0, verbose=False)
-              for split in ("train", "val")]
+    labels = [
+        load_labels(data_config[split], nc=data_config["nc"], workers=0, verbose=False) for split in ("train", "val")
+    ]
     hyp = YOLOV5.read_hyp(YOLOV5.default_hyp_path)
     loader, _, _ = make_loaders(config, DistInfo(rank=-1, local_rank=-1, world_size=1), hyp, 32, labels)
     for epoch in range(epochs):
@@ -243,8 +276,10 @@ def test_rect_batches_keep_the_aspect_ratio(tmp_path) -> None:
     wide = write_rectangles_dataset(tmp_path / "wide", size=48, width=96)  # 2:1 images
     options = BatchOptions(seed=0, imgsz=64, grid=32, multi_scale=False, quad=False)
     for rect, expected in ((True, {(32, 64)}), (False, {(64, 64)})):  # letterboxed to the 2:1 batch shape
-        shapes = {tuple(step_module.prepare_images(b[0], options, torch.device("cpu"), e, i).shape[2:])
-                  for i, (e, b) in enumerate(_training_batches(wide, 1, rect=rect))}
+        shapes = {
+            tuple(step_module.prepare_images(b[0], options, torch.device("cpu"), e, i).shape[2:])
+            for i, (e, b) in enumerate(_training_batches(wide, 1, rect=rect))
+        }
         assert shapes == expected, rect
 
 
@@ -252,8 +287,11 @@ def test_multi_scale_draws_stride_aligned_sizes_per_step() -> None:
     images = torch.zeros(8, 3, 64, 64, dtype=torch.uint8)
     for multi_scale in (True, False):
         options = BatchOptions(seed=0, imgsz=64, grid=32, multi_scale=multi_scale, quad=False)
-        shapes = [tuple(step_module.prepare_images(images, options, torch.device("cpu"), epoch, batch).shape[2:])
-                  for epoch in range(3) for batch in range(2)]  # what 3 epochs of 2 batches draw
+        shapes = [
+            tuple(step_module.prepare_images(images, options, torch.device("cpu"), epoch, batch).shape[2:])
+            for epoch in range(3)
+            for batch in range(2)
+        ]  # what 3 epochs of 2 batches draw
         if multi_scale:
             assert all(h == w and h % 32 == 0 and 32 <= h <= 96 + 32 for h, w in shapes), shapes
             assert len(set(shapes)) > 1  # 6 steps, 3 possible sizes
@@ -269,8 +307,20 @@ def test_cos_lr_makes_the_lr_curve_a_cosine(train_here, rectangles_yaml, tmp_pat
     hyp = yaml.safe_load((ROOT / "data/hyps/hyp.scratch-low.yaml").read_text())
     hyp.update(warmup_epochs=0, lr0=0.01, lrf=0.1)
     (tmp_path / "hyp.yaml").write_text(yaml.safe_dump(hyp))
-    status, log = train_here("--data", rectangles_yaml, "--project", tmp_path, "--epochs", "4", "--noval",
-                             "--optimizer", "SGD", "--hyp", tmp_path / "hyp.yaml", "--cos-lr")
+    status, log = train_here(
+        "--data",
+        rectangles_yaml,
+        "--project",
+        tmp_path,
+        "--epochs",
+        "4",
+        "--noval",
+        "--optimizer",
+        "SGD",
+        "--hyp",
+        tmp_path / "hyp.yaml",
+        "--cos-lr",
+    )
     assert status == 0, log
     for row in results(tmp_path / "exp"):
         ramp = (1 - math.cos(math.pi * row["epoch"] / 4)) / 2
@@ -281,7 +331,12 @@ def test_cos_lr_makes_the_lr_curve_a_cosine(train_here, rectangles_yaml, tmp_pat
 def _reads_per_image(monkeypatch) -> Counter:
     reads: Counter = Counter()
     for name in ("read_image", "read_image_region"):
-        record_calls(monkeypatch, image_source_module, name, lambda args, _: reads.update([f"{Path(args[0]).parent.name}/{Path(args[0]).name}"]))
+        record_calls(
+            monkeypatch,
+            image_source_module,
+            name,
+            lambda args, _: reads.update([f"{Path(args[0]).parent.name}/{Path(args[0]).name}"]),
+        )
     return reads
 
 
@@ -303,6 +358,7 @@ def test_cache_decides_where_images_are_read_from(tmp_path, monkeypatch, mode) -
 
 # ---- non-finite losses -----------------------------------------------------------------------------------
 
+
 def _poison_loss(monkeypatch, bad_calls: set[int]) -> None:
     """Make ComputeLoss return a NaN loss on the given calls (0-based, training and validation alike)."""
     original, calls = ComputeLoss.__call__, [0]
@@ -320,8 +376,9 @@ def _poison_loss(monkeypatch, bad_calls: set[int]) -> None:
 @pytest.mark.slow
 def test_a_nan_loss_skips_the_step_and_counts_it(train_here, rectangles_yaml, tmp_path, monkeypatch) -> None:
     _poison_loss(monkeypatch, {0})  # the first micro-batch of the first step (an explicit optimizer accumulates)
-    status, log = train_here("--data", rectangles_yaml, "--project", tmp_path, "--epochs", "2", "--noval",
-                             "--optimizer", "AdamW")
+    status, log = train_here(
+        "--data", rectangles_yaml, "--project", tmp_path, "--epochs", "2", "--noval", "--optimizer", "AdamW"
+    )
     assert status == 0, log
     assert "WARNING epoch 0 batch 1: non-finite gradients (losses box, obj, cls nan" in log
     assert "1 steps skipped (non-finite gradients)" in log
@@ -330,16 +387,19 @@ def test_a_nan_loss_skips_the_step_and_counts_it(train_here, rectangles_yaml, tm
 
 
 @pytest.mark.slow
-def test_diverged_training_stops_with_one_line_and_keeps_the_good_checkpoint(train_here, rectangles_yaml, tmp_path,
-                                                                             monkeypatch) -> None:
+def test_diverged_training_stops_with_one_line_and_keeps_the_good_checkpoint(
+    train_here, rectangles_yaml, tmp_path, monkeypatch
+) -> None:
     # An explicit optimizer accumulates up to the nominal batch of 64: one optimizer step per epoch here.
-    status, log = train_here("--data", rectangles_yaml, "--project", tmp_path, "--epochs", "1", "--noval",
-                             "--optimizer", "AdamW")
+    status, log = train_here(
+        "--data", rectangles_yaml, "--project", tmp_path, "--epochs", "1", "--noval", "--optimizer", "AdamW"
+    )
     assert status == 0, log
     last = tmp_path / "exp/weights/last.pt"
     good = load_checkpoint(last)
     monkeypatch.setattr(step_module, "MAX_NONFINITE_STEPS", 2)
     _poison_loss(monkeypatch, set(range(1000)))
+
     # A slow disk: epoch 1's checkpoint is still being written when epoch 2 fails. The error must wait for it.
     def slow_save(ckpt, path):
         time.sleep(1.5)
@@ -370,13 +430,25 @@ def test_non_finite_weights_never_replace_a_checkpoint(tmp_path) -> None:
 
 # ---- resume ----------------------------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_resume_with_more_epochs_extends_a_finished_run_in_its_folder(train_here, rectangles_yaml, tmp_path) -> None:
     hyp = yaml.safe_load((ROOT / "data/hyps/hyp.scratch-low.yaml").read_text())
     hyp.update(warmup_epochs=0, lr0=0.01, lrf=0.1)
     (tmp_path / "hyp.yaml").write_text(yaml.safe_dump(hyp))
-    status, log = train_here("--data", rectangles_yaml, "--project", tmp_path, "--epochs", "2", "--noval",
-                             "--optimizer", "SGD", "--hyp", tmp_path / "hyp.yaml")
+    status, log = train_here(
+        "--data",
+        rectangles_yaml,
+        "--project",
+        tmp_path,
+        "--epochs",
+        "2",
+        "--noval",
+        "--optimizer",
+        "SGD",
+        "--hyp",
+        tmp_path / "hyp.yaml",
+    )
     assert status == 0, log
     last = tmp_path / "exp/weights/last.pt"
     status, log = train_here("--resume", last)
@@ -412,14 +484,28 @@ def test_a_launcher_job_continues_only_its_own_run_folder(train_here, rectangles
 
 
 @pytest.mark.slow
-def test_save_minutes_writes_checkpoints_inside_an_epoch_once_the_time_has_passed(train_here, rectangles96_yaml,
-                                                                                tmp_path, monkeypatch) -> None:
+def test_save_minutes_writes_checkpoints_inside_an_epoch_once_the_time_has_passed(
+    train_here, rectangles96_yaml, tmp_path, monkeypatch
+) -> None:
     # 96 images, global batch 32: 3 batches, 2 per optimizer step (an explicit optimizer accumulates up to the
     # nominal batch of 64), so one step boundary inside each epoch.
     saved: list[dict] = []
     record_calls(monkeypatch, RunRecord, "save_mid_epoch", lambda args, result: saved.append(args[1]["mid_epoch"]))
-    status, log = train_here("--data", rectangles96_yaml, "--project", tmp_path, "--epochs", "2", "--noval",
-                             "--batch-size", "32", "--save-minutes", "0.00001", "--optimizer", "AdamW")
+    status, log = train_here(
+        "--data",
+        rectangles96_yaml,
+        "--project",
+        tmp_path,
+        "--epochs",
+        "2",
+        "--noval",
+        "--batch-size",
+        "32",
+        "--save-minutes",
+        "0.00001",
+        "--optimizer",
+        "AdamW",
+    )
     assert status == 0, log
     assert [(m["epoch"], m["batch"]) for m in saved] == [(0, 2), (1, 2)]
 
@@ -466,6 +552,7 @@ def test_resume_refuses_a_flag_it_cannot_change_and_names_it(train_here, finishe
 
 # ---- --time ----------------------------------------------------------------------------------------------
 
+
 def test_time_budget_gives_the_number_of_epochs_after_the_first() -> None:
     config = TrainConfig(time=0.5, close_mosaic=10, epochs=300)  # 1800 s, counted from the first epoch's start
     budget = time_budget(config, process_started=0.0, loop_started=100.0)
@@ -497,19 +584,37 @@ def test_time_refits_the_schedule_and_close_mosaic(train_here, rectangles_yaml, 
     # The measured epoch time decides the number of epochs; here that decision is fixed at 3 epochs.
     monkeypatch.setattr(trainer_module, "fit_to_time", lambda budget, epoch, *_: {"epochs": 3} if epoch == 0 else {})
     mosaic_epochs: list[bool] = []
-    record_calls(monkeypatch, dataset_module.YoloDataset, "mosaic_enabled",
-                 lambda args, enabled: mosaic_epochs.append((args[1], enabled)))
+    record_calls(
+        monkeypatch,
+        dataset_module.YoloDataset,
+        "mosaic_enabled",
+        lambda args, enabled: mosaic_epochs.append((args[1], enabled)),
+    )
     hyp = yaml.safe_load((ROOT / "data/hyps/hyp.scratch-low.yaml").read_text())
     hyp.update(warmup_epochs=0, lr0=0.01, lrf=0.1)
     (tmp_path / "hyp.yaml").write_text(yaml.safe_dump(hyp))
-    status, log = train_here("--data", rectangles_yaml, "--project", tmp_path, "--epochs", "300", "--time", "1",
-                             "--close-mosaic", "1", "--noval", "--optimizer", "SGD", "--hyp", tmp_path / "hyp.yaml")
+    status, log = train_here(
+        "--data",
+        rectangles_yaml,
+        "--project",
+        tmp_path,
+        "--epochs",
+        "300",
+        "--time",
+        "1",
+        "--close-mosaic",
+        "1",
+        "--noval",
+        "--optimizer",
+        "SGD",
+        "--hyp",
+        tmp_path / "hyp.yaml",
+    )
     assert status == 0, log
     rows = results(tmp_path / "exp")
     assert [int(r["epoch"]) for r in rows] == [0, 1, 2]  # not 300
     # Epoch 0 ran the 300-epoch schedule; from epoch 1 on, the 3-epoch one: 1 -> 0.1 over 3 epochs.
-    assert [r["x/lr0"] for r in rows] == pytest.approx([0.01, 0.01 * (1 - 0.9 / 3), 0.01 * (1 - 0.9 * 2 / 3)],
-                                                       rel=1e-5)
+    assert [r["x/lr0"] for r in rows] == pytest.approx([0.01, 0.01 * (1 - 0.9 / 3), 0.01 * (1 - 0.9 * 2 / 3)], rel=1e-5)
     assert {e for e, enabled in mosaic_epochs if enabled} == {0, 1} and {e for e, on in mosaic_epochs if not on} == {2}
     assert "1 epochs completed" not in log and "3 epochs completed" in log
 

@@ -1,5 +1,6 @@
 """A checkpoint written before the run configuration had its own schema (argparse options stored as ``opt``)
 resumes with the current code to the same weights, optimizer state and results as the code that wrote it."""
+
 from __future__ import annotations
 
 import shutil
@@ -29,14 +30,16 @@ def _columns(csv_file: Path) -> dict[str, list[str]]:
 
 
 @pytest.mark.slow
-def test_a_checkpoint_with_the_old_options_resumes_mid_epoch_as_the_old_code_did(train_here, rectangles_yaml, tmp_path,
-                                                                                 monkeypatch) -> None:
+def test_a_checkpoint_with_the_old_options_resumes_mid_epoch_as_the_old_code_did(
+    train_here, rectangles_yaml, tmp_path, monkeypatch
+) -> None:
     run_dir = tmp_path / "runs/straight"
     (run_dir / "weights").mkdir(parents=True)
     shutil.copy(FIXTURE / "last.pt", run_dir / "weights/last.pt")
     shutil.copy(FIXTURE / "results.csv", run_dir / "results.csv")
     assert "opt" in load_checkpoint(run_dir / "weights/last.pt") and "config" not in load_checkpoint(
-        run_dir / "weights/last.pt")
+        run_dir / "weights/last.pt"
+    )
     (tmp_path / "rect").symlink_to(Path(rectangles_yaml).parent)  # the run's --data: rect/rectangles.yaml
     monkeypatch.chdir(tmp_path)
     torch.set_num_threads(1)  # as the fixture was made (train_here restores the count)
@@ -56,8 +59,8 @@ def test_a_checkpoint_with_the_old_options_resumes_mid_epoch_as_the_old_code_did
         assert [k for k in theirs if not torch.equal(ours[k], theirs[k])] == []
         # Every value of every column the old code wrote; the time split's columns (measurements) come after them.
         ours_csv, theirs_csv = (_columns(f) for f in (run_dir / "results.csv", FIXTURE / "expected_results.csv"))
-        assert list(ours_csv)[:len(theirs_csv)] == list(theirs_csv)
-        assert all(name.startswith("time/") for name in list(ours_csv)[len(theirs_csv):])
+        assert list(ours_csv)[: len(theirs_csv)] == list(theirs_csv)
+        assert all(name.startswith("time/") for name in list(ours_csv)[len(theirs_csv) :])
         assert {name: ours_csv[name] for name in theirs_csv} == theirs_csv
     else:  # other kernels round otherwise: the same run, up to rounding
         for key in ("/model", "/ema"):

@@ -1,4 +1,5 @@
 """Test-time augmentation: every pass's boxes map back to the input's pixels; val.py reports it beside plain."""
+
 from __future__ import annotations
 
 import logging
@@ -62,8 +63,10 @@ def test_scaled_images_keep_the_top_left_origin_and_stride_multiples() -> None:
     imgs = torch.rand(1, 3, 64, 96)
     out = scale_images(imgs, 0.67, STRIDE)
     assert out.shape[2] % STRIDE == 0 and out.shape[3] % STRIDE == 0
-    assert torch.allclose(out[0, :, 0, 0], torch.nn.functional.interpolate(imgs, size=(42, 64), mode="bilinear",
-                                                                              align_corners=False)[0, :, 0, 0])
+    assert torch.allclose(
+        out[0, :, 0, 0],
+        torch.nn.functional.interpolate(imgs, size=(42, 64), mode="bilinear", align_corners=False)[0, :, 0, 0],
+    )
     assert torch.allclose(out[..., 42:, :], torch.tensor(0.447))  # padding below and to the right only
 
 
@@ -83,8 +86,17 @@ def test_val_augment_reports_beside_the_plain_pass(rectangles_yaml, untrained_we
     level = LOGGER.level
     LOGGER.setLevel(logging.INFO)
     try:
-        results = val.run(data=str(rectangles_yaml), weights=str(untrained_weights), imgsz=64, batch_size=8,
-                          workers=0, augment=True, noplots=True, project=str(tmp_path), device="cpu")
+        results = val.run(
+            data=str(rectangles_yaml),
+            weights=str(untrained_weights),
+            imgsz=64,
+            batch_size=8,
+            workers=0,
+            augment=True,
+            noplots=True,
+            project=str(tmp_path),
+            device="cpu",
+        )
     finally:
         LOGGER.removeHandler(handler)
         LOGGER.setLevel(level)
@@ -95,8 +107,17 @@ def test_val_augment_reports_beside_the_plain_pass(rectangles_yaml, untrained_we
 
 def test_detect_augment_keeps_boxes_inside_the_image(rectangles_yaml, untrained_weights, tmp_path) -> None:
     source = rectangles_yaml.parent / "images/val/0000.jpg"
-    out = detect.run(weights=str(untrained_weights), source=str(source), imgsz=64, conf_thres=0.001, augment=True,
-                     max_det=50, nosave=True, project=str(tmp_path), device="cpu")
+    out = detect.run(
+        weights=str(untrained_weights),
+        source=str(source),
+        imgsz=64,
+        conf_thres=0.001,
+        augment=True,
+        max_det=50,
+        nosave=True,
+        project=str(tmp_path),
+        device="cpu",
+    )
     assert len(out.detections) == 1
     for det in out.detections.values():
         assert len(det) and (det[:, :4] >= 0).all() and (det[:, [0, 2]] <= 96).all() and (det[:, [1, 3]] <= 96).all()

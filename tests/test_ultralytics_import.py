@@ -1,6 +1,7 @@
 """Importing Ultralytics checkpoints (models/families/ultralytics_import.py): the committed fixtures, made by
 Ultralytics' own trainer (tests/fixtures/ultralytics, see its README), load without running pickled code and compute
 Ultralytics' own outputs; payloads, other tasks, missing files and --resume get one line each."""
+
 from __future__ import annotations
 
 import builtins
@@ -14,8 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tests.ultralytics_reference import (FIXTURES, assert_close_to_ultralytics, assert_same_end2end_detections,
-                                         reference)
+from tests.ultralytics_reference import FIXTURES, assert_close_to_ultralytics, assert_same_end2end_detections, reference
 from models.families import family_of
 from utils.checkpoint import load_checkpoint
 from utils.errors import UserError
@@ -30,11 +30,14 @@ CHECKPOINTS = {  # file -> (family, number of classes, the slot its weights come
 
 # ---- fake Ultralytics module paths, to pickle objects that name them (the real package is never imported) ----
 
+
 @pytest.fixture
 def fake_ultralytics(monkeypatch) -> types.SimpleNamespace:
     classes = {}
-    for module_name, names in (("ultralytics.nn.tasks", ("DetectionModel", "SegmentationModel")),
-                               ("ultralytics.nn.modules.head", ("Detect",))):
+    for module_name, names in (
+        ("ultralytics.nn.tasks", ("DetectionModel", "SegmentationModel")),
+        ("ultralytics.nn.modules.head", ("Detect",)),
+    ):
         module = types.ModuleType(module_name)
         for name in names:
             cls = type(name, (nn.Module,), {"__module__": module_name})
@@ -48,8 +51,13 @@ def fake_ultralytics(monkeypatch) -> types.SimpleNamespace:
 
 def _v8_yaml(levels: int = 3) -> dict:
     sources = [15, 18, 21, 22][:levels]
-    return {"nc": 2, "scales": {"n": [0.33, 0.25, 1024]}, "scale": "n", "backbone": [[-1, 1, "Conv", [64, 3, 2]]],
-            "head": [[sources, 1, "Detect", ["nc"]]]}
+    return {
+        "nc": 2,
+        "scales": {"n": [0.33, 0.25, 1024]},
+        "scale": "n",
+        "backbone": [[-1, 1, "Conv", [64, 3, 2]]],
+        "head": [[sources, 1, "Detect", ["nc"]]],
+    }
 
 
 class ExecPayload:
@@ -81,10 +89,13 @@ def _dressed_payload(fake_ultralytics, tmp_path: Path, payload: type[ExecPayload
 
 # ---- refusals ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("payload, global_name",
-                         [(ExecPayload, "builtins.exec"), (SystemPayload, os.system.__module__)])
+
+@pytest.mark.parametrize(
+    "payload, global_name", [(ExecPayload, "builtins.exec"), (SystemPayload, os.system.__module__)]
+)
 def test_a_payload_dressed_as_an_ultralytics_checkpoint_is_refused_and_nothing_runs(
-        fake_ultralytics, tmp_path, payload, global_name) -> None:
+    fake_ultralytics, tmp_path, payload, global_name
+) -> None:
     path, marker = _dressed_payload(fake_ultralytics, tmp_path, payload)
     with pytest.raises(UserError) as e:
         load_checkpoint(path)
@@ -104,6 +115,7 @@ def test_a_payload_in_a_model_slot_alone_is_refused(tmp_path) -> None:
 
 def test_an_allowed_class_called_with_arguments_is_refused(fake_ultralytics, tmp_path) -> None:
     """The stand-ins take no constructor arguments: an allowed name used as a callable cannot smuggle a call."""
+
     class Smuggler:
         def __reduce__(self):
             return fake_ultralytics.DetectionModel, ("rm -rf /",)
@@ -170,6 +182,7 @@ def test_a_missing_release_checkpoint_says_where_such_files_come_from(tmp_path, 
 
 
 # ---- the fixtures: safe import, equality with Ultralytics' own outputs ------------------------------------
+
 
 @pytest.mark.parametrize("name", sorted(CHECKPOINTS))
 def test_ultralytics_checkpoints_import_and_compute_ultralytics_outputs(name) -> None:

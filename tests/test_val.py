@@ -1,4 +1,5 @@
 """val.py end to end on a generated dataset: an oracle model, a real random model, and user errors."""
+
 from __future__ import annotations
 
 import logging
@@ -94,8 +95,9 @@ class FourTermLoss:
 
 def test_validation_averages_as_many_loss_terms_as_the_loss_names(dataset):
     loader, _ = create_dataloader(str(dataset.parent / "images" / "val"), 64, 4, 32, rect=True, pad=0.5, workers=0)
-    r = validate(ColourOracle(), loader, names=["red", "green"], device="cpu", family=YOLOV5,
-                 compute_loss=FourTermLoss())
+    r = validate(
+        ColourOracle(), loader, names=["red", "green"], device="cpu", family=YOLOV5, compute_loss=FourTermLoss()
+    )
     assert r.losses.tolist() == [1.0, 2.0, 3.0, 4.0] and r.as_row()[4:] == (1.0, 2.0, 3.0, 4.0)
 
 
@@ -105,8 +107,15 @@ def original_boxes(yaml_file: Path) -> dict[str, np.ndarray]:
     for i, (h, w) in enumerate(IMAGE_SIZES):
         text = (yaml_file.parent / "labels" / "val" / f"im{i}.txt").read_text().split()
         rows = np.array(text, dtype=np.float64).reshape(-1, 5)
-        xyxy = np.stack([(rows[:, 1] - rows[:, 3] / 2) * w, (rows[:, 2] - rows[:, 4] / 2) * h,
-                         (rows[:, 1] + rows[:, 3] / 2) * w, (rows[:, 2] + rows[:, 4] / 2) * h], 1)
+        xyxy = np.stack(
+            [
+                (rows[:, 1] - rows[:, 3] / 2) * w,
+                (rows[:, 2] - rows[:, 4] / 2) * h,
+                (rows[:, 1] + rows[:, 3] / 2) * w,
+                (rows[:, 2] + rows[:, 4] / 2) * h,
+            ],
+            1,
+        )
         out[f"im{i}"] = np.concatenate([rows[:, :1], xyxy], 1)
     return out
 
@@ -118,11 +127,21 @@ def dataset(tmp_path) -> Path:
 
 def test_oracle_scores_perfect_and_writes_outputs(dataset, tmp_path):
     # imgsz 128 shrinks some images and enlarges none: boxes come back through a real letterbox
-    loader, _ = create_dataloader(str(dataset.parent / "images" / "val"), 128, 4, 32, rect=True, pad=0.5,
-                                  workers=0)
+    loader, _ = create_dataloader(str(dataset.parent / "images" / "val"), 128, 4, 32, rect=True, pad=0.5, workers=0)
     save_dir = tmp_path / "run"
-    r = validate(ColourOracle(), loader, names=["red", "green"], device="cpu", family=YOLOV5, plots=True,
-                 save_json=True, save_txt=True, save_conf=True, save_dir=save_dir, verbose=True)
+    r = validate(
+        ColourOracle(),
+        loader,
+        names=["red", "green"],
+        device="cpu",
+        family=YOLOV5,
+        plots=True,
+        save_json=True,
+        save_txt=True,
+        save_conf=True,
+        save_dir=save_dir,
+        verbose=True,
+    )
     assert r.n_images == 6 and r.n_instances > 5
     assert r.map50 == pytest.approx(1.0) and r.map > 0.8
     assert r.p > 0.99 and r.r > 0.99
@@ -153,8 +172,13 @@ def test_oracle_scores_perfect_and_writes_outputs(dataset, tmp_path):
             assert distance.min() < 2.0  # pixels, after a down-and-up letterbox round trip
         assert (pred[:, 5] > 0.5).all()  # --save-conf column
 
-    for name in ("confusion_matrix.png", "PR_curve.png", "F1_curve.png", "val_batch0_labels.jpg",
-                 "val_batch0_pred.jpg"):
+    for name in (
+        "confusion_matrix.png",
+        "PR_curve.png",
+        "F1_curve.png",
+        "val_batch0_labels.jpg",
+        "val_batch0_pred.jpg",
+    ):
         assert (save_dir / name).stat().st_size > 0
 
 
@@ -187,8 +211,16 @@ def _random_checkpoint(path: Path, nc: int = 2) -> Path:
 @pytest.mark.slow
 def test_run_with_a_random_model_and_loss(dataset, tmp_path):
     weights = _random_checkpoint(tmp_path / "rand.pt")
-    kwargs = dict(data=str(dataset), weights=str(weights), imgsz=64, batch_size=4, device="cpu", workers=0,
-                  project=str(tmp_path / "runs"), noplots=True)
+    kwargs = dict(
+        data=str(dataset),
+        weights=str(weights),
+        imgsz=64,
+        batch_size=4,
+        device="cpu",
+        workers=0,
+        project=str(tmp_path / "runs"),
+        noplots=True,
+    )
     r = val.run(**kwargs, max_det=50)
     assert r.save_dir == tmp_path / "runs" / "exp"
     assert r.n_images == 6 and 0.0 <= r.map <= r.map50 <= 1.0
@@ -201,8 +233,9 @@ def test_run_with_a_random_model_and_loss(dataset, tmp_path):
     model, _ = load_model(weights, "cpu")
     hyp = YOLOV5.read_hyp(YOLOV5.default_hyp_path)
     loader, _ = create_dataloader(str(dataset.parent / "images" / "val"), 64, 4, 32, rect=True, pad=0.5, workers=0)
-    r = validate(model.train(), loader, names=["red", "green"], device="cpu", compute_loss=ComputeLoss(model, hyp),
-                     max_det=50)
+    r = validate(
+        model.train(), loader, names=["red", "green"], device="cpu", compute_loss=ComputeLoss(model, hyp), max_det=50
+    )
     assert r.losses.shape == (3,) and (r.losses > 0).all()
 
 
@@ -244,8 +277,22 @@ def test_cli_errors_are_one_line_and_exit_non_zero(dataset, tmp_path):
         assert status == 1 and lines[-1].startswith("ERROR") and named_file in lines[-1], lines
     for args, named_file in cases[:1]:
         proc = subprocess.run(
-            [sys.executable, "val.py", "--data", str(dataset), "--device", "cpu", "--project", str(tmp_path / "r"),
-             *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+            [
+                sys.executable,
+                "val.py",
+                "--data",
+                str(dataset),
+                "--device",
+                "cpu",
+                "--project",
+                str(tmp_path / "r"),
+                *args,
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         output = proc.stdout + proc.stderr
         error_lines = [line for line in output.splitlines() if line.startswith("ERROR")]
@@ -278,8 +325,9 @@ def test_validate_folds_batchnorm_into_a_copy_with_the_same_outputs(dataset):
     hyp = YOLOV5.read_hyp(YOLOV5.default_hyp_path)
     loader, _ = create_dataloader(str(dataset.parent / "images" / "val"), 64, 3, 32, rect=True, pad=0.5, workers=0)
     folded = validate(model, loader, names=["red", "green"], device="cpu", compute_loss=ComputeLoss(model, hyp))
-    as_is = validate(Opaque(model), loader, names=["red", "green"], device="cpu", family=YOLOV5,
-                         compute_loss=ComputeLoss(model, hyp))
+    as_is = validate(
+        Opaque(model), loader, names=["red", "green"], device="cpu", family=YOLOV5, compute_loss=ComputeLoss(model, hyp)
+    )
     # The caller's model keeps its BatchNorms and its weights (training goes on with it).
     assert sum(isinstance(m, nn.BatchNorm2d) for m in model.modules()) == 57
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -1,4 +1,5 @@
 """`val: 0.1`: a deterministic part of train by a hash of each image's path relative to the dataset root."""
+
 from __future__ import annotations
 
 import shutil

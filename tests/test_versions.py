@@ -1,4 +1,5 @@
 """An older Python or torch is refused by every entry point in one line, before its imports can fail."""
+
 from __future__ import annotations
 
 import runpy
@@ -16,8 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_the_floors_are_python_3_9_and_torch_2_6() -> None:
     assert unsupported_versions((3, 11, 7), "2.14.1+cpu") is None
     assert unsupported_versions((3, 9, 0), "2.6.0") is None
-    assert unsupported_versions((3, 8, 18), "2.14.1") == ("unsupported Python 3.8 (needs 3.9 or newer): install the "
-                                                          "versions in requirements.txt")
+    assert unsupported_versions((3, 8, 18), "2.14.1") == (
+        "unsupported Python 3.8 (needs 3.9 or newer): install the versions in requirements.txt"
+    )
     assert "torch 2.5.1+cu121 (needs 2.6 or newer)" in unsupported_versions((3, 11, 7), "2.5.1+cu121")
     assert "torch nightly" in unsupported_versions((3, 11, 7), "nightly")
 

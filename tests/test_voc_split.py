@@ -1,4 +1,5 @@
 """Pascal VOC XML as a split: YOLOv5's box conversion, difficult objects left out, classes from object names."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,10 +14,15 @@ from utils.errors import UserError
 
 
 def _xml(name: str, w: int, h: int, objects: list[tuple[str, int, tuple[int, int, int, int]]]) -> str:
-    body = "".join(f"<object><name>{n}</name><difficult>{d}</difficult><bndbox><xmin>{b[0]}</xmin><ymin>{b[1]}</ymin>"
-                   f"<xmax>{b[2]}</xmax><ymax>{b[3]}</ymax></bndbox></object>" for n, d, b in objects)
-    return f"<annotation><filename>{name}</filename><size><width>{w}</width><height>{h}</height><depth>3</depth>" \
-           f"</size>{body}</annotation>"
+    body = "".join(
+        f"<object><name>{n}</name><difficult>{d}</difficult><bndbox><xmin>{b[0]}</xmin><ymin>{b[1]}</ymin>"
+        f"<xmax>{b[2]}</xmax><ymax>{b[3]}</ymax></bndbox></object>"
+        for n, d, b in objects
+    )
+    return (
+        f"<annotation><filename>{name}</filename><size><width>{w}</width><height>{h}</height><depth>3</depth>"
+        f"</size>{body}</annotation>"
+    )
 
 
 def make_voc(root: Path) -> Path:
@@ -35,8 +41,9 @@ def make_voc(root: Path) -> Path:
     (voc / "ImageSets" / "Main" / "train.txt").write_text("000002\n000001\n000003\n")
     (voc / "ImageSets" / "Main" / "val.txt").write_text("000004\n000005\n")  # 000005 is listed but missing
     yaml_file = root / "voc.yaml"
-    yaml_file.write_text(f"path: {root / 'VOCdevkit'}\ntrain: {{voc: VOC2007, set: train}}\n"
-                         "val: {voc: [VOC2007], set: val}\n")
+    yaml_file.write_text(
+        f"path: {root / 'VOCdevkit'}\ntrain: {{voc: VOC2007, set: train}}\nval: {{voc: [VOC2007], set: val}}\n"
+    )
     return yaml_file
 
 
@@ -53,12 +60,14 @@ def test_voc_split_converts_as_yolov5_and_leaves_difficult_out(tmp_path: Path) -
     train = load_labels(cfg["train"], verbose=False)
     assert [Path(f).stem for f in train.im_files] == ["000001", "000002", "000003"]  # by path
     assert train.counts["difficult_left_out"] == 1 and train.counts["background"] == 1
-    np.testing.assert_allclose(train.labels[0], [[2, *_yolov5_convert(100, 50, (1, 100, 1, 50))],
-                                                 [1, *_yolov5_convert(100, 50, (50, 90, 10, 45))]], atol=1e-6)
+    np.testing.assert_allclose(
+        train.labels[0],
+        [[2, *_yolov5_convert(100, 50, (1, 100, 1, 50))], [1, *_yolov5_convert(100, 50, (50, 90, 10, 45))]],
+        atol=1e-6,
+    )
     np.testing.assert_allclose(train.labels[1], [[1, *_yolov5_convert(100, 50, (11, 60, 21, 40))]], atol=1e-6)
     val = load_labels(cfg["val"], verbose=False)
-    assert len(val) == 1 and val.counts["corrupt"] == 1 and any("000005" in m and "missing" in m for m in
-                                                                 val.messages)
+    assert len(val) == 1 and val.counts["corrupt"] == 1 and any("000005" in m and "missing" in m for m in val.messages)
 
 
 def test_voc_names_from_yaml_and_bad_form(tmp_path: Path) -> None:
@@ -72,7 +81,8 @@ def test_voc_names_from_yaml_and_bad_form(tmp_path: Path) -> None:
     assert val.counts["unknown_class_objects"] == 1 and len(val.labels[0]) == 0
     assert any("000004.xml: object 1 'cat' is not in the data YAML's names" in m for m in val.messages)
     bad = tmp_path / "bad.yaml"
-    bad.write_text(f"path: {tmp_path / 'VOCdevkit'}\ntrain: {{voc: VOC2007}}\nval: {{voc: VOC2007, set: val}}\n"
-                   "names: [a]\n")
+    bad.write_text(
+        f"path: {tmp_path / 'VOCdevkit'}\ntrain: {{voc: VOC2007}}\nval: {{voc: VOC2007, set: val}}\nnames: [a]\n"
+    )
     with pytest.raises(UserError, match=r"a VOC split is \{voc: <folder or list>, set: <ImageSets/Main name>\}"):
         load_data_config(bad)

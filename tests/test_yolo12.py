@@ -1,6 +1,7 @@
 """YOLO12 through the family seam: Ultralytics' own outputs from a checkpoint its trainer wrote (the narrowest YOLO12
 that builds: attention heads need 32 channels), area attention, a step on 2 ranks equal to one process, ONNX export.
 Parameter counts and key names are checked with the other families' in tests/test_models_anchor_free.py."""
+
 from __future__ import annotations
 
 import pytest
@@ -36,7 +37,7 @@ def test_yolo12_checkpoint_imports_and_computes_ultralytics_outputs_and_class_lo
     with torch.no_grad():
         pred, raw = model(x)
     assert_close_to_ultralytics(pred, ref["pred"], "yolo12 predictions")  # (B, 4 + nc, A)
-    class_logits = torch.cat([level.flatten(2) for level in raw], 2)[:, -model.nc:]
+    class_logits = torch.cat([level.flatten(2) for level in raw], 2)[:, -model.nc :]
     assert_close_to_ultralytics(class_logits, ref["class_logits"], "yolo12 class logits")
     detections = YOLO12.detections(pred, 0.0, YOLO12.val_iou, max_det=10)
     assert [d.shape for d in detections] == [(10, 6), (10, 6)]
@@ -57,9 +58,33 @@ def test_yolo12_trains_and_a_step_on_two_ranks_equals_one_process(tmp_path) -> N
     cfg = {**load_model_config("yolo12.yaml"), "scales": {"n": [0.25, 0.25, 256]}}  # the checkpoint's width
     cfg.pop("yaml_file")
     (tmp_path / "yolo12n.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    common = ["--data", str(rectangles_yaml), "--cfg", str(tmp_path / "yolo12n.yaml"), "--epochs", "1", "--noval",
-              "--deterministic", "--no-amp", "--optimizer", "SGD", "--seed", "3", "--sync-bn", "--name", "exp",
-              "--imgsz", "32", "--batch-size", "8", "--workers", "0", "--device", "cpu", "--noplots"]
+    common = [
+        "--data",
+        str(rectangles_yaml),
+        "--cfg",
+        str(tmp_path / "yolo12n.yaml"),
+        "--epochs",
+        "1",
+        "--noval",
+        "--deterministic",
+        "--no-amp",
+        "--optimizer",
+        "SGD",
+        "--seed",
+        "3",
+        "--sync-bn",
+        "--name",
+        "exp",
+        "--imgsz",
+        "32",
+        "--batch-size",
+        "8",
+        "--workers",
+        "0",
+        "--device",
+        "cpu",
+        "--noplots",
+    ]
     assert run_forked([(train.main, ([*common, "--project", str(tmp_path / "single")],), {})]) == [0]
     codes, outputs = main_on_ranks(train.main, [*common, "--project", str(tmp_path / "ranks")], 2, tmp_path)
     assert codes == [0, 0], "".join(outputs)[-3000:]
@@ -86,8 +111,9 @@ def test_yolo12_exports_to_onnx_with_ultralytics_outputs(tmp_path) -> None:
     weights = tmp_path / CHECKPOINT.name
     weights.write_bytes(CHECKPOINT.read_bytes())
     x, ref = reference("yolo12")
-    (onnx_file,) = export.run(weights=str(weights), imgsz=list(x.shape[2:]), batch_size=x.shape[0], include=["onnx"],
-                              simplify=False)  # the graph as traced: onnxslim is not YOLO12's to test
+    (onnx_file,) = export.run(
+        weights=str(weights), imgsz=list(x.shape[2:]), batch_size=x.shape[0], include=["onnx"], simplify=False
+    )  # the graph as traced: onnxslim is not YOLO12's to test
     runner = open_runner(onnx_file)
     meta = runner.meta
     assert meta.family == "yolo12" and meta.layout == "anchor_free"

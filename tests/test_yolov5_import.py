@@ -1,4 +1,5 @@
 """YOLOv5 checkpoint import: files written here in YOLOv5's pickle layout, without YOLOv5's code."""
+
 from __future__ import annotations
 
 import copy
@@ -56,14 +57,34 @@ def yolov5_style_model(model: Model, half: bool) -> Model:
     return m.half() if half else m
 
 
-def write_yolov5_checkpoint(path: Path, model: Model, *, half: bool = True, ema: Model | None = None,
-                            opt_payload: object = None, extra_globals: dict | None = None) -> Path:
+def write_yolov5_checkpoint(
+    path: Path,
+    model: Model,
+    *,
+    half: bool = True,
+    ema: Model | None = None,
+    opt_payload: object = None,
+    extra_globals: dict | None = None,
+) -> Path:
     """A checkpoint dict as YOLOv5's train.py saves it, pickled under YOLOv5's class names."""
-    opt = {"weights": "yolov5s.pt", "save_dir": PurePosixPath("runs/train/exp"), "seed": np.int64(0),
-           "hyp": {"lr0": np.float64(0.01)}, "payload": opt_payload}
-    ckpt = {"epoch": 2, "best_fitness": np.array([0.0123]), "model": yolov5_style_model(model, half),
-            "ema": yolov5_style_model(ema, half) if ema is not None else None, "updates": 24, "optimizer": None,
-            "opt": opt, "git": {"remote": None}, "date": datetime.now().isoformat()}
+    opt = {
+        "weights": "yolov5s.pt",
+        "save_dir": PurePosixPath("runs/train/exp"),
+        "seed": np.int64(0),
+        "hyp": {"lr0": np.float64(0.01)},
+        "payload": opt_payload,
+    }
+    ckpt = {
+        "epoch": 2,
+        "best_fitness": np.array([0.0123]),
+        "model": yolov5_style_model(model, half),
+        "ema": yolov5_style_model(ema, half) if ema is not None else None,
+        "updates": 24,
+        "optimizer": None,
+        "opt": opt,
+        "git": {"remote": None},
+        "date": datetime.now().isoformat(),
+    }
     torch.save(ckpt, path, pickle_module=_pickle_module(extra_globals), pickle_protocol=2)
     return path
 

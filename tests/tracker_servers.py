@@ -4,6 +4,7 @@ The server starts in the background (``MLflowServer(...)``) while the test does 
 for when needed (``wait_ready``). Its SQLite store starts as a copy of an empty store already migrated to this
 MLflow version, kept in pytest's cache: a new store's migrations take about as long again as the server's start.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,9 +30,9 @@ def session_members(session_id: int) -> list[str]:
             text = stat.read_text()
         except OSError:
             continue
-        fields = text[text.rindex(")") + 2:].split()  # after 'pid (comm)': state ppid pgrp session ...
+        fields = text[text.rindex(")") + 2 :].split()  # after 'pid (comm)': state ppid pgrp session ...
         if int(fields[3]) == session_id and fields[0] != "Z":
-            found.append(f"{stat.parent.name} {text[text.index('(') + 1:text.rindex(')')]}")
+            found.append(f"{stat.parent.name} {text[text.index('(') + 1 : text.rindex(')')]}")
     return found
 
 
@@ -54,10 +55,27 @@ class MLflowServer:
             shutil.copyfile(self.template, self.store)
         env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no job consumers outliving it
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{self.store}",
-             "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(self.port),
-             "--workers", "1"],
-            stdout=open(self.log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "mlflow",
+                "server",
+                "--backend-store-uri",
+                f"sqlite:///{self.store}",
+                "--artifacts-destination",
+                str(root / "artifacts"),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--workers",
+                "1",
+            ],
+            stdout=open(self.log, "w"),
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
 
     def wait_ready(self, timeout: float = 180) -> str:
         deadline = time.monotonic() + timeout
@@ -100,9 +118,14 @@ class MLflowServer:
 
 def tracker_environment(tmp: Path, mlflow_uri: str) -> dict[str, str]:
     """MLflow at the server, W&B offline with its own folders under ``tmp`` (nothing in the home folder)."""
-    return {"MLFLOW_TRACKING_URI": mlflow_uri, "WANDB_MODE": "offline", "WANDB_SILENT": "true",
-            "WANDB_CACHE_DIR": str(tmp / "wandb_cache"), "WANDB_DATA_DIR": str(tmp / "wandb_data"),
-            "WANDB_CONFIG_DIR": str(tmp / "wandb_config")}
+    return {
+        "MLFLOW_TRACKING_URI": mlflow_uri,
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "WANDB_CACHE_DIR": str(tmp / "wandb_cache"),
+        "WANDB_DATA_DIR": str(tmp / "wandb_data"),
+        "WANDB_CONFIG_DIR": str(tmp / "wandb_config"),
+    }
 
 
 def results_by_epoch(csv_file: Path) -> dict[int, dict[str, float]]:
@@ -111,8 +134,9 @@ def results_by_epoch(csv_file: Path) -> dict[int, dict[str, float]]:
     return read_results(csv_file)
 
 
-def check_mlflow_run(uri: str, experiment: str, run_id: str, csv_file: Path, params: dict[str, str],
-                     artifacts: set[str]) -> None:
+def check_mlflow_run(
+    uri: str, experiment: str, run_id: str, csv_file: Path, params: dict[str, str], artifacts: set[str]
+) -> None:
     """The experiment holds one run, ``run_id``: finished, every results.csv column at every epoch once (with its
     values, but for the time columns: an epoch trained again after a kill keeps its first timing), ``params``
     among its parameters, ``artifacts`` among its files."""
@@ -129,8 +153,9 @@ def check_mlflow_run(uri: str, experiment: str, run_id: str, csv_file: Path, par
         history = sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)
         assert [m.step for m in history] == sorted(rows), key  # every epoch, once
         if not key.startswith("time/"):
-            np.testing.assert_allclose([m.value for m in history], [rows[e][key] for e in sorted(rows)], rtol=1e-4,
-                                       atol=1e-9, err_msg=key)
+            np.testing.assert_allclose(
+                [m.value for m in history], [rows[e][key] for e in sorted(rows)], rtol=1e-4, atol=1e-9, err_msg=key
+            )
     found = {a.path for a in client.list_artifacts(run_id)}
     found |= {a.path for folder in ("weights", "plots") for a in client.list_artifacts(run_id, folder)}
     assert artifacts <= found, found
@@ -147,8 +172,9 @@ def check_wandb_files(run_dir: Path, run_id: str, csv_file: Path, processes: tup
     assert held.run_ids == {run_id}
     rows = results_by_epoch(csv_file)
     columns = set(rows[0])
-    counts = Counter((key, int(row["epoch"])) for row in held.history if "epoch" in row for key in row
-                     if key in columns)
+    counts = Counter(
+        (key, int(row["epoch"])) for row in held.history if "epoch" in row for key in row if key in columns
+    )
     assert counts == Counter({(key, e): 1 for key in columns for e in rows})  # every epoch, once
     assert {"results.csv", "weights/best.pt", "weights/last.pt"} <= held.files
 
@@ -167,8 +193,11 @@ def orphaned_wandb_services(before: dict[int, int], timeout: float = 10) -> list
     """Services started since ``before`` whose process is gone (each should end with its process)."""
     deadline = time.monotonic() + timeout
     while True:
-        left = [pid for pid, parent in wandb_services().items()
-                if pid not in before and not Path(f"/proc/{parent}").exists()]
+        left = [
+            pid
+            for pid, parent in wandb_services().items()
+            if pid not in before and not Path(f"/proc/{parent}").exists()
+        ]
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.2)

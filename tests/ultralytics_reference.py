@@ -1,5 +1,6 @@
 """The committed Ultralytics fixtures (tests/fixtures/ultralytics, described in its README):
 their fixed inputs and reference outputs, and how outputs are compared with them."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,4 +1,5 @@
 """Mixed-precision policy: fp16 with a gradient scaler on CUDA, bf16 autocast on CPUs that support it."""
+
 from __future__ import annotations
 
 import contextlib

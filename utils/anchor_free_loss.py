@@ -21,6 +21,7 @@ and 1 - lambda, lambda falling linearly from 0.8 in the first epoch to 0.1 in th
 the one-to-one head's, the head used at inference (as Ultralytics logs them); the loss is the weighted sum of both
 heads'.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -46,6 +47,7 @@ O2M_WEIGHT_LAST = 0.1  # ... and in the last
 
 
 # ---- pieces shared by both losses ------------------------------------------------------------------------------
+
 
 class GroundTruth(NamedTuple):
     """A batch's gts padded per image to the largest count M."""
@@ -97,6 +99,7 @@ def global_sum(local: torch.Tensor, reduce: Reduce | None) -> torch.Tensor:
 
 # ---- the losses ------------------------------------------------------------------------------------------------
 
+
 class AnchorFreeLoss:
     """Loss of an anchor-free Detect head (YOLOv8 / YOLO11; reg_max 1 switches DFL to L1): see the module doc.
 
@@ -107,9 +110,17 @@ class AnchorFreeLoss:
     t * (1 - eps) + eps / 2 (0 = off; Ultralytics has none).
     """
 
-    def __init__(self, model: nn.Module, hyp: Any = None, *, tal_topk: int = 10, tal_topk2: int | None = None,
-                 small_object_px: float | None = 16.0, label_smoothing: float = 0.0,
-                 gains: tuple[float, float, float] | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        hyp: Any = None,
+        *,
+        tal_topk: int = 10,
+        tal_topk2: int | None = None,
+        small_object_px: float | None = 16.0,
+        label_smoothing: float = 0.0,
+        gains: tuple[float, float, float] | None = None,
+    ) -> None:
         head = de_parallel(model).model[-1]
         self.strides: list[float] = [float(s) for s in head.stride]  # fixed once the model is built
         self.nc: int = int(head.nc)
@@ -120,8 +131,9 @@ class AnchorFreeLoss:
                 raise ValueError("AnchorFreeLoss needs the gains box, cls and dfl: in hyp or as gains=(box, cls, dfl)")
             gains = (float(hyp.box), float(hyp.cls), float(hyp.dfl))
         self.gains = gains
-        self.assigner = TaskAlignedAssigner(self.nc, tal_topk, TAL_ALPHA, TAL_BETA, topk2=tal_topk2,
-                                            small_object_px=small_object_px)
+        self.assigner = TaskAlignedAssigner(
+            self.nc, tal_topk, TAL_ALPHA, TAL_BETA, topk2=tal_topk2, small_object_px=small_object_px
+        )
         self.smooth_scale, self.smooth_offset = 1.0 - label_smoothing, smooth_bce_targets(label_smoothing)[1]
 
     # The DetectionLoss protocol: nothing to assign or count before the forward (assignment needs predictions).
@@ -134,8 +146,14 @@ class AnchorFreeLoss:
     def set_epoch(self, epoch: int, epochs: int) -> None:
         return None
 
-    def __call__(self, preds: Sequence[torch.Tensor], targets: torch.Tensor, norm: LossNorm | None = None,
-                 prepared: Any = None, reduce: Reduce | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self,
+        preds: Sequence[torch.Tensor],
+        targets: torch.Tensor,
+        norm: LossNorm | None = None,
+        prepared: Any = None,
+        reduce: Reduce | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Loss (scalar, times the global image count) and its (box, cls, dfl|l1) items, detached."""
         levels = self._levels(preds)
         gt = self._ground_truth(levels, targets)
@@ -167,8 +185,10 @@ class AnchorFreeLoss:
         batch = levels[0].shape[0]
         channels = 4 * self.reg_max + self.nc
         if any(p.shape[1] != channels for p in levels):
-            raise ValueError(f"head outputs have {[p.shape[1] for p in levels]} channels, expected {channels} "
-                             f"(4 * reg_max {self.reg_max} + nc {self.nc})")
+            raise ValueError(
+                f"head outputs have {[p.shape[1] for p in levels]} channels, expected {channels} "
+                f"(4 * reg_max {self.reg_max} + nc {self.nc})"
+            )
         # Channels first, as the head makes them: no transposed copy of the whole output.
         flat = torch.cat([p.reshape(batch, channels, -1) for p in levels], 2)  # (B, C, A)
         box_logits, cls_logits = flat.split((4 * self.reg_max, self.nc), 1)
@@ -181,8 +201,9 @@ class AnchorFreeLoss:
             else:
                 distances = box_logits.detach()
             pred_boxes = dist2bbox(distances.transpose(1, 2), anchor_points, xywh=False) * strides
-        assigned = assigner(cls_logits.detach().transpose(1, 2), pred_boxes, anchor_points * strides, gt.labels,
-                            gt.boxes, gt.mask)
+        assigned = assigner(
+            cls_logits.detach().transpose(1, 2), pred_boxes, anchor_points * strides, gt.labels, gt.boxes, gt.mask
+        )
         return HeadTargets(box_logits, cls_logits, anchor_points, strides, assigned, assigned.target_scores.sum())
 
     def terms(self, head: HeadTargets, image_hw: tuple[int, int], tss: torch.Tensor) -> torch.Tensor:
@@ -248,13 +269,24 @@ class End2EndLoss(AnchorFreeLoss):
     epoch about to run (0-based); until called, the first epoch's.
     """
 
-    def __init__(self, model: nn.Module, hyp: Any = None, *, tal_topk: int = 10, o2o_topk: int = 7,
-                 o2o_topk2: int = 1, small_object_px: float | None = 16.0, label_smoothing: float = 0.0,
-                 gains: tuple[float, float, float] | None = None) -> None:
-        super().__init__(model, hyp, tal_topk=tal_topk, small_object_px=small_object_px,
-                         label_smoothing=label_smoothing, gains=gains)
-        self.o2o_assigner = TaskAlignedAssigner(self.nc, o2o_topk, TAL_ALPHA, TAL_BETA, topk2=o2o_topk2,
-                                                small_object_px=small_object_px)
+    def __init__(
+        self,
+        model: nn.Module,
+        hyp: Any = None,
+        *,
+        tal_topk: int = 10,
+        o2o_topk: int = 7,
+        o2o_topk2: int = 1,
+        small_object_px: float | None = 16.0,
+        label_smoothing: float = 0.0,
+        gains: tuple[float, float, float] | None = None,
+    ) -> None:
+        super().__init__(
+            model, hyp, tal_topk=tal_topk, small_object_px=small_object_px, label_smoothing=label_smoothing, gains=gains
+        )
+        self.o2o_assigner = TaskAlignedAssigner(
+            self.nc, o2o_topk, TAL_ALPHA, TAL_BETA, topk2=o2o_topk2, small_object_px=small_object_px
+        )
         self.o2m_weight = O2M_WEIGHT_FIRST
 
     @property
@@ -265,8 +297,14 @@ class End2EndLoss(AnchorFreeLoss):
         progress = max(1.0 - epoch / max(epochs - 1, 1), 0.0)
         self.o2m_weight = progress * (O2M_WEIGHT_FIRST - O2M_WEIGHT_LAST) + O2M_WEIGHT_LAST
 
-    def __call__(self, preds: dict[str, Sequence[torch.Tensor]], targets: torch.Tensor, norm: LossNorm | None = None,
-                 prepared: Any = None, reduce: Reduce | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self,
+        preds: dict[str, Sequence[torch.Tensor]],
+        targets: torch.Tensor,
+        norm: LossNorm | None = None,
+        prepared: Any = None,
+        reduce: Reduce | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Weighted loss of both heads (times the global image count) and the one-to-one head's items, detached."""
         if not isinstance(preds, dict) or {"one2many", "one2one"} - preds.keys():
             raise TypeError("expected YOLO26's training output: {'one2many': levels, 'one2one': levels}")

@@ -12,6 +12,7 @@ releases, with which the published v8/11 weights were trained, did not: ``small_
 
 Everything is batched over (image, gt, anchor); gts are padded per image to the batch's largest count.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -38,8 +39,17 @@ class TaskAlignedAssigner:
     gt's best ``topk2`` positives by alignment. ``eps`` guards the soft-target normalisation.
     """
 
-    def __init__(self, nc: int, topk: int = 10, alpha: float = 0.5, beta: float = 6.0, *, topk2: int | None = None,
-                 small_object_px: float | None = 16.0, eps: float = 1e-9) -> None:
+    def __init__(
+        self,
+        nc: int,
+        topk: int = 10,
+        alpha: float = 0.5,
+        beta: float = 6.0,
+        *,
+        topk2: int | None = None,
+        small_object_px: float | None = 16.0,
+        eps: float = 1e-9,
+    ) -> None:
         self.nc = nc
         self.topk = topk
         self.topk2 = topk2 if topk2 is not None else topk
@@ -49,8 +59,15 @@ class TaskAlignedAssigner:
         self.eps = eps
 
     @torch.no_grad()
-    def __call__(self, pred_logits: torch.Tensor, pred_boxes: torch.Tensor, anchor_points: torch.Tensor,
-                 gt_labels: torch.Tensor, gt_boxes: torch.Tensor, gt_mask: torch.Tensor) -> Assignment:
+    def __call__(
+        self,
+        pred_logits: torch.Tensor,
+        pred_boxes: torch.Tensor,
+        anchor_points: torch.Tensor,
+        gt_labels: torch.Tensor,
+        gt_boxes: torch.Tensor,
+        gt_mask: torch.Tensor,
+    ) -> Assignment:
         """Assign a batch.
 
         pred_logits (B, A, nc) class logits (any memory layout; the sigmoid is taken only where needed);
@@ -113,8 +130,14 @@ class TaskAlignedAssigner:
         x1, y1, x2, y2 = (gt_boxes[..., i, None] for i in range(4))  # (B, M, 1) each
         return (x - x1 > margin) & (y - y1 > margin) & (x2 - x > margin) & (y2 - y > margin)
 
-    def alignment(self, pred_logits: torch.Tensor, pred_boxes: torch.Tensor, gt_labels: torch.Tensor,
-                  gt_boxes: torch.Tensor, in_gt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def alignment(
+        self,
+        pred_logits: torch.Tensor,
+        pred_boxes: torch.Tensor,
+        gt_labels: torch.Tensor,
+        gt_boxes: torch.Tensor,
+        in_gt: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, M, A) alignment metric and CIoU (clamped at 0), computed only for the (gt, anchor) pairs ``in_gt``.
 
         Sparse on purpose: most pairs lie outside the gt, and CIoU over every pair would cost B * M * A.

@@ -4,6 +4,7 @@ A box fits an anchor when neither side is more than ``thr`` times larger or smal
 same rule the loss uses to assign targets. Best possible recall (BPR) is the fraction of boxes that fit at
 least one anchor. Everything here is deterministic, so every DDP rank reaches the same anchors.
 """
+
 from __future__ import annotations
 
 import numpy as np

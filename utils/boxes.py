@@ -4,6 +4,7 @@ Formats: ``xyxy`` = (x1, y1, x2, y2) corners, ``xywh`` = (x_center, y_center, wi
 A trailing ``n`` means normalised to [0, 1] by the image size. Functions accept torch tensors
 or numpy arrays of shape (..., 4) unless stated otherwise.
 """
+
 from __future__ import annotations
 
 import math
@@ -115,10 +116,18 @@ def box_iou_exact(box1: np.ndarray, box2: np.ndarray) -> np.ndarray:
 
 def bbox_ciou(box1: torch.Tensor, box2: torch.Tensor, eps: float = 1e-7) -> torch.Tensor:
     """Element-wise Complete IoU of xywh boxes of shape (..., 4); returns shape (...)."""
-    corners1 = (box1[..., 0] - box1[..., 2] / 2, box1[..., 1] - box1[..., 3] / 2,
-                box1[..., 0] + box1[..., 2] / 2, box1[..., 1] + box1[..., 3] / 2)
-    corners2 = (box2[..., 0] - box2[..., 2] / 2, box2[..., 1] - box2[..., 3] / 2,
-                box2[..., 0] + box2[..., 2] / 2, box2[..., 1] + box2[..., 3] / 2)
+    corners1 = (
+        box1[..., 0] - box1[..., 2] / 2,
+        box1[..., 1] - box1[..., 3] / 2,
+        box1[..., 0] + box1[..., 2] / 2,
+        box1[..., 1] + box1[..., 3] / 2,
+    )
+    corners2 = (
+        box2[..., 0] - box2[..., 2] / 2,
+        box2[..., 1] - box2[..., 3] / 2,
+        box2[..., 0] + box2[..., 2] / 2,
+        box2[..., 1] + box2[..., 3] / 2,
+    )
     centre_dist_sq = (box2[..., 0] - box1[..., 0]) ** 2 + (box2[..., 1] - box1[..., 1]) ** 2
     return _ciou(corners1, corners2, (box1[..., 2], box1[..., 3]), (box2[..., 2], box2[..., 3]), centre_dist_sq, eps)
 
@@ -133,13 +142,19 @@ def bbox_ciou_xyxy(box1: torch.Tensor, box2: torch.Tensor, eps: float = 1e-7) ->
     b2_x1, b2_y1, b2_x2, b2_y2 = corners2 = box2.unbind(-1)
     # Twice each centre's coordinates, so (sum of differences)^2 / 4 is the squared centre distance.
     centre_dist_sq = ((b2_x1 + b2_x2 - b1_x1 - b1_x2) ** 2 + (b2_y1 + b2_y2 - b1_y1 - b1_y2) ** 2) / 4
-    return _ciou(corners1, corners2, (b1_x2 - b1_x1, b1_y2 - b1_y1), (b2_x2 - b2_x1, b2_y2 - b2_y1), centre_dist_sq,
-                 eps)
+    return _ciou(
+        corners1, corners2, (b1_x2 - b1_x1, b1_y2 - b1_y1), (b2_x2 - b2_x1, b2_y2 - b2_y1), centre_dist_sq, eps
+    )
 
 
-def _ciou(corners1: tuple[torch.Tensor, ...], corners2: tuple[torch.Tensor, ...],
-          wh1: tuple[torch.Tensor, torch.Tensor], wh2: tuple[torch.Tensor, torch.Tensor], centre_dist_sq: torch.Tensor,
-          eps: float) -> torch.Tensor:
+def _ciou(
+    corners1: tuple[torch.Tensor, ...],
+    corners2: tuple[torch.Tensor, ...],
+    wh1: tuple[torch.Tensor, torch.Tensor],
+    wh2: tuple[torch.Tensor, torch.Tensor],
+    centre_dist_sq: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
     """CIoU from both boxes' corners (x1, y1, x2, y2), widths and heights, and their squared centre distance:
     each public form passes the values it has exactly, so neither rounds through the other's."""
     b1_x1, b1_y1, b1_x2, b1_y2 = corners1

@@ -14,6 +14,7 @@ run's configuration, utils/engine/config.py; files written before it hold the ar
 ``hyp``, ``world_size``, ``run_id`` and ``class_weights`` (--image-weights: the class weights of the next
 epoch's draw, or None). The resume rules are the engine's (utils/engine/resume.py).
 """
+
 from __future__ import annotations
 
 import pickle
@@ -36,6 +37,7 @@ FORMAT_VERSION = 1
 
 
 # ---- format, save, load ----------------------------------------------------------------------------------
+
 
 def model_state(model: nn.Module) -> dict[str, Any]:
     """The entries that rebuild a model: its config, class names and fp32 weights (on the CPU)."""
@@ -107,6 +109,7 @@ def model_weights(ckpt: dict[str, Any], prefer_ema: bool = True) -> dict[str, to
 
 # ---- training state ---------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class RunPosition:
     """Where a run stands when a checkpoint is written."""
@@ -117,8 +120,14 @@ class RunPosition:
     best_epoch: int
 
 
-def training_checkpoint(model: nn.Module, ema, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                        position: RunPosition, run: dict[str, Any]) -> dict[str, Any]:
+def training_checkpoint(
+    model: nn.Module,
+    ema,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    position: RunPosition,
+    run: dict[str, Any],
+) -> dict[str, Any]:
     """Everything needed to resume, in the safe format: tensors, state_dicts and plain values only.
 
     ``run`` holds the plain values of the run itself (``lr_schedule``, ``optimizer_choice``, ``config`` and
@@ -144,8 +153,9 @@ def has_training_state(ckpt: dict[str, Any]) -> bool:
     return ckpt.get("optimizer") is not None and "epoch" in ckpt and ("config" in ckpt or "opt" in ckpt)
 
 
-def restore_training_state(ckpt: dict[str, Any], optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                           ema) -> None:
+def restore_training_state(
+    ckpt: dict[str, Any], optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, ema
+) -> None:
     """Load the optimizer, scaler, EMA and RNG of a training checkpoint into the freshly built ones."""
     optimizer.load_state_dict(ckpt["optimizer"])
     if ckpt.get("scaler") and scaler.is_enabled():
@@ -170,10 +180,12 @@ def strip_training_state(path: Path) -> None:
 
 # ---- resume rules ------------------------------------------------------------------------------------------
 
+
 def latest_last_checkpoint(*search_dirs: str | Path) -> Path:
     """The newest ``last.pt`` under any of ``search_dirs`` (by modification time)."""
-    candidates = sorted({p.resolve() for d in search_dirs for p in Path(d).glob("**/last.pt")},
-                        key=lambda p: p.stat().st_mtime)
+    candidates = sorted(
+        {p.resolve() for d in search_dirs for p in Path(d).glob("**/last.pt")}, key=lambda p: p.stat().st_mtime
+    )
     if not candidates:
         where = " or ".join(str(d) for d in search_dirs)
         raise UserError(f"{where}: no last.pt to resume (train first, or pass --resume PATH)")
@@ -188,8 +200,11 @@ def run_folder_of(run_id: str, project: str | Path, not_before: float | None = N
     """
     if not run_id:
         return None
-    mine = [(marker.stat().st_mtime, marker.parent) for marker in Path(project).glob("*/run_id")
-            if marker.read_text(encoding="utf-8").strip() == run_id]
+    mine = [
+        (marker.stat().st_mtime, marker.parent)
+        for marker in Path(project).glob("*/run_id")
+        if marker.read_text(encoding="utf-8").strip() == run_id
+    ]
     mine = [(when, folder) for when, folder in mine if not_before is None or when >= not_before]
     return max(mine)[1].resolve() if mine else None
 
@@ -200,8 +215,10 @@ def not_resumable(path: Path, ckpt: dict[str, Any]) -> UserError:
     importer = importer_of_source(ckpt.get("source"))
     if importer is not None:
         what = f"a{'n' if importer.title[0] in 'AEIOU' else ''} {importer.title} checkpoint"
-        instead = (f"fine-tune from it with --weights {path} ({importer.possessive} own training state cannot be "
-                   "continued here)")
+        instead = (
+            f"fine-tune from it with --weights {path} ({importer.possessive} own training state cannot be "
+            "continued here)"
+        )
     elif ckpt.get("optimizer") is None and "epoch" in ckpt:
         what = "a final checkpoint (the optimizer state is stripped at the end of training)"
         instead = f"resume from {path.with_name('last.pt')}, or fine-tune from it with --weights {path}"

@@ -8,6 +8,7 @@ same help layout: option groups, and each option's default shown.
 Run folders are relative to the current directory (``./runs/train/exp``, ``./runs/val/exp``, ...), as in
 YOLOv5 and Ultralytics; scripts record the absolute path of the folder they made.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,8 +16,9 @@ from pathlib import Path
 
 RUNS = Path("runs")  # under the current directory
 INFERENCE_IMGSZ = 640  # YOLOv5's size, used when neither --imgsz nor the model says otherwise
-INFERENCE_IMGSZ_HELP = (f"default: the size the checkpoint was trained at (an exported file: its own size), else "
-                        f"{INFERENCE_IMGSZ}")
+INFERENCE_IMGSZ_HELP = (
+    f"default: the size the checkpoint was trained at (an exported file: its own size), else {INFERENCE_IMGSZ}"
+)
 WORKERS = 8  # at most; the loaders use no more than the machine's cores (utils/data/loader.py)
 
 
@@ -39,37 +41,58 @@ def add_imgsz(group, *, help: str, pair: bool = False) -> None:
 
     ``pair`` (export.py): one value or ``h w``.
     """
-    group.add_argument("--imgsz", "--img", "--img-size", type=int, default=None, nargs="+" if pair else None,
-                       metavar="PIXELS", help=f"image size in pixels{' (one value, or h w)' if pair else ''}; {help}")
+    group.add_argument(
+        "--imgsz",
+        "--img",
+        "--img-size",
+        type=int,
+        default=None,
+        nargs="+" if pair else None,
+        metavar="PIXELS",
+        help=f"image size in pixels{' (one value, or h w)' if pair else ''}; {help}",
+    )
 
 
 def add_workers(group) -> None:
-    group.add_argument("--workers", type=int, default=WORKERS,
-                       help="worker processes for loading and checking data, per rank (capped by the CPU cores)")
+    group.add_argument(
+        "--workers",
+        type=int,
+        default=WORKERS,
+        help="worker processes for loading and checking data, per rank (capped by the CPU cores)",
+    )
 
 
 def add_device(group, default: str = "") -> None:
-    group.add_argument("--device", default=default,
-                       help="'' (auto: GPU 0 when there is one, else the CPU), 'cpu', '0', or '0,1,2,3' under a "
-                            "launcher, one GPU per rank ('0,0': two ranks share GPU 0, over gloo) "
-                            "(default: %(default)r)")
+    group.add_argument(
+        "--device",
+        default=default,
+        help="'' (auto: GPU 0 when there is one, else the CPU), 'cpu', '0', or '0,1,2,3' under a "
+        "launcher, one GPU per rank ('0,0': two ranks share GPU 0, over gloo) "
+        "(default: %(default)r)",
+    )
 
 
 def add_run_folder(group, task: str) -> None:
     """``--project``, ``--name``, ``--exist-ok``: the run is saved to ``project/name`` (then ``name2``, ...)."""
     group.add_argument("--project", default=str(RUNS / task), help="runs are saved to project/name")
     group.add_argument("--name", default="exp", help="runs are saved to project/name")
-    group.add_argument("--exist-ok", action="store_true",
-                       help="reuse project/name when it exists instead of making name2, name3, ...")
+    group.add_argument(
+        "--exist-ok", action="store_true", help="reuse project/name when it exists instead of making name2, name3, ..."
+    )
 
 
 def add_half(group) -> None:
-    group.add_argument("--half", action="store_true",
-                       help="fp16: val.py and detect.py compute in fp16 (CUDA devices, PyTorch models; fp32 "
-                            "elsewhere, with a warning); export.py writes fp16 files (on any device)")
+    group.add_argument(
+        "--half",
+        action="store_true",
+        help="fp16: val.py and detect.py compute in fp16 (CUDA devices, PyTorch models; fp32 "
+        "elsewhere, with a warning); export.py writes fp16 files (on any device)",
+    )
 
 
 def add_end2end(group) -> None:
-    group.add_argument("--end2end", action="store_true",
-                       help="NMS-free output of the one-to-one head (B, 300, 6), for a model family that has one "
-                            "(docs/families.md)")
+    group.add_argument(
+        "--end2end",
+        action="store_true",
+        help="NMS-free output of the one-to-one head (B, 300, 6), for a model family that has one (docs/families.md)",
+    )

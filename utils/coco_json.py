@@ -6,6 +6,7 @@ images; category id = class index, except on COCO's 80 classes, which are writte
 (``COCO80_TO_91``); annotation ids start at 1 (COCOeval treats id 0 as "no match"), boxes are
 [x_min, y_min, width, height] in pixels of the original image, area = width * height, iscrowd = 0.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,15 +40,86 @@ COCO_STAT_NAMES = (
 
 # COCO's 80 detection classes in the order YOLOv5's data YAMLs list them (category ids ascending).
 COCO_NAMES = (
-    "person", "bicycle", "car", "motorcycle", "airplane", "bus", "train", "truck", "boat", "traffic light",
-    "fire hydrant", "stop sign", "parking meter", "bench", "bird", "cat", "dog", "horse", "sheep", "cow",
-    "elephant", "bear", "zebra", "giraffe", "backpack", "umbrella", "handbag", "tie", "suitcase", "frisbee",
-    "skis", "snowboard", "sports ball", "kite", "baseball bat", "baseball glove", "skateboard", "surfboard",
-    "tennis racket", "bottle", "wine glass", "cup", "fork", "knife", "spoon", "bowl", "banana", "apple",
-    "sandwich", "orange", "broccoli", "carrot", "hot dog", "pizza", "donut", "cake", "chair", "couch",
-    "potted plant", "bed", "dining table", "toilet", "tv", "laptop", "mouse", "remote", "keyboard", "cell phone",
-    "microwave", "oven", "toaster", "sink", "refrigerator", "book", "clock", "vase", "scissors", "teddy bear",
-    "hair drier", "toothbrush",
+    "person",
+    "bicycle",
+    "car",
+    "motorcycle",
+    "airplane",
+    "bus",
+    "train",
+    "truck",
+    "boat",
+    "traffic light",
+    "fire hydrant",
+    "stop sign",
+    "parking meter",
+    "bench",
+    "bird",
+    "cat",
+    "dog",
+    "horse",
+    "sheep",
+    "cow",
+    "elephant",
+    "bear",
+    "zebra",
+    "giraffe",
+    "backpack",
+    "umbrella",
+    "handbag",
+    "tie",
+    "suitcase",
+    "frisbee",
+    "skis",
+    "snowboard",
+    "sports ball",
+    "kite",
+    "baseball bat",
+    "baseball glove",
+    "skateboard",
+    "surfboard",
+    "tennis racket",
+    "bottle",
+    "wine glass",
+    "cup",
+    "fork",
+    "knife",
+    "spoon",
+    "bowl",
+    "banana",
+    "apple",
+    "sandwich",
+    "orange",
+    "broccoli",
+    "carrot",
+    "hot dog",
+    "pizza",
+    "donut",
+    "cake",
+    "chair",
+    "couch",
+    "potted plant",
+    "bed",
+    "dining table",
+    "toilet",
+    "tv",
+    "laptop",
+    "mouse",
+    "remote",
+    "keyboard",
+    "cell phone",
+    "microwave",
+    "oven",
+    "toaster",
+    "sink",
+    "refrigerator",
+    "book",
+    "clock",
+    "vase",
+    "scissors",
+    "teddy bear",
+    "hair drier",
+    "toothbrush",
 )
 # COCO numbers its categories 1..90 with gaps (ids its 2014 paper planned but never annotated).
 _COCO_UNUSED_IDS = (12, 26, 29, 30, 45, 66, 68, 69, 71, 83)
@@ -129,8 +201,9 @@ def ground_truth_dict(
     return {"images": images, "annotations": annotations, "categories": categories}
 
 
-def detections_to_results(detections: np.ndarray, image_id: int | str,
-                          class_map: Sequence[int] | None = None) -> list[dict]:
+def detections_to_results(
+    detections: np.ndarray, image_id: int | str, class_map: Sequence[int] | None = None
+) -> list[dict]:
     """COCO results entries for one image's detections (n, 6) = [x1, y1, x2, y2, conf, cls] in original pixels.
 
     ``class_map`` maps class index to category id (identity when None). Rounding keeps files small; it may

@@ -6,6 +6,7 @@ Usage:
 The input is read by its family's allow-list importer (models/families/; nothing in it runs); the output holds
 the model config, class names, fp32 weights (and the EMA's when the file has one) and YOLOv5's plain metadata.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,10 @@ def convert(src: str | Path, dst: str | Path) -> Path:
     if "format_version" in ckpt:  # only files written by save_checkpoint carry it
         raise UserError(f"{src}: already a checkpoint of this project; nothing to convert")
     save_checkpoint(ckpt, dst)
-    LOGGER.info(f"{dst}: written ({len(ckpt['model'])} tensors, {len(ckpt['names'])} classes); "
-                "it loads with torch.load(weights_only=True)")
+    LOGGER.info(
+        f"{dst}: written ({len(ckpt['model'])} tensors, {len(ckpt['names'])} classes); "
+        "it loads with torch.load(weights_only=True)"
+    )
     return dst
 
 

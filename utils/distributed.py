@@ -10,6 +10,7 @@ the ranks' waits do not match), and names it. A live label-cache build of millio
 Waits are keyed by their tag and how often this rank has waited at that tag, so only a mismatch at one tag
 can pair the wrong waits, and such a mismatch ends as above instead of hanging.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -66,8 +67,9 @@ def dist_info() -> DistInfo:
     started = _parent_start_time() if run_id else None
     world_size = int(env.get("WORLD_SIZE", 1))
     if world_size <= 1:
-        return DistInfo(rank=-1, local_rank=-1, world_size=1, restart_count=restart_count, run_id=run_id,
-                        launcher_started=started)
+        return DistInfo(
+            rank=-1, local_rank=-1, world_size=1, restart_count=restart_count, run_id=run_id, launcher_started=started
+        )
     local_rank = int(env.get("LOCAL_RANK", 0))
     return DistInfo(
         rank=int(env.get("RANK", 0)),
@@ -85,8 +87,10 @@ def check_one_process_per_gpu(device: str, info: DistInfo, command: str) -> None
     script and its arguments) when ``device`` lists several GPUs and this process was not started by a launcher."""
     ids = [i for i in device.replace("cuda:", "").split(",") if i.strip()] if device != "cpu" else []
     if len(ids) > 1 and not info.is_distributed:
-        raise UserError(f"--device {device} names {len(ids)} GPUs but this is one process: start one per GPU "
-                        f"with `python -m torch.distributed.run --nproc_per_node {len(ids)} {command}`")
+        raise UserError(
+            f"--device {device} names {len(ids)} GPUs but this is one process: start one per GPU "
+            f"with `python -m torch.distributed.run --nproc_per_node {len(ids)} {command}`"
+        )
 
 
 def _parent_start_time() -> float | None:
@@ -121,6 +125,7 @@ def end_with_launcher(info: DistInfo) -> bool:
 
 # ---- the process group --------------------------------------------------------------------------------
 
+
 class WaitAbandoned(UserError):
     """A store wait given up: the rank waited for made no progress for --dist-timeout (the message names it)."""
 
@@ -149,13 +154,21 @@ def _open_store(info: DistInfo, timeout: datetime.timedelta) -> dist.Store:
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     agent_serves = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
     hosts = not agent_serves and info.rank == 0
-    store = dist.TCPStore(host, port, world_size=info.world_size, is_master=hosts, timeout=timeout,
-                          wait_for_workers=False, multi_tenant=hosts)
+    store = dist.TCPStore(
+        host,
+        port,
+        world_size=info.world_size,
+        is_master=hosts,
+        timeout=timeout,
+        wait_for_workers=False,
+        multi_tenant=hosts,
+    )
     return dist.PrefixStore(f"yolo-train/round-{info.restart_count}", store)
 
 
-def init_process_group(device: torch.device, info: DistInfo, timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES,
-                       shared_gpu: bool = False) -> None:
+def init_process_group(
+    device: torch.device, info: DistInfo, timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES, shared_gpu: bool = False
+) -> None:
     """Join the process group (NCCL for CUDA devices, gloo for CPU and for ranks that share a GPU, which NCCL
     refuses); collectives time out after ``timeout_minutes``, and store waits after as long without progress from
     the rank waited for."""
@@ -164,8 +177,7 @@ def init_process_group(device: torch.device, info: DistInfo, timeout_minutes: fl
     timeout = datetime.timedelta(minutes=timeout_minutes)
     store = _open_store(info, timeout)
     backend = "nccl" if device.type == "cuda" and not shared_gpu else "gloo"
-    dist.init_process_group(backend=backend, store=store, rank=info.rank, world_size=info.world_size,
-                            timeout=timeout)
+    dist.init_process_group(backend=backend, store=store, rank=info.rank, world_size=info.world_size, timeout=timeout)
     _Group.store, _Group.waits, _Group.timeout_seconds = store, {}, timeout.total_seconds()
     _Group.heartbeat_seconds = min(HEARTBEAT_SECONDS, _Group.timeout_seconds / 4)
     _start_heartbeat(store, info.rank, _Group.heartbeat_seconds)
@@ -242,6 +254,7 @@ def collective_failure(error: BaseException, info: DistInfo) -> str | None:
 
 # ---- waiting on the store, bounded by the progress of the ranks waited for ---------------------------------
 
+
 def _next_key(tag: str) -> str:
     """``wait/TAG/N``: the N-th wait of this rank at ``tag`` (the waits of other tags do not shift it)."""
     _Group.waits[tag] = _Group.waits.get(tag, 0) + 1
@@ -250,8 +263,10 @@ def _next_key(tag: str) -> str:
 
 def _store_unreachable(info: DistInfo, what: str, error: BaseException) -> WaitAbandoned:
     where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-    return WaitAbandoned(f"rank {info.rank}: the rendezvous store at {where} stopped answering while this rank waited "
-                         f"at '{what}' (its host, rank 0's node, went missing: {type(error).__name__})")
+    return WaitAbandoned(
+        f"rank {info.rank}: the rendezvous store at {where} stopped answering while this rank waited "
+        f"at '{what}' (its host, rank 0's node, went missing: {type(error).__name__})"
+    )
 
 
 def wait_for_keys(info: DistInfo, keys: dict[int, str], what: str) -> dict[int, bytes]:
@@ -269,7 +284,9 @@ def wait_for_keys(info: DistInfo, keys: dict[int, str], what: str) -> dict[int, 
         progress: dict[int, float] = {}  # rank -> when it last made progress
         pause = 0.01
         while pending:
-            with contextlib.suppress(dist.DistStoreError):  # not all set within the pause (a lost store: DistNetworkError)
+            with contextlib.suppress(
+                dist.DistStoreError
+            ):  # not all set within the pause (a lost store: DistNetworkError)
                 store.wait(list(pending.values()), datetime.timedelta(seconds=pause))
             pause = min(pause * 2, WAIT_PAUSE_MAX)  # a quick hand-over stays quick, a long wait looks less often
             now = time.monotonic()
@@ -284,10 +301,15 @@ def wait_for_keys(info: DistInfo, keys: dict[int, str], what: str) -> dict[int, 
                     progress[rank] = now
                 beats[rank] = beat
                 if now - progress[rank] > timeout:
-                    why = (f"it waits at '{waits_itself}' itself: the ranks' waits do not match" if waits_itself
-                           else "its heartbeat stopped: it died or froze")
-                    raise WaitAbandoned(f"rank {info.rank}: gave up waiting at '{what}' after {timeout:g} s without "
-                                        f"progress from rank {rank} ({why})")
+                    why = (
+                        f"it waits at '{waits_itself}' itself: the ranks' waits do not match"
+                        if waits_itself
+                        else "its heartbeat stopped: it died or froze"
+                    )
+                    raise WaitAbandoned(
+                        f"rank {info.rank}: gave up waiting at '{what}' after {timeout:g} s without "
+                        f"progress from rank {rank} ({why})"
+                    )
     except dist.DistError as e:  # DistNetworkError: the store's host is gone
         raise _store_unreachable(info, what, e) from e
     with contextlib.suppress(dist.DistError):  # a store gone now is reported by whatever uses it next
@@ -341,6 +363,7 @@ def rank_zero_decides(info: DistInfo, decision: str | None) -> str:
 
 # ---- collectives and models ------------------------------------------------------------------------------
 
+
 @contextlib.contextmanager
 def collective(name: str) -> Iterator[None]:
     """A collective of this project's: the bare RuntimeError gloo raises for a dead or timed-out peer becomes a
@@ -377,6 +400,7 @@ def de_parallel(model: nn.Module) -> nn.Module:
 
 
 # ---- the ranks of one node ---------------------------------------------------------------------------------
+
 
 def node_index(info: DistInfo) -> int:
     """This machine's number: torch.distributed.run gives each node a contiguous run of LOCAL_WORLD_SIZE ranks."""

@@ -1,4 +1,5 @@
 """Exponential moving average of the model's weights: what validation and the saved checkpoints use."""
+
 from __future__ import annotations
 
 import math

@@ -1,4 +1,5 @@
 """Errors the user can fix: entry points print them as one line and exit non-zero, without a traceback."""
+
 from __future__ import annotations
 
 from collections.abc import Callable

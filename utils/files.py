@@ -1,4 +1,5 @@
 """Writing files so that a crash never leaves a half-written one: write beside it, then rename over it."""
+
 from __future__ import annotations
 
 import contextlib

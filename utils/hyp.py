@@ -11,6 +11,7 @@ code either; ``copy_paste``, which needs segment labels) are accepted and droppe
 unknown key is a one-line error naming the file and the key. ``EVOLVE_LIMITS`` says how ``--evolve`` may mutate
 each value of :class:`Hyp`; families declare their own tables.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -58,8 +59,10 @@ class HypRecord:
         known = set(cls.field_names())
         unknown = sorted(k for k in values if k not in known and k not in cls.IGNORED_KEYS)
         if unknown:
-            raise UserError(f"{source}: unknown hyper-parameter(s) {', '.join(map(str, unknown))} "
-                            f"(known: {', '.join(sorted(known))})")
+            raise UserError(
+                f"{source}: unknown hyper-parameter(s) {', '.join(map(str, unknown))} "
+                f"(known: {', '.join(sorted(known))})"
+            )
         for key in sorted(k for k in values if k in cls.IGNORED_KEYS):
             LOGGER.info(f"{source}: '{key}' ignored ({cls.IGNORED_KEYS[key]})")
         chosen = {}
@@ -97,6 +100,7 @@ class HypRecord:
 # The groups below are combined as ``class Record(AugmentationHyp, LossGains, OptimisationHyp)``: a dataclass
 # lists the fields of its bases from the last base to the first, so a record's YAML reads optimisation, loss,
 # augmentation, as YOLOv5's files do.
+
 
 @dataclass(frozen=True)
 class OptimisationHyp(HypRecord):

@@ -1,4 +1,5 @@
 """The project's logger. Entry points call ``setup_logging``; library code only calls ``LOGGER``."""
+
 from __future__ import annotations
 
 import logging

@@ -6,6 +6,7 @@ replace the boolean indexing that would force the device to report how many cand
 When several candidates land on one (image, anchor, cell), the objectness target is the largest of their
 CIoUs (deterministic), where YOLOv5 keeps whichever write happens last.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -46,8 +47,14 @@ class DetectionLoss(Protocol):
 
     def counts(self, prepared: Any) -> torch.Tensor: ...
 
-    def __call__(self, preds: Any, targets: torch.Tensor, norm: LossNorm | None = None, prepared: Any = None,
-                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def __call__(
+        self,
+        preds: Any,
+        targets: torch.Tensor,
+        norm: LossNorm | None = None,
+        prepared: Any = None,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def set_epoch(self, epoch: int, epochs: int) -> None: ...
 
@@ -139,9 +146,14 @@ class ComputeLoss:
     def set_epoch(self, epoch: int, epochs: int) -> None:
         """Nothing changes over the epochs."""
 
-    def __call__(self, preds: list[torch.Tensor], targets: torch.Tensor, norm: LossNorm | None = None,
-                 prepared: list[LevelTargets] | None = None,
-                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self,
+        preds: list[torch.Tensor],
+        targets: torch.Tensor,
+        norm: LossNorm | None = None,
+        prepared: list[LevelTargets] | None = None,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Loss and its (box, obj, cls) items; ``prepared`` (from ``prepare``, same targets) saves redoing it.
 
         ``reduce`` is not needed: ``norm`` already carries the global counts this loss divides by.

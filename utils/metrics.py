@@ -29,6 +29,7 @@ What differs from COCOeval's default configuration:
 
 Agreement to 0.001 on mAP50 and mAP50-95 is asserted in ``tests/test_coco_agreement.py``.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple

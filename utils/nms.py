@@ -1,4 +1,5 @@
 """Non-maximum suppression of the model's decoded predictions."""
+
 from __future__ import annotations
 
 import functools
@@ -47,8 +48,11 @@ def non_max_suppression(
         # second cheap filter on the best class, before building the (n, nc) score matrix
         x = x[x[:, 5:].amax(1) * x[:, 4] > conf_thres]
         scores = x[:, 5:] * x[:, 4:5]
-        output.append(_image_detections(x[:, :4], scores, conf_thres, iou_thres, class_filter, agnostic, multi_label,
-                                         max_det, max_nms))
+        output.append(
+            _image_detections(
+                x[:, :4], scores, conf_thres, iou_thres, class_filter, agnostic, multi_label, max_det, max_nms
+            )
+        )
     return output
 
 
@@ -76,13 +80,19 @@ def non_max_suppression_anchor_free(
     output: list[torch.Tensor] = []
     for image_pred, keep_mask in zip(prediction, has_candidates):
         x = image_pred[:, keep_mask].T  # (n, 4 + nc)
-        output.append(_image_detections(x[:, :4], x[:, 4:], conf_thres, iou_thres, class_filter, agnostic,
-                                         multi_label, max_det, max_nms))
+        output.append(
+            _image_detections(
+                x[:, :4], x[:, 4:], conf_thres, iou_thres, class_filter, agnostic, multi_label, max_det, max_nms
+            )
+        )
     return output
 
 
 def end_to_end_detections(
-    prediction: torch.Tensor, conf_thres: float = 0.25, classes: list[int] | None = None, max_det: int = 300,
+    prediction: torch.Tensor,
+    conf_thres: float = 0.25,
+    classes: list[int] | None = None,
+    max_det: int = 300,
 ) -> list[torch.Tensor]:
     """The detections of an NMS-free head's output (bs, k, 6) = [x1, y1, x2, y2, score, cls], best first:
     those above ``conf_thres`` (of the wanted ``classes``), at most ``max_det`` per image."""
@@ -105,9 +115,17 @@ def _check_thresholds(conf_thres: float, iou_thres: float) -> None:
         raise ValueError(f"iou_thres must be in [0, 1], got {iou_thres}")
 
 
-def _image_detections(boxes_xywh: torch.Tensor, scores: torch.Tensor, conf_thres: float, iou_thres: float,
-                      class_filter: torch.Tensor | None, agnostic: bool, multi_label: bool, max_det: int,
-                      max_nms: int) -> torch.Tensor:
+def _image_detections(
+    boxes_xywh: torch.Tensor,
+    scores: torch.Tensor,
+    conf_thres: float,
+    iou_thres: float,
+    class_filter: torch.Tensor | None,
+    agnostic: bool,
+    multi_label: bool,
+    max_det: int,
+    max_nms: int,
+) -> torch.Tensor:
     """One image's detections (n, 6) from candidate boxes (m, 4) and their class confidences (m, nc)."""
     device, dtype = scores.device, scores.dtype
     if scores.shape[0] == 0:

@@ -14,6 +14,7 @@ The choice is made once, when a run starts, and stored in its checkpoints (``opt
 restarted run keeps its optimizer, lr0, momentum and accumulation whatever ``--epochs`` or ``--time`` say now
 (another run length would pick another optimizer, whose state the saved one's is not).
 """
+
 from __future__ import annotations
 
 import math
@@ -49,8 +50,9 @@ class OptimizerChoice:
 
 def unused_hyp_values(choice: OptimizerChoice, hyp: OptimisationHyp) -> list[str]:
     """The hyp file's values that the choice replaced with its own (``auto``'s AdamW sets lr0 and momentum)."""
-    return [f"{name} {getattr(hyp, name)}" for name in ("lr0", "momentum")
-            if getattr(choice, name) != getattr(hyp, name)]
+    return [
+        f"{name} {getattr(hyp, name)}" for name in ("lr0", "momentum") if getattr(choice, name) != getattr(hyp, name)
+    ]
 
 
 def optimizer_steps(epochs: int, n_images: int, batch_size: int, accumulate: int) -> int:
@@ -58,8 +60,15 @@ def optimizer_steps(epochs: int, n_images: int, batch_size: int, accumulate: int
     return epochs * math.ceil(math.ceil(n_images / batch_size) / accumulate)
 
 
-def choose_optimizer(requested: str, epochs: int, n_images: int, batch_size: int, nc: int, hyp: OptimisationHyp,
-                     lr_per_class_term: float = ADAMW_LR_PER_CLASS_TERM) -> OptimizerChoice:
+def choose_optimizer(
+    requested: str,
+    epochs: int,
+    n_images: int,
+    batch_size: int,
+    nc: int,
+    hyp: OptimisationHyp,
+    lr_per_class_term: float = ADAMW_LR_PER_CLASS_TERM,
+) -> OptimizerChoice:
     """The explicit --optimizer with the hyp file's lr0/momentum and YOLOv5's accumulation, or the automatic
     choice for ``auto``: the length of the run at the nominal batch decides. A short run's AdamW takes
     lr0 = ``lr_per_class_term`` / (4 + nc) (the model family's: ``Family.adamw_lr_per_class_term``)."""
@@ -71,14 +80,22 @@ def choose_optimizer(requested: str, epochs: int, n_images: int, batch_size: int
         reason = f"auto: {steps} optimizer steps > {SHORT_RUN_STEPS}, a long run: SGD with the hyp file's lr0"
         return OptimizerChoice("SGD", hyp.lr0, hyp.momentum, accumulate, reason)
     lr0 = round(min(lr_per_class_term / (4 + nc), ADAMW_MAX_LR), 6)
-    reason = (f"auto: {steps} optimizer steps <= {SHORT_RUN_STEPS}, a short run: AdamW, "
-              f"lr0 = {lr_per_class_term:g} / (4 + nc), "
-              f"a step every batch ({optimizer_steps(epochs, n_images, batch_size, 1)} steps)")
+    reason = (
+        f"auto: {steps} optimizer steps <= {SHORT_RUN_STEPS}, a short run: AdamW, "
+        f"lr0 = {lr_per_class_term:g} / (4 + nc), "
+        f"a step every batch ({optimizer_steps(epochs, n_images, batch_size, 1)} steps)"
+    )
     return OptimizerChoice("AdamW", lr0, 0.9, 1, reason)
 
 
-def resumed_choice(saved: dict[str, Any] | None, saved_opt: dict[str, Any], n_images: int, nc: int,
-                   hyp: OptimisationHyp, optimizer_state: dict[str, Any]) -> OptimizerChoice:
+def resumed_choice(
+    saved: dict[str, Any] | None,
+    saved_opt: dict[str, Any],
+    n_images: int,
+    nc: int,
+    hyp: OptimisationHyp,
+    optimizer_state: dict[str, Any],
+) -> OptimizerChoice:
     """The choice a resumed run was trained with: the checkpoint's own, or for a checkpoint written before it was
     stored, the choice its start made (its saved options: --optimizer, --epochs, --batch-size).
 
@@ -87,16 +104,24 @@ def resumed_choice(saved: dict[str, Any] | None, saved_opt: dict[str, Any], n_im
     """
     if saved:
         return OptimizerChoice(**{**saved, "reason": f"the run's own, kept from its checkpoint ({saved['reason']})"})
-    choice = choose_optimizer(saved_opt.get("optimizer", "auto"), int(saved_opt["epochs"]), n_images,
-                              int(saved_opt["batch_size"]), nc, hyp)
+    choice = choose_optimizer(
+        saved_opt.get("optimizer", "auto"), int(saved_opt["epochs"]), n_images, int(saved_opt["batch_size"]), nc, hyp
+    )
     groups = optimizer_state.get("param_groups") or [{}]
     adam_state = "betas" in groups[0]
     if adam_state != (choice.name in ("Adam", "AdamW")):
-        raise UserError(f"the checkpoint does not say which optimizer it was trained with and its optimizer state "
-                        f"does not fit {choice.name} (derived from its saved options): resume it with the "
-                        f"project version that wrote it, or fine-tune from it with --weights")
-    return OptimizerChoice(choice.name, choice.lr0, choice.momentum, choice.accumulate,
-                           f"the run's own, derived from its saved options ({choice.reason})")
+        raise UserError(
+            f"the checkpoint does not say which optimizer it was trained with and its optimizer state "
+            f"does not fit {choice.name} (derived from its saved options): resume it with the "
+            f"project version that wrote it, or fine-tune from it with --weights"
+        )
+    return OptimizerChoice(
+        choice.name,
+        choice.lr0,
+        choice.momentum,
+        choice.accumulate,
+        f"the run's own, derived from its saved options ({choice.reason})",
+    )
 
 
 def parameter_groups(model: nn.Module) -> tuple[list, list, list]:
@@ -114,15 +139,24 @@ def parameter_groups(model: nn.Module) -> tuple[list, list, list]:
     return decay, norm_weights, biases
 
 
-def build_optimizer(model: nn.Module, name: str = "SGD", lr: float = 0.01, momentum: float = 0.937,
-                    decay: float = 5e-4, groups: list[dict[str, Any]] | None = None) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module,
+    name: str = "SGD",
+    lr: float = 0.01,
+    momentum: float = 0.937,
+    decay: float = 5e-4,
+    groups: list[dict[str, Any]] | None = None,
+) -> torch.optim.Optimizer:
     """SGD (Nesterov), Adam or AdamW over ``groups`` (a model family's ``parameter_groups``; by default YOLO's
     three: biases, then conv/linear weights with ``decay``, then norm weights). Settings a group leaves out take
     the optimizer's defaults: no weight decay, ``lr``, ``momentum``."""
     if groups is None:
         weights, norm_weights, biases = parameter_groups(model)
-        groups = [{"params": biases}, {"params": weights, "weight_decay": decay},
-                  {"params": norm_weights, "weight_decay": 0.0}]
+        groups = [
+            {"params": biases},
+            {"params": weights, "weight_decay": decay},
+            {"params": norm_weights, "weight_decay": 0.0},
+        ]
     # One fused kernel per step instead of a dozen small ops per tensor.
     fused = all(p.device.type in ("cpu", "cuda") for p in model.parameters())
     first, rest = groups[0], groups[1:]

@@ -4,6 +4,7 @@ Charts use ``matplotlib.figure.Figure`` with an Agg canvas directly, never pyplo
 (the backend, rcParams, open figures) is touched and no display is needed. Fonts are matplotlib's
 bundled DejaVu and cv2's Hershey: nothing is downloaded.
 """
+
 from __future__ import annotations
 
 import csv
@@ -20,8 +21,26 @@ from utils.log import LOGGER
 
 # 20 well-separated colours (RGB), cycled by class index
 _PALETTE_HEX = (
-    "FF3838", "FF9D97", "FF701F", "FFB21D", "CFD231", "48F90A", "92CC17", "3DDB86", "1A9334", "00D4BB",
-    "2C99A8", "00C2FF", "344593", "6473FF", "0018EC", "8438FF", "520085", "CB38FF", "FF95C8", "FF37C7",
+    "FF3838",
+    "FF9D97",
+    "FF701F",
+    "FFB21D",
+    "CFD231",
+    "48F90A",
+    "92CC17",
+    "3DDB86",
+    "1A9334",
+    "00D4BB",
+    "2C99A8",
+    "00C2FF",
+    "344593",
+    "6473FF",
+    "0018EC",
+    "8438FF",
+    "520085",
+    "CB38FF",
+    "FF95C8",
+    "FF37C7",
 )
 
 
@@ -51,8 +70,9 @@ def panel_grid(n_panels: int, n_cols: int, panel_width: float, panel_height: flo
     width, height = n_cols * panel_width, n_rows * panel_height
     fig = _new_figure(width, height, fitted=False)
     # Inches: room for tick labels on the left and below, and for each panel's title above it.
-    fig.subplots_adjust(left=left / width, right=1 - 0.2 / width, bottom=0.4 / height, top=1 - 0.4 / height,
-                        wspace=0.35, hspace=0.45)
+    fig.subplots_adjust(
+        left=left / width, right=1 - 0.2 / width, bottom=0.4 / height, top=1 - 0.4 / height, wspace=0.35, hspace=0.45
+    )
     axes = np.atleast_1d(fig.subplots(n_rows, n_cols, squeeze=False)).ravel()
     for ax in axes[n_panels:]:
         ax.set_axis_off()
@@ -124,8 +144,16 @@ def plot_images(
         canvas[y0 : y0 + tile.shape[0], x0 : x0 + tile.shape[1]] = tile
         cv2.rectangle(canvas, (x0, y0), (x0 + tw - 1, y0 + th - 1), (255, 255, 255), 2)
         if paths is not None and i < len(paths):
-            cv2.putText(canvas, Path(paths[i]).name[:40], (x0 + 5, y0 + 15), cv2.FONT_HERSHEY_SIMPLEX,
-                        font, (220, 220, 220), 1, cv2.LINE_AA)
+            cv2.putText(
+                canvas,
+                Path(paths[i]).name[:40],
+                (x0 + 5, y0 + 15),
+                cv2.FONT_HERSHEY_SIMPLEX,
+                font,
+                (220, 220, 220),
+                1,
+                cv2.LINE_AA,
+            )
         mine = targets[:, 0].astype(int) == i
         for row, box in zip(targets[mine], boxes_px[mine]):
             has_conf = targets.shape[1] >= 7
@@ -139,8 +167,9 @@ def plot_images(
             label = names[cls] if names is not None and cls < len(names) else str(cls)
             if has_conf:
                 label = f"{label} {row[6]:.2f}"
-            cv2.putText(canvas, label, (p1[0], max(p1[1] - 3, y0 + 10)), cv2.FONT_HERSHEY_SIMPLEX, font,
-                        colour, 1, cv2.LINE_AA)
+            cv2.putText(
+                canvas, label, (p1[0], max(p1[1] - 3, y0 + 10)), cv2.FONT_HERSHEY_SIMPLEX, font, colour, 1, cv2.LINE_AA
+            )
     fname = Path(fname)
     fname.parent.mkdir(parents=True, exist_ok=True)
     if not cv2.imwrite(str(fname), canvas):
@@ -148,7 +177,9 @@ def plot_images(
     return fname
 
 
-def plot_confusion_matrix(matrix: np.ndarray, names: Sequence[str], save_path: str | Path, normalize: bool = True) -> Path:
+def plot_confusion_matrix(
+    matrix: np.ndarray, names: Sequence[str], save_path: str | Path, normalize: bool = True
+) -> Path:
     """Heat map of a (nc + 1, nc + 1) confusion matrix (rows predicted, columns true, last = background).
 
     With ``normalize`` each column is divided by its total, so a column shows where a true class went.
@@ -168,8 +199,14 @@ def plot_confusion_matrix(matrix: np.ndarray, names: Sequence[str], save_path: s
         for r in range(nc + 1):
             for c in range(nc + 1):
                 if not np.isnan(shown[r, c]):
-                    ax.text(c, r, f"{shown[r, c]:.2f}" if normalize else f"{int(shown[r, c])}",
-                            ha="center", va="center", fontsize=7)
+                    ax.text(
+                        c,
+                        r,
+                        f"{shown[r, c]:.2f}" if normalize else f"{int(shown[r, c])}",
+                        ha="center",
+                        va="center",
+                        fontsize=7,
+                    )
     ax.set_xlabel("True")
     ax.set_ylabel("Predicted")
     ax.set_title("Confusion Matrix" + (" (column-normalised)" if normalize else ""))
@@ -184,11 +221,21 @@ def plot_pr_curve(
     ax = fig.add_subplot()
     per_class = len(names) < 21
     for i, y in enumerate(precision):
-        ax.plot(recall_points, y, linewidth=1, label=f"{names[i]} {ap50[i]:.3f}" if per_class else None,
-                color=None if per_class else "grey")
+        ax.plot(
+            recall_points,
+            y,
+            linewidth=1,
+            label=f"{names[i]} {ap50[i]:.3f}" if per_class else None,
+            color=None if per_class else "grey",
+        )
     if len(precision):
-        ax.plot(recall_points, precision.mean(0), linewidth=3, color="blue",
-                label=f"all classes {np.mean(ap50):.3f} mAP@0.5")
+        ax.plot(
+            recall_points,
+            precision.mean(0),
+            linewidth=3,
+            color="blue",
+            label=f"all classes {np.mean(ap50):.3f} mAP@0.5",
+        )
     ax.set_xlabel("Recall")
     ax.set_ylabel("Precision")
     ax.set_xlim(0, 1)
@@ -206,13 +253,17 @@ def plot_metric_curve(
     ax = fig.add_subplot()
     per_class = len(names) < 21
     for i, y in enumerate(values):
-        ax.plot(conf_points, y, linewidth=1, label=names[i] if per_class else None,
-                color=None if per_class else "grey")
+        ax.plot(conf_points, y, linewidth=1, label=names[i] if per_class else None, color=None if per_class else "grey")
     if len(values):
         mean = values.mean(0)
         best = int(mean.argmax())
-        ax.plot(conf_points, mean, linewidth=3, color="blue",
-                label=f"all classes {mean[best]:.2f} at {conf_points[best]:.3f}")
+        ax.plot(
+            conf_points,
+            mean,
+            linewidth=3,
+            color="blue",
+            label=f"all classes {mean[best]:.2f} at {conf_points[best]:.3f}",
+        )
     ax.set_xlabel("Confidence")
     ax.set_ylabel(ylabel)
     ax.set_xlim(0, 1)
@@ -232,8 +283,9 @@ def plot_labels(labels: np.ndarray, names: Sequence[str], save_dir: str | Path) 
     axes[0, 0].bar(range(nc), counts, color=[np.array(class_colour(i)) / 255 for i in range(nc)])
     axes[0, 0].set_ylabel("instances")
     if 0 < nc < 30:
-        axes[0, 0].set_xticks(range(nc), list(names)[:nc] + [str(i) for i in range(len(names), nc)],
-                              rotation=90, fontsize=8)
+        axes[0, 0].set_xticks(
+            range(nc), list(names)[:nc] + [str(i) for i in range(len(names), nc)], rotation=90, fontsize=8
+        )
     else:
         axes[0, 0].set_xlabel("classes")
     # every box drawn centred, to show the spread of shapes

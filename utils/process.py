@@ -15,6 +15,7 @@ Freezing the imports' objects: importing torch (and torch._dynamo, which its opt
 hundreds of thousands of objects that the garbage collector scans in every full collection, including the one
 at exit; moved out of its reach, collections and the exit take less time.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -33,8 +34,11 @@ TRIM_THRESHOLD = 1 << 30  # free memory at the top of the heap beyond this still
 
 def user_tuned_malloc() -> bool:
     """True when the environment already tunes or replaces malloc: then it is left as the user set it."""
-    return (any(name.startswith("MALLOC_") for name in os.environ) or "GLIBC_TUNABLES" in os.environ
-            or "LD_PRELOAD" in os.environ)
+    return (
+        any(name.startswith("MALLOC_") for name in os.environ)
+        or "GLIBC_TUNABLES" in os.environ
+        or "LD_PRELOAD" in os.environ
+    )
 
 
 def setup_process(device: str = "", deterministic: bool | None = None) -> str:

@@ -1,4 +1,5 @@
 """results.csv: one row per epoch with the losses, validation metrics and learning rates."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,8 +13,13 @@ def result_columns(loss_names: tuple[str, ...], n_param_groups: int = 3) -> tupl
     """results.csv's columns (and TensorBoard's tags) for a loss with these terms (the model family's, any number:
     box, obj, cls for YOLOv5; box, cls, dfl for YOLOv8/11; box, cls, l1 for YOLO26) and the learning rate of each
     of the optimizer's parameter groups."""
-    return ("epoch", *(f"train/{n}_loss" for n in loss_names), *METRIC_COLUMNS,
-            *(f"val/{n}_loss" for n in loss_names), *(f"x/lr{j}" for j in range(n_param_groups)))
+    return (
+        "epoch",
+        *(f"train/{n}_loss" for n in loss_names),
+        *METRIC_COLUMNS,
+        *(f"val/{n}_loss" for n in loss_names),
+        *(f"x/lr{j}" for j in range(n_param_groups)),
+    )
 
 
 def append_results_row(csv_file: Path, values: list[float], columns: tuple[str, ...]) -> None:
@@ -44,9 +50,9 @@ def extend_results_columns(csv_file: Path, columns: tuple[str, ...]) -> None:
         return
     lines = csv_file.read_text(encoding="utf-8").splitlines()
     header = [c.strip() for c in lines[0].split(",")] if lines else []
-    if not header or len(header) >= len(columns) or tuple(header) != columns[:len(header)]:
+    if not header or len(header) >= len(columns) or tuple(header) != columns[: len(header)]:
         return
-    pad = "," + ",".join(f"{'nan':>20}" for _ in columns[len(header):])
+    pad = "," + ",".join(f"{'nan':>20}" for _ in columns[len(header) :])
     rows = [line + pad for line in lines[1:] if line.strip()]
     with atomic_output(csv_file) as tmp:
         tmp.write_text("\n".join([",".join(f"{c:>20}" for c in columns), *rows]) + "\n", encoding="utf-8")

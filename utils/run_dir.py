@@ -1,4 +1,5 @@
 """Numbered run folders: runs/val/exp, exp2, exp3, ..."""
+
 from __future__ import annotations
 
 from pathlib import Path

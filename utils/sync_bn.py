@@ -1,4 +1,5 @@
 """Synchronised BatchNorm: torch's own with NCCL, an all-reduce version with gloo (on the CPU or a shared GPU)."""
+
 from __future__ import annotations
 
 import torch
@@ -33,7 +34,7 @@ class CpuSyncBatchNorm(nn.BatchNorm2d):
         counts = gathered[:, -1:]
         n = counts.sum()
         mean = (gathered[:, :channels] * counts).sum(0) / n
-        m2 = gathered[:, channels:2 * channels].sum(0) + ((gathered[:, :channels] - mean).square() * counts).sum(0)
+        m2 = gathered[:, channels : 2 * channels].sum(0) + ((gathered[:, :channels] - mean).square() * counts).sum(0)
         var = m2 / n
         if self.track_running_stats:
             with torch.no_grad():
@@ -60,8 +61,9 @@ def convert_sync_batchnorm(module: nn.Module, device: torch.device) -> nn.Module
         tensors = (*module.parameters(recurse=False), *module.buffers(recurse=False))
         where = next((t for t in tensors if t.is_floating_point()), None)
         factory = {} if where is None else {"device": where.device, "dtype": where.dtype}
-        sync = CpuSyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
-                                module.track_running_stats, **factory)
+        sync = CpuSyncBatchNorm(
+            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats, **factory
+        )
         sync.load_state_dict(module.state_dict())
         sync.train(module.training)
         return sync

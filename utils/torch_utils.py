@@ -1,4 +1,5 @@
 """PyTorch helpers every entry point needs: the device, seeds, synchronised timing, rank-0-first blocks."""
+
 from __future__ import annotations
 
 import contextlib
@@ -40,8 +41,10 @@ def select_device(device: str = "", local_rank: int = -1, local_world_size: int 
             raise UserError(f"--device '{device}' is not valid: use 'cpu', '0' or '0,1,2,3'")
         processes = max(local_world_size, 1) if local_rank >= 0 else 1
         if len(ids) < processes:
-            raise UserError(f"--device {spec} names {len(ids)} GPU(s) for {processes} processes on this machine "
-                            "(LOCAL_WORLD_SIZE): name one GPU per process")
+            raise UserError(
+                f"--device {spec} names {len(ids)} GPU(s) for {processes} processes on this machine "
+                "(LOCAL_WORLD_SIZE): name one GPU per process"
+            )
         distinct = list(dict.fromkeys(ids))  # '0,0': two ranks share GPU 0, which is made visible once
         only_these = os.environ.get("CUDA_VISIBLE_DEVICES") == ",".join(distinct)  # made visible by setup_process
         available = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -71,7 +74,7 @@ def select_device(device: str = "", local_rank: int = -1, local_world_size: int 
 
 def local_ranks_share_a_gpu(device: str, local_world_size: int) -> bool:
     """Whether --device gives one GPU to several ranks of this machine ('0,0'): NCCL refuses that, gloo does not."""
-    ids = device_spec(device).split(",")[:max(local_world_size, 1)]
+    ids = device_spec(device).split(",")[: max(local_world_size, 1)]
     return all(i.isdigit() for i in ids) and len(set(ids)) < len(ids)
 
 

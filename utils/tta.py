@@ -6,6 +6,7 @@ predictions are concatenated, so one NMS merges them. Two prediction sets are le
 see such objects badly: the coarsest output level (largest objects) of the full-size pass and the finest
 level (smallest objects) of the smallest pass. Needs a PyTorch model, whose raw outputs give the level sizes.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,11 +29,12 @@ def check_tta_applies(weights: str, kind: str, layout: str | None = None) -> Non
     ``kind`` (the format's name) and ``layout`` are the model's (utils/formats/metadata.py ModelMeta); without the
     layout only the format is checked."""
     if kind != "pytorch":
-        raise UserError(f"--augment needs a PyTorch .pt model (its passes change the input size); {weights} is "
-                        f"{kind}")
+        raise UserError(f"--augment needs a PyTorch .pt model (its passes change the input size); {weights} is {kind}")
     if layout == "end2end":
-        raise UserError("--augment needs predictions before NMS to merge its passes; --end2end gives the one-to-one "
-                        "head's final detections (leave out one of the two)")
+        raise UserError(
+            "--augment needs predictions before NMS to merge its passes; --end2end gives the one-to-one "
+            "head's final detections (leave out one of the two)"
+        )
 
 
 def scale_images(imgs: torch.Tensor, scale: float, stride: int) -> torch.Tensor:
@@ -74,8 +76,13 @@ def level_sizes(raw: Sequence[torch.Tensor] | dict) -> list[int]:
     return [int(math.prod(r.shape[1:-1] if r.dim() == 5 else r.shape[2:])) for r in output_levels(raw)]
 
 
-def tta_predict(model: nn.Module, imgs: torch.Tensor, stride: int, scales: Sequence[float] = TTA_SCALES,
-                flips: Sequence[str | None] = TTA_FLIPS) -> torch.Tensor:
+def tta_predict(
+    model: nn.Module,
+    imgs: torch.Tensor,
+    stride: int,
+    scales: Sequence[float] = TTA_SCALES,
+    flips: Sequence[str | None] = TTA_FLIPS,
+) -> torch.Tensor:
     """Merged predictions of every pass for ``imgs`` (b, 3, h, w, float in [0, 1]), before NMS, in the model's own
     layout: YOLOv5's (b, n, 5 + nc) or the anchor-free (b, 4 + nc, n)."""
     width = imgs.shape[3]
@@ -96,7 +103,7 @@ def tta_predict(model: nn.Module, imgs: torch.Tensor, stride: int, scales: Seque
         if len(sizes) > 1 and k == 0:
             pred = pred[:, : -sizes[-1]]  # the full-size pass without its coarsest level
         elif len(sizes) > 1 and k == len(scales) - 1:
-            pred = pred[:, sizes[0]:]  # the smallest pass without its finest level
+            pred = pred[:, sizes[0] :]  # the smallest pass without its finest level
         merged.append(deaugment(pred, scale, flip, width))
     merged_pred = torch.cat(merged, 1)
     return merged_pred.transpose(1, 2) if anchors_last else merged_pred

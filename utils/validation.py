@@ -4,6 +4,7 @@ A thin layer over the predictor and the evaluator (``utils/evaluation``): the mo
 detections are matched with the labels, and the outputs are written. val.py builds the same pieces for any
 weights file.
 """
+
 from __future__ import annotations
 
 import copy
@@ -62,9 +63,16 @@ class ValOptions:
     main: bool = True
 
     def outputs(self) -> OutputOptions:
-        return OutputOptions(save_dir=self.save_dir, plots=self.plots, verbose=self.verbose, save_json=self.save_json,
-                             save_txt=self.save_txt, save_conf=self.save_conf, annotations_json=self.annotations_json,
-                             main=self.main)
+        return OutputOptions(
+            save_dir=self.save_dir,
+            plots=self.plots,
+            verbose=self.verbose,
+            save_json=self.save_json,
+            save_txt=self.save_txt,
+            save_conf=self.save_conf,
+            annotations_json=self.annotations_json,
+            main=self.main,
+        )
 
 
 def without_cudnn_benchmark(fn: Callable[..., ValResults]) -> Callable[..., ValResults]:
@@ -74,6 +82,7 @@ def without_cudnn_benchmark(fn: Callable[..., ValResults]) -> Callable[..., ValR
     validation batches come in many shapes, and the benchmark times each new one again, at a higher cost than
     cuDNN's heuristic choice and for no faster inference (docs/benchmarks.md, "cuDNN benchmark on and off").
     """
+
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> ValResults:
         before = torch.backends.cudnn.benchmark
@@ -82,11 +91,11 @@ def without_cudnn_benchmark(fn: Callable[..., ValResults]) -> Callable[..., ValR
             return fn(*args, **kwargs)
         finally:
             torch.backends.cudnn.benchmark = before
+
     return wrapper
 
 
-def module_runner(model: torch.nn.Module, names: Sequence[str], device: torch.device, family: Family
-                  ) -> PytorchRunner:
+def module_runner(model: torch.nn.Module, names: Sequence[str], device: torch.device, family: Family) -> PytorchRunner:
     """A model in memory as a runner. A ``Model`` with BatchNorm is validated as a copy with each BatchNorm folded
     into its convolution, as val.py's loaded weights are: one op less per layer. A copy, since the caller's model
     (training's EMA) trains on."""
@@ -127,9 +136,19 @@ def validate(model: torch.nn.Module, dataloader: Any, options: ValOptions | None
     first_weight = next(runner.model.parameters(), None)
     fp16_weights = first_weight is not None and first_weight.dtype == torch.float16
     autocast = torch.float16 if o.half and device.type == "cuda" and not fp16_weights else o.autocast_dtype
-    predictor = Predictor(runner, family, PredictOptions(
-        conf_thres=o.conf_thres, iou_thres=o.iou_thres, max_det=o.max_det, multi_label=True, agnostic=o.single_cls,
-        augment=o.augment, autocast_dtype=autocast))
+    predictor = Predictor(
+        runner,
+        family,
+        PredictOptions(
+            conf_thres=o.conf_thres,
+            iou_thres=o.iou_thres,
+            max_det=o.max_det,
+            multi_label=True,
+            agnostic=o.single_cls,
+            augment=o.augment,
+            autocast_dtype=autocast,
+        ),
+    )
     json_ids = None
     if o.save_json:
         from utils.coco_json import json_identities
@@ -138,8 +157,9 @@ def validate(model: torch.nn.Module, dataloader: Any, options: ValOptions | None
         json_ids = json_identities(getattr(dataloader, "dataset", None), names)
     loss_terms = len(o.compute_loss.item_names) if o.compute_loss is not None else 0
     # Every rank counts its images into the confusion matrix (summed by the gather); only the main rank plots it.
-    evaluator = DetectionEvaluator(o.names, single_cls=o.single_cls, confusion=o.plots, json_ids=json_ids,
-                                   loss_terms=loss_terms)
+    evaluator = DetectionEvaluator(
+        o.names, single_cls=o.single_cls, confusion=o.plots, json_ids=json_ids, loss_terms=loss_terms
+    )
     return evaluate(predictor, dataloader, evaluator, ValOutputs(outputs, evaluator.names), o.compute_loss, o.gather)
 
 
@@ -147,6 +167,8 @@ def tta_comparison(plain: ValResults, augmented: ValResults) -> str:
     """One line: mAP and time per image of the --augment pass beside the plain one."""
     t_plain, t_aug = sum(plain.speed), sum(augmented.speed)
     factor = t_aug / t_plain if t_plain > 0 else float("nan")
-    return (f"--augment: mAP50 {augmented.map50:.4f} (plain {plain.map50:.4f}, {augmented.map50 - plain.map50:+.4f}), "
-            f"mAP50-95 {augmented.map:.4f} (plain {plain.map:.4f}, {augmented.map - plain.map:+.4f}); "
-            f"{t_aug:.1f} ms per image (plain {t_plain:.1f} ms, x{factor:.2f})")
+    return (
+        f"--augment: mAP50 {augmented.map50:.4f} (plain {plain.map50:.4f}, {augmented.map50 - plain.map50:+.4f}), "
+        f"mAP50-95 {augmented.map:.4f} (plain {plain.map:.4f}, {augmented.map - plain.map:+.4f}); "
+        f"{t_aug:.1f} ms per image (plain {t_plain:.1f} ms, x{factor:.2f})"
+    )

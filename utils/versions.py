@@ -10,6 +10,7 @@ The floors are what the code calls, not what it was tested on (the suite runs on
 
 This module is plain enough to import on any Python 3: the check must run where the rest would fail.
 """
+
 import re
 import sys
 

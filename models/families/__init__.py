@@ -6,6 +6,7 @@ most specific first: a config without a ``family:`` key (YOLOv5's and Ultralytic
 the key existed) belongs to the first family that recognises its contents (YOLO26 and YOLO12 configs also have
 YOLO11's C3k2 blocks, and every anchor-free config would pass for YOLOv8's).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
@@ -31,10 +32,29 @@ LISTING_ORDER = (YOLOV5, YOLOV8, YOLO11, YOLO12, YOLO26)
 # The family of exported files of this project that record none (the first exports were all YOLOv5 models).
 UNRECORDED_EXPORT_FAMILY = YOLOV5
 
-__all__ = ["FAMILIES", "LISTING_ORDER", "YOLO11", "YOLO12", "YOLO26", "YOLOV5", "YOLOV8", "CheckpointImporter", "ExportModule",
-           "Family", "Int8Scope", "UNRECORDED_EXPORT_FAMILY", "family_name", "family_of", "import_checkpoint",
-           "imported_records", "importer_of_source", "known_layouts", "missing_weights_message", "titles_by",
-           "ultralytics_export_family"]
+__all__ = [
+    "FAMILIES",
+    "LISTING_ORDER",
+    "YOLO11",
+    "YOLO12",
+    "YOLO26",
+    "YOLOV5",
+    "YOLOV8",
+    "CheckpointImporter",
+    "ExportModule",
+    "Family",
+    "Int8Scope",
+    "UNRECORDED_EXPORT_FAMILY",
+    "family_name",
+    "family_of",
+    "import_checkpoint",
+    "imported_records",
+    "importer_of_source",
+    "known_layouts",
+    "missing_weights_message",
+    "titles_by",
+    "ultralytics_export_family",
+]
 
 
 def family_name(cfg: Mapping[str, Any]) -> str:
@@ -42,14 +62,18 @@ def family_name(cfg: Mapping[str, Any]) -> str:
     declared = cfg.get("family")
     if declared is not None:
         if declared not in FAMILIES:
-            raise UserError(f"{cfg.get('yaml_file', 'model config')}: model family {declared!r} is not supported here "
-                            f"(known: {', '.join(sorted(FAMILIES))})")
+            raise UserError(
+                f"{cfg.get('yaml_file', 'model config')}: model family {declared!r} is not supported here "
+                f"(known: {', '.join(sorted(FAMILIES))})"
+            )
         return str(declared)
     for family in FAMILIES.values():
         if family.recognizes(cfg):
             return family.name
-    raise UserError(f"{cfg.get('yaml_file', 'model config')}: no model family recognises this config "
-                    f"(known: {', '.join(sorted(FAMILIES))})")
+    raise UserError(
+        f"{cfg.get('yaml_file', 'model config')}: no model family recognises this config "
+        f"(known: {', '.join(sorted(FAMILIES))})"
+    )
 
 
 def family_of(model_or_cfg: nn.Module | Mapping[str, Any] | str | Family) -> Family:
@@ -87,6 +111,7 @@ def known_layouts() -> tuple[str, ...]:
 
 
 # ---- other tools' checkpoints ----------------------------------------------------------------------------------
+
 
 def _importers() -> list[CheckpointImporter]:
     """Every family's importers, once each; a catch-all importer last."""

@@ -6,6 +6,7 @@ each in ``FAMILIES``. Code outside models/families/ asks ``family_of(model | con
 members; it never names a family, branches on a head type or keeps a table keyed by family. docs/design.md ("The
 family contract") says who calls what.
 """
+
 from __future__ import annotations
 
 import copy
@@ -122,16 +123,25 @@ class Family:
 
     # ---- training ----
 
-    def build_model(self, cfg: str | Path | Mapping[str, Any], *, nc: int | None = None,
-                    weights: dict[str, torch.Tensor] | None = None, transfer: bool = False, keep_anchors: bool = True,
-                    anchors: float | None = None, names: list[str] | None = None) -> nn.Module:
+    def build_model(
+        self,
+        cfg: str | Path | Mapping[str, Any],
+        *,
+        nc: int | None = None,
+        weights: dict[str, torch.Tensor] | None = None,
+        transfer: bool = False,
+        keep_anchors: bool = True,
+        anchors: float | None = None,
+        names: list[str] | None = None,
+    ) -> nn.Module:
         """Its model from a config (a YAML path or its dict), loaded with ``weights`` when given (``transfer``:
         only the tensors that fit; ``keep_anchors`` False leaves the config's anchors). The default builds a YOLO
         ``Model`` (``models/yolo.py: build_model``); a family whose models are not built from a YOLO YAML overrides
         it. The model must carry ``yaml`` (its config dict, stored in checkpoints), ``names`` and a ``stride``
         tensor (image sizes are multiples of its largest)."""
-        return build_yolo_model(cfg, nc=nc, weights=weights, transfer=transfer, keep_anchors=keep_anchors,
-                                anchors=anchors, names=names)
+        return build_yolo_model(
+            cfg, nc=nc, weights=weights, transfer=transfer, keep_anchors=keep_anchors, anchors=anchors, names=names
+        )
 
     def make_loss(self, model: nn.Module, hyp: Any, *, imgsz: int, label_smoothing: float = 0.0) -> DetectionLoss:
         """Its loss, normalised by counts over all ranks (a step does not depend on the world size)."""
@@ -146,8 +156,11 @@ class Family:
         three: biases (no decay), weights of convolutions and linear layers (``weight_decay``), norm weights (no
         decay). Settings a group leaves out take the optimizer's defaults."""
         weights, norm_weights, biases = yolo_parameter_groups(model)
-        return [{"params": biases}, {"params": weights, "weight_decay": weight_decay},
-                {"params": norm_weights, "weight_decay": 0.0}]
+        return [
+            {"params": biases},
+            {"params": weights, "weight_decay": weight_decay},
+            {"params": norm_weights, "weight_decay": 0.0},
+        ]
 
     @property
     def default_hyp_path(self) -> Path:
@@ -168,17 +181,23 @@ class Family:
         if not isinstance(values, Mapping):
             return  # from_dict says what is wrong
         record = self.hyp_type
-        foreign = sorted(k for k in values if k not in record.field_names() and k not in record.IGNORED_KEYS
-                         and values[k] is not None)
+        foreign = sorted(
+            k
+            for k in values
+            if k not in record.field_names() and k not in record.IGNORED_KEYS and values[k] is not None
+        )
         if foreign:
             keys = ", ".join(repr(k) for k in foreign)
             what = "is not a hyper-parameter" if len(foreign) == 1 else "are not hyper-parameters"
-            raise UserError(f"{source}: {keys} {what} of {self.name}: another family's file? (its own: "
-                            f"{self.default_hyp})")
+            raise UserError(
+                f"{source}: {keys} {what} of {self.name}: another family's file? (its own: {self.default_hyp})"
+            )
         missing = [k for k in record.REQUIRED_KEYS if values.get(k) is None]
         if missing:
-            raise UserError(f"{source}: no {', '.join(repr(k) for k in missing)} gain: not hyper-parameters of "
-                            f"{self.name} (its own: {self.default_hyp})")
+            raise UserError(
+                f"{source}: no {', '.join(repr(k) for k in missing)} gain: not hyper-parameters of "
+                f"{self.name} (its own: {self.default_hyp})"
+            )
 
     def check_hyp(self, hyp: HypRecord, source: str) -> None:
         """A one-line error when ``hyp`` (any record) holds another family's hyper-parameters."""
@@ -188,8 +207,9 @@ class Family:
         """The hyper-parameters an evolve.csv row holds: those of ``base`` with a value that this family uses."""
         return [k for k in base.to_dict() if k in self.evolve_limits]
 
-    def fit_anchors(self, dataset: Any, model: nn.Module, hyp: Any = None, *, thr: float | None = None,
-                    imgsz: int) -> None:
+    def fit_anchors(
+        self, dataset: Any, model: nn.Module, hyp: Any = None, *, thr: float | None = None, imgsz: int
+    ) -> None:
         """AutoAnchor where the family has anchors; a note otherwise."""
         LOGGER.info(f"AutoAnchor does not apply: {self.name} is anchor-free")
 
@@ -208,8 +228,17 @@ class Family:
         """Its output layout as the model is set now (one of ``layouts``)."""
         return self.layouts[0]
 
-    def detections(self, pred: torch.Tensor, conf_thres: float, iou_thres: float, *, classes: list[int] | None = None,
-                   agnostic: bool = False, multi_label: bool = False, max_det: int = 300) -> list[torch.Tensor]:
+    def detections(
+        self,
+        pred: torch.Tensor,
+        conf_thres: float,
+        iou_thres: float,
+        *,
+        classes: list[int] | None = None,
+        agnostic: bool = False,
+        multi_label: bool = False,
+        max_det: int = 300,
+    ) -> list[torch.Tensor]:
         """Per image (n, 6) = x1 y1 x2 y2 conf cls in input pixels, best first, from decoded predictions (a
         PyTorch model's or any exported file's ``output0``)."""
         raise NotImplementedError
@@ -272,5 +301,9 @@ def prediction_convs(model: nn.Module) -> list[str]:
     head = head_name(model)
     containers = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
     owners = dict(head_of(model).named_modules())
-    return [f"{head}.{name}" for name, module in owners.items() if isinstance(module, nn.Conv2d)
-            and isinstance(owners[name.rpartition(".")[0]], (type(head_of(model)), *containers))]
+    return [
+        f"{head}.{name}"
+        for name, module in owners.items()
+        if isinstance(module, nn.Conv2d)
+        and isinstance(owners[name.rpartition(".")[0]], (type(head_of(model)), *containers))
+    ]

@@ -8,6 +8,7 @@ arrays inert records (``SAFE_CALLABLES``). :func:`plain` and :func:`record_state
 values and a state_dict. Which names each tool's files may use is the importer's allow-list
 (models/families/yolov5_import.py, models/families/ultralytics_import.py).
 """
+
 from __future__ import annotations
 
 import collections
@@ -18,8 +19,12 @@ from typing import Any
 import numpy as np
 import torch
 
-MODULE_ALIASES = {"__builtin__": "builtins", "copy_reg": "copyreg", "numpy._core.multiarray": "numpy.core.multiarray",
-                  "pathlib._local": "pathlib"}
+MODULE_ALIASES = {
+    "__builtin__": "builtins",
+    "copy_reg": "copyreg",
+    "numpy._core.multiarray": "numpy.core.multiarray",
+    "pathlib._local": "pathlib",
+}
 _NUMERIC_KINDS = "biufc"  # bool, signed, unsigned, float, complex: never objects, strings or records
 
 
@@ -61,7 +66,6 @@ class ModuleRecord:
 
 def record_class(qualified_name: str) -> type[ModuleRecord]:
     return type(qualified_name.rsplit(".", 1)[-1], (ModuleRecord,), {"class_name": qualified_name})
-
 
 
 class NumpyDtypeRecord:
@@ -143,8 +147,15 @@ def _latin1_bytes(text: Any, encoding: Any = "utf-8") -> bytes:
     return text.encode("latin1")
 
 
-def _tensor(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any = False, hooks: Any = None,
-            metadata: Any = None) -> torch.Tensor:
+def _tensor(
+    storage: Any,
+    offset: Any,
+    size: Any,
+    stride: Any,
+    requires_grad: Any = False,
+    hooks: Any = None,
+    metadata: Any = None,
+) -> torch.Tensor:
     # Backward hooks and tensor metadata from the file are dropped: only the values are needed.
     if not isinstance(storage, (torch.storage.TypedStorage, torch.UntypedStorage)):
         raise pickle.UnpicklingError("tensor: storage expected")
@@ -187,8 +198,8 @@ SAFE_CALLABLES: dict[str, Any] = {
 }
 
 
-
 # ---- records -> plain values -----------------------------------------------------------------------------
+
 
 def plain(value: Any) -> Any:
     """Containers, numbers, strings and tensors as they are; numpy records as lists or numbers.
@@ -239,4 +250,3 @@ def named_records(record: ModuleRecord, prefix: str = "") -> dict[str, ModuleRec
         if isinstance(child, ModuleRecord):
             out.update(named_records(child, f"{prefix}.{name}" if prefix else name))
     return out
-

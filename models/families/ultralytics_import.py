@@ -18,6 +18,7 @@ RT-DETR, ...) are refused in one line until they are supported. Ultralytics' tra
 epoch) is not ours: such a checkpoint is fine-tuned from (``--weights``), never resumed. Which families' checkpoints
 are read is theirs to say (``Family.importers``); the dispatcher (models/families/__init__.py) passes them in.
 """
+
 from __future__ import annotations
 
 import re
@@ -38,28 +39,52 @@ from utils.torch_utils import cpu_fp32_state
 RELEASES_URL = "https://github.com/ultralytics/assets/releases"
 
 # torch.nn layers an Ultralytics detection model contains (and a pickled loss: BCEWithLogitsLoss).
-_TORCH_MODULES = frozenset(f"torch.nn.modules.{name}" for name in (
-    "conv.Conv2d", "batchnorm.BatchNorm2d", "activation.SiLU", "linear.Identity", "pooling.MaxPool2d",
-    "upsampling.Upsample", "container.Sequential", "container.ModuleList", "loss.BCEWithLogitsLoss",
-))
+_TORCH_MODULES = frozenset(
+    f"torch.nn.modules.{name}"
+    for name in (
+        "conv.Conv2d",
+        "batchnorm.BatchNorm2d",
+        "activation.SiLU",
+        "linear.Identity",
+        "pooling.MaxPool2d",
+        "upsampling.Upsample",
+        "container.Sequential",
+        "container.ModuleList",
+        "loss.BCEWithLogitsLoss",
+    )
+)
 # Module trees: the model, its blocks and head, under the current and the pre-8.1 layout (ultralytics.nn.modules
 # was one file); a loss and its assigner pickled with old models, under ultralytics.yolo.* before 8.0.44.
-_RECORD_PREFIXES = ("ultralytics.nn.", "ultralytics.utils.loss.", "ultralytics.utils.tal.",
-                    "ultralytics.yolo.utils.loss.", "ultralytics.yolo.utils.tal.")
+_RECORD_PREFIXES = (
+    "ultralytics.nn.",
+    "ultralytics.utils.loss.",
+    "ultralytics.utils.tal.",
+    "ultralytics.yolo.utils.loss.",
+    "ultralytics.yolo.utils.tal.",
+)
 _NAMESPACES = frozenset({"ultralytics.utils.IterableSimpleNamespace", "ultralytics.yolo.utils.IterableSimpleNamespace"})
 _SAFE_CALLABLES = {  # inert readers of paths and numpy scalars
-    **{f"{module}.{cls}": SAFE_CALLABLES[f"pathlib.{cls}"]
-       for module in ("pathlib", "pathlib._local") for cls in ("Path", "PosixPath", "WindowsPath")},
+    **{
+        f"{module}.{cls}": SAFE_CALLABLES[f"pathlib.{cls}"]
+        for module in ("pathlib", "pathlib._local")
+        for cls in ("Path", "PosixPath", "WindowsPath")
+    },
     "numpy.dtype": SAFE_CALLABLES["numpy.dtype"],
     "numpy.core.multiarray.scalar": SAFE_CALLABLES["numpy.core.multiarray.scalar"],
     "numpy._core.multiarray.scalar": SAFE_CALLABLES["numpy.core.multiarray.scalar"],
 }
 # Ultralytics model classes of tasks and variants not supported yet, and what to call them.
 _OTHER_MODELS = {
-    "SegmentationModel": "a segmentation (segment) model", "PoseModel": "a pose model", "OBBModel": "an OBB model",
-    "ClassificationModel": "a classification (classify) model", "RTDETRDetectionModel": "an RT-DETR model",
-    "WorldModel": "a YOLO-World model", "YOLOEModel": "a YOLOE model", "YOLOESegModel": "a YOLOE segmentation model",
-    "YOLOv10DetectionModel": "a YOLOv10 model", "SemanticSegmentationModel": "a semantic segmentation model",
+    "SegmentationModel": "a segmentation (segment) model",
+    "PoseModel": "a pose model",
+    "OBBModel": "an OBB model",
+    "ClassificationModel": "a classification (classify) model",
+    "RTDETRDetectionModel": "an RT-DETR model",
+    "WorldModel": "a YOLO-World model",
+    "YOLOEModel": "a YOLOE model",
+    "YOLOESegModel": "a YOLOE segmentation model",
+    "YOLOv10DetectionModel": "a YOLOv10 model",
+    "SemanticSegmentationModel": "a semantic segmentation model",
     "DepthModel": "a depth model",
 }
 # Ultralytics' released weights: <family name><scale>[-<task or variant>].pt for the families read here, and
@@ -88,7 +113,8 @@ def _stand_in(qualified_name: str) -> Any:
         return NamespaceRecord
     short = qualified_name.rsplit(".", 1)[-1]
     allowed_record = qualified_name in _TORCH_MODULES or (
-        qualified_name.startswith(_RECORD_PREFIXES) and short.isidentifier() and not short.startswith("_"))
+        qualified_name.startswith(_RECORD_PREFIXES) and short.isidentifier() and not short.startswith("_")
+    )
     if allowed_record:
         return type(short, (ModuleRecord,), {"class_name": qualified_name})
     return None
@@ -115,14 +141,18 @@ def _refuse_other_tasks(path: Path, names: list[str], families: Sequence[Family]
     for name in names:
         if name.startswith("ultralytics.nn.tasks.") and name.rsplit(".", 1)[-1] in _OTHER_MODELS:
             what = _OTHER_MODELS[name.rsplit(".", 1)[-1]]
-            raise UserError(f"{path}: {what} ({name}); only Ultralytics detection checkpoints "
-                            f"({', '.join(f.title for f in families)}) are supported so far")
+            raise UserError(
+                f"{path}: {what} ({name}); only Ultralytics detection checkpoints "
+                f"({', '.join(f.title for f in families)}) are supported so far"
+            )
 
 
 def _refuse(path: Path, refused: list[str]) -> NoReturn:
     verb = "is" if len(refused) == 1 else "are"
-    raise UserError(f"{path}: refused: the file names {', '.join(refused)}, which {verb} not part of an Ultralytics "
-                    "detection checkpoint (checkpoints never run code here)")
+    raise UserError(
+        f"{path}: refused: the file names {', '.join(refused)}, which {verb} not part of an Ultralytics "
+        "detection checkpoint (checkpoints never run code here)"
+    )
 
 
 def read_ultralytics(path: str | Path, families: Sequence[Family], names: list[str] | None = None) -> dict[str, Any]:
@@ -147,6 +177,7 @@ def read_ultralytics(path: str | Path, families: Sequence[Family], names: list[s
 
 
 # ---- records -> our checkpoint --------------------------------------------------------------------------------
+
 
 def _model_record(raw: dict[str, Any], path: Path) -> tuple[str, ModuleRecord]:
     """The model to import: the EMA during training (``model`` is None then), else the (stripped) model."""
@@ -177,13 +208,17 @@ def _model_config(record: ModuleRecord, path: Path) -> dict[str, Any]:
         raise UserError(f"{path}: its model description has no head layer")
     sources, head = last[0], str(last[2])
     if head != "Detect":
-        raise UserError(f"{path}: its head is {head}, not Detect: other tasks and variants (segment, pose, OBB, "
-                        "classify, YOLOv10, ...) are not supported so far")
+        raise UserError(
+            f"{path}: its head is {head}, not Detect: other tasks and variants (segment, pose, OBB, "
+            "classify, YOLOv10, ...) are not supported so far"
+        )
     if not isinstance(sources, list) or len(sources) != 3:
         levels = len(sources) if isinstance(sources, list) else 1
         variant = {4: " (a P2 or P6 variant)"}.get(levels, "")
-        raise UserError(f"{path}: its Detect head has {levels} levels{variant}; only P3-P5 detectors (3 levels) are "
-                        "supported so far")
+        raise UserError(
+            f"{path}: its Detect head has {levels} levels{variant}; only P3-P5 detectors (3 levels) are "
+            "supported so far"
+        )
     if cfg.get("activation") not in (None, "nn.SiLU()"):
         raise UserError(f"{path}: activation {cfg['activation']!r} is not supported (only the default SiLU)")
     return cfg
@@ -222,8 +257,10 @@ def _build_and_load(cfg: dict[str, Any], record: ModuleRecord, names: list[str],
             raise UserError(f"{path}: the head has {attr}={theirs} but its description builds {attr}={ours}")
     stride = head.attrs.get("stride")
     if not isinstance(stride, torch.Tensor) or not torch.equal(stride.float().view(-1), model.stride.float().view(-1)):
-        raise UserError(f"{path}: the head's strides {getattr(stride, 'tolist', lambda: stride)()} differ from "
-                        f"{model.stride.tolist()} of its description")
+        raise UserError(
+            f"{path}: the head's strides {getattr(stride, 'tolist', lambda: stride)()} differ from "
+            f"{model.stride.tolist()} of its description"
+        )
 
     state = record_state_dict(record)
     own = model.state_dict()
@@ -234,18 +271,23 @@ def _build_and_load(cfg: dict[str, Any], record: ModuleRecord, names: list[str],
     unexpected = sorted(set(state) - set(own))
     wrong_shape = sorted(k for k in set(own) & set(state) if own[k].shape != state[k].shape)
     if missing or unexpected or wrong_shape:
-        problems = [f"{label}: {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}"
-                    for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape", wrong_shape))
-                    if keys]
-        raise UserError(f"{path}: its tensors do not match the model built from its description "
-                        f"({'; '.join(problems)})")
+        problems = [
+            f"{label}: {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}"
+            for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape", wrong_shape))
+            if keys
+        ]
+        raise UserError(
+            f"{path}: its tensors do not match the model built from its description ({'; '.join(problems)})"
+        )
     modules = dict(model.named_modules())
     for name, rec in records.items():
         if rec.class_name.endswith(".BatchNorm2d"):
             mine, eps = modules.get(name), rec.attrs.get("eps")
             if not isinstance(mine, torch.nn.BatchNorm2d) or (eps is not None and abs(float(eps) - mine.eps) > 1e-12):
-                raise UserError(f"{path}: layer {name}: BatchNorm eps {eps} differs from this project's "
-                                f"{getattr(mine, 'eps', None)}")
+                raise UserError(
+                    f"{path}: layer {name}: BatchNorm eps {eps} differs from this project's "
+                    f"{getattr(mine, 'eps', None)}"
+                )
     model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=True)
     model.names = names
     return model
@@ -256,8 +298,10 @@ def _family(cfg: dict[str, Any], families: Sequence[Family], path: Path) -> Fami
     for family in families:
         if family.recognizes(cfg):
             return family
-    raise UserError(f"{path}: a detector of none of the families read from Ultralytics checkpoints here "
-                    f"({', '.join(f.title for f in families)})")
+    raise UserError(
+        f"{path}: a detector of none of the families read from Ultralytics checkpoints here "
+        f"({', '.join(f.title for f in families)})"
+    )
 
 
 def convert_ultralytics(raw: dict[str, Any], path: str | Path, families: Sequence[Family]) -> dict[str, Any]:
@@ -273,9 +317,11 @@ def convert_ultralytics(raw: dict[str, Any], path: str | Path, families: Sequenc
     meta = {k: plain(raw[k]) for k in ("version", "date", "epoch") if isinstance(raw.get(k), (str, int))}
     meta["slot"] = slot
     n = len(model.state_dict())
-    LOGGER.info(f"{path}: Ultralytics {family.name} checkpoint imported (scale {cfg.get('scale', '?')}, {len(names)} "
-                f"classes, '{slot}' weights, {str(dtype).replace('torch.', '')}, {n}/{n} tensors matched"
-                f"{', Ultralytics ' + meta['version'] if 'version' in meta else ''}); nothing in it was executed")
+    LOGGER.info(
+        f"{path}: Ultralytics {family.name} checkpoint imported (scale {cfg.get('scale', '?')}, {len(names)} "
+        f"classes, '{slot}' weights, {str(dtype).replace('torch.', '')}, {n}/{n} tensors matched"
+        f"{', Ultralytics ' + meta['version'] if 'version' in meta else ''}); nothing in it was executed"
+    )
     return {
         "model_cfg": model.yaml,
         "names": names,
@@ -303,8 +349,10 @@ class UltralyticsImporter(CheckpointImporter):
         stems = _RELEASE_STEM.format(families="|".join(re.escape(f.name) for f in families))
         if not re.fullmatch(f"({stems}){_RELEASE_SUFFIX}", file_name, re.IGNORECASE):
             return None
-        return (f"nothing is downloaded here: {file_name} is one of Ultralytics' released weights, assets of "
-                f"{RELEASES_URL}; download it yourself and pass its path")
+        return (
+            f"nothing is downloaded here: {file_name} is one of Ultralytics' released weights, assets of "
+            f"{RELEASES_URL}; download it yourself and pass its path"
+        )
 
     def export_family(self, description: str, families: Sequence[Family]) -> Family:
         """The family of a file Ultralytics' exporter wrote, from the model name in its description ("Ultralytics

@@ -4,6 +4,7 @@ Configs: ``models/yolo12.yaml`` (``family: yolo12``); a config without the key i
 blocks. Everything else is the anchor-free families' (models/families/yolov8.py): DFL box branch, task-aligned
 loss, NMS at IoU 0.7, Ultralytics' checkpoints, layout ``"anchor_free"``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping

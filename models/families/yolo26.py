@@ -5,6 +5,7 @@ Configs: ``models/yolo26.yaml`` (``family: yolo26``); a config without the key i
 end-to-end head or no DFL (``end2end`` or ``reg_max: 1``). Output layouts: ``"anchor_free"`` (the one-to-many
 head, decoded as YOLOv8's) and, after ``use_end_to_end``, ``"end2end"``: (B, k, 6) = x1 y1 x2 y2 score class.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping

@@ -4,6 +4,7 @@ Configs: ``models/yolov5*.yaml`` (``family: yolov5``); a config without the key 
 Output layout ``"yolov5"``: (B, A, 5 + nc) = box centre x, y, width, height in input pixels, objectness, class
 scores; a detection's confidence is objectness times its class score.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -62,22 +63,36 @@ class YOLOv5Family(Family):
         """YOLOv5's loss, its gains scaled to the number of levels, classes and the image size (hyp values are for
         3 levels, 80 classes and 640 pixels), as YOLOv5's trainer scales them."""
         detect = head_of(model)
-        scaled = hyp.replace(box=hyp.box * 3 / detect.nl, cls=hyp.cls * detect.nc / 80 * 3 / detect.nl,
-                             obj=hyp.obj * (imgsz / 640) ** 2 * 3 / detect.nl)
+        scaled = hyp.replace(
+            box=hyp.box * 3 / detect.nl,
+            cls=hyp.cls * detect.nc / 80 * 3 / detect.nl,
+            obj=hyp.obj * (imgsz / 640) ** 2 * 3 / detect.nl,
+        )
         return ComputeLoss(model, scaled, label_smoothing)
 
-    def fit_anchors(self, dataset: Any, model: nn.Module, hyp: Any = None, *, thr: float | None = None,
-                    imgsz: int) -> None:
+    def fit_anchors(
+        self, dataset: Any, model: nn.Module, hyp: Any = None, *, thr: float | None = None, imgsz: int
+    ) -> None:
         """AutoAnchor: check the anchors against the labels at ``thr`` (default: ``hyp.anchor_t``), refit if poor."""
         check_anchors(dataset, model, thr=hyp.anchor_t if thr is None else thr, imgsz=imgsz)
 
     def anchors(self, hyp: Any) -> float | None:
         return getattr(hyp, "anchors", None)
 
-    def detections(self, pred: torch.Tensor, conf_thres: float, iou_thres: float, *, classes: list[int] | None = None,
-                   agnostic: bool = False, multi_label: bool = False, max_det: int = 300) -> list[torch.Tensor]:
-        return non_max_suppression(pred, conf_thres, iou_thres, classes=classes, agnostic=agnostic,
-                                   multi_label=multi_label, max_det=max_det)
+    def detections(
+        self,
+        pred: torch.Tensor,
+        conf_thres: float,
+        iou_thres: float,
+        *,
+        classes: list[int] | None = None,
+        agnostic: bool = False,
+        multi_label: bool = False,
+        max_det: int = 300,
+    ) -> list[torch.Tensor]:
+        return non_max_suppression(
+            pred, conf_thres, iou_thres, classes=classes, agnostic=agnostic, multi_label=multi_label, max_det=max_det
+        )
 
     def candidates(self, output0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, A, 5 + nc) -> boxes (B, A, 4) xyxy, scores (B, A, nc) = objectness times each class score."""

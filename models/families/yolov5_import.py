@@ -13,6 +13,7 @@ Here the pickle is read by an unpickler whose ``find_class`` answers from an exp
 The records then give a model YAML, class names and a state dict; the model is built from that YAML through
 our own module registry and every tensor must match by name and shape.
 """
+
 from __future__ import annotations
 
 import pickle
@@ -24,8 +25,16 @@ from typing import Any
 import torch
 
 from models.families.base import CheckpointImporter, Family
-from models.families.records import (MODULE_ALIASES, SAFE_CALLABLES, ModuleRecord, RefusedGlobal, named_records,
-                                     plain, record_class, record_state_dict)
+from models.families.records import (
+    MODULE_ALIASES,
+    SAFE_CALLABLES,
+    ModuleRecord,
+    RefusedGlobal,
+    named_records,
+    plain,
+    record_class,
+    record_state_dict,
+)
 from models.yolo import Model
 from utils.errors import UserError
 from utils.log import LOGGER
@@ -73,8 +82,9 @@ def _restricted_load(file: Any, **kwargs: Any) -> Any:
 
 
 # torch.load(pickle_module=...) needs an object with Unpickler and load (the latter for the legacy format).
-RESTRICTED_PICKLE = types.SimpleNamespace(__name__="yolov5_restricted_pickle", Unpickler=RestrictedUnpickler,
-                                          load=_restricted_load)
+RESTRICTED_PICKLE = types.SimpleNamespace(
+    __name__="yolov5_restricted_pickle", Unpickler=RestrictedUnpickler, load=_restricted_load
+)
 
 
 def read_restricted(path: str | Path) -> Any:
@@ -90,7 +100,6 @@ def read_restricted(path: str | Path) -> Any:
         raise UserError(f"{path}: refused: {e}") from e
     except (RuntimeError, EOFError, OSError, ValueError, TypeError, AttributeError) as e:
         raise UserError(f"{path}: not a readable checkpoint ({e.__class__.__name__}: {str(e).splitlines()[0]})") from e
-
 
 
 def _names_list(names: Any, nc: int, path: Path) -> list[str]:
@@ -115,8 +124,10 @@ def _check_structure(model: torch.nn.Module, record: ModuleRecord, path: Path) -
         where = name or "the model"
         if mine is None or rec is None:
             missing = "in the file" if rec is None else "in the model built from its YAML"
-            raise UserError(f"{path}: layer {where} ({type(mine).__name__ if mine else rec.short_name}) "
-                            f"is missing {missing}; is the model fused or modified?")
+            raise UserError(
+                f"{path}: layer {where} ({type(mine).__name__ if mine else rec.short_name}) "
+                f"is missing {missing}; is the model fused or modified?"
+            )
         expected = _OUR_CLASS_NAME.get(rec.short_name, rec.short_name)
         if type(mine).__name__ != expected:
             raise UserError(f"{path}: layer {where} is {rec.class_name} in the file but {type(mine).__name__} here")
@@ -170,9 +181,11 @@ def _model_from_record(record: Any, path: Path, role: str) -> tuple[torch.nn.Mod
     unexpected = sorted(set(state) - set(own))
     wrong_shape = sorted(k for k in set(own) & set(state) if own[k].shape != state[k].shape)
     if missing or unexpected or wrong_shape:
-        problems = [f"{label}: {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}"
-                    for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape", wrong_shape))
-                    if keys]
+        problems = [
+            f"{label}: {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}"
+            for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape", wrong_shape))
+            if keys
+        ]
         raise UserError(f"{path}: '{role}' tensors do not match the model built from its YAML ({'; '.join(problems)})")
     floating = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
     model.load_state_dict(floating, strict=True)
@@ -195,12 +208,17 @@ def convert_yolov5(raw: Any, path: str | Path) -> dict[str, Any]:
         ema_model, _ = _model_from_record(raw["ema"], path, "ema")
         ema = cpu_fp32_state(ema_model)
     dtype = next(iter(record_state_dict(raw["model"]).values())).dtype
-    meta = {k: plain(raw.get(k)) for k in ("epoch", "best_fitness", "updates", "opt", "train_args", "git", "date")
-            if k in raw}
+    meta = {
+        k: plain(raw.get(k))
+        for k in ("epoch", "best_fitness", "updates", "opt", "train_args", "git", "date")
+        if k in raw
+    }
     n_tensors = len(model.state_dict())
-    LOGGER.info(f"{path}: YOLOv5 checkpoint imported ({model.yaml.get('yaml_file', 'model')}, {model.nc} classes, "
-                f"{model.model[-1].nl} levels, {str(dtype).replace('torch.', '')}, {n_tensors}/{n_tensors} tensors "
-                f"matched{', with EMA' if ema is not None else ''}); nothing in it was executed")
+    LOGGER.info(
+        f"{path}: YOLOv5 checkpoint imported ({model.yaml.get('yaml_file', 'model')}, {model.nc} classes, "
+        f"{model.model[-1].nl} levels, {str(dtype).replace('torch.', '')}, {n_tensors}/{n_tensors} tensors "
+        f"matched{', with EMA' if ema is not None else ''}); nothing in it was executed"
+    )
     return {
         "model_cfg": model.yaml,
         "names": names,

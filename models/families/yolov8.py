@@ -6,6 +6,7 @@ and YOLO12 derive from it too): the hyper-parameter record, the loss, NMS at IoU
 Output layout ``"anchor_free"``: (B, 4 + nc, A) = box centre x, y, width, height in input pixels, then the sigmoid
 class scores, as Ultralytics' models and exports give it.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -66,16 +67,26 @@ class AnchorFreeFamily(Family):
         by the target scores, whatever the image size or number of classes)."""
         return AnchorFreeLoss(model, hyp, label_smoothing=label_smoothing)
 
-    def detections(self, pred: torch.Tensor, conf_thres: float, iou_thres: float, *, classes: list[int] | None = None,
-                   agnostic: bool = False, multi_label: bool = False, max_det: int = 300) -> list[torch.Tensor]:
+    def detections(
+        self,
+        pred: torch.Tensor,
+        conf_thres: float,
+        iou_thres: float,
+        *,
+        classes: list[int] | None = None,
+        agnostic: bool = False,
+        multi_label: bool = False,
+        max_det: int = 300,
+    ) -> list[torch.Tensor]:
         """NMS of the (B, 4 + nc, A) layout; an end-to-end (B, max_det, 6) output is already final and only
         filtered. The two never have the same shape: A, the anchor count of three levels, is never 6."""
         if isinstance(pred, (list, tuple)):
             pred = pred[0]
         if pred.shape[-1] == 6:
             return end_to_end_detections(pred, conf_thres, classes=classes, max_det=max_det)
-        return non_max_suppression_anchor_free(pred, conf_thres, iou_thres, classes=classes, agnostic=agnostic,
-                                               multi_label=multi_label, max_det=max_det)
+        return non_max_suppression_anchor_free(
+            pred, conf_thres, iou_thres, classes=classes, agnostic=agnostic, multi_label=multi_label, max_det=max_det
+        )
 
     def candidates(self, output0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(B, 4 + nc, A) -> boxes (B, A, 4) xyxy and class scores (B, A, nc); None for a (B, k, 6) output."""

@@ -5,6 +5,7 @@ All functions are pure with respect to global state: every random draw comes fro
 Images are BGR uint8 HWC arrays. Pixel boxes use edge coordinates: pixel column ``i`` spans
 ``[i, i + 1)``, so a box covering columns 3..5 is ``x1=3, x2=6``.
 """
+
 from __future__ import annotations
 
 import math
@@ -280,9 +281,7 @@ def render_warp(window_img: np.ndarray | None, plan: WarpPlan, out_wh: tuple[int
     return out
 
 
-def warp_boxes(
-    labels: np.ndarray, matrix: np.ndarray, zoom: float, out_wh: tuple[int, int]
-) -> np.ndarray:
+def warp_boxes(labels: np.ndarray, matrix: np.ndarray, zoom: float, out_wh: tuple[int, int]) -> np.ndarray:
     """Warp (n, 5) [cls, x1, y1, x2, y2] pixel labels; drops the degenerate ones (``box_candidates``).
 
     Each box becomes the enclosing box of its 4 warped corners, clipped to the output. Returns a new array.
@@ -324,8 +323,9 @@ def random_perspective(
     degenerate ones are dropped with ``box_candidates``. Returns new arrays.
     """
     out_wh = (img.shape[1] + 2 * border[1], img.shape[0] + 2 * border[0])
-    matrix, zoom = random_warp_matrix(rng, (img.shape[1], img.shape[0]), out_wh, degrees, translate, scale,
-                                      shear, perspective)
+    matrix, zoom = random_warp_matrix(
+        rng, (img.shape[1], img.shape[0]), out_wh, degrees, translate, scale, shear, perspective
+    )
     if border[0] == 0 and border[1] == 0 and np.allclose(matrix, np.eye(3)):
         return img, warp_boxes(labels, matrix, zoom, out_wh)
     plan = plan_warp(matrix, out_wh, (img.shape[1], img.shape[0]))
@@ -339,9 +339,7 @@ def random_perspective(
     return img, warp_boxes(labels, plan.matrix, zoom, out_wh)
 
 
-def mosaic_layout(
-    shapes_hw: list[tuple[int, int]], imgsz: int, rng: np.random.Generator
-) -> list[tuple[int, int]]:
+def mosaic_layout(shapes_hw: list[tuple[int, int]], imgsz: int, rng: np.random.Generator) -> list[tuple[int, int]]:
     """Top-left canvas corners of 4 tiles of the given (h, w) around a random centre of a 2 * imgsz canvas.
 
     Tile k touches the centre with its bottom-right, bottom-left, top-right and top-left corner
@@ -418,8 +416,9 @@ def mosaic4(
     shapes_hw = [img.shape[:2] for img in images]
     corners = mosaic_layout(shapes_hw, imgsz, rng)
     canvas = np.full((size, size, images[0].shape[2]), FILL_VALUE, dtype=np.uint8)
-    _paste_tiles(canvas, (0, 0, size, size), lambda k, region, out: paste_region(images[k], region, out), shapes_hw,
-                 corners)
+    _paste_tiles(
+        canvas, (0, 0, size, size), lambda k, region, out: paste_region(images[k], region, out), shapes_hw, corners
+    )
     return canvas, _mosaic_labels(labels, shapes_hw, corners, size)
 
 
@@ -461,8 +460,9 @@ def warped_mosaic4(
     corners = mosaic_layout(shapes_hw, imgsz, rng)
     border = -imgsz // 2
     out_wh = (size + 2 * border, size + 2 * border)
-    matrix, zoom = random_warp_matrix(rng, (size, size), out_wh, warp.degrees, warp.translate, warp.scale, warp.shear,
-                                      warp.perspective)
+    matrix, zoom = random_warp_matrix(
+        rng, (size, size), out_wh, warp.degrees, warp.translate, warp.scale, warp.shear, warp.perspective
+    )
     plan = plan_warp(matrix, out_wh, (size, size))
     canvas = None
     if plan.window is not None:

@@ -8,6 +8,7 @@ before asking for the next one. A worker has at most
 ``prefetch_factor`` batches in flight (the DataLoader hands it a new one only when the main process takes
 one), so with ``prefetch_factor + 1`` slots it never refills a slot the main process has not copied yet.
 """
+
 from __future__ import annotations
 
 import os

@@ -12,6 +12,7 @@ for label files, so the same set as COCO JSON and as YOLO label files trains ide
 Bad items (an annotation of an unknown image or category, a box without area or far outside its image, an image
 listed but missing or corrupt) are one message each naming the JSON and the item; they are skipped and counted.
 """
+
 from __future__ import annotations
 
 import json
@@ -99,8 +100,9 @@ def _choose_folder(folders: list[Path], file_names: list[str], path: Path) -> Pa
     return folders[int(np.argmax(found))]
 
 
-def read_coco_table(split: CocoSplit, workers: int = 8, prefix: str = "", verbose: bool = True
-                    ) -> tuple[LabelTable, bool]:
+def read_coco_table(
+    split: CocoSplit, workers: int = 8, prefix: str = "", verbose: bool = True
+) -> tuple[LabelTable, bool]:
     """Every image of the JSON (usable or not) with its labels, from the cache when current; and whether it was.
 
     ``extra['image_id']`` holds each sample's image id and ``meta['category_ids']`` each class's category id, so
@@ -112,8 +114,9 @@ def read_coco_table(split: CocoSplit, workers: int = 8, prefix: str = "", verbos
     # The JSON names every image: its own size and time decide (an image file that appears later where one was
     # reported missing is found after the JSON is touched or the cache deleted).
     digest = stat_digest(f"coco names={names} tol={BOX_TOLERANCE} folders={[str(f) for f in folders]}", [str(path)])
-    return cached_table(path.with_suffix(CACHE_SUFFIX), digest,
-                        lambda: _build(path, folders, names, workers, prefix, verbose))
+    return cached_table(
+        path.with_suffix(CACHE_SUFFIX), digest, lambda: _build(path, folders, names, workers, prefix, verbose)
+    )
 
 
 def _box_row(bbox: Any, w: float, h: float) -> tuple[tuple[float, ...] | None, str, bool]:
@@ -136,8 +139,9 @@ def _box_row(bbox: Any, w: float, h: float) -> tuple[tuple[float, ...] | None, s
     return ((x1 + x2) / 2 / w, (y1 + y2) / 2 / h, (x2 - x1) / w, (y2 - y1) / h), "", clipped
 
 
-def _build(path: Path, folders: list[Path], names: list[str] | None, workers: int, prefix: str,
-           verbose: bool) -> LabelTable:
+def _build(
+    path: Path, folders: list[Path], names: list[str] | None, workers: int, prefix: str, verbose: bool
+) -> LabelTable:
     data = read_coco_json(path)
     categories = _categories(data, path)
     class_of = class_of_category(categories, names, path)
@@ -153,16 +157,22 @@ def _build(path: Path, folders: list[Path], names: list[str] | None, workers: in
         builder.count("unused_categories", len(unused))
 
     entries = sorted(((str(folder / im["file_name"]), im) for im in images.values()), key=lambda e: e[0])
-    probes = probe_files([p for p, _ in entries], workers, f"{prefix}Verifying {len(entries)} images",
-                         show_progress=verbose)
+    probes = probe_files(
+        [p for p, _ in entries], workers, f"{prefix}Verifying {len(entries)} images", show_progress=verbose
+    )
     ids = _add_images(builder, list(zip(entries, probes)), boxes, folders, path)
     category_ids = [cid for cid, _ in categories]
     if names is not None:  # class k's category: the one matched to names[k] (-1 where none is)
         by_class = {k: cid for cid, k in class_of.items()}
         category_ids = [by_class.get(k, -1) for k in range(nc)]
-    return builder.build(extra={"image_id": np.array(ids, dtype=np.int64)},
-                         meta={"category_ids": np.array(category_ids, dtype=np.int64), "annotations": str(path),
-                               "names": np.array(names if names is not None else [n for _, n in categories])})
+    return builder.build(
+        extra={"image_id": np.array(ids, dtype=np.int64)},
+        meta={
+            "category_ids": np.array(category_ids, dtype=np.int64),
+            "annotations": str(path),
+            "names": np.array(names if names is not None else [n for _, n in categories]),
+        },
+    )
 
 
 def _image_entries(data: dict, path: Path, builder: TableBuilder) -> dict[Any, dict]:
@@ -190,8 +200,9 @@ class _ImageBoxes:
     used_categories: set[int] = field(default_factory=set)
 
 
-def _annotation_rows(data: dict, path: Path, images: dict[Any, dict], class_of: dict[int, int],
-                     builder: TableBuilder) -> _ImageBoxes:
+def _annotation_rows(
+    data: dict, path: Path, images: dict[Any, dict], class_of: dict[int, int], builder: TableBuilder
+) -> _ImageBoxes:
     """Each image's label rows from the annotations; a bad annotation is reported, counted and skipped."""
     boxes = _ImageBoxes({i: {} for i in images})
     for k, ann in enumerate(data["annotations"]):
@@ -224,8 +235,9 @@ def _annotation_rows(data: dict, path: Path, images: dict[Any, dict], class_of: 
     return boxes
 
 
-def _annotation_row(ann: dict, image: dict, item: str, cls: int, path: Path,
-                    builder: TableBuilder) -> tuple[float, ...] | None:
+def _annotation_row(
+    ann: dict, image: dict, item: str, cls: int, path: Path, builder: TableBuilder
+) -> tuple[float, ...] | None:
     """One annotation's label row (class, normalised x, y, w, h), or None when its box or image size is bad."""
     w, h = image.get("width"), image.get("height")
     if not isinstance(w, (int, float)) or not isinstance(h, (int, float)) or w <= 0 or h <= 0:
@@ -241,8 +253,13 @@ def _annotation_row(ann: dict, image: dict, item: str, cls: int, path: Path,
     return (float(cls), *box)
 
 
-def _add_images(builder: TableBuilder, probed: list[tuple[tuple[str, dict], tuple]], boxes: _ImageBoxes,
-                folders: list[Path], path: Path) -> list[int]:
+def _add_images(
+    builder: TableBuilder,
+    probed: list[tuple[tuple[str, dict], tuple]],
+    boxes: _ImageBoxes,
+    folders: list[Path],
+    path: Path,
+) -> list[int]:
     """Every image, in file order, into the table with its status; returns their image ids."""
     seen: set[str] = set()
     ids = []

@@ -10,6 +10,7 @@ or just ``a.json``: a CocoSplit), Pascal VOC folders (``{voc: VOC2007, set: trai
 the synthetic dataset of ``utils.data.shapes``, generated on first use. Reading labels is labels.py's: this
 module only says what each split names.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -132,8 +133,9 @@ def load_data_config(path: str | Path) -> dict[str, Any]:
         hint = " (its 'download' section is never run: fetch the data yourself)" if raw.get("download") else ""
         raise UserError(f"{yaml_file}: 'path' {raw.get('path')!r} does not exist (tried {root}){hint}")
 
-    splits = {key: _split_record(raw[key], root, yaml_file, key) for key in SPLITS
-              if raw.get(key) not in (None, "", [])}
+    splits = {
+        key: _split_record(raw[key], root, yaml_file, key) for key in SPLITS if raw.get(key) not in (None, "", [])
+    }
     if names is None:
         names = _names_from_annotations(splits, yaml_file)
     splits = {key: _with_names(value, names) for key, value in splits.items()}

@@ -3,6 +3,7 @@
 Every random draw for a sample comes from ``np.random.default_rng([seed, epoch, index])``, so a sample
 depends only on (seed, epoch, index): not on the worker, the rank, or what was loaded before.
 """
+
 from __future__ import annotations
 
 import math
@@ -19,9 +20,19 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from utils.data.augmentations import (Warp, augment_hsv, letterbox, linear_resize_source_span, long_side_shape, mixup,
-                                      paste_region, random_flips, random_perspective, resize_to_long_side,
-                                      warped_mosaic4)
+from utils.data.augmentations import (
+    Warp,
+    augment_hsv,
+    letterbox,
+    linear_resize_source_span,
+    long_side_shape,
+    mixup,
+    paste_region,
+    random_flips,
+    random_perspective,
+    resize_to_long_side,
+    warped_mosaic4,
+)
 from utils.data.batch_ring import BatchRing, RingSlot
 from utils.boxes import xywhn2xyxy, xyxy2xywhn
 from utils.errors import UserError
@@ -110,8 +121,15 @@ class YoloDataset(Dataset):
     cache: a speed option never stops a run.
     """
 
-    def __init__(self, path: str | list[str] | None, imgsz: int = 640, batch_size: int = 16, *,
-                 label_set: LabelTable | None = None, **options: Any):
+    def __init__(
+        self,
+        path: str | list[str] | None,
+        imgsz: int = 640,
+        batch_size: int = 16,
+        *,
+        label_set: LabelTable | None = None,
+        **options: Any,
+    ):
         """``options``: the fields of :class:`DatasetOptions`; ``label_set`` (labels already read) replaces reading
         them from ``path``."""
         o = DatasetOptions(**options)
@@ -170,8 +188,10 @@ class YoloDataset(Dataset):
         if mode == "auto":
             return need <= min(AUTO_CACHE_MAX_BYTES, AUTO_CACHE_MAX_SHARE * have)
         if need * MEMORY_HEADROOM > have:
-            LOGGER.warning(f"{self.prefix}WARNING --cache ram needs {need / gib:.1f} GiB (x{MEMORY_HEADROOM} "
-                           f"headroom) but {have / gib:.1f} GiB is available: not caching images")
+            LOGGER.warning(
+                f"{self.prefix}WARNING --cache ram needs {need / gib:.1f} GiB (x{MEMORY_HEADROOM} "
+                f"headroom) but {have / gib:.1f} GiB is available: not caching images"
+            )
             return False
         return True
 
@@ -196,16 +216,20 @@ class YoloDataset(Dataset):
             need = int((self.shapes.prod(1) * 3 + 128).sum())
             have = shutil.disk_usage(Path(self.im_files[0]).parent).free
             if need > have:
-                LOGGER.warning(f"{self.prefix}WARNING --cache disk needs {need / gib:.1f} GiB but "
-                               f"{have / gib:.1f} GiB is free: not caching images")
+                LOGGER.warning(
+                    f"{self.prefix}WARNING --cache disk needs {need / gib:.1f} GiB but "
+                    f"{have / gib:.1f} GiB is free: not caching images"
+                )
                 self.cache = None
                 return
         fill = self._cache_one_ram if mode == "ram" else self._cache_one_disk
         with ThreadPoolExecutor(threads) as pool:  # cv2 decoding releases the GIL
             failures = [err for err in pool.map(fill, range(self.n)) if err]
         if failures:  # e.g. a read-only image folder: one warning, not one per image
-            LOGGER.warning(f"{self.prefix}WARNING --cache disk: {len(failures)} of {self.n} .npy files could not "
-                           f"be written (first: {failures[0]}); those images are decoded each time")
+            LOGGER.warning(
+                f"{self.prefix}WARNING --cache disk: {len(failures)} of {self.n} .npy files could not "
+                f"be written (first: {failures[0]}); those images are decoded each time"
+            )
         LOGGER.info(f"{self.prefix}Cached {self.n - len(failures)} images ({need / gib:.2f} GiB, {mode})")
 
     @staticmethod
@@ -236,8 +260,10 @@ class YoloDataset(Dataset):
             return False
         self.node_cache = cache
         self.ram_images = list(cache.views)
-        LOGGER.info(f"{self.prefix}Cached {self.n} images ({cache.nbytes / (1 << 30):.2f} GiB, ram, one copy shared "
-                    f"by the {info.local_world_size} ranks of this node)")
+        LOGGER.info(
+            f"{self.prefix}Cached {self.n} images ({cache.nbytes / (1 << 30):.2f} GiB, ram, one copy shared "
+            f"by the {info.local_world_size} ranks of this node)"
+        )
         return True
 
     def _cache_one_ram(self, i: int) -> str:
@@ -311,11 +337,11 @@ class YoloDataset(Dataset):
 
         h = self.hyp
         warp = Warp(h.degrees, h.translate, h.scale, h.shear, h.perspective)
-        return warped_mosaic4(load, shapes_hw, [self.labels[i] for i in indices], self.imgsz, rng, warp,
-                              map_fn=self._tile_map())
+        return warped_mosaic4(
+            load, shapes_hw, [self.labels[i] for i in indices], self.imgsz, rng, warp, map_fn=self._tile_map()
+        )
 
-    def _load_tile(self, i: int, shape_hw: tuple[int, int], region: tuple[int, int, int, int],
-                   out: np.ndarray) -> None:
+    def _load_tile(self, i: int, shape_hw: tuple[int, int], region: tuple[int, int, int, int], out: np.ndarray) -> None:
         """Write ``region`` of image ``i`` (resized to ``shape_hw``) into ``out``, decoding only what it needs."""
         if self._read_from_source(i) and self._read_tile_region(i, shape_hw, region, out):
             return
@@ -324,8 +350,9 @@ class YoloDataset(Dataset):
             img = cv2.resize(img, shape_hw[::-1], interpolation=cv2.INTER_LINEAR)
         paste_region(img, region, out)
 
-    def _read_tile_region(self, i: int, shape_hw: tuple[int, int], region: tuple[int, int, int, int],
-                          out: np.ndarray) -> bool:
+    def _read_tile_region(
+        self, i: int, shape_hw: tuple[int, int], region: tuple[int, int, int, int], out: np.ndarray
+    ) -> bool:
         """``_load_tile`` from a partial JPEG decode; False where that cannot be done (the caller decodes it whole)."""
         h0, w0 = int(self.shapes[i][1]), int(self.shapes[i][0])
         if (h0, w0) == shape_hw:
@@ -360,8 +387,9 @@ class YoloDataset(Dataset):
             labels[:, 1:] = xywhn2xyxy(labels[:, 1:], rw * w, rh * h, pw, ph)
         if self.augment:
             hy = self.hyp
-            img, labels = random_perspective(img, labels, rng, hy.degrees, hy.translate, hy.scale, hy.shear,
-                                             hy.perspective)
+            img, labels = random_perspective(
+                img, labels, rng, hy.degrees, hy.translate, hy.scale, hy.shear, hy.perspective
+            )
         shapes = ((h0, w0), ((rh * h / h0, rw * w / w0), (pw, ph)))
         return img, labels, shapes
 

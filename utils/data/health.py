@@ -6,6 +6,7 @@ readers skipped and counted), boxes smaller than ``min_box_px`` pixels at ``imgs
 ``max_aspect``, class imbalance beyond ``max_imbalance`` (most to fewest instances of classes in use, and classes
 without any), and duplicate images (same bytes) within a split and across splits, naming both files.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -19,9 +20,16 @@ from utils.data.label_table import CORRUPT, LabelTable
 from utils.data.labels import read_table
 
 # Counts the readers keep of label problems (besides whole files skipped as corrupt).
-LABEL_ERROR_KEYS = ("label_files_unusable", "bad_boxes", "bad_annotations", "bad_images",
-                    "unknown_image_annotations", "unknown_category_annotations", "unknown_class_objects",
-                    "missing_images")
+LABEL_ERROR_KEYS = (
+    "label_files_unusable",
+    "bad_boxes",
+    "bad_annotations",
+    "bad_images",
+    "unknown_image_annotations",
+    "unknown_category_annotations",
+    "unknown_class_objects",
+    "missing_images",
+)
 
 
 @dataclass
@@ -88,7 +96,7 @@ def split_health(name: str, table: LabelTable, nc: int, t: Thresholds) -> SplitH
     image_of_row = table.labels.image_of_row()
     rows, image_of_row = rows[usable[image_of_row]], image_of_row[usable[image_of_row]]
     cls = rows[:, 0].astype(np.int64)
-    instances = np.bincount(cls, minlength=nc)[:max(nc, 0)] if len(cls) else np.zeros(nc, np.int64)
+    instances = np.bincount(cls, minlength=nc)[: max(nc, 0)] if len(cls) else np.zeros(nc, np.int64)
     pairs = np.unique(np.stack([image_of_row, cls], 1), axis=0) if len(cls) else np.zeros((0, 2), np.int64)
     images_with = np.bincount(pairs[:, 1], minlength=nc)[:nc] if len(pairs) else np.zeros(nc, np.int64)
     wh = table.shapes[image_of_row].astype(np.float64)
@@ -97,19 +105,27 @@ def split_health(name: str, table: LabelTable, nc: int, t: Thresholds) -> SplitH
     aspect = np.maximum(box_w / np.maximum(box_h, 1e-9), box_h / np.maximum(box_w, 1e-9))
     counts = table.counts
     return SplitHealth(
-        name=name, table=table, instances=instances, images_with=images_with,
+        name=name,
+        table=table,
+        instances=instances,
+        images_with=images_with,
         backgrounds=int(counts.get("background", 0) + counts.get("empty", 0)),
         corrupt=int(counts.get("corrupt", 0) - counts.get("label_files_unusable", 0)),
         label_errors=int(sum(counts.get(k, 0) for k in LABEL_ERROR_KEYS)),
         tiny_boxes=int(((box_w < t.min_box_px) | (box_h < t.min_box_px)).sum()),
-        extreme_aspect=int((aspect > t.max_aspect).sum()), problems=list(table.messages))
+        extreme_aspect=int((aspect > t.max_aspect).sum()),
+        problems=list(table.messages),
+    )
 
 
 def check_dataset(config: dict, t: Thresholds, workers: int = 8) -> Health:
     """Every split of a loaded data config (``load_data_config``) measured, and duplicates found."""
     nc = int(config["nc"])
-    splits = [split_health(key, read_table(config[key], nc=nc, workers=workers, verbose=False)[0], nc, t)
-              for key in ("train", "val", "test") if config.get(key) is not None]
+    splits = [
+        split_health(key, read_table(config[key], nc=nc, workers=workers, verbose=False)[0], nc, t)
+        for key in ("train", "val", "test")
+        if config.get(key) is not None
+    ]
     within: list[tuple[str, str, str]] = []
     leaks: list[tuple[str, str, str, str]] = []
     first_seen: dict[str, tuple[str, str]] = {}  # digest -> (split, file) where it was met first
@@ -129,14 +145,18 @@ def check_dataset(config: dict, t: Thresholds, workers: int = 8) -> Health:
 def report_lines(health: Health, names: list[str], max_listed: int = 20) -> list[str]:
     """The report as text lines."""
     t = health.thresholds
-    out = [f"thresholds: tiny box < {t.min_box_px:g} px at --imgsz {t.imgsz}, extreme aspect ratio > "
-           f"{t.max_aspect:g}, class imbalance > {t.max_imbalance:g}x (set with --min-box-px, --max-aspect, "
-           "--max-imbalance)"]
+    out = [
+        f"thresholds: tiny box < {t.min_box_px:g} px at --imgsz {t.imgsz}, extreme aspect ratio > "
+        f"{t.max_aspect:g}, class imbalance > {t.max_imbalance:g}x (set with --min-box-px, --max-aspect, "
+        "--max-imbalance)"
+    ]
     for s in health.splits:
         n = int((s.table.status != CORRUPT).sum())
-        out.append(f"{s.name}: {n} images ({s.backgrounds} backgrounds), {int(s.instances.sum())} "
-                   f"instances; {s.corrupt} corrupt images, {s.label_errors} label errors, {s.tiny_boxes} tiny boxes, "
-                   f"{s.extreme_aspect} extreme aspect ratios")
+        out.append(
+            f"{s.name}: {n} images ({s.backgrounds} backgrounds), {int(s.instances.sum())} "
+            f"instances; {s.corrupt} corrupt images, {s.label_errors} label errors, {s.tiny_boxes} tiny boxes, "
+            f"{s.extreme_aspect} extreme aspect ratios"
+        )
         for k, name in enumerate(names):
             out.append(f"  {name:>20}: {int(s.instances[k]):>8} instances in {int(s.images_with[k]):>7} images")
         for msg in s.problems[:max_listed]:
@@ -144,11 +164,15 @@ def report_lines(health: Health, names: list[str], max_listed: int = 20) -> list
         if len(s.problems) > max_listed:
             out.append(f"  ... and {len(s.problems) - max_listed} more problems")
     if health.imbalance > t.max_imbalance:
-        out.append(f"WARNING class imbalance in train: {health.imbalance:.1f}x between the most and least common "
-                   f"classes (threshold {t.max_imbalance:g}x)")
+        out.append(
+            f"WARNING class imbalance in train: {health.imbalance:.1f}x between the most and least common "
+            f"classes (threshold {t.max_imbalance:g}x)"
+        )
     if health.missing_classes:
-        out.append(f"WARNING classes without instances in train: "
-                   f"{', '.join(names[k] if k < len(names) else str(k) for k in health.missing_classes)}")
+        out.append(
+            f"WARNING classes without instances in train: "
+            f"{', '.join(names[k] if k < len(names) else str(k) for k in health.missing_classes)}"
+        )
     for split, a, b in health.duplicates_within[:max_listed]:
         out.append(f"duplicate in {split}: {b} has the same bytes as {a}")
     if len(health.duplicates_within) > max_listed:

@@ -1,4 +1,5 @@
 """Image files of a split: which names are images, listing a folder or a ``.txt`` list, and where labels live."""
+
 from __future__ import annotations
 
 import os

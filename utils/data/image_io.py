@@ -6,6 +6,7 @@ without decoding the pixels (JPEG and PNG, the common case); it decodes only fil
 a rarer format. This is what makes verifying a large dataset fast. The JPEG header parser here (frame size and
 EXIF orientation) is the project's only one.
 """
+
 from __future__ import annotations
 
 import io
@@ -66,7 +67,10 @@ def read_image(path: str) -> np.ndarray | None:
 
 
 def decode_image_region(
-    data: np.ndarray, shape_hw: tuple[int, int], region: tuple[int, int, int, int], out: np.ndarray | None,
+    data: np.ndarray,
+    shape_hw: tuple[int, int],
+    region: tuple[int, int, int, int],
+    out: np.ndarray | None,
     decoder: JpegRegionDecoder | None,
 ) -> np.ndarray | None:
     """Pixels ``region`` (x1, y1, x2, y2) of an image of displayed size ``shape_hw``, as ``decode_image`` would
@@ -83,7 +87,10 @@ def decode_image_region(
 
 
 def read_image_region(
-    path: str, shape_hw: tuple[int, int], region: tuple[int, int, int, int], out: np.ndarray | None = None,
+    path: str,
+    shape_hw: tuple[int, int],
+    region: tuple[int, int, int, int],
+    out: np.ndarray | None = None,
     decoder: JpegRegionDecoder | None = None,
 ) -> np.ndarray | None:
     """``decode_image_region`` of a file."""

@@ -5,6 +5,7 @@ The dataset holds one ``ImageSource`` and asks it for image ``i`` whole (``read`
 in front of the source and ask it only for what they do not hold. A new kind of storage is one new class here
 and one line in ``open_source``; the dataset, its caches and its augmentation stay as they are.
 """
+
 from __future__ import annotations
 
 from typing import Protocol

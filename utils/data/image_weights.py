@@ -6,6 +6,7 @@ poorly learnt classes are drawn more often. Images without labels weigh 0 and ar
 weigh more. The draw is a pure function of (seed, epoch, weights): every rank makes the same one and then takes
 its own disjoint shard of it (see ``WeightedShardedSampler``), and a resumed run makes it again exactly.
 """
+
 from __future__ import annotations
 
 import zlib

@@ -8,6 +8,7 @@ it did; datasets call it once when they are made. Where it cannot be built (no c
 headers) or decodes a test image differently from OpenCV, ``load_decoder`` returns None and images are
 decoded whole with OpenCV.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -61,15 +62,25 @@ class JpegRegionDecoder:
     def __init__(self, library: Path):
         self.library = Path(library)
         self._lib = ctypes.CDLL(str(self.library))
-        self._lib.decode_region.argtypes = [ctypes.c_void_p, ctypes.c_ulong, *[ctypes.c_int] * 6, ctypes.c_void_p,
-                                            ctypes.c_long]
+        self._lib.decode_region.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_ulong,
+            *[ctypes.c_int] * 6,
+            ctypes.c_void_p,
+            ctypes.c_long,
+        ]
         self._lib.decode_region.restype = ctypes.c_int
 
     def __reduce__(self):
         return JpegRegionDecoder, (self.library,)
 
-    def decode(self, data: np.ndarray, shape_hw: tuple[int, int], region: tuple[int, int, int, int],
-               out: np.ndarray | None = None) -> np.ndarray | None:
+    def decode(
+        self,
+        data: np.ndarray,
+        shape_hw: tuple[int, int],
+        region: tuple[int, int, int, int],
+        out: np.ndarray | None = None,
+    ) -> np.ndarray | None:
         """Pixels ``region`` = (x1, y1, x2, y2) of the JPEG in ``data`` (uint8 bytes) as BGR uint8, equal to that
         crop of ``cv2.imdecode``; written into ``out`` when given (rows may be strided, pixels must be packed).
 
@@ -83,11 +94,13 @@ class JpegRegionDecoder:
         if out is None:
             out = np.empty((y2 - y1, x2 - x1, 3), dtype=np.uint8)
         elif out.shape != (y2 - y1, x2 - x1, 3) or out.dtype != np.uint8 or out.strides[1:] != (3, 1):
-            raise ValueError(f"decode: out of shape {out.shape} {out.dtype} strides {out.strides} "
-                             f"cannot hold region {region}")
+            raise ValueError(
+                f"decode: out of shape {out.shape} {out.dtype} strides {out.strides} cannot hold region {region}"
+            )
         data = np.ascontiguousarray(data, dtype=np.uint8)
-        status = self._lib.decode_region(data.ctypes.data, data.size, shape_hw[1], shape_hw[0], x1, y1, x2, y2,
-                                         out.ctypes.data, out.strides[0])
+        status = self._lib.decode_region(
+            data.ctypes.data, data.size, shape_hw[1], shape_hw[0], x1, y1, x2, y2, out.ctypes.data, out.strides[0]
+        )
         return out if status == _DECODED else None
 
 

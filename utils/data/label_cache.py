@@ -8,6 +8,7 @@ format version and digest match and it reads back whole, else the table is built
 The cache is an ``.npz`` of plain arrays (never pickled objects, so reading one cannot run code), written
 atomically beside the data, or under the user's cache folder when the data's folder is read-only.
 """
+
 from __future__ import annotations
 
 import hashlib

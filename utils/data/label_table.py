@@ -10,6 +10,7 @@ Readers (YOLO text files, COCO JSON, VOC XML, tar-shard index) build a table wit
 sample they list, usable or not (``status``); the label cache stores that table as plain arrays; the datasets
 take the usable samples (``usable()``) and index them.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
@@ -158,9 +159,14 @@ class LabelTable:
         indices = np.asarray(indices, dtype=np.int64)
         starts, lengths = _take_spans(self.labels.offsets, indices)
         rows = self.labels.rows[_gather_index(starts, lengths)]
-        return replace(self, labels=LabelRows(rows, _offsets_of(lengths)), shapes=self.shapes[indices],
-                       im_files=self.im_files.take(indices), status=self.status[indices],
-                       extra={k: v[indices] for k, v in self.extra.items()})
+        return replace(
+            self,
+            labels=LabelRows(rows, _offsets_of(lengths)),
+            shapes=self.shapes[indices],
+            im_files=self.im_files.take(indices),
+            status=self.status[indices],
+            extra={k: v[indices] for k, v in self.extra.items()},
+        )
 
     def usable(self) -> LabelTable:
         """The samples that can be trained on (not corrupt)."""
@@ -174,10 +180,15 @@ class LabelTable:
     # ---- as plain arrays (the label cache) ------------------------------------------------------------
     def to_arrays(self) -> dict[str, np.ndarray]:
         arrays = {
-            "rows": self.labels.rows, "row_offsets": self.labels.offsets, "shapes": self.shapes.astype(np.int32),
-            "paths": self.im_files.buffer, "path_offsets": self.im_files.offsets, "status": self.status,
+            "rows": self.labels.rows,
+            "row_offsets": self.labels.offsets,
+            "shapes": self.shapes.astype(np.int32),
+            "paths": self.im_files.buffer,
+            "path_offsets": self.im_files.offsets,
+            "status": self.status,
             "messages": _join(self.messages),
-            "counts_keys": _join(list(self.counts)), "counts_values": np.array(list(self.counts.values()), np.int64),
+            "counts_keys": _join(list(self.counts)),
+            "counts_values": np.array(list(self.counts.values()), np.int64),
             "meta_keys": _join(list(self.meta)),
         }
         for k, v in self.extra.items():
@@ -190,9 +201,12 @@ class LabelTable:
     def from_arrays(cls, a: dict[str, np.ndarray]) -> LabelTable:
         keys = _split(a["counts_keys"])
         return cls(
-            labels=LabelRows(a["rows"], a["row_offsets"]), shapes=a["shapes"].astype(np.int64),
-            im_files=PathList(a["paths"], a["path_offsets"]), status=a["status"].astype(np.int8),
-            counts=dict(zip(keys, (int(v) for v in a["counts_values"]))), messages=_split(a["messages"]),
+            labels=LabelRows(a["rows"], a["row_offsets"]),
+            shapes=a["shapes"].astype(np.int64),
+            im_files=PathList(a["paths"], a["path_offsets"]),
+            status=a["status"].astype(np.int8),
+            counts=dict(zip(keys, (int(v) for v in a["counts_values"]))),
+            messages=_split(a["messages"]),
             extra={k[6:]: v for k, v in a.items() if k.startswith("extra_")},
             meta={k: a[f"meta_{k}"].tolist() for k in _split(a["meta_keys"])},
         )
@@ -230,8 +244,15 @@ class TableBuilder:
         if message:
             self.messages.append(message)
 
-    def add_many(self, paths: list[str], status: list[int], shapes: list[tuple[int, int]], row_counts: list[int],
-                 rows: np.ndarray, messages: list[str]) -> None:
+    def add_many(
+        self,
+        paths: list[str],
+        status: list[int],
+        shapes: list[tuple[int, int]],
+        row_counts: list[int],
+        rows: np.ndarray,
+        messages: list[str],
+    ) -> None:
         self.paths += paths
         self.status += status
         self.shapes += shapes
@@ -251,14 +272,22 @@ class TableBuilder:
         counts.update(self.counts)
         return LabelTable(
             labels=LabelRows(rows, _offsets_of(np.array(self.row_counts, np.int64))),
-            shapes=np.array(self.shapes, dtype=np.int64).reshape(-1, 2), im_files=PathList.from_strings(self.paths),
-            status=status, counts=counts, messages=list(self.messages), extra=dict(extra or {}), meta=dict(meta or {}))
+            shapes=np.array(self.shapes, dtype=np.int64).reshape(-1, 2),
+            im_files=PathList.from_strings(self.paths),
+            status=status,
+            counts=counts,
+            messages=list(self.messages),
+            extra=dict(extra or {}),
+            meta=dict(meta or {}),
+        )
 
 
 def status_tally(status: np.ndarray) -> dict[str, int]:
     """How many samples of each status."""
-    return {name: int((status == code).sum()) for name, code in
-            (("labelled", LABELLED), ("background", BACKGROUND), ("empty", EMPTY), ("corrupt", CORRUPT))}
+    return {
+        name: int((status == code).sum())
+        for name, code in (("labelled", LABELLED), ("background", BACKGROUND), ("empty", EMPTY), ("corrupt", CORRUPT))
+    }
 
 
 def log_problems(messages: list[str], prefix: str) -> None:
@@ -276,8 +305,13 @@ def report(table: LabelTable, prefix: str, verbose: bool, reused: bool, what: st
     log_problems(table.messages, prefix)
     c = table.counts
     where = f"{'cache ' if reused else 'cached to '}{table.cache_file}" if table.cache_file else "not cached"
-    others = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in c.items()
-                       if k not in ("labelled", "background", "empty", "corrupt", "duplicates") and v)
-    LOGGER.info(f"{prefix}{len(table)} {what}: {c.get('labelled', 0)} labelled, {c.get('background', 0)} backgrounds "
-                f"without labels, {c.get('empty', 0)} empty, {c.get('corrupt', 0)} corrupt, "
-                f"{c.get('duplicates', 0)} duplicate rows dropped{', ' + others if others else ''} ({where})")
+    others = ", ".join(
+        f"{v} {k.replace('_', ' ')}"
+        for k, v in c.items()
+        if k not in ("labelled", "background", "empty", "corrupt", "duplicates") and v
+    )
+    LOGGER.info(
+        f"{prefix}{len(table)} {what}: {c.get('labelled', 0)} labelled, {c.get('background', 0)} backgrounds "
+        f"without labels, {c.get('empty', 0)} empty, {c.get('corrupt', 0)} corrupt, "
+        f"{c.get('duplicates', 0)} duplicate rows dropped{', ' + others if others else ''} ({where})"
+    )

@@ -6,6 +6,7 @@ Forms: a folder or list of images with YOLO label files (yolo_labels.py), a COCO
 VOC folders (voc_reader.py), tar shards (webshards.py), and a fraction of another split (here). A new form is
 one reader and one line in ``read_table``.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -29,8 +30,9 @@ from utils.log import LOGGER
 Split = str | list[str] | ShardSet | CocoSplit | VocSplit | FractionSplit
 
 
-def read_table(source: Split, nc: int | None = None, workers: int = 8, prefix: str = "",
-               verbose: bool = True) -> tuple[LabelTable, bool]:
+def read_table(
+    source: Split, nc: int | None = None, workers: int = 8, prefix: str = "", verbose: bool = True
+) -> tuple[LabelTable, bool]:
     """Every sample a split lists (usable or not, see ``status``), and whether it all came from caches."""
     if isinstance(source, ShardSet):
         return read_shard_table(source, nc=nc, workers=workers)
@@ -45,14 +47,17 @@ def read_table(source: Split, nc: int | None = None, workers: int = 8, prefix: s
         part = table.take(np.nonzero(in_val if source.part == "val" else ~in_val)[0])
         part.counts = {**table.counts, **status_tally(part.status)}  # the reader's other counts are the whole split's
         if verbose:
-            LOGGER.info(f"{prefix}{len(part)} of {len(table)} images taken as '{source.part}' "
-                        f"(val: {source.fraction:g} of the train split by a hash of each path)")
+            LOGGER.info(
+                f"{prefix}{len(part)} of {len(table)} images taken as '{source.part}' "
+                f"(val: {source.fraction:g} of the train split by a hash of each path)"
+            )
         return part, reused
     return read_yolo_table(list_image_files(source), nc, workers, prefix, source=source, verbose=verbose)
 
 
-def load_labels(source: Split, nc: int | None = None, workers: int = 8, prefix: str = "",
-                verbose: bool = True) -> LabelTable:
+def load_labels(
+    source: Split, nc: int | None = None, workers: int = 8, prefix: str = "", verbose: bool = True
+) -> LabelTable:
     """The usable samples of a split (corrupt ones dropped, problems logged); UserError when none is.
 
     In a distributed run call it on local rank 0 first (``torch_distributed_zero_first``), so that one process
@@ -109,8 +114,14 @@ def concat_tables(tables: list[LabelTable]) -> LabelTable:
         for k, v in t.counts.items():
             tally[k] = tally.get(k, 0) + v
     paths = PathList.from_strings([p for t in tables for p in t.im_files])
-    return replace(first, labels=LabelRows(rows, offsets), shapes=np.concatenate([t.shapes for t in tables]),
-                   im_files=paths, status=np.concatenate([t.status for t in tables]), counts=tally,
-                   messages=[m for t in tables for m in t.messages],
-                   extra={k: np.concatenate([t.extra[k] for t in tables]) for k in first.extra},
-                   cache_file=", ".join(t.cache_file for t in tables if t.cache_file))
+    return replace(
+        first,
+        labels=LabelRows(rows, offsets),
+        shapes=np.concatenate([t.shapes for t in tables]),
+        im_files=paths,
+        status=np.concatenate([t.status for t in tables]),
+        counts=tally,
+        messages=[m for t in tables for m in t.messages],
+        extra={k: np.concatenate([t.extra[k] for t in tables]) for k in first.extra},
+        cache_file=", ".join(t.cache_file for t in tables if t.cache_file),
+    )

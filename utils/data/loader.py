@@ -3,6 +3,7 @@
 Training loaders stream epoch after epoch through one DataLoader iterator, so the workers prefetch the next
 epoch's first batches while the current epoch ends instead of idling at every epoch boundary.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,8 +25,14 @@ from utils.data.labels import Split, load_labels
 from utils.hyp import AugmentationHyp
 from utils.log import LOGGER
 from utils.data.quad import QuadCollate
-from utils.data.samplers import (EpochStreamBatchSampler, ShardedSampler, ShardPlan, ShardPlanSampler,
-                                  WeightedShardedSampler, epoch_batches)
+from utils.data.samplers import (
+    EpochStreamBatchSampler,
+    ShardedSampler,
+    ShardPlan,
+    ShardPlanSampler,
+    WeightedShardedSampler,
+    epoch_batches,
+)
 from utils.data.shard_dataset import DEFAULT_WINDOW, ShardDataset
 from utils.data.webshards import ShardLabelSet
 
@@ -49,8 +56,13 @@ class EpochStreamLoader:
     from ``start_batch`` on.
     """
 
-    def __init__(self, dataset: YoloDataset, batch_sampler: EpochStreamBatchSampler, options: dict[str, Any],
-                 ring: BatchRing | None = None):
+    def __init__(
+        self,
+        dataset: YoloDataset,
+        batch_sampler: EpochStreamBatchSampler,
+        options: dict[str, Any],
+        ring: BatchRing | None = None,
+    ):
         self.dataset, self.batch_sampler, self.options, self.ring = dataset, batch_sampler, options, ring
         self.loader = DataLoader(dataset, batch_sampler=batch_sampler, **options)
         self.sampler: ShardedSampler = batch_sampler.sampler
@@ -106,8 +118,9 @@ class EpochStreamLoader:
         self._next_epoch = epoch + 1
 
 
-def build_dataset(label_set: LabelTable, imgsz: int, batch_size: int, plan: ShardPlan | None = None,
-                  **options: Any) -> YoloDataset:
+def build_dataset(
+    label_set: LabelTable, imgsz: int, batch_size: int, plan: ShardPlan | None = None, **options: Any
+) -> YoloDataset:
     """The dataset of a verified split: a ShardDataset for shards, else a YoloDataset (``options`` as theirs)."""
     if isinstance(label_set, ShardLabelSet):
         return ShardDataset(imgsz, batch_size, plan=plan, label_set=label_set, **options)
@@ -138,9 +151,9 @@ class LoaderOptions:
     resampled: bool = False  # shards: WebDataset-style approximate epochs
 
 
-def create_dataloader(path: Split | None, imgsz: int, batch_size: int, stride: int, *,
-                      label_set: LabelTable | None = None, **options: Any
-                      ) -> tuple[DataLoader | EpochStreamLoader, YoloDataset]:
+def create_dataloader(
+    path: Split | None, imgsz: int, batch_size: int, stride: int, *, label_set: LabelTable | None = None, **options: Any
+) -> tuple[DataLoader | EpochStreamLoader, YoloDataset]:
     """A loader over this rank's shard and the dataset; ``batch_size`` is per rank; ``options`` are the fields of
     :class:`LoaderOptions`.
 
@@ -165,25 +178,44 @@ def create_dataloader(path: Split | None, imgsz: int, batch_size: int, stride: i
         label_set = load_labels(path, nc=o.nc, workers=o.workers, prefix=o.prefix)
     plan = None
     if isinstance(label_set, ShardLabelSet) and o.augment and not o.rect:
-        plan = ShardPlan(label_set.shard_counts, seed=o.seed, window=o.shard_window, shuffle=o.shuffle,
-                         resampled=o.resampled)
-    dataset = build_dataset(label_set, imgsz, batch_size, plan=plan, augment=o.augment, hyp=o.hyp, rect=o.rect,
-                            cache=o.cache, single_cls=o.single_cls, stride=stride, pad=o.pad, nc=o.nc, seed=o.seed,
-                            close_mosaic_epoch=o.close_mosaic_epoch, workers=o.workers,
-                            decode_threads=decode_threads, prefix=o.prefix)
+        plan = ShardPlan(
+            label_set.shard_counts, seed=o.seed, window=o.shard_window, shuffle=o.shuffle, resampled=o.resampled
+        )
+    dataset = build_dataset(
+        label_set,
+        imgsz,
+        batch_size,
+        plan=plan,
+        augment=o.augment,
+        hyp=o.hyp,
+        rect=o.rect,
+        cache=o.cache,
+        single_cls=o.single_cls,
+        stride=stride,
+        pad=o.pad,
+        nc=o.nc,
+        seed=o.seed,
+        close_mosaic_epoch=o.close_mosaic_epoch,
+        workers=o.workers,
+        decode_threads=decode_threads,
+        prefix=o.prefix,
+    )
     batch_size = min(batch_size, len(dataset))
     sampler = _sampler(len(dataset), plan, batch_size, o)
     loader_workers = min(loader_workers, batch_size)
-    common: dict[str, Any] = dict(num_workers=loader_workers, pin_memory=torch.cuda.is_available(),
-                                  collate_fn=YoloDataset.collate_fn, persistent_workers=loader_workers > 0,
-                                  worker_init_fn=_worker_init if loader_workers > 0 else None)
+    common: dict[str, Any] = dict(
+        num_workers=loader_workers,
+        pin_memory=torch.cuda.is_available(),
+        collate_fn=YoloDataset.collate_fn,
+        persistent_workers=loader_workers > 0,
+        worker_init_fn=_worker_init if loader_workers > 0 else None,
+    )
     if not o.augment:  # validation: one pass, each sample once
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=False, **common), dataset
     return _training_loader(dataset, sampler, (batch_size, imgsz), common, o), dataset
 
 
-def _sampler(n: int, plan: ShardPlan | None, batch_size: int,
-             o: LoaderOptions) -> ShardedSampler | ShardPlanSampler:
+def _sampler(n: int, plan: ShardPlan | None, batch_size: int, o: LoaderOptions) -> ShardedSampler | ShardPlanSampler:
     """Which samples this rank reads, epoch by epoch: a shard plan's, a weighted draw's or a plain sharding."""
     if plan is not None:
         if o.image_weights:
@@ -191,12 +223,24 @@ def _sampler(n: int, plan: ShardPlan | None, batch_size: int,
         return ShardPlanSampler(plan, world_size=o.world_size, rank=o.global_rank)
     if o.image_weights and o.augment and not o.rect:
         return WeightedShardedSampler(n, world_size=o.world_size, rank=o.global_rank, seed=o.seed)
-    return ShardedSampler(n, world_size=o.world_size, rank=o.global_rank, shuffle=o.shuffle, seed=o.seed,
-                          pad=o.shuffle or o.augment, block=batch_size if o.rect else 1)
+    return ShardedSampler(
+        n,
+        world_size=o.world_size,
+        rank=o.global_rank,
+        shuffle=o.shuffle,
+        seed=o.seed,
+        pad=o.shuffle or o.augment,
+        block=batch_size if o.rect else 1,
+    )
 
 
-def _training_loader(dataset: YoloDataset, sampler: ShardedSampler | ShardPlanSampler, batch_imgsz: tuple[int, int],
-                     common: dict[str, Any], o: LoaderOptions) -> EpochStreamLoader:
+def _training_loader(
+    dataset: YoloDataset,
+    sampler: ShardedSampler | ShardPlanSampler,
+    batch_imgsz: tuple[int, int],
+    common: dict[str, Any],
+    o: LoaderOptions,
+) -> EpochStreamLoader:
     """The stream of training batches: quad batches, or batches handed over in shared-memory slots by workers."""
     batch_size, imgsz = batch_imgsz
     loader_workers = common["num_workers"]

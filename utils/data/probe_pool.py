@@ -1,4 +1,5 @@
 """Probe many image files (size, usable or not) at once: in a process pool for large sets, in order."""
+
 from __future__ import annotations
 
 import multiprocessing

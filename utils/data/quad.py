@@ -4,6 +4,7 @@ Each group of four becomes, with probability 1/2, the first image upsampled 2x (
 otherwise a 2x2 tile: sample 0 top-left, 1 bottom-left, 2 top-right, 3 bottom-right, with the normalised
 labels offset into their quarter and halved. The model sees a quarter of the images at twice the resolution.
 """
+
 from __future__ import annotations
 
 import zlib
@@ -47,8 +48,12 @@ def quad_collate(batch: Sequence[tuple], rng: np.random.Generator) -> tuple[torc
     for i, lb in enumerate(out_labels):
         lb[:, 0] = i
     firsts = range(0, 4 * groups, 4)
-    return (torch.stack(out_imgs, 0), torch.cat(out_labels, 0), tuple(paths[k] for k in firsts),
-            tuple(shapes[k] for k in firsts))
+    return (
+        torch.stack(out_imgs, 0),
+        torch.cat(out_labels, 0),
+        tuple(paths[k] for k in firsts),
+        tuple(shapes[k] for k in firsts),
+    )
 
 
 class QuadCollate:

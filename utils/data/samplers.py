@@ -3,6 +3,7 @@
 The epoch travels with every index, so persistent DataLoader workers draw each sample's augmentation
 from ``(seed, epoch, index)`` without being told about epochs.
 """
+
 from __future__ import annotations
 
 import math
@@ -26,8 +27,16 @@ class ShardedSampler(Sampler[tuple[int, int]]):
       together hold every index exactly once (some ranks may get fewer, even none).
     """
 
-    def __init__(self, n: int, world_size: int = 1, rank: int = 0, shuffle: bool = False, seed: int = 0,
-                 pad: bool = True, block: int = 1):
+    def __init__(
+        self,
+        n: int,
+        world_size: int = 1,
+        rank: int = 0,
+        shuffle: bool = False,
+        seed: int = 0,
+        pad: bool = True,
+        block: int = 1,
+    ):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not valid for world size {world_size}")
         self.n, self.world_size, self.rank = n, world_size, rank
@@ -128,7 +137,10 @@ class WeightedShardedSampler(ShardedSampler):
         from utils.data.image_weights import weighted_draw
 
         return [[int(i)] for i in weighted_draw(self.weights, self.seed, epoch)]
+
+
 # ---- shards: exact epochs with mostly sequential reads ------------------------------------------------------
+
 
 class ShardPlan:
     """Which samples of a shard set each rank reads in an epoch, and in which order.
@@ -147,8 +159,14 @@ class ShardPlan:
     ``resampled=True`` + ``with_epoch`` gives, but still with equal lengths per rank.
     """
 
-    def __init__(self, counts: list[int] | np.ndarray, seed: int = 0, window: int = 1000, shuffle: bool = True,
-                 resampled: bool = False):
+    def __init__(
+        self,
+        counts: list[int] | np.ndarray,
+        seed: int = 0,
+        window: int = 1000,
+        shuffle: bool = True,
+        resampled: bool = False,
+    ):
         self.counts = np.asarray(counts, dtype=np.int64)
         self.starts = np.concatenate(([0], np.cumsum(self.counts)))[:-1]
         self.n = int(self.counts.sum())

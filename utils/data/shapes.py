@@ -3,6 +3,7 @@
 Deterministic (same seed, same files), generated offline in seconds, and easy enough that a small model
 learns it within minutes on a CPU. ``data/shapes.yaml`` asks for it with ``builtin: shapes``.
 """
+
 from __future__ import annotations
 
 import json
@@ -54,11 +55,26 @@ def _polygon(cls: int, cx: float, cy: float, rx: float, ry: float, angle: float)
         pts = [(0, -1), (0.95, 0.8), (-0.95, 0.8)]
     elif cls == 3:
         a = 0.32
-        pts = [(-a, -1), (a, -1), (a, -a), (1, -a), (1, a), (a, a), (a, 1), (-a, 1), (-a, a), (-1, a), (-1, -a),
-               (-a, -a)]
+        pts = [
+            (-a, -1),
+            (a, -1),
+            (a, -a),
+            (1, -a),
+            (1, a),
+            (a, a),
+            (a, 1),
+            (-a, 1),
+            (-a, a),
+            (-1, a),
+            (-1, -a),
+            (-a, -a),
+        ]
     else:
-        pts = [(math.cos(t) * r, math.sin(t) * r)
-               for k in range(10) for t, r in [(-math.pi / 2 + k * math.pi / 5, 1.0 if k % 2 == 0 else 0.42)]]
+        pts = [
+            (math.cos(t) * r, math.sin(t) * r)
+            for k in range(10)
+            for t, r in [(-math.pi / 2 + k * math.pi / 5, 1.0 if k % 2 == 0 else 0.42)]
+        ]
     p = np.array(pts, dtype=np.float64) * (rx, ry)
     c, s = math.cos(angle), math.sin(angle)
     p = p @ np.array([[c, s], [-s, c]])
@@ -90,8 +106,9 @@ def _draw_image(rng: np.random.Generator, imgsz: int) -> tuple[np.ndarray, list[
             colour = tuple(int(255 - v) for v in img[int(cy), int(cx)])
         cv2.fillPoly(img, [np.round(pts).astype(np.int32)], colour, lineType=cv2.LINE_AA)
         boxes.append([cls, x1, y1, min(x2 + 1, w), min(y2 + 1, h)])  # edge coordinates
-    return img, [[b[0], (b[1] + b[3]) / 2 / w, (b[2] + b[4]) / 2 / h, (b[3] - b[1]) / w, (b[4] - b[2]) / h]
-                 for b in boxes]
+    return img, [
+        [b[0], (b[1] + b[3]) / 2 / w, (b[2] + b[4]) / 2 / h, (b[3] - b[1]) / w, (b[4] - b[2]) / h] for b in boxes
+    ]
 
 
 def generate_shapes(root: str | Path, n_train: int = 400, n_val: int = 100, imgsz: int = 320, seed: int = 0) -> Path:

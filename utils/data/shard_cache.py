@@ -5,6 +5,7 @@ and renamed into place, so a reader never sees half a shard. Ranks of one node s
 ``flock`` makes the first one fetch while the others wait and then reuse the file. Evicting a shard another
 process still has open is safe on POSIX (the open file lives on until closed).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -101,8 +102,11 @@ class ShardCache:
 
     def _evict(self, keep: Path) -> None:
         """Delete least recently used copies until the cache fits ``max_bytes``."""
-        files = [p for p in self.directory.iterdir() if p.is_file() and not p.name.endswith((".lock", ".tmp"))
-                 and not p.name.startswith("index-")]
+        files = [
+            p
+            for p in self.directory.iterdir()
+            if p.is_file() and not p.name.endswith((".lock", ".tmp")) and not p.name.startswith("index-")
+        ]
         entries = []
         for p in files:
             with contextlib.suppress(OSError):
@@ -127,8 +131,9 @@ class ShardCache:
             return
         if self._queue is None:
             self._queue = queue.Queue()
-            threading.Thread(target=self._prefetch_loop, args=(self._queue,), name="shard-prefetch",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._prefetch_loop, args=(self._queue,), name="shard-prefetch", daemon=True
+            ).start()
         with self._queue.mutex:
             self._queue.queue.clear()
         for u in remote:

@@ -4,6 +4,7 @@ Where pixels come from is the dataset's ``source`` (a ShardSource, image_source.
 where mosaic and mixup partners come from: the sample's window of the epoch's ShardPlan order, so a rank reads
 around where it already is instead of anywhere in the set.
 """
+
 from __future__ import annotations
 
 import numpy as np

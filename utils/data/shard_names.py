@@ -4,6 +4,7 @@ A split's ``train:``/``val:`` may name shards as a brace pattern, a list, a ``.t
 of ``.tar`` files; URLs are local paths, ``http(s)://`` or ``pipe:COMMAND``. The index that makes them readable
 is ``webshards.py``'s.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ class ShardSet:
 
 
 # ---- naming shards ------------------------------------------------------------------------------------------
+
 
 def _braces(pattern: str) -> list[str]:
     import braceexpand  # WebDataset's own dependency, the expansion its shard lists use

@@ -7,6 +7,7 @@ whether the run ends or is killed, so nothing is ever left behind in /dev/shm. T
 (rank k decodes images k, k + L, ...), wait for each other, and then read every image from it. DataLoader
 workers forked later inherit the mapping, so they share it too.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -48,8 +49,10 @@ class NodeImageCache:
         self.mapping, self.path = mapping, path
         sizes = [h * w * 3 for h, w in shapes_hw]
         starts = np.concatenate(([0], np.cumsum(sizes)))[:-1].astype(np.int64)
-        self.views = [np.frombuffer(mapping, np.uint8, count=n, offset=int(o)).reshape(h, w, 3)
-                      for (h, w), n, o in zip(shapes_hw, sizes, starts)]
+        self.views = [
+            np.frombuffer(mapping, np.uint8, count=n, offset=int(o)).reshape(h, w, 3)
+            for (h, w), n, o in zip(shapes_hw, sizes, starts)
+        ]
         self.nbytes = int(sum(sizes))
 
 
@@ -71,9 +74,14 @@ def _map(path: Path, nbytes: int) -> mmap.mmap:
         os.close(fd)  # the mapping keeps the memory; the descriptor is not needed
 
 
-def build_node_cache(info: DistInfo, key: str, shapes_hw: list[tuple[int, int]],
-                     fill_one: Callable[[int, np.ndarray], None], threads: int,
-                     prefix: str = "") -> NodeImageCache | None:
+def build_node_cache(
+    info: DistInfo,
+    key: str,
+    shapes_hw: list[tuple[int, int]],
+    fill_one: Callable[[int, np.ndarray], None],
+    threads: int,
+    prefix: str = "",
+) -> NodeImageCache | None:
     """Create (local rank 0), map (every local rank), unlink, fill in parallel; None where /dev/shm cannot hold it
     (every rank of the node then gets None and falls back to its own cache)."""
     from concurrent.futures import ThreadPoolExecutor

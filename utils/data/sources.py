@@ -3,6 +3,7 @@
 A source yields :class:`Frame` objects in order. An input that cannot be read (a broken image, a video that does
 not open) yields one frame with ``image`` None and ``error`` set, so the caller reports it and goes on.
 """
+
 from __future__ import annotations
 
 import glob
@@ -56,8 +57,9 @@ def _expand(source: str) -> list[str]:
         return [str(root / line) if not Path(line).is_absolute() and (root / line).exists() else line for line in lines]
     if p.is_file():
         return [str(p)]
-    raise UserError(f"{source}: source not found (expected an image, a video, a folder, a glob, a .txt list "
-                    "or a webcam index)")
+    raise UserError(
+        f"{source}: source not found (expected an image, a video, a folder, a glob, a .txt list or a webcam index)"
+    )
 
 
 def _video_frames(path: str, capture: cv2.VideoCapture, kind: str) -> Iterator[Frame]:
@@ -95,7 +97,13 @@ def iter_source(source: str | int) -> Iterator[Frame]:
             yield from _video_frames(path, capture, "video")
         elif is_image_file(path):
             image = read_image(path) if Path(path).is_file() else None
-            yield Frame(path, image, "image", error="" if image is not None else
-                        ("file not found" if not Path(path).is_file() else "image cannot be decoded"))
+            yield Frame(
+                path,
+                image,
+                "image",
+                error=""
+                if image is not None
+                else ("file not found" if not Path(path).is_file() else "image cannot be decoded"),
+            )
         else:
             yield Frame(path, None, "image", error="not an image or video format this reads")

@@ -1,6 +1,7 @@
 """What a data YAML's split names, beyond a folder or list of images (a str or list of str) and tar shards
 (shard_names.ShardSet): a COCO JSON, Pascal VOC folders, or a fraction of another split. Plain records, made by
 config.py and read by the readers behind labels.py."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -6,6 +6,7 @@ As YOLOv5's VOC conversion does, ``difficult`` objects are left out (counted, an
 ``w = (xmax - xmin) / width``, ``h = (ymax - ymin) / height``. Classes are the YAML's ``names``, else the sorted
 set of object names found. Samples are ordered by image path.
 """
+
 from __future__ import annotations
 
 import math
@@ -84,23 +85,28 @@ def voc_row(cls: int, corners: tuple[float, ...], w: float, h: float) -> tuple[f
     return float(cls), (x1 + x2) / 2, (y1 + y2) / 2, x2 - x1, y2 - y1
 
 
-def read_voc_table(split: VocSplit, root: Path, workers: int = 8, prefix: str = "",
-                   verbose: bool = True) -> tuple[LabelTable, bool]:
+def read_voc_table(
+    split: VocSplit, root: Path, workers: int = 8, prefix: str = "", verbose: bool = True
+) -> tuple[LabelTable, bool]:
     """Every image of one VOC folder's image set (usable or not), from the cache when current; and whether it was."""
     ids = image_ids(root, split.image_set)
     xmls = [str(root / "Annotations" / f"{i}.xml") for i in ids]
     set_file = root / "ImageSets" / "Main" / f"{split.image_set}.txt"
     digest = stat_digest(f"voc names={list(split.names)}", [str(set_file), str(root / "JPEGImages"), *xmls])
-    return cached_table(set_file.with_suffix(CACHE_SUFFIX), digest,
-                        lambda: _build(root, ids, list(split.names), workers, prefix, verbose))
+    return cached_table(
+        set_file.with_suffix(CACHE_SUFFIX),
+        digest,
+        lambda: _build(root, ids, list(split.names), workers, prefix, verbose),
+    )
 
 
 def _build(root: Path, ids: list[str], names: list[str], workers: int, prefix: str, verbose: bool) -> LabelTable:
     class_index = {n: k for k, n in enumerate(names)}
     builder = TableBuilder()
     files = sorted((str(root / "JPEGImages" / f"{i}.jpg"), i) for i in dict.fromkeys(ids))
-    probes = probe_files([f for f, _ in files], workers, f"{prefix}Verifying {len(files)} images",
-                         show_progress=verbose)
+    probes = probe_files(
+        [f for f, _ in files], workers, f"{prefix}Verifying {len(files)} images", show_progress=verbose
+    )
     empty = np.zeros((0, 5), np.float32)
     for (file, i), (shape, warning, error) in zip(files, probes):
         xml = root / "Annotations" / f"{i}.xml"
@@ -129,8 +135,7 @@ def _build(root: Path, ids: list[str], names: list[str], workers: int, prefix: s
                 continue
             row = voc_row(class_index[name], corners, w, h)
             if row is None:
-                builder.messages.append(f"{xml}: object {k} box {corners} is outside the image or has no area, "
-                                        "skipped")
+                builder.messages.append(f"{xml}: object {k} box {corners} is outside the image or has no area, skipped")
                 builder.count("bad_boxes")
                 continue
             if row in rows:
@@ -140,6 +145,8 @@ def _build(root: Path, ids: list[str], names: list[str], workers: int, prefix: s
         status = LABELLED if len(labels) else (EMPTY if objects else BACKGROUND)
         builder.add(file, status, shape, labels, f"{file}: {warning}" if warning else "")
     if builder.counts.get("difficult_left_out"):
-        LOGGER.info(f"{prefix}{root}: {builder.counts['difficult_left_out']} 'difficult' objects left out, as "
-                    "YOLOv5's VOC conversion does")
+        LOGGER.info(
+            f"{prefix}{root}: {builder.counts['difficult_left_out']} 'difficult' objects left out, as "
+            "YOLOv5's VOC conversion does"
+        )
     return builder.build()

@@ -10,6 +10,7 @@ from ``wids``' memory-mapped tar index. It is the split's LabelTable (label_tabl
 with, per sample, its shard, image offset and size, and per split the shard URLs. With it an epoch's length is
 known without reading the shards, and any sample is one ``pread`` away.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -36,6 +37,7 @@ INDEX_SUFFIX = ".yolo-train.index.npz"
 
 
 # ---- the index ----------------------------------------------------------------------------------------------
+
 
 class ShardLabelSet(LabelTable):
     """A LabelTable whose images are tar members: ``im_files`` are ``<shard url>/<member>``.
@@ -110,8 +112,15 @@ def _pax_offsets(local_path: str) -> dict[str, tuple[int, int]]:
         return {m.name: (m.offset_data, m.size) for m in tar.getmembers() if m.isfile()}
 
 
-def _verify_sample(url: str, image: tuple[str, bytes] | None, label: bytes | None, nc: int | None,
-                   scan: _ShardScan, offsets: dict[str, tuple[int, int]], key: str) -> None:
+def _verify_sample(
+    url: str,
+    image: tuple[str, bytes] | None,
+    label: bytes | None,
+    nc: int | None,
+    scan: _ShardScan,
+    offsets: dict[str, tuple[int, int]],
+    key: str,
+) -> None:
     empty = np.zeros((0, 5), np.float32)
 
     def add(status: int, name: str, shape: tuple[int, int], labels: np.ndarray, note: str = "") -> None:
@@ -166,8 +175,10 @@ def scan_shard(url: str, cache: ShardCache, nc: int | None) -> _ShardScan:
             offsets.update(_pax_offsets(local))
     except (tarfile.TarError, OSError, EOFError, ValueError, UnicodeDecodeError) as e:
         scan.bad_shard = True
-        scan.messages.append(f"{url}: unreadable or truncated shard, skipped ({type(e).__name__}: "
-                             f"{str(e).splitlines()[0] if str(e) else ''})")
+        scan.messages.append(
+            f"{url}: unreadable or truncated shard, skipped ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''})"
+        )
         return scan
     samples: dict[str, dict[str, tuple[str, bytes]]] = {}  # key -> ext -> (name, bytes), in tar order
     for name, data in members:
@@ -211,15 +222,23 @@ def _build(shards: ShardSet, cache: ShardCache, nc: int | None, workers: int) ->
         builder.messages += sc.messages
         builder.count("duplicates", sc.duplicates)
     builder.count("bad_shards", sum(sc.bad_shard for sc in scans))
-    extra = {"shard": np.repeat(np.arange(len(scans)), [len(sc.status) for sc in scans]).astype(np.int64),
-             "offset": np.array([o for sc in scans for o in sc.offsets], dtype=np.int64),
-             "size": np.array([o for sc in scans for o in sc.sizes], dtype=np.int64)}
+    extra = {
+        "shard": np.repeat(np.arange(len(scans)), [len(sc.status) for sc in scans]).astype(np.int64),
+        "offset": np.array([o for sc in scans for o in sc.offsets], dtype=np.int64),
+        "size": np.array([o for sc in scans for o in sc.sizes], dtype=np.int64),
+    }
     table = builder.build(extra=extra, meta={"urls": np.array(list(shards.urls))})
     return ShardLabelSet(**vars(table))
 
 
-def load_shard_index(shards: ShardSet, nc: int | None = None, cache: ShardCache | None = None, workers: int = 8,
-                     prefix: str = "", verbose: bool = True) -> ShardLabelSet:
+def load_shard_index(
+    shards: ShardSet,
+    nc: int | None = None,
+    cache: ShardCache | None = None,
+    workers: int = 8,
+    prefix: str = "",
+    verbose: bool = True,
+) -> ShardLabelSet:
     """The usable samples of a shard set, from its index when current, else scanned and indexed.
 
     In a distributed run call it on local rank 0 first, so that one process per node builds the index (and
@@ -233,17 +252,20 @@ def load_shard_index(shards: ShardSet, nc: int | None = None, cache: ShardCache 
     return usable
 
 
-def read_shard_table(shards: ShardSet, nc: int | None = None, cache: ShardCache | None = None,
-                     workers: int = 8) -> tuple[ShardLabelSet, bool]:
+def read_shard_table(
+    shards: ShardSet, nc: int | None = None, cache: ShardCache | None = None, workers: int = 8
+) -> tuple[ShardLabelSet, bool]:
     """Every sample of a shard set (usable or not), from its index when current; and whether it was."""
     cache = cache or ShardCache()
     digest = _index_hash(shards.urls, nc)
-    table, reused = cached_table(index_path_for(shards, cache, digest), digest,
-                                 lambda: _build(shards, cache, nc, workers))
+    table, reused = cached_table(
+        index_path_for(shards, cache, digest), digest, lambda: _build(shards, cache, nc, workers)
+    )
     return (table if isinstance(table, ShardLabelSet) else ShardLabelSet(**vars(table))), reused
 
 
 # ---- reading samples ----------------------------------------------------------------------------------------
+
 
 class ShardReader:
     """Image bytes of indexed samples: one ``pread`` from the shard file (remote ones through the node's cache).

@@ -5,6 +5,7 @@ Each image falls in exactly one category: *labelled* (a label file with at least
 file: skipped). Duplicate rows are dropped and counted separately. The verified split is a LabelTable
 (label_table.py), cached by label_cache.py under a digest of the file list, sizes and modification times.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -19,7 +20,7 @@ from tqdm import tqdm
 from utils.data.image_files import img2label_path, list_image_files
 from utils.data.image_io import ImageError, probe_image
 from utils.data.label_cache import CACHE_SUFFIX, cached_table, stat_digest
-from utils.data.label_table import (BACKGROUND, CORRUPT, EMPTY, LABELLED, LabelTable, TableBuilder, report)
+from utils.data.label_table import BACKGROUND, CORRUPT, EMPTY, LABELLED, LabelTable, TableBuilder, report
 from utils.errors import UserError
 
 COORD_TOLERANCE = 1e-3  # label coordinates this far outside [0, 1] are clipped; farther is an error
@@ -115,9 +116,15 @@ def _verify_chunk(args: tuple[list[str], list[str], int | None]) -> Chunk:
     results = [verify_pair(im, lb, nc) for im, lb in zip(im_files, lb_files)]
     labels = [r[2] for r in results if len(r[2])]
     label_errors = sum(r[0] == CORRUPT and r[4].startswith(lb) for r, lb in zip(results, lb_files))
-    return ([r[0] for r in results], [r[1] for r in results], [len(r[2]) for r in results],
-            np.concatenate(labels, 0) if labels else np.zeros((0, 5), np.float32),
-            sum(r[3] for r in results), [r[4].replace("\n", " ") for r in results if r[4]], label_errors)
+    return (
+        [r[0] for r in results],
+        [r[1] for r in results],
+        [len(r[2]) for r in results],
+        np.concatenate(labels, 0) if labels else np.zeros((0, 5), np.float32),
+        sum(r[3] for r in results),
+        [r[4].replace("\n", " ") for r in results if r[4]],
+        label_errors,
+    )
 
 
 def cache_path_for(source: str | list[str], label_files: list[str]) -> Path:
@@ -135,8 +142,14 @@ def cache_path_for(source: str | list[str], label_files: list[str]) -> Path:
     return base.with_name(base.name + CACHE_SUFFIX)
 
 
-def scan(im_files: list[str], label_files: list[str], nc: int | None, workers: int, prefix: str = "",
-         show_progress: bool = True) -> list[tuple[list[str], Chunk]]:
+def scan(
+    im_files: list[str],
+    label_files: list[str],
+    nc: int | None,
+    workers: int,
+    prefix: str = "",
+    show_progress: bool = True,
+) -> list[tuple[list[str], Chunk]]:
     """verify_pair for every pair, in a process pool for large sets; (image files, packed chunk) in input order."""
     n = len(im_files)
     workers = max(1, min(workers, os.cpu_count() or 1))
@@ -160,9 +173,15 @@ def scan(im_files: list[str], label_files: list[str], nc: int | None, workers: i
     return results
 
 
-def read_yolo_table(im_files: list[str], nc: int | None, workers: int = 8, prefix: str = "",
-                    source: str | list[str] = "", cache_path: Path | None = None,
-                    verbose: bool = True) -> tuple[LabelTable, bool]:
+def read_yolo_table(
+    im_files: list[str],
+    nc: int | None,
+    workers: int = 8,
+    prefix: str = "",
+    source: str | list[str] = "",
+    cache_path: Path | None = None,
+    verbose: bool = True,
+) -> tuple[LabelTable, bool]:
     """Every image of ``im_files`` (usable or not) with its labels, from the cache when current; and whether it was."""
     label_files = [img2label_path(f) for f in im_files]
     if cache_path is None:
@@ -181,8 +200,15 @@ def read_yolo_table(im_files: list[str], nc: int | None, workers: int = 8, prefi
     return cached_table(cache_path, digest, build)
 
 
-def load_label_set(im_files: list[str], cache_path: Path | None = None, nc: int | None = None, workers: int = 8,
-                   prefix: str = "", source: str | list[str] = "", verbose: bool = True) -> LabelTable:
+def load_label_set(
+    im_files: list[str],
+    cache_path: Path | None = None,
+    nc: int | None = None,
+    workers: int = 8,
+    prefix: str = "",
+    source: str | list[str] = "",
+    verbose: bool = True,
+) -> LabelTable:
     """The usable images of ``im_files`` with their labels (corrupt ones dropped); UserError when none is."""
     table, reused = read_yolo_table(im_files, nc, workers, prefix, source, cache_path, verbose)
     report(table, prefix, verbose, reused)
@@ -193,8 +219,10 @@ def load_label_set(im_files: list[str], cache_path: Path | None = None, nc: int 
     return usable
 
 
-def load_split(source: str | list[str], nc: int | None = None, workers: int = 8, prefix: str = "",
-               verbose: bool = True) -> LabelTable:
+def load_split(
+    source: str | list[str], nc: int | None = None, workers: int = 8, prefix: str = "", verbose: bool = True
+) -> LabelTable:
     """The verified labels of a split's images (a folder, a .txt list or a list of those): ``load_label_set``."""
-    return load_label_set(list_image_files(source), nc=nc, workers=workers, prefix=prefix, source=source,
-                          verbose=verbose)
+    return load_label_set(
+        list_image_files(source), nc=nc, workers=workers, prefix=prefix, source=source, verbose=verbose
+    )

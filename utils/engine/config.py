@@ -5,6 +5,7 @@ option names: a flag can be renamed (the parser's ``dest`` keeps the field's nam
 runs written before. Checkpoints written before the schema existed carry the argparse options as ``"opt"``; they
 are read as schema 1, whose fields have the names those options had.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -108,7 +109,9 @@ def stored_config(ckpt: dict[str, Any], source: str | Path) -> dict[str, Any]:
     if "config" in ckpt:
         schema = int(ckpt.get("config_schema", 1))
         if schema > CONFIG_SCHEMA:
-            raise UserError(f"{source}: its run configuration has schema {schema}, newer than this code's "
-                            f"{CONFIG_SCHEMA}: resume it with the version that wrote it")
+            raise UserError(
+                f"{source}: its run configuration has schema {schema}, newer than this code's "
+                f"{CONFIG_SCHEMA}: resume it with the version that wrote it"
+            )
         return dict(ckpt["config"])
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in ckpt["opt"].items() if k in field_names()}

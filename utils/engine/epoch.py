@@ -1,5 +1,6 @@
 """One epoch of optimizer steps (step.py), from a given batch on (a resumed epoch), with its progress and where its
 time went (timing.py)."""
+
 from __future__ import annotations
 
 import logging
@@ -14,8 +15,17 @@ import torch
 from tqdm import tqdm
 
 from utils.distributed import all_reduce_sum, de_parallel
-from utils.engine.step import (SaveMidEpoch, SavePolicy, Stepper, Window, accumulation_windows, forward_backward,
-                               micro_batches, sync, update)
+from utils.engine.step import (
+    SaveMidEpoch,
+    SavePolicy,
+    Stepper,
+    Window,
+    accumulation_windows,
+    forward_backward,
+    micro_batches,
+    sync,
+    update,
+)
 from utils.engine.tally import LossTally
 from utils.engine.timing import EpochTime, RunProgress, format_duration, gather_epoch_time
 from utils.log import LOGGER
@@ -37,8 +47,9 @@ class EpochHooks:
     after_step: Callable[[], None] | None = None  # called after each optimizer step (--profile)
 
 
-def train_one_epoch(stepper: Stepper, loader: Any, epoch: int, start_batch: int, tally: LossTally,
-                    hooks: EpochHooks) -> tuple[LossTally, EpochTime]:
+def train_one_epoch(
+    stepper: Stepper, loader: Any, epoch: int, start_batch: int, tally: LossTally, hooks: EpochHooks
+) -> tuple[LossTally, EpochTime]:
     """One epoch of optimizer steps, from ``start_batch`` on, with one all-reduce per step (step.py: ``sync``);
     returns the epoch's losses and where its step time went.
 
@@ -78,8 +89,13 @@ def train_one_epoch(stepper: Stepper, loader: Any, epoch: int, start_batch: int,
         if hooks.after_step is not None:
             hooks.after_step()
         if main:
-            left = hooks.progress.left(epoch, window[-1][0] + 1 - start_batch, n_batches - start_batch,
-                                       time.perf_counter() - t0) if hooks.progress is not None else None
+            left = (
+                hooks.progress.left(
+                    epoch, window[-1][0] + 1 - start_batch, n_batches - start_batch, time.perf_counter() - t0
+                )
+                if hooks.progress is not None
+                else None
+            )
             _show_progress(batches, progress_line(epoch, hooks, stepper.device, tally.means(), micro), left)
             _report_step(stepper, hooks, epoch, window)
         marks.mark("other")
@@ -100,8 +116,9 @@ def _show_progress(batches: Any, line: str, left: float | None) -> None:
 def _log_batch_files(stepper: Stepper, epoch: int, window: Window) -> None:
     if LOGGER.isEnabledFor(logging.DEBUG):
         for i, b in window:
-            LOGGER.debug(f"rank {max(stepper.info.rank, 0)} epoch {epoch} batch {i}: "
-                         f"{' '.join(Path(f).name for f in b[2])}")
+            LOGGER.debug(
+                f"rank {max(stepper.info.rank, 0)} epoch {epoch} batch {i}: {' '.join(Path(f).name for f in b[2])}"
+            )
 
 
 def _report_step(stepper: Stepper, hooks: EpochHooks, epoch: int, window: Window) -> None:
@@ -118,8 +135,11 @@ def _report_step(stepper: Stepper, hooks: EpochHooks, epoch: int, window: Window
 
 
 def _log_epoch_speed(stepper: Stepper, epoch: int, timing: EpochTime, tally: LossTally) -> None:
-    gpu = (f", peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB"
-           if stepper.device.type == "cuda" else "")
+    gpu = (
+        f", peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB"
+        if stepper.device.type == "cuda"
+        else ""
+    )
     skipped = f", {tally.skipped_steps} steps skipped (non-finite gradients)" if tally.skipped_steps else ""
     LOGGER.info(f"epoch {epoch}: {timing.describe()}{gpu}{skipped}")
 

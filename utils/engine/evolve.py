@@ -9,6 +9,7 @@ evolution folder is ``--project/--name`` itself, shared by every worker; without
 the study in ``study.journal``. ``--resume-evolve PATH`` continues the study of an evolution folder (PATH is the
 folder or a file in it); a folder whose evolve.csv has no study beside it starts one from the csv's rows.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -48,21 +49,25 @@ class StudyPlace:
 def study_place(config: TrainConfig, info: DistInfo) -> StudyPlace:
     """Where the study is: --resume-evolve's folder, --project/--name with --evolve-storage, or a new folder."""
     if config.resume_evolve and config.evolve_storage:
-        raise UserError("--resume-evolve names the study of an evolution folder and --evolve-storage names a "
-                        "study's storage: give one of them")
+        raise UserError(
+            "--resume-evolve names the study of an evolution folder and --evolve-storage names a "
+            "study's storage: give one of them"
+        )
     if config.resume_evolve:
         given = Path(config.resume_evolve).resolve()
         folder = given if given.is_dir() else given.parent
         journal, csv_file = folder / JOURNAL_NAME, folder / "evolve.csv"
         if not journal.is_file() and not csv_file.is_file():
-            raise UserError(f"--resume-evolve {config.resume_evolve}: no study here (neither {journal} nor "
-                            f"{csv_file} exists)")
+            raise UserError(
+                f"--resume-evolve {config.resume_evolve}: no study here (neither {journal} nor {csv_file} exists)"
+            )
         return StudyPlace(folder, str(journal), folder.name, csv_rows_to_add=not journal.is_file())
     if config.evolve_storage:  # every worker of the study shares the folder: no numbering
         folder = (Path(config.project) / config.name).resolve()
         return StudyPlace(folder, config.evolve_storage, config.name)
-    folder = Path(broadcast_object(str(increment_path(Path(config.project) / config.name,
-                                                      config.exist_ok).resolve()), info))
+    folder = Path(
+        broadcast_object(str(increment_path(Path(config.project) / config.name, config.exist_ok).resolve()), info)
+    )
     return StudyPlace(folder, str(folder / JOURNAL_NAME), folder.name)
 
 
@@ -77,10 +82,16 @@ def search_space(config: TrainConfig) -> tuple[Any, SearchSpace]:
 def open_search(config: TrainConfig, place: StudyPlace, space: SearchSpace) -> Search:
     """Rank 0's handle on the study (made, or joined)."""
     place.folder.mkdir(parents=True, exist_ok=True)
-    rows = read_evolve_csv(place.folder / "evolve.csv", space.keys, space.loss_names) \
-        if place.csv_rows_to_add else None
-    search_config = SearchConfig(place.folder, config.evolve, storage=place.storage, study_name=place.name,
-                                 sampler=config.evolve_sampler, seed=config.seed, pruner=config.evolve_pruner)
+    rows = read_evolve_csv(place.folder / "evolve.csv", space.keys, space.loss_names) if place.csv_rows_to_add else None
+    search_config = SearchConfig(
+        place.folder,
+        config.evolve,
+        storage=place.storage,
+        study_name=place.name,
+        sampler=config.evolve_sampler,
+        seed=config.seed,
+        pruner=config.evolve_pruner,
+    )
     return Search(search_config, space, completed=rows)
 
 
@@ -93,16 +104,20 @@ def evolve(config: TrainConfig, device: torch.device, info: DistInfo) -> Path:
     family, space = search_space(config)
     place = study_place(config, info)
     search = open_search(config, place, space) if info.is_main else None
-    LOGGER.info(f"Evolving hyper-parameters: study '{place.name}' in {place.storage}, {config.evolve} trials in "
-                f"total, sampler {config.evolve_sampler}, pruner {config.evolve_pruner}; trials in "
-                f"{colorstr(str(place.folder))}")
+    LOGGER.info(
+        f"Evolving hyper-parameters: study '{place.name}' in {place.storage}, {config.evolve} trials in "
+        f"total, sampler {config.evolve_sampler}, pruner {config.evolve_pruner}; trials in "
+        f"{colorstr(str(place.folder))}"
+    )
     for trained in itertools.count():
         trial = search.next_trial() if search is not None else None
         ticket = rank_zero_decides(info, json.dumps(None if trial is None else [trial.number, trial.hyp.to_dict()]))
         if json.loads(ticket) is None:
             if trained == 0 and search is not None:
-                LOGGER.info(f"study '{place.name}' already has {search.counts()[0]} finished trials (--evolve "
-                            f"{config.evolve}): nothing to train")
+                LOGGER.info(
+                    f"study '{place.name}' already has {search.counts()[0]} finished trials (--evolve "
+                    f"{config.evolve}): nothing to train"
+                )
             break
         number, values = json.loads(ticket)
         run_trial(config, place.folder, family.read_hyp(values, f"trial {number}"), number, trial, device, info)
@@ -110,13 +125,16 @@ def evolve(config: TrainConfig, device: torch.device, info: DistInfo) -> Path:
             search.write_records()
     if search is not None and trained:  # evolve.png once at the end: a figure of every hyper-parameter takes seconds
         done = search.write_records(plot=True)
-        LOGGER.info(f"Evolution done: {done or 'no trial completed'}; the best hyper-parameters in "
-                    f"{place.folder / 'hyp_evolve.yaml'}")
+        LOGGER.info(
+            f"Evolution done: {done or 'no trial completed'}; the best hyper-parameters in "
+            f"{place.folder / 'hyp_evolve.yaml'}"
+        )
     return place.folder
 
 
-def run_trial(config: TrainConfig, folder: Path, hyp: Any, number: int, trial: Any, device: torch.device,
-              info: DistInfo) -> None:
+def run_trial(
+    config: TrainConfig, folder: Path, hyp: Any, number: int, trial: Any, device: torch.device, info: DistInfo
+) -> None:
     """Train trial ``number`` in ``folder/trial<number>`` (every rank); rank 0 (``trial`` not None) reports each
     validated epoch's fitness to the pruner and records how the trial ended."""
     pruning = config.evolve_pruner != "none"
@@ -125,14 +143,25 @@ def run_trial(config: TrainConfig, folder: Path, hyp: Any, number: int, trial: A
     def report(epoch: int, results: tuple[float, ...]) -> bool:
         if trial is not None and pruning and trial.report(epoch, float(fitness(np.array(results[:4])))):
             pruned.append(epoch)
-            LOGGER.info(f"trial {number}: pruned after epoch {epoch} (its fitness is below the median of the "
-                        f"other trials' at that epoch)")
+            LOGGER.info(
+                f"trial {number}: pruned after epoch {epoch} (its fitness is below the median of the "
+                f"other trials' at that epoch)"
+            )
             return True
         return False
 
     # Trials validate every epoch when a pruner judges them by it, otherwise only after their last epoch.
-    trial_config = config.replace(project=str(folder), name=f"trial{number}", exist_ok=True, noval=not pruning,
-                                  nosave=True, noplots=True, evolve=None, resume_evolve=None, evolve_storage="")
+    trial_config = config.replace(
+        project=str(folder),
+        name=f"trial{number}",
+        exist_ok=True,
+        noval=not pruning,
+        nosave=True,
+        noplots=True,
+        evolve=None,
+        resume_evolve=None,
+        evolve_storage="",
+    )
     try:
         out = train(trial_config, device, info, None, hyp=hyp, on_validated=report)
     except BaseException as e:

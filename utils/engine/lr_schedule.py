@@ -1,4 +1,5 @@
 """Learning-rate schedule: a warmup of learning rate and momentum, then linear or cosine decay to lr0 * lrf."""
+
 from __future__ import annotations
 
 import math
@@ -45,8 +46,14 @@ def warmup_iterations(warmup_epochs: float, batches_per_epoch: int) -> int:
     return max(round(warmup_epochs * batches_per_epoch), 100) if warmup_epochs > 0 else 0
 
 
-def apply_warmup(optimizer: torch.optim.Optimizer, iteration: int, n_warmup: int, epoch_factor: float,
-                 hyp: OptimisationHyp, momentum: float) -> None:
+def apply_warmup(
+    optimizer: torch.optim.Optimizer,
+    iteration: int,
+    n_warmup: int,
+    epoch_factor: float,
+    hyp: OptimisationHyp,
+    momentum: float,
+) -> None:
     """Ramp every group's lr (biases, group 0, down from warmup_bias_lr) and the momentum (from warmup_momentum to
     ``momentum``, the optimizer's own) during warmup."""
     ramp = [0, n_warmup]

@@ -1,5 +1,6 @@
 """What updates the weights: the optimizer (utils/optimizer.py chooses it), its learning-rate schedule and warmup,
 the gradient scaler and the EMA; made once per run, restored on resume, refitted by a time budget."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,8 +16,14 @@ from utils.engine.lr_schedule import LrSchedule, apply_warmup, warmup_iterations
 from utils.ema import ModelEMA
 from utils.hyp import OptimisationHyp
 from utils.log import LOGGER
-from utils.optimizer import (NOMINAL_BATCH, OptimizerChoice, build_optimizer, choose_optimizer, resumed_choice,
-                             unused_hyp_values)
+from utils.optimizer import (
+    NOMINAL_BATCH,
+    OptimizerChoice,
+    build_optimizer,
+    choose_optimizer,
+    resumed_choice,
+    unused_hyp_values,
+)
 
 
 @dataclass
@@ -39,15 +46,15 @@ class Optimization:
     def start_schedule(self, start_epoch: int, batches_per_epoch: int) -> None:
         """The scheduler, made at ``start_epoch - 1`` and stepped once on creation, sets this epoch's rates (a fresh
         LambdaLR would restart a resumed run at lr0 * schedule(0)); the warmup length in batches."""
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda=self.schedule,
-                                                           last_epoch=start_epoch - 1)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda=self.schedule, last_epoch=start_epoch - 1
+        )
         self.n_warmup = warmup_iterations(self.hyp.warmup_epochs, batches_per_epoch)
 
     def warm_up(self, iteration: int, epoch: int) -> None:
         """During warmup, ramp the learning rates and the momentum for the step ending at batch ``iteration``."""
         if iteration <= self.n_warmup:
-            apply_warmup(self.optimizer, iteration, self.n_warmup, self.schedule(epoch), self.hyp,
-                         self.choice.momentum)
+            apply_warmup(self.optimizer, iteration, self.n_warmup, self.schedule(epoch), self.hyp, self.choice.momentum)
 
     def learning_rates(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
@@ -90,25 +97,47 @@ class OptimizerInputs:
 def choose(config: TrainConfig, inputs: OptimizerInputs, ckpt: dict[str, Any] | None) -> OptimizerChoice:
     """The run's optimizer: a resumed run's own choice, whatever the length asked now; else chosen for this run."""
     if ckpt:
-        choice = resumed_choice(ckpt.get("optimizer_choice"), stored_config(ckpt, "checkpoint"), inputs.n_images,
-                                inputs.nc, inputs.hyp, ckpt["optimizer"])
+        choice = resumed_choice(
+            ckpt.get("optimizer_choice"),
+            stored_config(ckpt, "checkpoint"),
+            inputs.n_images,
+            inputs.nc,
+            inputs.hyp,
+            ckpt["optimizer"],
+        )
     else:
-        choice = choose_optimizer(config.optimizer, config.epochs, inputs.n_images, config.batch_size, inputs.nc,
-                                  inputs.hyp, inputs.adamw_lr_per_class_term)
-    LOGGER.info(f"optimizer: {choice.name} lr0={choice.lr0} momentum={choice.momentum} accumulate={choice.accumulate} "
-                f"({choice.reason})")
+        choice = choose_optimizer(
+            config.optimizer,
+            config.epochs,
+            inputs.n_images,
+            config.batch_size,
+            inputs.nc,
+            inputs.hyp,
+            inputs.adamw_lr_per_class_term,
+        )
+    LOGGER.info(
+        f"optimizer: {choice.name} lr0={choice.lr0} momentum={choice.momentum} accumulate={choice.accumulate} "
+        f"({choice.reason})"
+    )
     if unused := unused_hyp_values(choice, inputs.hyp):
         LOGGER.info(f"optimizer: the hyp file's {' and '.join(unused)} not used ({choice.name}'s own instead)")
     return choice
 
 
-def build_optimization(model: nn.Module, family: Family, config: TrainConfig, choice: OptimizerChoice,
-                       hyp: OptimisationHyp, needs_scaler: bool) -> Optimization:
+def build_optimization(
+    model: nn.Module,
+    family: Family,
+    config: TrainConfig,
+    choice: OptimizerChoice,
+    hyp: OptimisationHyp,
+    needs_scaler: bool,
+) -> Optimization:
     """The optimizer over the family's parameter groups of ``model``, the run's schedule, the EMA and the gradient
     scaler."""
     decay = hyp.weight_decay * config.batch_size * choice.accumulate / NOMINAL_BATCH
-    optimizer = build_optimizer(model, choice.name, choice.lr0, choice.momentum, decay,
-                                groups=family.parameter_groups(model, decay))
+    optimizer = build_optimizer(
+        model, choice.name, choice.lr0, choice.momentum, decay, groups=family.parameter_groups(model, decay)
+    )
     schedule = LrSchedule.for_run(config.epochs, hyp.lrf, config.cos_lr)
     ema = ModelEMA(model)  # on every rank: each validates its part with the same EMA weights
     scaler = torch.amp.GradScaler(next(model.parameters()).device.type, enabled=needs_scaler)
@@ -118,4 +147,3 @@ def build_optimization(model: nn.Module, family: Family, config: TrainConfig, ch
 def restore(optim: Optimization, ckpt: dict[str, Any]) -> None:
     """Load a training checkpoint's optimizer, scaler, EMA and RNG state."""
     restore_training_state(ckpt, optim.optimizer, optim.scaler, optim.ema)
-

@@ -4,6 +4,7 @@
 job made) all end in a checkpoint; its stored configuration is the run's, with the options given now applied
 when they may change (``RESUME_OVERRIDABLE``) and checked against the run's own otherwise.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,11 +24,30 @@ from utils.hyp import OptimisationHyp
 from utils.log import LOGGER
 
 # Fields a resumed run may take anew; any other field given with --resume must equal the run's own.
-RESUME_OVERRIDABLE = frozenset({
-    "epochs", "device", "workers", "patience", "save_period", "save_steps", "save_minutes", "noval", "nosave",
-    "noplots", "cache", "exist_ok", "deterministic", "amp", "dist_timeout", "time", "time_includes_startup",
-    "time_max_epochs", "loggers", "profile",
-})
+RESUME_OVERRIDABLE = frozenset(
+    {
+        "epochs",
+        "device",
+        "workers",
+        "patience",
+        "save_period",
+        "save_steps",
+        "save_minutes",
+        "noval",
+        "nosave",
+        "noplots",
+        "cache",
+        "exist_ok",
+        "deterministic",
+        "amp",
+        "dist_timeout",
+        "time",
+        "time_includes_startup",
+        "time_max_epochs",
+        "loggers",
+        "profile",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -61,8 +81,7 @@ class ResumePosition:
     tally: LossTally
 
 
-def resume_point(config: TrainConfig, request: ResumeRequest,
-                 info: DistInfo) -> tuple[TrainConfig, Resumed | None]:
+def resume_point(config: TrainConfig, request: ResumeRequest, info: DistInfo) -> tuple[TrainConfig, Resumed | None]:
     """The configuration and checkpoint to continue from: --resume, or the run a restarted launcher group was
     training. Rank 0 decides which file; every rank then reads it (on several machines the run folder must be
     shared)."""
@@ -84,8 +103,9 @@ def resume_point(config: TrainConfig, request: ResumeRequest,
     return resumed_config(config, explicit, Path(path), ckpt), Resumed(Path(path), ckpt)
 
 
-def resumed_config(given: TrainConfig, explicit: frozenset[str] | set[str], path: Path,
-                   ckpt: dict[str, Any]) -> TrainConfig:
+def resumed_config(
+    given: TrainConfig, explicit: frozenset[str] | set[str], path: Path, ckpt: dict[str, Any]
+) -> TrainConfig:
     """The run's own configuration with the fields given now applied: overridable ones replace, others must agree.
 
     ``epochs`` may extend (or shorten) a run, a finished one included; see lr_schedule.py for how the learning
@@ -103,8 +123,10 @@ def resumed_config(given: TrainConfig, explicit: frozenset[str] | set[str], path
             changes[name] = given_value
         elif saved_value is not None and _comparable(given_value) != _comparable(saved_value):
             flag = "--" + name.replace("_", "-")
-            raise UserError(f"{flag} {_shown(given_value)} cannot change when resuming {path} (the run has "
-                            f"{_shown(saved_value)}); start a new run with --weights {path} instead")
+            raise UserError(
+                f"{flag} {_shown(given_value)} cannot change when resuming {path} (the run has "
+                f"{_shown(saved_value)}); start a new run with --weights {path} instead"
+            )
     if path.parent.name == "weights":  # the run folder is where its checkpoint lies now (moved, or mounted elsewhere)
         changes["save_dir"] = str(path.parent.parent.resolve())
     return restored.replace(**changes)
@@ -129,12 +151,16 @@ def resumed_position(ckpt: dict[str, Any], config: TrainConfig, hyp: Optimisatio
             tally = LossTally(n_losses, np.array(mid["sums"]), float(mid["micro_batches"]), int(mid["skipped_steps"]))
         else:
             start_epoch += 1
-            LOGGER.warning(f"WARNING the global batch changed: epoch {start_epoch - 1} is not finished, training "
-                           f"goes on from the next epoch boundary ({start_epoch})")
+            LOGGER.warning(
+                f"WARNING the global batch changed: epoch {start_epoch - 1} is not finished, training "
+                f"goes on from the next epoch boundary ({start_epoch})"
+            )
     if config.epochs != saved["epochs"]:
         schedule = schedule.extended(start_epoch, config.epochs, hyp.lrf)
-        LOGGER.info(f"--epochs {config.epochs} (was {saved['epochs']}): the learning rate goes on from "
-                    f"{schedule(start_epoch):.4g} x lr0 to {hyp.lrf} x lr0 at epoch {config.epochs - 1}")
+        LOGGER.info(
+            f"--epochs {config.epochs} (was {saved['epochs']}): the learning rate goes on from "
+            f"{schedule(start_epoch):.4g} x lr0 to {hyp.lrf} x lr0 at epoch {config.epochs - 1}"
+        )
     where = f"batch {start_batch} of epoch {start_epoch}" if start_batch else f"epoch {start_epoch}"
     LOGGER.info(f"Resuming training at {where}")
     return ResumePosition(schedule, start_epoch, start_batch, tally)

@@ -1,5 +1,6 @@
 """A run from its configuration, as train.py starts it: the device and process group, then an evolution, or a
 training run (new, resumed, or continued after a launcher restart); a failed collective ends it in one line."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,14 +39,18 @@ def run(launch: Launch, info: DistInfo) -> int:
     try:
         if config.evolve is not None or config.resume_evolve:
             if launch.resume.asked:
-                raise UserError("--evolve trains new runs and cannot --resume one; continue an evolution's study with "
-                                "--resume-evolve runs/evolve/exp (or --evolve-storage naming its storage)")
+                raise UserError(
+                    "--evolve trains new runs and cannot --resume one; continue an evolution's study with "
+                    "--resume-evolve runs/evolve/exp (or --evolve-storage naming its storage)"
+                )
             evolve(config, device, info)
             return 0
         config, resumed = resume_point(config, launch.resume, info)
         if resumed is not None and is_finished(resumed, config):
-            LOGGER.info(f"{resumed.path}: this run already finished its {config.epochs} epochs; nothing to resume "
-                        f"(add --epochs N to train it further)")
+            LOGGER.info(
+                f"{resumed.path}: this run already finished its {config.epochs} epochs; nothing to resume "
+                f"(add --epochs N to train it further)"
+            )
             return 0
         train(config, device, info, resumed, process_started=launch.process_started)
     except RuntimeError as e:  # dist.DistError and CollectiveError are RuntimeErrors
@@ -63,7 +68,8 @@ def setup_device(config: TrainConfig, info: DistInfo) -> torch.device:
     """This process's device; in a distributed run, also join the process group."""
     device = select_device(config.device, local_rank=info.local_rank, local_world_size=info.local_world_size)
     if info.is_distributed:
-        init_process_group(device, info, config.dist_timeout,
-                           shared_gpu=local_ranks_share_a_gpu(config.device, info.local_world_size))
+        init_process_group(
+            device, info, config.dist_timeout, shared_gpu=local_ranks_share_a_gpu(config.device, info.local_world_size)
+        )
         LOGGER.info(f"DDP: world size {info.world_size}, backend {dist.get_backend()}, rank {info.rank} on {device}")
     return device

@@ -4,6 +4,7 @@
 last.pt inside an epoch. Checkpoints are written by one background thread from a snapshot (a copy of every
 tensor), so training goes on while the file is written and never waits longer than the copy.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -66,8 +67,19 @@ class CheckpointWriter:
 class RunRecord:
     """Keeps best/last checkpoints, the results rows and the early-stopping count of one run folder."""
 
-    def __init__(self, save_dir: Path, columns: tuple[str, ...], *, patience: int, noval: bool, nosave: bool,
-                 save_period: int, best_fitness: float = 0.0, best_epoch: int = -1, start_epoch: int = 0):
+    def __init__(
+        self,
+        save_dir: Path,
+        columns: tuple[str, ...],
+        *,
+        patience: int,
+        noval: bool,
+        nosave: bool,
+        save_period: int,
+        best_fitness: float = 0.0,
+        best_epoch: int = -1,
+        start_epoch: int = 0,
+    ):
         self.save_dir = save_dir
         self.columns = columns  # results.csv's (utils/results_log.py)
         self.weights_dir = save_dir / "weights"
@@ -84,8 +96,16 @@ class RunRecord:
         extend_results_columns(save_dir / "results.csv", columns)  # a run written before the columns appended last
         self.stop = False
 
-    def end_epoch(self, epoch: int, train_losses: np.ndarray, results: tuple[float, ...] | None, lrs: list[float],
-                  ckpt: dict[str, Any], final: bool, extra: list[float] = ()) -> list[float]:
+    def end_epoch(
+        self,
+        epoch: int,
+        train_losses: np.ndarray,
+        results: tuple[float, ...] | None,
+        lrs: list[float],
+        ckpt: dict[str, Any],
+        final: bool,
+        extra: list[float] = (),
+    ) -> list[float]:
         """Record an epoch: results row, last.pt, best.pt when it improved; returns the row (``should_stop`` says
         whether early stopping ends the run).
 
@@ -112,8 +132,9 @@ class RunRecord:
                 paths.append(self.weights_dir / f"epoch{epoch}.pt")
             self._submit(ckpt, paths)
         if self.patience is not None and self.since_best >= self.patience:
-            LOGGER.info(f"Stopping early: no improvement in the last {self.patience} epochs (best: epoch "
-                        f"{self.best_epoch})")
+            LOGGER.info(
+                f"Stopping early: no improvement in the last {self.patience} epochs (best: epoch {self.best_epoch})"
+            )
             self.stop = True
         return values
 

@@ -1,5 +1,6 @@
 """A training run's parts, made before its first step: checked options, hyper-parameters, data, model, loaders
 and the run folder (made last, once every start-up check has passed)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -46,8 +47,9 @@ class RunSetup:
     save_dir: Path
 
 
-def set_up(config: TrainConfig, device: torch.device, info: DistInfo, resumed: Resumed | None,
-           hyp: HypRecord | None) -> RunSetup:
+def set_up(
+    config: TrainConfig, device: torch.device, info: DistInfo, resumed: Resumed | None, hyp: HypRecord | None
+) -> RunSetup:
     """Check, read and build everything a run trains with; ``hyp`` (an evolution's generation) replaces --hyp."""
     config = check_options(config, info, resumed=resumed is not None)
     ckpt = resumed.ckpt if resumed else None
@@ -60,12 +62,21 @@ def set_up(config: TrainConfig, device: torch.device, info: DistInfo, resumed: R
     with torch_distributed_zero_first(info.local_rank):  # local rank 0 makes built-in data and label caches first
         data = load_data_config(config.data)
         check_data_options(config, data)  # before a shard index or label cache is built
-        labels = [load_labels(data[split], nc=data["nc"], workers=config.workers, prefix=colorstr(f"{split}: "),
-                              verbose=info.is_local_main) for split in ("train", "val")]
+        labels = [
+            load_labels(
+                data[split],
+                nc=data["nc"],
+                workers=config.workers,
+                prefix=colorstr(f"{split}: "),
+                verbose=info.is_local_main,
+            )
+            for split in ("train", "val")
+        ]
     # Labels were checked against the data YAML's classes above; --single-cls folds them into one afterwards.
     nc, names = (1, ["item"]) if config.single_cls else (data["nc"], data["names"])
     model = create_model(config, family, ModelSource(nc, names, hyp, ckpt, source)).to(
-        device, memory_format=torch.channels_last)
+        device, memory_format=torch.channels_last
+    )
     freeze_layers(model, list(config.freeze))
     # Before the optimizer and the EMA take the parameters. On one CPU process --sync-bn still swaps in the CPU
     # SyncBN for its exact statistics, so that the run equals a W-rank --sync-bn run up to rounding.
@@ -80,8 +91,20 @@ def set_up(config: TrainConfig, device: torch.device, info: DistInfo, resumed: R
     if not ckpt and not config.noautoanchor:
         family.fit_anchors(dataset, model, hyp, imgsz=config.imgsz)
     save_dir = run_folder(config, info, hyp, resumed is not None)  # only now that every check has passed
-    return RunSetup(config.replace(save_dir=str(save_dir)), family, hyp, nc, names, model, grid, precision, train_loader,
-                    dataset, val_loader, save_dir)
+    return RunSetup(
+        config.replace(save_dir=str(save_dir)),
+        family,
+        hyp,
+        nc,
+        names,
+        model,
+        grid,
+        precision,
+        train_loader,
+        dataset,
+        val_loader,
+        save_dir,
+    )
 
 
 def check_options(config: TrainConfig, info: DistInfo, resumed: bool) -> TrainConfig:
@@ -95,15 +118,19 @@ def check_options(config: TrainConfig, info: DistInfo, resumed: bool) -> TrainCo
         raise UserError(f"--time {config.time}: give the training time in hours, more than 0 (e.g. --time 0.5)")
     if config.batch_size % info.world_size and resumed:
         kept = max(config.batch_size // info.world_size, 1) * info.world_size
-        LOGGER.warning(f"WARNING the global batch {config.batch_size} cannot be split over {info.world_size} ranks: "
-                       f"continuing with {kept} from the next epoch boundary")
+        LOGGER.warning(
+            f"WARNING the global batch {config.batch_size} cannot be split over {info.world_size} ranks: "
+            f"continuing with {kept} from the next epoch boundary"
+        )
         config = config.replace(batch_size=kept)
     for flag in ("image_weights", "quad"):
         if getattr(config, flag) and config.rect:
             raise UserError(f"--{flag.replace('_', '-')} needs shuffled square batches: drop --rect")
     if config.quad and config.batch_size // info.world_size < 4:
-        raise UserError(f"--quad merges 4 images into one: --batch-size {config.batch_size} must give every rank at "
-                        f"least 4 (it gives {config.batch_size // info.world_size})")
+        raise UserError(
+            f"--quad merges 4 images into one: --batch-size {config.batch_size} must give every rank at "
+            f"least 4 (it gives {config.batch_size // info.world_size})"
+        )
     check_global_batch(config.batch_size, info.world_size)
     return config
 
@@ -116,8 +143,10 @@ def check_global_batch(batch_size: int, world_size: int) -> None:
 def check_data_options(config: TrainConfig, data: dict) -> None:
     """The options that the form of the training data rules out, as one-line UserErrors, once the YAML is read."""
     if config.image_weights and isinstance(data["train"], ShardSet):
-        raise UserError(f"--image-weights draws images by index and is not available for tar shards "
-                        f"({data['yaml_file']} names shards for 'train'): drop --image-weights or train on image files")
+        raise UserError(
+            f"--image-weights draws images by index and is not available for tar shards "
+            f"({data['yaml_file']} names shards for 'train'): drop --image-weights or train on image files"
+        )
 
 
 def run_hyp(config: TrainConfig, family: Family, resumed: Resumed | None, hyp: HypRecord | None) -> HypRecord:
@@ -157,9 +186,15 @@ def create_model(config: TrainConfig, family: Family, source: ModelSource) -> nn
     if source.weights is not None:
         LOGGER.info(f"Starting from {config.weights}")
         # Anchors come with the weights unless another config or anchor count is asked for (AutoAnchor may refit).
-        return family.build_model(config.cfg or source.weights["model_cfg"], nc=source.nc,
-                                  weights=model_weights(source.weights), transfer=True,
-                                  keep_anchors=not (config.cfg or anchors), anchors=anchors, names=source.names)
+        return family.build_model(
+            config.cfg or source.weights["model_cfg"],
+            nc=source.nc,
+            weights=model_weights(source.weights),
+            transfer=True,
+            keep_anchors=not (config.cfg or anchors),
+            anchors=anchors,
+            names=source.names,
+        )
     return family.build_model(config.cfg, nc=source.nc, anchors=anchors, names=source.names)
 
 
@@ -178,16 +213,45 @@ def make_loaders(config: TrainConfig, info: DistInfo, hyp: HypRecord, grid: int,
     batch_per_rank = config.batch_size // info.world_size
     cache = None if config.cache == "off" else config.cache
     train_loader, dataset = create_dataloader(
-        None, config.imgsz, batch_per_rank, grid, hyp=hyp, augment=True, cache=cache, rect=config.rect,
-        global_rank=max(info.rank, 0), world_size=info.world_size, workers=config.workers, shuffle=True,
-        seed=config.seed, single_cls=config.single_cls, prefix=colorstr("train: "), label_set=labels[0],
-        close_mosaic_epoch=close_mosaic_epoch(config.epochs, config.close_mosaic), image_weights=config.image_weights,
-        quad=config.quad, shard_window=config.shard_window, resampled=config.resampled)
+        None,
+        config.imgsz,
+        batch_per_rank,
+        grid,
+        hyp=hyp,
+        augment=True,
+        cache=cache,
+        rect=config.rect,
+        global_rank=max(info.rank, 0),
+        world_size=info.world_size,
+        workers=config.workers,
+        shuffle=True,
+        seed=config.seed,
+        single_cls=config.single_cls,
+        prefix=colorstr("train: "),
+        label_set=labels[0],
+        close_mosaic_epoch=close_mosaic_epoch(config.epochs, config.close_mosaic),
+        image_weights=config.image_weights,
+        quad=config.quad,
+        shard_window=config.shard_window,
+        resampled=config.resampled,
+    )
     # Every rank validates its own part of the split; the results are gathered (validate(gather=True)).
     val_loader, _ = create_dataloader(
-        None, config.imgsz, batch_per_rank * 2, grid, hyp=hyp, cache=cache, rect=True, pad=0.5,
-        workers=config.workers, single_cls=config.single_cls, prefix=colorstr("val: "), label_set=labels[1],
-        world_size=info.world_size, global_rank=max(info.rank, 0))
+        None,
+        config.imgsz,
+        batch_per_rank * 2,
+        grid,
+        hyp=hyp,
+        cache=cache,
+        rect=True,
+        pad=0.5,
+        workers=config.workers,
+        single_cls=config.single_cls,
+        prefix=colorstr("val: "),
+        label_set=labels[1],
+        world_size=info.world_size,
+        global_rank=max(info.rank, 0),
+    )
     return train_loader, dataset, val_loader
 
 
@@ -197,8 +261,11 @@ def close_mosaic_epoch(epochs: int, close_mosaic: int) -> int | None:
 
 def run_folder(config: TrainConfig, info: DistInfo, hyp: HypRecord, resumed: bool) -> Path:
     """The run's folder: a resumed run keeps its own; rank 0 makes a new one and writes the options into it."""
-    restarted = (run_folder_of(info.run_id, config.project, info.launcher_started)
-                 if info.restart_count > 0 and info.is_main else None)
+    restarted = (
+        run_folder_of(info.run_id, config.project, info.launcher_started)
+        if info.restart_count > 0 and info.is_main
+        else None
+    )
     if resumed:
         save_dir = Path(config.save_dir)
     elif restarted is not None:  # the launcher restarted the group before the run's first checkpoint

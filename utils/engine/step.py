@@ -6,6 +6,7 @@ passes, one all-reduce per step carries the loss's counts of the step's micro-ba
 global counts, so a step does not depend on the number of ranks), the losses of the steps since the last one
 and rank 0's wish to save a checkpoint.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -78,8 +79,9 @@ def accumulation_windows(batches: Iterable[tuple[int, Any]], accumulate: int, n_
             window = []
 
 
-def prepare_images(imgs: torch.Tensor, options: BatchOptions, device: torch.device, epoch: int,
-                   batch_index: int) -> torch.Tensor:
+def prepare_images(
+    imgs: torch.Tensor, options: BatchOptions, device: torch.device, epoch: int, batch_index: int
+) -> torch.Tensor:
     """uint8 batch -> float [0, 1] on the device, resized for --multi-scale by a (seed, epoch, batch) draw."""
     imgs = imgs.to(device, non_blocking=True).contiguous(memory_format=torch.channels_last).float() / 255
     if options.multi_scale:
@@ -101,27 +103,31 @@ def gradient_sync(model: nn.Module, step_now: bool) -> contextlib.AbstractContex
 def micro_batches(stepper: Stepper, window: Window, epoch: int) -> tuple[list, list, torch.Tensor]:
     """The window's (images, targets) on the device, the loss's preparation of each and its counts (to sum over
     ranks before the forward passes)."""
-    micro = [(prepare_images(b[0], stepper.batch, stepper.device, epoch, i), b[1].to(stepper.device, non_blocking=True))
-             for i, b in window]
+    micro = [
+        (prepare_images(b[0], stepper.batch, stepper.device, epoch, i), b[1].to(stepper.device, non_blocking=True))
+        for i, b in window
+    ]
     prepared = [stepper.loss.prepare(targets, imgs.shape[2:]) for imgs, targets in micro]
     counts = torch.stack([stepper.loss.counts(p) for p in prepared]).to(stepper.device)
     return micro, prepared, counts
 
 
-def sync(stepper: Stepper, counts: torch.Tensor, pending: torch.Tensor, save_now: bool,
-         tally: LossTally) -> tuple[torch.Tensor, bool]:
+def sync(
+    stepper: Stepper, counts: torch.Tensor, pending: torch.Tensor, save_now: bool, tally: LossTally
+) -> tuple[torch.Tensor, bool]:
     """The step's one all-reduce: the counts of its micro-batches, the losses ``pending`` since the last sync
     (added to ``tally``, then cleared) and rank 0's wish to save; returns the global counts and that wish."""
     flag = torch.tensor([float(save_now)], device=stepper.device)
     synced = all_reduce_sum(torch.cat((counts.flatten(), pending, flag)))
-    counts, done = synced[:counts.numel()].view_as(counts), synced[counts.numel():]
+    counts, done = synced[: counts.numel()].view_as(counts), synced[counts.numel() :]
     tally.add(done, stepper.info.world_size)
     pending.zero_()
     return counts, bool(done[stepper.n_losses + 1] > 0)
 
 
-def forward_backward(stepper: Stepper, micro: list, counts: torch.Tensor, prepared: list,
-                     pending: torch.Tensor) -> torch.Tensor:
+def forward_backward(
+    stepper: Stepper, micro: list, counts: torch.Tensor, prepared: list, pending: torch.Tensor
+) -> torch.Tensor:
     """The forward and backward passes of the window's micro-batches; returns the step's loss items on this rank
     and adds the finite ones (and their count) to ``pending``."""
     world = stepper.info.world_size
@@ -130,8 +136,9 @@ def forward_backward(stepper: Stepper, micro: list, counts: torch.Tensor, prepar
     for k, ((imgs, targets), positives, prep) in enumerate(zip(micro, counts, prepared)):
         with gradient_sync(stepper.model, k == len(micro) - 1), autocast(stepper.device, stepper.precision):
             outputs = stepper.family.forward_train(stepper.model, imgs, targets)
-            loss, items = stepper.loss(outputs, targets, LossNorm(positives, imgs.shape[0] * world), prepared=prep,
-                                       reduce=reduce)
+            loss, items = stepper.loss(
+                outputs, targets, LossNorm(positives, imgs.shape[0] * world), prepared=prep, reduce=reduce
+            )
         if stepper.batch.quad:  # as YOLOv5: a quad image stands for 4 images of the batch the gradient scale is set for
             loss = loss * 4
         scaled = stepper.optim.scaler.scale(loss * world)  # DDP averages gradients over ranks; the loss sums over them
@@ -159,8 +166,9 @@ def mark_when_computed(loss: torch.Tensor, marks: Any) -> None:
     loss.register_hook(queue)
 
 
-def update(stepper: Stepper, tally: LossTally, where: str, step_items: torch.Tensor,
-           loss_names: tuple[str, ...]) -> None:
+def update(
+    stepper: Stepper, tally: LossTally, where: str, step_items: torch.Tensor, loss_names: tuple[str, ...]
+) -> None:
     """The optimizer update ending a step; a step with non-finite gradients is skipped and counted, and too many
     in a row stop the run."""
     if stepper.optim.step(stepper.model):
@@ -168,11 +176,15 @@ def update(stepper: Stepper, tally: LossTally, where: str, step_items: torch.Ten
     else:
         tally.skipped_steps += 1
         stepper.skipped_in_row += 1
-        LOGGER.warning(f"WARNING {where}: non-finite gradients (losses {', '.join(loss_names)} "
-                       f"{', '.join(f'{x:.4g}' for x in step_items.tolist())} on this rank): step skipped")
+        LOGGER.warning(
+            f"WARNING {where}: non-finite gradients (losses {', '.join(loss_names)} "
+            f"{', '.join(f'{x:.4g}' for x in step_items.tolist())} on this rank): step skipped"
+        )
         if stepper.skipped_in_row >= MAX_NONFINITE_STEPS:
-            raise UserError(f"{where}: {stepper.skipped_in_row} optimizer steps in a row had non-finite gradients: "
-                            "training diverged (lower lr0, or check the data)")
+            raise UserError(
+                f"{where}: {stepper.skipped_in_row} optimizer steps in a row had non-finite gradients: "
+                "training diverged (lower lr0, or check the data)"
+            )
     stepper.steps_done += 1
 
 

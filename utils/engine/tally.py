@@ -1,4 +1,5 @@
 """An epoch's training losses, summed over ranks as the steps go (what results.csv's train/ columns hold)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ class LossTally:
 
     def add(self, synced: torch.Tensor, world_size: int) -> None:
         """Add the all-reduced [n loss items, finite micro-batches] of some steps."""
-        self.sums += synced[:self.n].cpu().numpy()
+        self.sums += synced[: self.n].cpu().numpy()
         self.micro_batches += float(synced[self.n]) / world_size
 
     def means(self) -> np.ndarray:

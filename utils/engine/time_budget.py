@@ -6,6 +6,7 @@ the next epoch would not end within the budget. A budget counts from the first e
 from the process start (``time_includes_startup``: start-up and data generation included; the built-in demo's),
 and may cap the number of epochs it fits (``time_max_epochs``: a fast machine still trains the preset's epochs).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,8 +40,9 @@ def time_budget(config: TrainConfig, process_started: float, loop_started: float
     return TimeBudget(seconds, loop_started, loop_started, config.time_max_epochs, f"--time {config.time} h")
 
 
-def fit_to_time(budget: TimeBudget, epoch: int, start_epoch: int, now: float, epoch_seconds: float,
-                config: TrainConfig) -> dict:
+def fit_to_time(
+    budget: TimeBudget, epoch: int, start_epoch: int, now: float, epoch_seconds: float, config: TrainConfig
+) -> dict:
     """After ``epoch`` (which took ``epoch_seconds``): ``{"stop": True}`` when the next epoch would overrun the
     budget, ``{"epochs": n}`` after the first epoch when the budget fits another number than ``config.epochs``,
     else nothing."""
@@ -56,7 +58,9 @@ def fit_to_time(budget: TimeBudget, epoch: int, start_epoch: int, now: float, ep
         fits = f"{fitted} epochs would fit; the run keeps its {epochs}" if capped else f"so {epochs} epochs, as set"
         LOGGER.info(f"{budget.label}: an epoch takes {epoch_seconds:.1f} s, {fits}")
         return {}
-    LOGGER.info(f"{budget.label}: an epoch takes {epoch_seconds:.1f} s, so {epochs} epochs"
-                f"{f' (at most {budget.max_epochs})' if budget.max_epochs is not None else ''}; the learning-rate "
-                f"schedule and close-mosaic ({config.close_mosaic} last epochs) are fitted to that")
+    LOGGER.info(
+        f"{budget.label}: an epoch takes {epoch_seconds:.1f} s, so {epochs} epochs"
+        f"{f' (at most {budget.max_epochs})' if budget.max_epochs is not None else ''}; the learning-rate "
+        f"schedule and close-mosaic ({config.close_mosaic} last epochs) are fitted to that"
+    )
     return {"epochs": epochs}

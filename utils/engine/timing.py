@@ -17,6 +17,7 @@ Phases, in the order a step marks them (an optimizer step over ``accumulate`` mi
 - ``optimizer``: unscaling, clipping, the optimizer's step and the EMA;
 - ``other``: the rest (progress bar, checkpoints written inside the epoch); not a column, part of the whole.
 """
+
 from __future__ import annotations
 
 import math
@@ -138,12 +139,17 @@ class EpochTime:
         return f"{speed}; step time: {parts}"
 
 
-LABELS = {"data": "data", "forward": "forward+loss", "backward": "backward", "optimizer": "optimizer",
-          "sync": "sync", OTHER: "other"}
+LABELS = {
+    "data": "data",
+    "forward": "forward+loss",
+    "backward": "backward",
+    "optimizer": "optimizer",
+    "sync": "sync",
+    OTHER: "other",
+}
 
 
-def gather_epoch_time(seconds: dict[str, float], images: int, info: DistInfo,
-                      device: torch.device) -> EpochTime:
+def gather_epoch_time(seconds: dict[str, float], images: int, info: DistInfo, device: torch.device) -> EpochTime:
     """Every rank's phase times and images per second, combined (one all-reduce in a distributed run)."""
     names = (*PHASES, OTHER)
     world, rank = info.world_size, max(info.rank, 0)
@@ -153,9 +159,9 @@ def gather_epoch_time(seconds: dict[str, float], images: int, info: DistInfo,
     values = torch.tensor([*own, *speeds], dtype=torch.float64)
     if info.is_distributed:
         values = all_reduce_sum(values.to(device)).cpu()
-    per_rank = values[len(names):].tolist()
+    per_rank = values[len(names) :].tolist()
     slowest = min(range(world), key=lambda r: per_rank[r])
-    mean = {p: float(v) / world for p, v in zip(names, values[:len(names)].tolist())}
+    mean = {p: float(v) / world for p, v in zip(names, values[: len(names)].tolist())}
     return EpochTime(mean, per_rank[slowest], slowest, world, images)
 
 
@@ -181,8 +187,7 @@ class RunTime:
         slow_time = sum(e.images / e.images_per_s for e in self.epochs if e.images_per_s > 0)
         ranks = [e.slowest_rank for e in self.epochs]
         slowest = max(set(ranks), key=ranks.count)
-        return EpochTime(seconds, images / slow_time if slow_time else 0.0, slowest, self.epochs[-1].world_size,
-                         images)
+        return EpochTime(seconds, images / slow_time if slow_time else 0.0, slowest, self.epochs[-1].world_size, images)
 
 
 def data_advice(shares: dict[str, float], workers: int, cores: int) -> str | None:
@@ -195,14 +200,19 @@ def data_advice(shares: dict[str, float], workers: int, cores: int) -> str | Non
     # Without workers this process builds the batches: the waiting is the building, spread over new workers.
     needed = math.ceil((workers if workers else data) / busy)
     needed = max(needed, workers + 1)
-    what = f"{100 * data:.0f}% of the step time waits for data with {workers} loader worker{'s' * (workers != 1)} " \
-           f"per rank"
+    what = (
+        f"{100 * data:.0f}% of the step time waits for data with {workers} loader worker{'s' * (workers != 1)} per rank"
+    )
     if needed <= cores:
-        return f"data loading is the bottleneck: {what}; --workers {needed} would keep up (about {needed} per rank; " \
-               f"{cores} cores per rank here)"
-    return f"data loading is the bottleneck: {what}; keeping up would take about {needed} workers per rank, more " \
-           f"than the {cores} cores per rank here: cache the images (--cache ram), lighten the augmentation, or " \
-           f"train on a machine with more cores per GPU"
+        return (
+            f"data loading is the bottleneck: {what}; --workers {needed} would keep up (about {needed} per rank; "
+            f"{cores} cores per rank here)"
+        )
+    return (
+        f"data loading is the bottleneck: {what}; keeping up would take about {needed} workers per rank, more "
+        f"than the {cores} cores per rank here: cache the images (--cache ram), lighten the augmentation, or "
+        f"train on a machine with more cores per GPU"
+    )
 
 
 def format_duration(seconds: float) -> str:
@@ -237,8 +247,11 @@ class StepProfiler:
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         self.path, self.steps, self.done, self.written = path, steps, False, False
-        self.profiler = profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=steps, repeat=1),
-                                on_trace_ready=self._write)
+        self.profiler = profile(
+            activities=activities,
+            schedule=schedule(wait=1, warmup=1, active=steps, repeat=1),
+            on_trace_ready=self._write,
+        )
         self.profiler.start()
         self.step_count = 0
 
@@ -260,5 +273,7 @@ class StepProfiler:
             self.done = True
             self.profiler.stop()
             if not self.written:
-                LOGGER.warning(f"WARNING --profile {self.steps}: the run ended after {self.step_count} optimizer "
-                               f"steps, before the profile's {self.steps + 2} (one skipped, one to warm up): no trace")
+                LOGGER.warning(
+                    f"WARNING --profile {self.steps}: the run ended after {self.step_count} optimizer "
+                    f"steps, before the profile's {self.steps + 2} (one skipped, one to warm up): no trace"
+                )

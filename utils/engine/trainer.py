@@ -1,6 +1,7 @@
 """One training run, stage by stage: its parts (setup.py), the optimizer (optimization.py), the epochs
 (epoch.py), what follows each epoch (validation, the record, the decisions all ranks take together) and the final
 validation of the best weights."""
+
 from __future__ import annotations
 
 import contextlib
@@ -19,8 +20,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from utils.checkpoint import RunPosition, load_checkpoint, model_weights, strip_training_state, training_checkpoint
-from utils.data.image_weights import (class_weights_from_maps, draw_digest, labels_to_class_weights,
-                                      labels_to_image_weights)
+from utils.data.image_weights import (
+    class_weights_from_maps,
+    draw_digest,
+    labels_to_class_weights,
+    labels_to_image_weights,
+)
 from utils.distributed import DistInfo, broadcast_object, collective, rank_zero_decides
 from utils.engine.config import CONFIG_SCHEMA, TrainConfig
 from utils.engine.epoch import EpochHooks, train_one_epoch
@@ -50,9 +55,15 @@ class TrainResult:
     results: tuple[float, ...]  # the last validation's P, R, mAP50, mAP50-95 and validation losses
 
 
-def train(config: TrainConfig, device: torch.device, info: DistInfo, resumed: Resumed | None = None,
-          hyp: HypRecord | None = None, process_started: float | None = None,
-          on_validated: OnValidated | None = None) -> TrainResult:
+def train(
+    config: TrainConfig,
+    device: torch.device,
+    info: DistInfo,
+    resumed: Resumed | None = None,
+    hyp: HypRecord | None = None,
+    process_started: float | None = None,
+    on_validated: OnValidated | None = None,
+) -> TrainResult:
     """One training run. ``hyp`` (a search's trial) replaces reading --hyp; ``process_started`` (the monotonic
     clock at the process start) is where a budget that includes start-up counts from; ``on_validated`` may stop
     the run after a validated epoch (rank 0 decides)."""
@@ -73,33 +84,60 @@ def train(config: TrainConfig, device: torch.device, info: DistInfo, resumed: Re
 class Trainer:
     """A run's state between its setup and its end; rank 0 keeps the record (results.csv, checkpoints)."""
 
-    def __init__(self, run: RunSetup, resumed: Resumed | None, device: torch.device, info: DistInfo,
-                 process_started: float | None = None) -> None:
+    def __init__(
+        self,
+        run: RunSetup,
+        resumed: Resumed | None,
+        device: torch.device,
+        info: DistInfo,
+        process_started: float | None = None,
+    ) -> None:
         self.run, self.config, self.info, self.device = run, run.config, info, device
         self.process_started = process_started
         ckpt = resumed.ckpt if resumed else None
         self.loss_names = tuple(run.family.loss_names)
         self.optim, self.position, best = start_optimization(run, ckpt, len(self.loss_names))
-        model = DDP(run.model, device_ids=[device.index] if device.type == "cuda" else None) \
-            if info.is_distributed else run.model
-        loss = run.family.make_loss(model, run.hyp, imgsz=self.config.imgsz,
-                                    label_smoothing=self.config.label_smoothing)
+        model = (
+            DDP(run.model, device_ids=[device.index] if device.type == "cuda" else None)
+            if info.is_distributed
+            else run.model
+        )
+        loss = run.family.make_loss(
+            model, run.hyp, imgsz=self.config.imgsz, label_smoothing=self.config.label_smoothing
+        )
         batch = BatchOptions(self.config.seed, self.config.imgsz, run.grid, self.config.multi_scale, self.config.quad)
-        self.stepper = Stepper(model, run.family, loss, self.optim, run.precision, device, info, batch,
-                               len(self.loss_names), marks=new_marks(device))
+        self.stepper = Stepper(
+            model,
+            run.family,
+            loss,
+            self.optim,
+            run.precision,
+            device,
+            info,
+            batch,
+            len(self.loss_names),
+            marks=new_marks(device),
+        )
         self.columns = (*result_columns(self.loss_names, len(self.optim.optimizer.param_groups)), *TIME_COLUMNS)
         self.run_time = RunTime()
         self.on_validated: OnValidated | None = None
         self.profiler: StepProfiler | None = None
         # --image-weights: the class weights of the next epoch's draw (on every rank; rank 0 updates them).
         self.base_class_weights = labels_to_class_weights(run.dataset.labels, run.nc)
-        self.class_weights = np.array(ckpt["class_weights"]) if ckpt and ckpt.get("class_weights") is not None \
+        self.class_weights = (
+            np.array(ckpt["class_weights"])
+            if ckpt and ckpt.get("class_weights") is not None
             else self.base_class_weights
+        )
         self.results: tuple[float, ...] = (0.0,) * (4 + len(self.loss_names))
         self.last_val = None  # the last validation's ValResults
         self.record: RunRecord | None = None
-        self.hooks = EpochHooks(self.config.epochs, self.config.batch_size, self.loss_names,
-                                SavePolicy(self.config.save_steps, self.config.save_minutes))
+        self.hooks = EpochHooks(
+            self.config.epochs,
+            self.config.batch_size,
+            self.loss_names,
+            SavePolicy(self.config.save_steps, self.config.save_minutes),
+        )
         if info.is_main:
             self.start_record(best, ckpt)
 
@@ -109,11 +147,23 @@ class Trainer:
         """results.csv and the checkpoints from the epoch training starts in (its own row, written before a kill
         inside it, goes: the epoch is trained again), the trackers, the progress line and --profile."""
         config, run, first_run = self.config, self.run, ckpt is None
-        self.record = RunRecord(run.save_dir, self.columns, patience=config.patience, noval=config.noval,
-                                nosave=config.nosave, save_period=config.save_period, best_fitness=best[0],
-                                best_epoch=best[1], start_epoch=self.position.start_epoch)
-        tracked = TrackerRun(run.save_dir, config.loggers, resumed=not first_run or self.info.restart_count > 0,
-                             saved=ckpt.get("trackers") if ckpt else None)
+        self.record = RunRecord(
+            run.save_dir,
+            self.columns,
+            patience=config.patience,
+            noval=config.noval,
+            nosave=config.nosave,
+            save_period=config.save_period,
+            best_fitness=best[0],
+            best_epoch=best[1],
+            start_epoch=self.position.start_epoch,
+        )
+        tracked = TrackerRun(
+            run.save_dir,
+            config.loggers,
+            resumed=not first_run or self.info.restart_count > 0,
+            saved=ckpt.get("trackers") if ckpt else None,
+        )
         self.hooks.logger = open_trackers(tracked, True)
         self.hooks.logger.log_params(run_params(config.to_dict(), run.hyp.to_dict()))
         self.hooks.save_mid_epoch = self.save_mid_epoch
@@ -124,19 +174,30 @@ class Trainer:
         if first_run and not config.noplots:
             from utils.plots import plot_labels
 
-            plot_labels(np.concatenate([lb for lb in run.dataset.labels if len(lb)] or [np.zeros((0, 5))]), run.names,
-                        run.save_dir)
+            plot_labels(
+                np.concatenate([lb for lb in run.dataset.labels if len(lb)] or [np.zeros((0, 5))]),
+                run.names,
+                run.save_dir,
+            )
 
     def checkpoint(self, epoch: int, mid_epoch: dict | None) -> dict:
         """Everything a resume needs, after ``epoch`` (and inside the next one with ``mid_epoch``)."""
         position = RunPosition(epoch, mid_epoch, self.record.best_fitness, self.record.best_epoch)
-        run = {"lr_schedule": self.optim.schedule.segments, "optimizer_choice": self.optim.choice.to_dict(),
-               "config": self.config.to_dict(), "config_schema": CONFIG_SCHEMA, "hyp": self.run.hyp.to_dict(),
-               "world_size": self.info.world_size, "run_id": self.info.run_id, "trackers": self.hooks.logger.state(),
-               # The weights of the epoch after `epoch` (the one a resume draws next), set before this is called.
-               "class_weights": [float(w) for w in self.class_weights] if self.config.image_weights else None}
-        return training_checkpoint(self.stepper.model, self.optim.ema, self.optim.optimizer, self.optim.scaler,
-                                   position, run)
+        run = {
+            "lr_schedule": self.optim.schedule.segments,
+            "optimizer_choice": self.optim.choice.to_dict(),
+            "config": self.config.to_dict(),
+            "config_schema": CONFIG_SCHEMA,
+            "hyp": self.run.hyp.to_dict(),
+            "world_size": self.info.world_size,
+            "run_id": self.info.run_id,
+            "trackers": self.hooks.logger.state(),
+            # The weights of the epoch after `epoch` (the one a resume draws next), set before this is called.
+            "class_weights": [float(w) for w in self.class_weights] if self.config.image_weights else None,
+        }
+        return training_checkpoint(
+            self.stepper.model, self.optim.ema, self.optim.optimizer, self.optim.scaler, position, run
+        )
 
     def save_mid_epoch(self, epoch: int, batch: int, tally: LossTally) -> None:
         self.record.save_mid_epoch(self.checkpoint(epoch - 1, {"epoch": epoch, "batch": batch, **tally.state()}))
@@ -148,8 +209,10 @@ class Trainer:
         config, run = self.config, self.run
         workers = getattr(run.train_loader, "loader", run.train_loader).num_workers  # --workers capped by cores
         self.loader_workers = workers
-        LOGGER.info(f"Image sizes {config.imgsz} train, {config.imgsz} val; {workers} dataloader workers per rank; "
-                    f"logging to {colorstr(str(run.save_dir))}\nStarting training for {config.epochs} epochs...")
+        LOGGER.info(
+            f"Image sizes {config.imgsz} train, {config.imgsz} val; {workers} dataloader workers per rank; "
+            f"logging to {colorstr(str(run.save_dir))}\nStarting training for {config.epochs} epochs..."
+        )
         self.loop_started = time.monotonic()
         budget = time_budget(config, self.process_started or self.loop_started, self.loop_started)
         start, epoch, tally = self.position.start_epoch, self.position.start_epoch, self.position.tally
@@ -162,8 +225,9 @@ class Trainer:
                 self.hooks.epochs = self.config.epochs
                 if self.hooks.progress is not None:
                     self.hooks.progress.epochs = self.config.epochs
-                self.hooks.plots_dir = run.save_dir if epoch == start and self.info.is_main and not config.noplots \
-                    else None
+                self.hooks.plots_dir = (
+                    run.save_dir if epoch == start and self.info.is_main and not config.noplots else None
+                )
                 start_batch = self.position.start_batch if epoch == start else 0
                 tally, timing = train_one_epoch(self.stepper, run.train_loader, epoch, start_batch, tally, self.hooks)
                 self.run_time.add(timing)
@@ -183,8 +247,9 @@ class Trainer:
         loader.set_image_weights(labels_to_image_weights(self.run.dataset.labels, self.class_weights))
         check_same_draw(self.info, loader.sampler.global_draw(epoch), epoch, self.device)
 
-    def end_epoch(self, epoch: int, tally: LossTally, budget: TimeBudget | None, t_epoch: float,
-                  timing: EpochTime) -> dict:
+    def end_epoch(
+        self, epoch: int, tally: LossTally, budget: TimeBudget | None, t_epoch: float, timing: EpochTime
+    ) -> dict:
         """Validation, the record, and what every rank decides together: stop, refit the length, class weights."""
         config, optim = self.config, self.optim
         lrs = optim.learning_rates()  # the epoch's own rates, for results.csv
@@ -200,15 +265,25 @@ class Trainer:
             if config.image_weights and validated:
                 self.class_weights = class_weights_from_maps(self.base_class_weights, self.last_val.maps)
                 decision["class_weights"] = [float(w) for w in self.class_weights]  # repr round-trips exactly
-            row = self.record.end_epoch(epoch, tally.means(), self.results if validated else None, lrs,
-                                        self.checkpoint(epoch, None), final, extra=timing.row())
+            row = self.record.end_epoch(
+                epoch,
+                tally.means(),
+                self.results if validated else None,
+                lrs,
+                self.checkpoint(epoch, None),
+                final,
+                extra=timing.row(),
+            )
             decision["stop"] = self.record.should_stop()
             self.hooks.logger.log_epoch(epoch, dict(zip(self.columns[1:], row[1:])))
             if validated and self.on_validated is not None and self.on_validated(epoch, self.results):
                 decision["stop"] = True
             if budget is not None:
-                decision.update(fit_to_time(budget, epoch, self.position.start_epoch, time.monotonic(),
-                                            time.monotonic() - t_epoch, config))
+                decision.update(
+                    fit_to_time(
+                        budget, epoch, self.position.start_epoch, time.monotonic(), time.monotonic() - t_epoch, config
+                    )
+                )
         decision = json.loads(rank_zero_decides(self.info, json.dumps(decision)))  # the others wait on the store
         if decision.get("class_weights") is not None:
             self.class_weights = np.array(decision["class_weights"], dtype=np.float64)
@@ -225,9 +300,20 @@ class Trainer:
     def validate(self, model: torch.nn.Module, plots: bool, verbose: bool) -> Any:
         """Every rank validates its part of the split; the results are gathered, so every rank has the figures."""
         run = self.run
-        return validate(model, run.val_loader, names=run.names, device=self.device, compute_loss=self.stepper.loss,
-                        family=run.family, plots=plots, verbose=verbose and run.nc < 50, save_dir=run.save_dir,
-                        autocast_dtype=run.precision.dtype, gather=self.info.is_distributed, main=self.info.is_main)
+        return validate(
+            model,
+            run.val_loader,
+            names=run.names,
+            device=self.device,
+            compute_loss=self.stepper.loss,
+            family=run.family,
+            plots=plots,
+            verbose=verbose and run.nc < 50,
+            save_dir=run.save_dir,
+            autocast_dtype=run.precision.dtype,
+            gather=self.info.is_distributed,
+            main=self.info.is_main,
+        )
 
     # ---- the end -----------------------------------------------------------------------------------------
 
@@ -237,8 +323,10 @@ class Trainer:
         run.train_loader = None  # ends the training workers before the last validation
         best = None
         if info.is_main:
-            LOGGER.info(f"\n{epoch - self.position.start_epoch + 1} epochs completed in "
-                        f"{(time.monotonic() - self.loop_started) / 3600:.3f} hours.")
+            LOGGER.info(
+                f"\n{epoch - self.position.start_epoch + 1} epochs completed in "
+                f"{(time.monotonic() - self.loop_started) / 3600:.3f} hours."
+            )
             self.record.close()
             strip_training_state(self.record.best)
             if self.record.best.exists() and self.record.best_epoch != epoch:
@@ -248,8 +336,11 @@ class Trainer:
         best = broadcast_object(best, info)  # every rank validates its part of the split with rank 0's best weights
         if best is not None:
             final_model = run.family.build_model(best[0], weights=best[1], names=run.names)
-            self.last_val = self.validate(final_model.to(self.device, memory_format=torch.channels_last),
-                                          plots=not self.config.noplots, verbose=True)
+            self.last_val = self.validate(
+                final_model.to(self.device, memory_format=torch.channels_last),
+                plots=not self.config.noplots,
+                verbose=True,
+            )
             self.results = self.last_val.as_row()
         if info.is_main:
             self.report_time()
@@ -291,12 +382,14 @@ class Trainer:
         self.hooks.logger.close(status)
 
 
-def start_optimization(run: RunSetup, ckpt: dict | None,
-                       n_losses: int) -> tuple[Optimization, ResumePosition, tuple[float, int]]:
+def start_optimization(
+    run: RunSetup, ckpt: dict | None, n_losses: int
+) -> tuple[Optimization, ResumePosition, tuple[float, int]]:
     """The run's optimizer, EMA and schedule, a resumed run's restored; where the run starts; its best so far."""
     inputs = OptimizerInputs(len(run.dataset), run.nc, run.hyp, run.family.adamw_lr_per_class_term)
-    optim = build_optimization(run.model, run.family, run.config, choose(run.config, inputs, ckpt), run.hyp,
-                               run.precision.needs_scaler)
+    optim = build_optimization(
+        run.model, run.family, run.config, choose(run.config, inputs, ckpt), run.hyp, run.precision.needs_scaler
+    )
     position, best = ResumePosition(optim.schedule, 0, 0, LossTally(n_losses)), (0.0, -1)
     if ckpt:
         restore(optim, ckpt)

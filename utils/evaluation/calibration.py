@@ -6,6 +6,7 @@ as ``val: 0.1`` is, is held out for accuracy-aware searches (``holdout_map``); t
 first ``n`` of the rest in the order of that same hash, so the choice is the same on every run and machine and
 does not move when images are added.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -52,15 +53,17 @@ def calibration_labels(data_cfg: dict[str, Any], n: int, workers: int = 0) -> An
     return labels.take(path_order([str(p) for p in labels.im_files], str(data_cfg["path"]))[:n])
 
 
-def calibration_images(data_cfg: dict[str, Any], n: int, imgsz: int, stride: int, workers: int = 0
-                       ) -> Iterator[np.ndarray]:
+def calibration_images(
+    data_cfg: dict[str, Any], n: int, imgsz: int, stride: int, workers: int = 0
+) -> Iterator[np.ndarray]:
     """Up to ``n`` calibration images, each float32 (1, 3, imgsz, imgsz) RGB in [0, 1], letterboxed as the gate's."""
     from utils.data.loader import create_dataloader
 
     chosen = calibration_labels(data_cfg, n, workers)
     LOGGER.info(f"INT8 calibration: {len(chosen)} images of the train split (asked for {n})")
-    loader, _ = create_dataloader(None, imgsz, 1, stride, augment=False, rect=False, workers=workers,
-                                  nc=int(data_cfg["nc"]), label_set=chosen)
+    loader, _ = create_dataloader(
+        None, imgsz, 1, stride, augment=False, rect=False, workers=workers, nc=int(data_cfg["nc"]), label_set=chosen
+    )
     for imgs, _, _, _ in loader:
         yield imgs.numpy().astype(np.float32) / 255
 

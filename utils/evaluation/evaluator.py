@@ -6,6 +6,7 @@ updates with its own disjoint, contiguous part of the split; ``synchronize`` gat
 every rank in rank order, which is the split's order, so every rank then summarizes exactly the figures of one
 process over the whole split.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ import torch
 
 from utils.boxes import scale_boxes, xywh2xyxy, xyxy2xywhn
 from utils.metrics import ClassMetrics, ap_per_class, confusion_matrix, fitness, match_detections, mean_metrics
+
 
 @dataclass
 class ValResults:
@@ -74,8 +76,14 @@ class DetectionEvaluator:
     """Accumulates per-image matches; ``summarize`` gives P, R, mAP50, mAP50-95 per class, and the mean of each of
     ``loss_terms`` loss terms (the loss's ``item_names``, any number; none without a loss) over the batches."""
 
-    def __init__(self, names: Sequence[str], single_cls: bool = False, confusion: bool = False,
-                 json_ids: tuple[list[int], dict[str, int | str]] | None = None, loss_terms: int = 0):
+    def __init__(
+        self,
+        names: Sequence[str],
+        single_cls: bool = False,
+        confusion: bool = False,
+        json_ids: tuple[list[int], dict[str, int | str]] | None = None,
+        loss_terms: int = 0,
+    ):
         names = list(names)
         self.names = (names if len(names) == 1 else ["item"]) if single_cls else names
         self.nc, self.single_cls = len(self.names), single_cls
@@ -90,8 +98,9 @@ class DetectionEvaluator:
         self.json_results: list[dict] = []
         self.json_images: list[tuple[np.ndarray, tuple[int, int], str, int | str]] = []
 
-    def update(self, detections: list[torch.Tensor], batch: EvalBatch, losses: torch.Tensor | None = None
-               ) -> list[ImageTruth]:
+    def update(
+        self, detections: list[torch.Tensor], batch: EvalBatch, losses: torch.Tensor | None = None
+    ) -> list[ImageTruth]:
         """Match one batch's detections (input pixels) with its labels; returns each image in original pixels."""
         self.n_batches += 1
         if losses is not None:
@@ -102,14 +111,16 @@ class DetectionEvaluator:
         images = []
         for si, det in enumerate(detections):
             image = self._image(si, det, targets, batch)
-            correct = match_detections(image.detections[:, :4], image.detections[:, 4], image.detections[:, 5],
-                                       image.gt_boxes, image.gt_cls)
+            correct = match_detections(
+                image.detections[:, :4], image.detections[:, 4], image.detections[:, 5], image.gt_boxes, image.gt_cls
+            )
             self.stats.append((correct, image.detections[:, 4], image.detections[:, 5], image.gt_cls))
             present = np.unique(image.gt_cls)
             self.images_per_class[present[present < self.nc]] += 1
             if self.confusion is not None:
-                self.confusion += confusion_matrix(image.detections,
-                                                   np.concatenate([image.gt_cls[:, None], image.gt_boxes], 1), self.nc)
+                self.confusion += confusion_matrix(
+                    image.detections, np.concatenate([image.gt_cls[:, None], image.gt_boxes], 1), self.nc
+                )
             if self.json_ids is not None:
                 self._add_json(image)
             images.append(image)
@@ -127,8 +138,9 @@ class DetectionEvaluator:
         gt_cls = np.zeros(len(labels), dtype=np.int64) if self.single_cls else labels[:, 0].numpy().astype(np.int64)
         gt_box = xywh2xyxy(labels[:, 1:5]) * torch.tensor([width, height, width, height])
         scale_boxes((height, width), gt_box, (h0, w0), ratio_pad)
-        return ImageTruth(str(batch.paths[si]), (h0, w0), gt_cls, gt_box.numpy().astype(np.float64),
-                          det_px.numpy().astype(np.float64))
+        return ImageTruth(
+            str(batch.paths[si]), (h0, w0), gt_cls, gt_box.numpy().astype(np.float64), det_px.numpy().astype(np.float64)
+        )
 
     def _add_json(self, image: ImageTruth) -> None:
         from utils.coco_json import detections_to_results, image_ids_for
@@ -139,16 +151,28 @@ class DetectionEvaluator:
             image_id = image_ids_for([image.path])[0]
         self.json_results.extend(detections_to_results(image.detections, image_id, class_map))
         h0, w0 = image.original_hw
-        labels_n = np.concatenate([image.gt_cls[:, None], xyxy2xywhn(image.gt_boxes, w0, h0)], 1) \
-            if len(image.gt_boxes) else np.zeros((0, 5))
+        labels_n = (
+            np.concatenate([image.gt_cls[:, None], xyxy2xywhn(image.gt_boxes, w0, h0)], 1)
+            if len(image.gt_boxes)
+            else np.zeros((0, 5))
+        )
         self.json_images.append((labels_n, (h0, w0), image.path, image_id))
 
     def add_times(self, seconds: np.ndarray, images: int) -> None:
         self.seconds, self.seen = self.seconds + seconds, self.seen + images
 
     def _parts(self) -> tuple:
-        return (self.seen, self.n_batches, self.stats, self.images_per_class, self.confusion, self.seconds,
-                self.batch_losses, self.json_results, self.json_images)
+        return (
+            self.seen,
+            self.n_batches,
+            self.stats,
+            self.images_per_class,
+            self.confusion,
+            self.seconds,
+            self.batch_losses,
+            self.json_results,
+            self.json_images,
+        )
 
     def synchronize(self) -> None:
         """Every rank's results on every rank: counts summed, per-image lists concatenated in rank order."""
@@ -182,7 +206,18 @@ class DetectionEvaluator:
         in_range = metrics.classes < self.nc
         maps[metrics.classes[in_range]] = metrics.ap50_95[in_range]
         speed = tuple(float(t) for t in self.seconds / max(self.seen, 1) * 1e3)
-        return ValResults(p=p, r=r, map50=map50, map=map50_95, losses=(loss_sum / max(self.n_batches, 1)).numpy(),
-                          maps=maps, speed=speed, n_images=len(self.stats), n_instances=int(len(target_cls)),
-                          n_detections=int(len(conf)), class_metrics=metrics, confusion=self.confusion,
-                          names=self.names)
+        return ValResults(
+            p=p,
+            r=r,
+            map50=map50,
+            map=map50_95,
+            losses=(loss_sum / max(self.n_batches, 1)).numpy(),
+            maps=maps,
+            speed=speed,
+            n_images=len(self.stats),
+            n_instances=int(len(target_cls)),
+            n_detections=int(len(conf)),
+            class_metrics=metrics,
+            confusion=self.confusion,
+            names=self.names,
+        )

@@ -4,6 +4,7 @@
 A file that fails either is set aside as ``<name>.rejected``; the others are kept. Nothing here knows a format:
 it sees runners.
 """
+
 from __future__ import annotations
 
 import os
@@ -66,16 +67,24 @@ def check_numerics(out: torch.Tensor, ref: torch.Tensor, layout: str, precision:
     diff = float(difference.max()) if difference is not None and difference.numel() else 0.0
     if difference is None or (difference > allowed).any():
         shown = "inf" if difference is None else f"{diff:.3g}"
-        raise Rejected(f"output differs from PyTorch's (shape {tuple(out.shape)} vs {tuple(ref.shape)}, max abs "
-                       f"difference {shown})")
+        raise Rejected(
+            f"output differs from PyTorch's (shape {tuple(out.shape)} vs {tuple(ref.shape)}, max abs "
+            f"difference {shown})"
+        )
     return diff
 
 
 class AccuracyGate:
     """The val split, the PyTorch model's figures on it, and one row per file judged."""
 
-    def __init__(self, data_cfg: dict[str, Any], family: Family, options: PredictOptions,
-                 shape: tuple[int, int, int], max_drop: dict[str, float]):
+    def __init__(
+        self,
+        data_cfg: dict[str, Any],
+        family: Family,
+        options: PredictOptions,
+        shape: tuple[int, int, int],
+        max_drop: dict[str, float],
+    ):
         """``shape``: (image size, batch size, stride)."""
         from utils.data.loader import create_dataloader, load_labels
 
@@ -85,8 +94,17 @@ class AccuracyGate:
         labels = load_labels(data_cfg["val"], nc=int(data_cfg["nc"]), workers=0, prefix="gate: ", verbose=False)
         self.workers = 0 if len(labels) < GATE_WORKERS_FROM else min(os.cpu_count() or 1, 4)
         imgsz, batch_size, stride = shape
-        self.loader, _ = create_dataloader(None, imgsz, batch_size, stride, augment=False, rect=False,
-                                           workers=self.workers, nc=int(data_cfg["nc"]), label_set=labels)
+        self.loader, _ = create_dataloader(
+            None,
+            imgsz,
+            batch_size,
+            stride,
+            augment=False,
+            rect=False,
+            workers=self.workers,
+            nc=int(data_cfg["nc"]),
+            label_set=labels,
+        )
         self.image = first_image(self.loader)
         self.rows: list[GateRow] = []
         self.reference: GateRow | None = None
@@ -101,14 +119,25 @@ class AccuracyGate:
         if h != w:
             raise UserError(f"--data: the gate validates square inputs; export with one --imgsz (not {h} {w})")
         nms = source.options.nms
-        options = PredictOptions(multi_label=True) if nms is None else PredictOptions(
-            conf_thres=nms.conf, iou_thres=nms.iou, max_det=nms.max_det)
+        options = (
+            PredictOptions(multi_label=True)
+            if nms is None
+            else PredictOptions(conf_thres=nms.conf, iou_thres=nms.iou, max_det=nms.max_det)
+        )
         max_drop = dict(MAX_DROP) if opt.max_drop is None else {p: opt.max_drop for p in MAX_DROP}
-        gate = cls(load_data_config(opt.data), source.family, options, (h, opt.batch_size, source.meta.stride),
-                   max_drop)
+        gate = cls(
+            load_data_config(opt.data), source.family, options, (h, opt.batch_size, source.meta.stride), max_drop
+        )
         results = gate.measure(source.runner)
-        gate.reference = GateRow("pytorch", "fp32", Path(opt.weights), Path(opt.weights).stat().st_size, results.map,
-                                 None, latency_ms(source.runner, gate.image))
+        gate.reference = GateRow(
+            "pytorch",
+            "fp32",
+            Path(opt.weights),
+            Path(opt.weights).stat().st_size,
+            results.map,
+            None,
+            latency_ms(source.runner, gate.image),
+        )
         LOGGER.info(f"gate: the PyTorch model scores mAP50-95 {results.map:.4f} on {results.n_images} val images")
         return gate
 
@@ -137,20 +166,43 @@ class AccuracyGate:
         return format_table(self.rows, self.reference, self.max_drop, cpu_name())
 
 
-def split_map(runner: Runner, family: Family, data_cfg: dict[str, Any], split: Any, imgsz: int, workers: int,
-              batch_size: int | None = None) -> float:
+def split_map(
+    runner: Runner,
+    family: Family,
+    data_cfg: dict[str, Any],
+    split: Any,
+    imgsz: int,
+    workers: int,
+    batch_size: int | None = None,
+) -> float:
     """mAP50-95 of a runner on a split, at val.py's thresholds, square letterboxes of ``imgsz``."""
     return split_results(runner, family, data_cfg, split, imgsz, workers, batch_size).map
 
 
-def split_results(runner: Runner, family: Family, data_cfg: dict[str, Any], split: Any, imgsz: int,
-                  workers: int, batch_size: int | None = None) -> Any:
+def split_results(
+    runner: Runner,
+    family: Family,
+    data_cfg: dict[str, Any],
+    split: Any,
+    imgsz: int,
+    workers: int,
+    batch_size: int | None = None,
+) -> Any:
     from utils.data.loader import create_dataloader, load_labels
 
     nc = int(data_cfg["nc"])
     labels = load_labels(split, nc=nc, workers=workers, prefix="gate: ", verbose=False)
-    loader, _ = create_dataloader(None, imgsz, batch_size or runner.meta.batch or 1, runner.meta.stride,
-                                  augment=False, rect=False, workers=workers, nc=nc, label_set=labels)
+    loader, _ = create_dataloader(
+        None,
+        imgsz,
+        batch_size or runner.meta.batch or 1,
+        runner.meta.stride,
+        augment=False,
+        rect=False,
+        workers=workers,
+        nc=nc,
+        label_set=labels,
+    )
     predictor = Predictor(runner, family, PredictOptions(multi_label=True))
     with threads_for(runner):  # as val.py runs it
         return evaluate(predictor, loader, DetectionEvaluator(data_cfg["names"]))
@@ -217,8 +269,10 @@ def format_table(rows: list[GateRow], reference: GateRow, max_drop: dict[str, fl
         map_text = "" if row.map is None else f"{row.map:.4f}"
         latency = "" if row.latency_ms is None else f"{row.latency_ms:.2f}"
         verdict = f"  REJECTED: {row.rejected}" if row.rejected else ""
-        lines.append(f"{row.format:<12}{row.precision:<10}{row.size_bytes / 1e6:>9.2f}{map_text:>10}{change:>9}"
-                     f"{latency:>9}  {row.path.name}{verdict}")
+        lines.append(
+            f"{row.format:<12}{row.precision:<10}{row.size_bytes / 1e6:>9.2f}{map_text:>10}{change:>9}"
+            f"{latency:>9}  {row.path.name}{verdict}"
+        )
     limits = ", ".join(f"{p} {v:g}" for p, v in max_drop.items())
     lines.append(f"largest allowed drop in mAP50-95: {limits}")
     return "\n".join(lines)

@@ -1,4 +1,5 @@
 """A dataset split through the predictor into the evaluator: what val.py, training and export.py's gate run."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -9,8 +10,14 @@ from utils.evaluation.outputs import ValOutputs
 from utils.evaluation.predictor import Predictor, Timer
 
 
-def evaluate(predictor: Predictor, loader: Iterable, evaluator: DetectionEvaluator, outputs: ValOutputs | None = None,
-             compute_loss: Any = None, gather: bool = False) -> ValResults:
+def evaluate(
+    predictor: Predictor,
+    loader: Iterable,
+    evaluator: DetectionEvaluator,
+    outputs: ValOutputs | None = None,
+    compute_loss: Any = None,
+    gather: bool = False,
+) -> ValResults:
     """Every batch of ``loader`` (letterboxed uint8 images, targets, paths, shapes) predicted and matched; ranks'
     results gathered when ``gather``; the summary, with the outputs written when ``outputs`` is given."""
     predictor.timer = Timer()

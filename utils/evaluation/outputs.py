@@ -1,6 +1,7 @@
 """What validation writes and prints: the metrics table, the speed line, plots, YOLO label files and COCO JSON (with
 COCOeval). Only the main rank prints, plots and writes JSON; label files are written by the rank that saw the
 image."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,21 +45,36 @@ class ValOutputs:
     def __init__(self, options: OutputOptions, names: list[str]):
         self.options, self.names = options, names
 
-    def on_batch(self, batch_i: int, images: list[ImageTruth], inputs: torch.Tensor, targets: torch.Tensor,
-                 detections: list[torch.Tensor]) -> None:
+    def on_batch(
+        self,
+        batch_i: int,
+        images: list[ImageTruth],
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        detections: list[torch.Tensor],
+    ) -> None:
         o = self.options
         if o.save_txt:
             for image in images:
-                write_txt(o.save_dir / "labels" / f"{Path(image.path).stem}.txt", image.detections,
-                          image.original_hw, o.save_conf)
+                write_txt(
+                    o.save_dir / "labels" / f"{Path(image.path).stem}.txt",
+                    image.detections,
+                    image.original_hw,
+                    o.save_conf,
+                )
         if o.plots and batch_i < N_PLOTTED_BATCHES:  # rank 0 holds the split's first batches
             from utils.plots import output_to_target, plot_images
 
             uint8_imgs = (inputs.float() * 255).round().byte().cpu()
             paths = [image.path for image in images]
             plot_images(uint8_imgs, targets.cpu(), paths, o.save_dir / f"val_batch{batch_i}_labels.jpg", self.names)
-            plot_images(uint8_imgs, output_to_target(detections, max_det=15 * 16), paths,
-                        o.save_dir / f"val_batch{batch_i}_pred.jpg", self.names)
+            plot_images(
+                uint8_imgs,
+                output_to_target(detections, max_det=15 * 16),
+                paths,
+                o.save_dir / f"val_batch{batch_i}_pred.jpg",
+                self.names,
+            )
 
     def finish(self, results: ValResults, evaluator: DetectionEvaluator) -> None:
         o = self.options
@@ -71,8 +87,15 @@ class ValOutputs:
             plot_metrics(results.class_metrics, evaluator.confusion, self.names, o.save_dir)
         if o.save_json and o.main:
             class_map = evaluator.json_ids[0]
-            results.coco_stats = coco_evaluation(evaluator.json_results, evaluator.json_images, self.names, o.save_dir,
-                                                 class_map, o.annotations_json, results.map)
+            results.coco_stats = coco_evaluation(
+                evaluator.json_results,
+                evaluator.json_images,
+                self.names,
+                o.save_dir,
+                class_map,
+                o.annotations_json,
+                results.map,
+            )
         if o.save_txt and o.main:
             n_files = len(list((o.save_dir / "labels").glob("*.txt")))
             LOGGER.info(f"{n_files} label files saved to {o.save_dir / 'labels'}")
@@ -104,8 +127,10 @@ def log_table(names: list[str], results: ValResults, images_per_class: np.ndarra
         for i, c in enumerate(metrics.classes):
             name = names[c] if c < len(names) else str(c)
             images = images_per_class[c] if c < nc else 0
-            LOGGER.info(row % (name, images, metrics.n_targets[i], metrics.p[i], metrics.r[i],
-                               metrics.ap50[i], metrics.ap50_95[i]))
+            LOGGER.info(
+                row
+                % (name, images, metrics.n_targets[i], metrics.p[i], metrics.r[i], metrics.ap50[i], metrics.ap50_95[i])
+            )
 
 
 def plot_metrics(metrics: ClassMetrics, confusion: np.ndarray, names: list[str], save_dir: Path) -> None:
@@ -115,14 +140,22 @@ def plot_metrics(metrics: ClassMetrics, confusion: np.ndarray, names: list[str],
     class_names = [names[c] if c < len(names) else str(c) for c in metrics.classes]
     plot_confusion_matrix(confusion, names, save_dir / "confusion_matrix.png")
     plot_pr_curve(RECALL_POINTS, metrics.pr_curve, metrics.ap50, class_names, save_dir / "PR_curve.png")
-    for curve, label, fname in ((metrics.f1_curve, "F1", "F1_curve.png"), (metrics.p_curve, "Precision", "P_curve.png"),
-                                (metrics.r_curve, "Recall", "R_curve.png")):
+    for curve, label, fname in (
+        (metrics.f1_curve, "F1", "F1_curve.png"),
+        (metrics.p_curve, "Precision", "P_curve.png"),
+        (metrics.r_curve, "Recall", "R_curve.png"),
+    ):
         plot_metric_curve(CONF_POINTS, curve, class_names, save_dir / fname, label)
 
 
 def coco_evaluation(
-    json_results: list[dict], json_images: list[tuple[np.ndarray, tuple[int, int], str, int | str]],
-    names: list[str], save_dir: Path, class_map: list[int], annotations_json: str | Path | None, our_map: float,
+    json_results: list[dict],
+    json_images: list[tuple[np.ndarray, tuple[int, int], str, int | str]],
+    names: list[str],
+    save_dir: Path,
+    class_map: list[int],
+    annotations_json: str | Path | None,
+    our_map: float,
 ) -> np.ndarray | None:
     """Write predictions.json and a ground truth made from the labels, then run COCOeval when available.
 
@@ -150,10 +183,14 @@ def coco_evaluation(
         try:
             official, _ = coco_eval(annotations_json, json_results, image_ids=ids)
         except AssertionError:  # pycocotools' loadRes asserts that every result's image is in the file
-            LOGGER.warning(f"WARNING {annotations_json}: does not hold these images (ids from the file names); "
-                           "not scored against it")
+            LOGGER.warning(
+                f"WARNING {annotations_json}: does not hold these images (ids from the file names); "
+                "not scored against it"
+            )
             return stats
         LOGGER.info(f"COCOeval against {annotations_json}:\n{format_coco_stats(official)}")
-        print(f"mAP50-95: {our_map:.4f} (this project) | {official[0]:.4f} (pycocotools, {Path(annotations_json).name})"
-              f"   mAP50: {official[1]:.4f} (pycocotools)")
+        print(
+            f"mAP50-95: {our_map:.4f} (this project) | {official[0]:.4f} (pycocotools, {Path(annotations_json).name})"
+            f"   mAP50: {official[1]:.4f} (pycocotools)"
+        )
     return stats

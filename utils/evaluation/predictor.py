@@ -4,6 +4,7 @@ Pre-processing (letterbox, RGB, [0, 1], the runner's dtype and device), inferenc
 (``utils/formats``), decoding through the family (NMS at its IoU threshold, or a confidence filter for an
 end-to-end output), and rescaling to the original image. It times each of the three stages per image.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -95,8 +96,10 @@ class Predictor:
         """The runner's output0 (and a PyTorch model's raw level outputs when asked and available)."""
         model = getattr(self.runner, "model", None)  # PyTorch runners: (predictions, raw) for losses and TTA
         dtype = self.options.autocast_dtype
-        with torch.no_grad(), torch.autocast(device_type=self.device.type, dtype=dtype or torch.float32,
-                                             enabled=dtype is not None):
+        with (
+            torch.no_grad(),
+            torch.autocast(device_type=self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None),
+        ):
             if self.options.augment:
                 from utils.tta import tta_predict
 
@@ -112,8 +115,15 @@ class Predictor:
         if self.meta.layout == "end2end":  # final detections (YOLO26's one-to-one head, or NMS in the graph)
             dets = end_to_end_detections(pred.float(), o.conf_thres, classes=o.classes, max_det=o.max_det)
         else:
-            dets = self.family.detections(pred.float(), o.conf_thres, self.iou_thres, classes=o.classes,
-                                          agnostic=o.agnostic, multi_label=o.multi_label, max_det=o.max_det)
+            dets = self.family.detections(
+                pred.float(),
+                o.conf_thres,
+                self.iou_thres,
+                classes=o.classes,
+                agnostic=o.agnostic,
+                multi_label=o.multi_label,
+                max_det=o.max_det,
+            )
         return [d.cpu() for d in dets]
 
     def predict(self, images: torch.Tensor, want_raw: bool = False) -> BatchPrediction:
@@ -161,16 +171,18 @@ def to_batch(letterboxed: list[np.ndarray]) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(np.stack(letterboxed)))
 
 
-def to_original(det: torch.Tensor, input_hw: tuple[int, int], original_hw: tuple[int, int],
-                ratio_pad: RatioPad | None) -> torch.Tensor:
+def to_original(
+    det: torch.Tensor, input_hw: tuple[int, int], original_hw: tuple[int, int], ratio_pad: RatioPad | None
+) -> torch.Tensor:
     """Detections (n, 6) in input pixels to a copy in pixels of the original image."""
     out = det.clone()
     scale_boxes(input_hw, out[:, :4], original_hw, ratio_pad)
     return out
 
 
-def open_for_prediction(weights: str | Path, device: torch.device, *, end2end: bool = False, augment: bool = False,
-                        half: bool = False) -> Runner:
+def open_for_prediction(
+    weights: str | Path, device: torch.device, *, end2end: bool = False, augment: bool = False, half: bool = False
+) -> Runner:
     """The runner of ``weights`` (any format) for val.py and detect.py: ``--end2end``, ``--augment`` (PyTorch models,
     refused in one line otherwise) and ``--half`` (fp16 compute on CUDA devices for a PyTorch model; an exported file
     computes in the precision it was written in)."""
@@ -198,8 +210,9 @@ def load_predictor(weights: str | Path, device: torch.device | str = "cpu", **op
     from models.families import family_of
 
     runner = open_runner(weights, torch.device(device))
-    return Predictor(runner, family_of(runner.meta.family), PredictOptions(**{"conf_thres": 0.25, **options}),
-                     purpose="detect")
+    return Predictor(
+        runner, family_of(runner.meta.family), PredictOptions(**{"conf_thres": 0.25, **options}), purpose="detect"
+    )
 
 
 @contextlib.contextmanager

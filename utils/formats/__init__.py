@@ -5,6 +5,7 @@ format is adding its module to this folder. ``format_named`` is what ``--include
 a path (a file by its suffix, a folder by its name or contents), and ``open_runner`` opens any artifact that
 val.py or detect.py is given.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -48,8 +49,9 @@ def format_named(name: str) -> Format:
     formats = registered()
     if name not in formats or name == "pytorch":
         if name in PLANNED:
-            raise UserError(f"--include {name}: not available in this version (no format module "
-                            f"utils/formats/{name}.py)")
+            raise UserError(
+                f"--include {name}: not available in this version (no format module utils/formats/{name}.py)"
+            )
         raise UserError(f"--include {name}: unknown format; choose from {', '.join(export_names())}")
     fmt = formats[name]
     reason = fmt.unavailable()

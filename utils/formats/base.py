@@ -13,6 +13,7 @@ A format is one module in ``utils/formats/`` that defines ``FORMAT``, an instanc
 
 The registry (``utils/formats/__init__.py``) finds the modules; nothing else names a format.
 """
+
 from __future__ import annotations
 
 import copy
@@ -71,8 +72,9 @@ class Runner:
     def use_end2end(self, path: Path | str) -> None:
         """``--end2end``: the NMS-free output. An exported file must have been exported with it."""
         if self.meta.layout != "end2end":
-            raise UserError(f"--end2end: {path} was exported with the {self.meta.layout} output; export it with "
-                            "--end2end")
+            raise UserError(
+                f"--end2end: {path} was exported with the {self.meta.layout} output; export it with --end2end"
+            )
 
     def warmup(self, shape: tuple[int, int]) -> None:
         """One run on blank images, so that start-up costs stay out of timings."""
@@ -177,8 +179,9 @@ class Format:
     def check_request(self, options: ExportOptions, precision: str) -> None:
         """Refuse in one line what this format cannot write."""
         if precision not in self.precisions:
-            raise UserError(f"--include {self.name}: no {precision} files ({self.name} writes "
-                            f"{', '.join(self.precisions)})")
+            raise UserError(
+                f"--include {self.name}: no {precision} files ({self.name} writes {', '.join(self.precisions)})"
+            )
         if options.nms is not None:
             raise UserError(f"--nms: NMS inside the graph is written for ONNX only, not {self.name}")
 

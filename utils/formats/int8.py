@@ -5,6 +5,7 @@ A scope names PyTorch modules of the detector (``model.23``, ``model.23.dfl``); 
 after the modules of the traced wrapper (``model.model.23``: the export module holds the detector as ``model``).
 ``ScopeMatcher`` takes the qualified name of the module that owns a node and says whether the node stays float.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -73,7 +74,7 @@ def openvino_owner(friendly_name: str) -> str:
     name carries none)."""
     if not friendly_name.startswith("__module."):
         return ""
-    return friendly_name[len("__module."):].split("/", 1)[0]
+    return friendly_name[len("__module.") :].split("/", 1)[0]
 
 
 def calibration_batches(job: ExportJob, n: int | None = None) -> Iterator[np.ndarray]:

@@ -13,6 +13,7 @@ int8 activations), calibrated on ``job.calibration``; what the family's ``Int8Sc
 convolutions (whose int8 output would be the logits themselves), the box normalisation and the op writing the output
 stay float.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -34,8 +35,11 @@ from utils.log import LOGGER
 
 METADATA_ENTRY = "metadata.json"  # in the zip archive appended to the .tflite, as Ultralytics writes it
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
-PIP_NAMES = {"litert_torch": "litert-torch", "ai_edge_litert": "ai-edge-litert",
-             "ai_edge_quantizer": "ai-edge-quantizer"}
+PIP_NAMES = {
+    "litert_torch": "litert-torch",
+    "ai_edge_litert": "ai-edge-litert",
+    "ai_edge_quantizer": "ai-edge-quantizer",
+}
 
 
 class NormalisedBoxes(nn.Module):
@@ -71,6 +75,7 @@ def denormalise(out: np.ndarray, layout: str, size: tuple[int, int]) -> np.ndarr
 
 # ---- INT8 scope: PyTorch module names to LiteRT tensor names ----
 
+
 def _segment(module: nn.Module, attribute: str) -> str:
     return re.escape(f"{type(module).__module__}.{type(module).__qualname__}_{attribute}")
 
@@ -87,8 +92,11 @@ def tensor_name_pattern(model: nn.Module, qualified: str) -> str:
     if qualified not in modules:
         raise UserError(f"INT8 scope: no module {qualified!r} in the model")
     parts = qualified.split(".")
-    segments = [_segment(modules[".".join(parts[:i + 1])], parts[i]) for i in range(len(parts))
-                if not isinstance(modules[".".join(parts[:i + 1])], CONTAINERS)]
+    segments = [
+        _segment(modules[".".join(parts[: i + 1])], parts[i])
+        for i in range(len(parts))
+        if not isinstance(modules[".".join(parts[: i + 1])], CONTAINERS)
+    ]
     return "/" + "/(?:[^/;]*/)*".join(segments)
 
 
@@ -109,6 +117,7 @@ def output_patterns(path: Path) -> list[str]:
 
 
 # ---- writing ----
+
 
 def _convert(module: nn.Module, example: torch.Tensor, path: Path) -> None:
     import litert_torch
@@ -131,11 +140,15 @@ def _quantize(source: Path, target: Path, configure, calibration_samples=None) -
 def _fp16_recipe(quantizer_, qtyping, recipe) -> None:  # noqa: ANN001
     """Every weight stored in fp16 and dequantized once at load; arithmetic in fp32."""
     quantizer_.update_quantization_recipe(
-        regex=".*", operation_name=qtyping.TFLOperationName.ALL_SUPPORTED,
+        regex=".*",
+        operation_name=qtyping.TFLOperationName.ALL_SUPPORTED,
         op_config=qtyping.OpQuantizationConfig(
             weight_tensor_config=qtyping.TensorQuantizationConfig(num_bits=16, dtype=qtyping.TensorDataType.FLOAT),
-            compute_precision=qtyping.ComputePrecision.FLOAT, explicit_dequantize=True),
-        algorithm_key=recipe.AlgorithmName.FLOAT_CASTING)
+            compute_precision=qtyping.ComputePrecision.FLOAT,
+            explicit_dequantize=True,
+        ),
+        algorithm_key=recipe.AlgorithmName.FLOAT_CASTING,
+    )
 
 
 def _int8_recipe(patterns: list[str]):  # noqa: ANN202
@@ -143,11 +156,16 @@ def _int8_recipe(patterns: list[str]):  # noqa: ANN202
         quantizer_.load_quantization_recipe(recipe.static_wi8_ai8())
         # float32 input and output, as Ultralytics' INT8 LiteRT files have (after the recipe, which would set them)
         for op in (qtyping.TFLOperationName.INPUT, qtyping.TFLOperationName.OUTPUT):
-            quantizer_.update_quantization_recipe(regex=".*", operation_name=op,
-                                                  algorithm_key=recipe.AlgorithmName.NO_QUANTIZE)
+            quantizer_.update_quantization_recipe(
+                regex=".*", operation_name=op, algorithm_key=recipe.AlgorithmName.NO_QUANTIZE
+            )
         for pattern in patterns:
-            quantizer_.update_quantization_recipe(regex=pattern, operation_name=qtyping.TFLOperationName.ALL_SUPPORTED,
-                                                  algorithm_key=recipe.AlgorithmName.NO_QUANTIZE)
+            quantizer_.update_quantization_recipe(
+                regex=pattern,
+                operation_name=qtyping.TFLOperationName.ALL_SUPPORTED,
+                algorithm_key=recipe.AlgorithmName.NO_QUANTIZE,
+            )
+
     return configure
 
 
@@ -158,13 +176,13 @@ def _calibration_samples(job: ExportJob, source: Path) -> dict[str, list[dict[st
     if job.calibration is None:
         raise UserError("--int8 needs --data: INT8 is calibrated on images of the data YAML's train split")
     signatures = Interpreter(model_path=str(source)).get_signature_list()
-    (signature, spec), = signatures.items()
+    ((signature, spec),) = signatures.items()
     name = spec["inputs"][0]
     images = np.concatenate(list(job.calibration.images(job.calibration.size)))
     batch = job.export_batch
     if len(images) % batch:  # a fixed batch: the last one filled up with the first images
-        images = np.concatenate([images, images[:batch - len(images) % batch]])
-    return {signature: [{name: images[i:i + batch]} for i in range(0, len(images), batch)]}
+        images = np.concatenate([images, images[: batch - len(images) % batch]])
+    return {signature: [{name: images[i : i + batch]} for i in range(0, len(images), batch)]}
 
 
 def _store_metadata(path: Path, meta: ModelMeta, export_batch: int) -> None:
@@ -183,6 +201,7 @@ def read_metadata(path: Path) -> ModelMeta:
 
 
 # ---- running ----
+
 
 class LiteRTRunner(Runner):
     """A .tflite run by ai-edge-litert's interpreter on the CPU, at the file's batch size."""
@@ -242,11 +261,13 @@ class LiteRTFormat(Format):
                         _quantize(source, target, _fp16_recipe)
                         notes.append("fp16 weights by ai-edge-quantizer")
                     else:
-                        patterns = float_patterns(job.model, job.int8_scope or Int8Scope((), ())) + \
-                            output_patterns(source)
+                        patterns = float_patterns(job.model, job.int8_scope or Int8Scope((), ())) + output_patterns(
+                            source
+                        )
                         _quantize(source, target, _int8_recipe(patterns), _calibration_samples(job, source))
-                        notes.append(f"INT8 by ai-edge-quantizer (static_wi8_ai8, float in/out, "
-                                     f"{len(patterns)} scopes float)")
+                        notes.append(
+                            f"INT8 by ai-edge-quantizer (static_wi8_ai8, float in/out, {len(patterns)} scopes float)"
+                        )
             _store_metadata(target, meta, job.export_batch)
         return ", ".join(notes)
 

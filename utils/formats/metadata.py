@@ -10,6 +10,7 @@ Where the metadata lives depends on the format: ONNX ``metadata_props`` (values 
 a ``config.txt`` extra file in TorchScript (JSON); ``metadata.yaml`` inside an export folder (OpenVINO, NCNN);
 each format module calls the reader and writer of its place here.
 """
+
 from __future__ import annotations
 
 import ast
@@ -55,15 +56,28 @@ class ModelMeta:
         return replace(self, **changes)
 
     def own_record(self) -> dict[str, Any]:
-        return {"names": self.names, "stride": self.stride, "imgsz": self.imgsz, "batch": self.batch,
-                "family": self.family, "layout": self.layout, "precision": self.precision, "nms": self.nms,
-                "producer": "yolo-train export.py", **self.extra}
+        return {
+            "names": self.names,
+            "stride": self.stride,
+            "imgsz": self.imgsz,
+            "batch": self.batch,
+            "family": self.family,
+            "layout": self.layout,
+            "precision": self.precision,
+            "nms": self.nms,
+            "producer": "yolo-train export.py",
+            **self.extra,
+        }
 
     def ultralytics_style(self, export_batch: int) -> dict[str, Any]:
         """The metadata keys and values Ultralytics' exporter writes for a detection model."""
-        args: dict[str, Any] = {"batch": export_batch, "half": self.precision == "fp16",
-                                "int8": self.precision == "int8", "dynamic": self.batch is None,
-                                "nms": self.nms is not None}
+        args: dict[str, Any] = {
+            "batch": export_batch,
+            "half": self.precision == "fp16",
+            "int8": self.precision == "int8",
+            "dynamic": self.batch is None,
+            "nms": self.nms is not None,
+        }
         if self.nms is not None:
             args.update(conf=self.nms["conf"], iou=self.nms["iou"], max_det=int(self.nms["max_det"]))
         return {
@@ -115,8 +129,18 @@ class ModelMeta:
             raise UserError(f"{path}: unknown output layout {layout!r} in its metadata (known: {', '.join(LAYOUTS)})")
         known = {f.name for f in fields(cls)} | {"producer"}
         extra = {k: v for k, v in raw.items() if k not in known}
-        return cls(names=names, stride=stride, kind=kind, imgsz=imgsz, batch=batch, family=family, layout=layout,
-                   precision=precision, nms=nms, extra=extra)
+        return cls(
+            names=names,
+            stride=stride,
+            kind=kind,
+            imgsz=imgsz,
+            batch=batch,
+            family=family,
+            layout=layout,
+            precision=precision,
+            nms=nms,
+            extra=extra,
+        )
 
     @classmethod
     def from_json(cls, text: str, kind: str, path: Path) -> ModelMeta:
@@ -160,13 +184,15 @@ class ModelMeta:
         if not props.get("names"):
             raise UserError(f"{path}: no class names in its metadata; export it with export.py")
         try:
-            return cls.from_record({k: json.loads(v) for k, v in props.items()
-                                    if k in ("names", "stride", "imgsz", "batch")}, "onnx", path)
+            return cls.from_record(
+                {k: json.loads(v) for k, v in props.items() if k in ("names", "stride", "imgsz", "batch")}, "onnx", path
+            )
         except ValueError:  # not JSON: Ultralytics' exporter writes Python literals
             pass
         try:  # literal_eval reads literals only, never calls anything
-            values = {k: ast.literal_eval(v) if k in ("names", "imgsz", "end2end", "args") else v
-                      for k, v in props.items()}
+            values = {
+                k: ast.literal_eval(v) if k in ("names", "imgsz", "end2end", "args") else v for k, v in props.items()
+            }
         except (ValueError, SyntaxError) as e:
             raise UserError(f"{path}: metadata unreadable ({e.__class__.__name__}: {e})") from e
         return cls.from_ultralytics(values, "onnx", path)
@@ -183,14 +209,28 @@ class ModelMeta:
         args = values.get("args") if isinstance(values.get("args"), dict) else {}
         family = ultralytics_export_family(str(values.get("description", ""))).name
         end2end = values.get("end2end") in (True, "True") or args.get("nms") in (True, "True")
-        nms = {"conf": args.get("conf") or 0.25, "iou": args.get("iou") or 0.7, "max_det": args.get("max_det") or 300} \
-            if args.get("nms") in (True, "True") else None
-        precision = "int8" if args.get("int8") in (True, "True") else "fp16" if args.get("half") in (True, "True") \
-            else "fp32"
-        return cls.from_record({"names": names, "stride": values.get("stride", 32), "imgsz": values.get("imgsz"),
-                                "batch": None if args.get("dynamic") else values.get("batch"), "family": family,
-                                "layout": "end2end" if end2end else "anchor_free", "precision": precision,
-                                "nms": nms}, kind, path)
+        nms = (
+            {"conf": args.get("conf") or 0.25, "iou": args.get("iou") or 0.7, "max_det": args.get("max_det") or 300}
+            if args.get("nms") in (True, "True")
+            else None
+        )
+        precision = (
+            "int8" if args.get("int8") in (True, "True") else "fp16" if args.get("half") in (True, "True") else "fp32"
+        )
+        return cls.from_record(
+            {
+                "names": names,
+                "stride": values.get("stride", 32),
+                "imgsz": values.get("imgsz"),
+                "batch": None if args.get("dynamic") else values.get("batch"),
+                "family": family,
+                "layout": "end2end" if end2end else "anchor_free",
+                "precision": precision,
+                "nms": nms,
+            },
+            kind,
+            path,
+        )
 
 
 def default_imgsz(meta: ModelMeta) -> tuple[int, str]:

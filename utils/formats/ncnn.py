@@ -6,6 +6,7 @@ fp16: weights stored in fp16 (pnnx ``fp16=True``), run with ncnn's fp16 storage;
 storage off, so that it computes what PyTorch computes. No INT8: ncnn's calibration and quantization tools
 (ncnn2table, ncnn2int8) are not on the package registry.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -25,8 +26,14 @@ from utils.log import LOGGER
 PARAM, BIN = "model.ncnn.param", "model.ncnn.bin"
 INPUT, OUTPUT = "in0", "out0"  # the blob names pnnx gives the first input and output
 # pnnx's intermediate files: a TorchScript trace, its own graph, a PyTorch and an ncnn Python script, an ONNX file.
-INTERMEDIATES = {"ptpath": "model.pt", "pnnxparam": "model.pnnx.param", "pnnxbin": "model.pnnx.bin",
-                 "pnnxpy": "model_pnnx.py", "pnnxonnx": "model.pnnx.onnx", "ncnnpy": "model_ncnn.py"}
+INTERMEDIATES = {
+    "ptpath": "model.pt",
+    "pnnxparam": "model.pnnx.param",
+    "pnnxbin": "model.pnnx.bin",
+    "pnnxpy": "model_pnnx.py",
+    "pnnxonnx": "model.pnnx.onnx",
+    "ncnnpy": "model_ncnn.py",
+}
 
 
 def _convert(job: ExportJob, folder: Path, scratch: Path) -> None:
@@ -40,8 +47,16 @@ def _convert(job: ExportJob, folder: Path, scratch: Path) -> None:
         warnings.simplefilter("ignore", torch.jit.TracerWarning)  # the head's shape arithmetic, fixed in the trace
         torch.jit.trace(job.module, job.example, strict=False, check_trace=False).save(str(trace))
     shape = ",".join(str(v) for v in job.example.shape)
-    command = [pnnx.EXEC_PATH, str(trace), f"inputshape=[{shape}]f32", "device=cpu", "optlevel=2",
-               f"ncnnparam={folder / PARAM}", f"ncnnbin={folder / BIN}", f"fp16={int(job.precision == 'fp16')}"]
+    command = [
+        pnnx.EXEC_PATH,
+        str(trace),
+        f"inputshape=[{shape}]f32",
+        "device=cpu",
+        "optlevel=2",
+        f"ncnnparam={folder / PARAM}",
+        f"ncnnbin={folder / BIN}",
+        f"fp16={int(job.precision == 'fp16')}",
+    ]
     command += [f"{key}={scratch / name}" for key, name in INTERMEDIATES.items() if key != "ptpath"]
     done = subprocess.run(command, cwd=scratch, capture_output=True, text=True, check=False)
     LOGGER.debug(done.stdout + done.stderr)
@@ -91,11 +106,15 @@ class NcnnFormat(Format):
 
     def check_request(self, options: ExportOptions, precision: str) -> None:
         if precision == "int8":
-            raise UserError("--include ncnn: no int8 files (ncnn's INT8 tools, ncnn2table and ncnn2int8, are not on "
-                            "the package registry); ncnn writes fp32 and fp16")
+            raise UserError(
+                "--include ncnn: no int8 files (ncnn's INT8 tools, ncnn2table and ncnn2int8, are not on "
+                "the package registry); ncnn writes fp32 and fp16"
+            )
         if options.end2end:
-            raise UserError("--end2end: ncnn has no top-k and gather layers, which the end-to-end output needs; export "
-                            "ncnn without --end2end (its NMS then runs after the network)")
+            raise UserError(
+                "--end2end: ncnn has no top-k and gather layers, which the end-to-end output needs; export "
+                "ncnn without --end2end (its NMS then runs after the network)"
+            )
         super().check_request(options, precision)
 
     def write(self, job: ExportJob) -> str:

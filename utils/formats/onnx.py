@@ -2,6 +2,7 @@
 exporter, simplified by onnxslim, run with onnxruntime. Metadata in the file's ``metadata_props``. ``--nms`` puts
 NMS inside the graph (``onnx_nms.py``): the output becomes (B, max_det, 6), the end-to-end layout. INT8 is a QDQ
 graph quantized from the fp32 one (``onnx_int8.py``)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -46,8 +47,17 @@ def trace_to_onnx(module: torch.nn.Module, example: torch.Tensor, path: Path, op
     with warnings.catch_warnings():  # the TorchScript-based exporter is deprecated, not removed; it needs no onnxscript
         warnings.simplefilter("ignore", DeprecationWarning)
         warnings.simplefilter("ignore", torch.jit.TracerWarning)  # the head's shape arithmetic, fixed in the trace
-        torch.onnx.export(module, (example,), str(path), dynamo=False, opset_version=opset, do_constant_folding=True,
-                          input_names=["images"], output_names=["output0"], dynamic_axes=dynamic_axes)
+        torch.onnx.export(
+            module,
+            (example,),
+            str(path),
+            dynamo=False,
+            opset_version=opset,
+            do_constant_folding=True,
+            input_names=["images"],
+            output_names=["output0"],
+            dynamic_axes=dynamic_axes,
+        )
 
 
 class OnnxRunner(Runner):
@@ -97,11 +107,14 @@ class OnnxFormat(Format):
 
     def check_request(self, options: ExportOptions, precision: str) -> None:
         if precision not in self.precisions:
-            raise UserError(f"--include onnx: no {precision} files in this version (onnx writes "
-                            f"{', '.join(self.precisions)})")
+            raise UserError(
+                f"--include onnx: no {precision} files in this version (onnx writes {', '.join(self.precisions)})"
+            )
         if options.simplify and importlib.util.find_spec("onnxslim") is None:
-            LOGGER.warning("WARNING --include onnx: onnxslim is not installed, the graph is written as traced, "
-                           "not simplified (pip install onnxslim; --no-simplify to ask for that)")
+            LOGGER.warning(
+                "WARNING --include onnx: onnxslim is not installed, the graph is written as traced, "
+                "not simplified (pip install onnxslim; --no-simplify to ask for that)"
+            )
 
     def reference_module(self, job: ExportJob) -> torch.nn.Module:
         module = job.module_in(job.precision)[0]
@@ -115,8 +128,10 @@ class OnnxFormat(Format):
         module, example = self.reference_module(job), job.module_in(job.precision)[1]
         notes = [f"opset {job.options.opset}"]
         if job.options.nms is not None:
-            notes.append(f"NMS in the graph (conf {job.options.nms.conf:g}, IoU {job.options.nms.iou:g}, "
-                         f"max_det {job.options.nms.max_det})")
+            notes.append(
+                f"NMS in the graph (conf {job.options.nms.conf:g}, IoU {job.options.nms.iou:g}, "
+                f"max_det {job.options.nms.max_det})"
+            )
         if job.options.dynamic:
             notes.append("dynamic batch")
         if job.precision == "int8":  # the fp32 graph first, quantized into job.path

@@ -15,6 +15,7 @@ the fp32 graph:
   (grids, strides, sigmoid, concatenation of pixels with scores) and DFL; the head's other convolutions are
   quantized.
 """
+
 from __future__ import annotations
 
 import tempfile
@@ -73,13 +74,22 @@ def quantize(float_path: Path, traced: nn.Module, job: ExportJob) -> str:
         model = onnx.load(str(prepared))
         kept_float = float_nodes(model, traced, job)
         reader = _Reader(calibration_batches(job), model.graph.input[0].name)
-        quantize_static(str(prepared), str(job.path), reader, quant_format=QuantFormat.QDQ,
-                        activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, per_channel=True,
-                        calibrate_method=CalibrationMethod.Percentile, op_types_to_quantize=QUANTIZED_OPS,
-                        nodes_to_exclude=kept_float,
-                        extra_options={"ActivationSymmetric": True, "WeightSymmetric": True,
-                                       "QuantizeBias": False})
+        quantize_static(
+            str(prepared),
+            str(job.path),
+            reader,
+            quant_format=QuantFormat.QDQ,
+            activation_type=QuantType.QInt8,
+            weight_type=QuantType.QInt8,
+            per_channel=True,
+            calibrate_method=CalibrationMethod.Percentile,
+            op_types_to_quantize=QUANTIZED_OPS,
+            nodes_to_exclude=kept_float,
+            extra_options={"ActivationSymmetric": True, "WeightSymmetric": True, "QuantizeBias": False},
+        )
     LOGGER.debug(f"{job.path}: {len(kept_float)} nodes kept float by the family's INT8 scope")
-    return (f"INT8 QDQ (symmetric, per-channel weights; {'/'.join(QUANTIZED_OPS)} quantized, "
-            f"{len(kept_float)} nodes of the head kept float), ranges at the 99.999th percentile of {reader.count} "
-            f"train images")
+    return (
+        f"INT8 QDQ (symmetric, per-channel weights; {'/'.join(QUANTIZED_OPS)} quantized, "
+        f"{len(kept_float)} nodes of the head kept float), ranges at the 99.999th percentile of {reader.count} "
+        f"train images"
+    )

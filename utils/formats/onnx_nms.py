@@ -6,6 +6,7 @@ takes its best class, boxes scoring above ``conf`` are suppressed per class at `
 survivors are kept. The suppression is ONNX's NonMaxSuppression op, one score channel per class (a box's score in
 its own class's channel, zero elsewhere), so classes never interact and no box is shifted by a class offset.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -24,8 +25,14 @@ class _NonMaxSuppression(torch.autograd.Function):
     reference of the export check runs it); exported, it is the single ONNX op."""
 
     @staticmethod
-    def forward(ctx, boxes: torch.Tensor, scores: torch.Tensor, max_per_class: torch.Tensor,  # noqa: ANN001
-                iou: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx,
+        boxes: torch.Tensor,
+        scores: torch.Tensor,
+        max_per_class: torch.Tensor,  # noqa: ANN001
+        iou: torch.Tensor,
+        conf: torch.Tensor,
+    ) -> torch.Tensor:
         selected = []
         for b in range(boxes.shape[0]):
             for c in range(scores.shape[1]):
@@ -43,8 +50,9 @@ class _NonMaxSuppression(torch.autograd.Function):
 class InGraphNms(nn.Module):
     """``module``'s output0, then NMS on ``candidates(output0)``: (B, max_det, 6)."""
 
-    def __init__(self, module: nn.Module, candidates: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-                 spec: NmsSpec):
+    def __init__(
+        self, module: nn.Module, candidates: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]], spec: NmsSpec
+    ):
         super().__init__()
         self.module, self.candidates, self.spec = module, candidates, spec
         self.train(module.training)  # the exporter restores the wrapper's mode, and with it the detector's
@@ -59,13 +67,23 @@ class InGraphNms(nn.Module):
         own_channel = cls.unsqueeze(1) == torch.arange(nc, device=cls.device).view(1, nc, 1)  # (B, nc, N)
         per_class = torch.where(own_channel, best.unsqueeze(1), torch.zeros_like(best).unsqueeze(1))
         max_det = self.spec.max_det
-        selected = _NonMaxSuppression.apply(boxes, per_class, torch.tensor([max_det], dtype=torch.long),
-                                            torch.tensor([self.spec.iou], dtype=torch.float32),
-                                            torch.tensor([self.spec.conf], dtype=torch.float32))
+        selected = _NonMaxSuppression.apply(
+            boxes,
+            per_class,
+            torch.tensor([max_det], dtype=torch.long),
+            torch.tensor([self.spec.iou], dtype=torch.float32),
+            torch.tensor([self.spec.conf], dtype=torch.float32),
+        )
         image, box = selected[:, 0], selected[:, 2]
         flat = image * n + box  # one gather over (B * N) rows
-        rows = torch.cat((boxes.reshape(-1, 4)[flat], best.reshape(-1)[flat].unsqueeze(1),
-                          cls.reshape(-1)[flat].unsqueeze(1).float()), 1)  # (K, 6)
+        rows = torch.cat(
+            (
+                boxes.reshape(-1, 4)[flat],
+                best.reshape(-1)[flat].unsqueeze(1),
+                cls.reshape(-1)[flat].unsqueeze(1).float(),
+            ),
+            1,
+        )  # (K, 6)
         # Each image's best max_det rows; max_det blank rows make up for images with fewer detections.
         owner = image.unsqueeze(0) == torch.arange(batch, device=image.device).unsqueeze(1)  # (B, K)
         keyed = torch.where(owner, rows[:, 4].unsqueeze(0), torch.full_like(owner, -1, dtype=rows.dtype))

@@ -7,6 +7,7 @@ family's ``Int8Scope`` names kept float. ``--dynamic`` leaves the batch open.
 The runner compiles for the CPU with the inference precision pinned to f32: on CPUs with bf16 or fp16 units
 OpenVINO otherwise computes float layers in those, silently.
 """
+
 from __future__ import annotations
 
 import copy
@@ -26,8 +27,16 @@ from utils.formats.int8 import ScopeMatcher, calibration_batches, openvino_owner
 from utils.formats.metadata import ModelMeta
 
 # OpenVINO operation types of the ONNX operator types an Int8Scope names (its op_types).
-OV_TYPES = {"Sigmoid": "Sigmoid", "Softmax": "SoftMax", "Add": "Add", "Sub": "Subtract", "Mul": "Multiply",
-            "Div": "Divide", "Pow": "Power", "Concat": "Concat"}
+OV_TYPES = {
+    "Sigmoid": "Sigmoid",
+    "Softmax": "SoftMax",
+    "Add": "Add",
+    "Sub": "Subtract",
+    "Mul": "Multiply",
+    "Div": "Divide",
+    "Pow": "Power",
+    "Concat": "Concat",
+}
 
 
 def _import_openvino(path: Path | str):  # noqa: ANN202 (the module)
@@ -68,8 +77,11 @@ def float_ops(model, job: ExportJob) -> list[str]:  # noqa: ANN001 (openvino.Mod
     # The logits quantized: NNCF's asymmetric activation ranges keep them as accurate as float (docs/benchmarks.md).
     matcher = ScopeMatcher.of(job.int8_scope, job.module, job.model, logits=False)
     matcher = ScopeMatcher(matcher.whole, matcher.own, tuple(OV_TYPES[t] for t in matcher.op_types if t in OV_TYPES))
-    return [op.get_friendly_name() for op in model.get_ordered_ops()
-            if matcher.keeps_float(openvino_owner(op.get_friendly_name()), op.get_type_name())]
+    return [
+        op.get_friendly_name()
+        for op in model.get_ordered_ops()
+        if matcher.keeps_float(openvino_owner(op.get_friendly_name()), op.get_type_name())
+    ]
 
 
 def quantize(model, job: ExportJob) -> tuple[object, str]:  # noqa: ANN001 (openvino.Model)
@@ -84,13 +96,20 @@ def quantize(model, job: ExportJob) -> tuple[object, str]:  # noqa: ANN001 (open
     level = nncf_log.level
     nncf_log.setLevel(logging.WARNING)  # not a line per operation kept float; restored after
     try:
-        quantized = nncf.quantize(model, nncf.Dataset(batches), preset=nncf.QuantizationPreset.MIXED,
-                                  subset_size=max(1, job.calibration.size // batches.size), fast_bias_correction=True,
-                                  ignored_scope=nncf.IgnoredScope(names=kept, validate=False))
+        quantized = nncf.quantize(
+            model,
+            nncf.Dataset(batches),
+            preset=nncf.QuantizationPreset.MIXED,
+            subset_size=max(1, job.calibration.size // batches.size),
+            fast_bias_correction=True,
+            ignored_scope=nncf.IgnoredScope(names=kept, validate=False),
+        )
     finally:
         nncf_log.setLevel(level)
-    return quantized, (f"INT8 by NNCF {nncf.__version__} (MIXED preset, {len(kept)} operations of the head kept "
-                       f"float), calibrated on {batches.images} train images")
+    return quantized, (
+        f"INT8 by NNCF {nncf.__version__} (MIXED preset, {len(kept)} operations of the head kept "
+        f"float), calibrated on {batches.images} train images"
+    )
 
 
 class _Batches:
@@ -134,8 +153,11 @@ class OpenVinoRunner(Runner):
             model = core.read_model(str(xml))
         except RuntimeError as e:
             raise UserError(f"{xml}: OpenVINO cannot read it ({str(e).splitlines()[0]})") from e
-        config = {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": torch.get_num_threads(),
-                  "PERFORMANCE_HINT": "LATENCY"}
+        config = {
+            "INFERENCE_PRECISION_HINT": "f32",
+            "INFERENCE_NUM_THREADS": torch.get_num_threads(),
+            "PERFORMANCE_HINT": "LATENCY",
+        }
         self.compiled = core.compile_model(model, "CPU", config)
         self.request = self.compiled.create_infer_request()
         self.device = torch.device("cpu") if device.type != "cpu" else device
@@ -185,8 +207,11 @@ class OpenVinoFormat(Format):
         partial = job.path.with_name(job.path.name + ".partial")  # a folder complete or absent, never half-written
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-        ov.save_model(model, str(partial / f"{weights_stem(job.path, job.precision)}.xml"),
-                      compress_to_fp16=job.precision == "fp16")
+        ov.save_model(
+            model,
+            str(partial / f"{weights_stem(job.path, job.precision)}.xml"),
+            compress_to_fp16=job.precision == "fp16",
+        )
         job.meta.write_yaml(partial, export_batch=job.export_batch)
         if job.path.exists():
             shutil.rmtree(job.path)

@@ -1,5 +1,6 @@
 """PyTorch checkpoints (``.pt``): this project's, YOLOv5's v6+ and Ultralytics' detection checkpoints, imported without
 running pickled code. The source of every export, and a runner like any other format's."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -57,8 +58,14 @@ def load_pytorch(path: Path, device: torch.device, fuse: bool = True) -> Pytorch
     if fuse:
         model.fuse()
     hooks = family_of(model)
-    meta = ModelMeta(names=list(model.names), stride=int(model.stride.max()), kind="pytorch", family=hooks.name,
-                     layout=hooks.layout(model), trained_imgsz=trained_imgsz(ckpt))
+    meta = ModelMeta(
+        names=list(model.names),
+        stride=int(model.stride.max()),
+        kind="pytorch",
+        family=hooks.name,
+        layout=hooks.layout(model),
+        trained_imgsz=trained_imgsz(ckpt),
+    )
     return PytorchRunner(model.eval(), meta, device)
 
 

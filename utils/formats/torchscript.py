@@ -1,5 +1,6 @@
 """TorchScript (``best.torchscript``, ``best_fp16.torchscript``): traced at one input shape and batch, run with
 ``torch.jit.load``. Metadata in the ``config.txt`` extra file (the name YOLOv5's and Ultralytics' exports use)."""
+
 from __future__ import annotations
 
 import warnings
@@ -15,8 +16,8 @@ METADATA_FILE = "config.txt"
 
 
 class TorchScriptRunner(Runner):
-
     own_threads = False  # PyTorch computes it
+
     def __init__(self, path: Path, device: torch.device):
         extra = {METADATA_FILE: ""}
         try:
@@ -44,7 +45,9 @@ class TorchScriptFormat(Format):
 
     def write(self, job: ExportJob) -> str:
         module, example = job.module_in(job.precision)
-        with warnings.catch_warnings():  # tracing is deprecated in favour of torch.export, but is what TorchScript needs
+        with (
+            warnings.catch_warnings()
+        ):  # tracing is deprecated in favour of torch.export, but is what TorchScript needs
             warnings.simplefilter("ignore", FutureWarning)
             traced = torch.jit.trace(module, example, strict=False, check_trace=False)
         meta = job.meta.copy(batch=job.export_batch)  # a trace takes its batch only

@@ -6,6 +6,7 @@
 genetic evolution (``genetic.py``, the default), Optuna's TPE and CMA-ES. Optuna is imported only here, when a
 search starts.
 """
+
 from utils.search.space import SearchSpace
 from utils.search.study import PRUNERS, SAMPLERS, Search, SearchConfig, SearchTrial
 

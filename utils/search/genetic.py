@@ -5,6 +5,7 @@ trial (generation) ``n``, so a trial is repeatable. ``rows`` are evolve.csv's ro
 validation results (P, R, mAP50, mAP50-95 and the family's validation losses, any number of them), then the
 hyper-parameters named by ``keys``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -24,8 +25,7 @@ def row_fitness(rows: np.ndarray) -> np.ndarray:
     return np.asarray(fitness(np.asarray(rows)[:, :4]), dtype=np.float64).reshape(-1)
 
 
-def select_parent(rows: np.ndarray, n_results: int, rng: np.random.Generator,
-                  n_parents: int = N_PARENTS) -> np.ndarray:
+def select_parent(rows: np.ndarray, n_results: int, rng: np.random.Generator, n_parents: int = N_PARENTS) -> np.ndarray:
     """The hyper-parameter values of one of the best ``n_parents`` rows, drawn with weight by fitness."""
     scores = row_fitness(rows)
     best = np.argsort(-scores, kind="stable")[: min(n_parents, len(rows))]
@@ -34,8 +34,9 @@ def select_parent(rows: np.ndarray, n_results: int, rng: np.random.Generator,
     return rows[pick, n_results:]
 
 
-def mutate(parent: np.ndarray, keys: list[str], rng: np.random.Generator,
-           limits: Mapping[str, Limit]) -> dict[str, float]:
+def mutate(
+    parent: np.ndarray, keys: list[str], rng: np.random.Generator, limits: Mapping[str, Limit]
+) -> dict[str, float]:
     """``parent`` values each multiplied by a random factor in [0.3, 3] (scale 0: left alone), then clipped to
     their limits and rounded to 5 significant digits. At least one value with a scale changes its factor.
     """
@@ -52,8 +53,14 @@ def mutate(parent: np.ndarray, keys: list[str], rng: np.random.Generator,
     return out
 
 
-def next_hyp(base: HypRecord, rows: np.ndarray, keys: list[str], rng: np.random.Generator,
-             limits: Mapping[str, Limit], n_results: int) -> HypRecord:
+def next_hyp(
+    base: HypRecord,
+    rows: np.ndarray,
+    keys: list[str],
+    rng: np.random.Generator,
+    limits: Mapping[str, Limit],
+    n_results: int,
+) -> HypRecord:
     """The next trial's hyper-parameters: ``base`` for the first, a mutated good parent afterwards.
     ``limits``: the model family's table (``Family.evolve_limits``)."""
     if len(rows) == 0:

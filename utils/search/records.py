@@ -4,6 +4,7 @@ evolve.csv has one row per completed trial: P, R, mAP50, mAP50-95 and the family
 as its loss has terms), then the hyper-parameters evolved (``Family.evolve_keys``), each to 5 significant
 digits. hyp_evolve.yaml holds the best row's hyper-parameters, a file ``--hyp`` reads.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -32,16 +33,18 @@ def read_evolve_csv(path: Path, keys: Sequence[str], loss_names: Sequence[str]) 
     expected = [*result_keys(loss_names), *keys]
     header = [c.strip() for c in lines[0].split(",")] if lines else []
     if header != expected:
-        raise UserError(f"{path}: not an evolve.csv of these hyper-parameters (expected the columns "
-                        f"{', '.join(expected)})")
+        raise UserError(
+            f"{path}: not an evolve.csv of these hyper-parameters (expected the columns {', '.join(expected)})"
+        )
     try:
         return np.array([[float(v) for v in line.split(",")] for line in lines[1:]]).reshape(-1, len(expected))
     except ValueError as e:
         raise UserError(f"{path}: a row is not all numbers ({e})") from e
 
 
-def append_evolve_row(path: Path, results: Sequence[float], values: Mapping[str, float], keys: Sequence[str],
-                      loss_names: Sequence[str]) -> None:
+def append_evolve_row(
+    path: Path, results: Sequence[float], values: Mapping[str, float], keys: Sequence[str], loss_names: Sequence[str]
+) -> None:
     """Append one trial: its validation results, then its hyper-parameter ``values`` (header first if new)."""
     if len(results) != 4 + len(loss_names):
         raise ValueError(f"expected {4 + len(loss_names)} validation results, got {len(results)}")
@@ -56,14 +59,15 @@ def best_row(rows: np.ndarray) -> int:
     return int(np.argmax(row_fitness(rows)))
 
 
-def write_best_hyp(rows: np.ndarray, keys: Sequence[str], base: HypRecord, path: Path,
-                   n_results: int) -> HypRecord:
+def write_best_hyp(rows: np.ndarray, keys: Sequence[str], base: HypRecord, path: Path, n_results: int) -> HypRecord:
     """hyp_evolve.yaml: the best row's hyper-parameters (``base`` for the others), a file --hyp reads."""
     i = best_row(rows)
     best = base.replace(**{k: float(v) for k, v in zip(keys, rows[i, n_results:])})
-    score = float(row_fitness(rows[i:i + 1])[0])
-    header = (f"# Hyper-parameter evolution: best of {len(rows)} generations (generation {i}, fitness {score:.5g})\n"
-              f"# Train with: python train.py --hyp {path.name}\n")
+    score = float(row_fitness(rows[i : i + 1])[0])
+    header = (
+        f"# Hyper-parameter evolution: best of {len(rows)} generations (generation {i}, fitness {score:.5g})\n"
+        f"# Train with: python train.py --hyp {path.name}\n"
+    )
     path.write_text(header + yaml.safe_dump(best.to_dict(), sort_keys=False), encoding="utf-8")
     return best
 

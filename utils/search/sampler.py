@@ -7,6 +7,7 @@ the base values). The completed trials are read as evolve.csv holds them (5 sign
 order), so with one worker a seed draws what YOLOv5's evolution draws generation by generation: trial n is
 generation n. Optuna is imported with this module, which only a search imports.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -26,9 +27,11 @@ HYP_ATTR, RESULTS_ATTR = "hyp", "results"  # user attributes of a trial: its ful
 
 def evolve_rows(trials: Sequence[FrozenTrial], space: SearchSpace) -> np.ndarray:
     """evolve.csv's rows of the completed trials, in trial order: validation results, then hyper-parameters."""
-    rows = [[*t.user_attrs[RESULTS_ATTR], *(t.user_attrs[HYP_ATTR][k] for k in space.keys)]
-            for t in sorted(trials, key=lambda t: t.number)
-            if t.state == TrialState.COMPLETE and RESULTS_ATTR in t.user_attrs and HYP_ATTR in t.user_attrs]
+    rows = [
+        [*t.user_attrs[RESULTS_ATTR], *(t.user_attrs[HYP_ATTR][k] for k in space.keys)]
+        for t in sorted(trials, key=lambda t: t.number)
+        if t.state == TrialState.COMPLETE and RESULTS_ATTR in t.user_attrs and HYP_ATTR in t.user_attrs
+    ]
     width = space.n_results + len(space.keys)
     return np.array([[round_like_csv(float(v)) for v in row] for row in rows], dtype=np.float64).reshape(-1, width)
 
@@ -44,8 +47,9 @@ class GeneticSampler(optuna.samplers.BaseSampler):
     def infer_relative_search_space(self, study: optuna.Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
         return self.space.distributions()
 
-    def sample_relative(self, study: optuna.Study, trial: FrozenTrial,
-                        search_space: dict[str, BaseDistribution]) -> dict[str, Any]:
+    def sample_relative(
+        self, study: optuna.Study, trial: FrozenTrial, search_space: dict[str, BaseDistribution]
+    ) -> dict[str, Any]:
         if not search_space:
             return {}
         self.drawn[trial.number] = self.hyp_for(study, trial.number)
@@ -62,7 +66,8 @@ class GeneticSampler(optuna.samplers.BaseSampler):
             return space.base.replace(**mutate(np.array([values[k] for k in keys]), keys, rng, space.limits))
         return next_hyp(space.base, rows, keys, rng, space.limits, space.n_results)
 
-    def sample_independent(self, study: optuna.Study, trial: FrozenTrial, param_name: str,
-                           param_distribution: BaseDistribution) -> Any:
+    def sample_independent(
+        self, study: optuna.Study, trial: FrozenTrial, param_name: str, param_distribution: BaseDistribution
+    ) -> Any:
         # Only a key outside the space comes here: it keeps its base value (the space's bounds hold it).
         return self.space.base.to_dict()[param_name]

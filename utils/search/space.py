@@ -1,4 +1,5 @@
 """What a hyper-parameter search explores: a base hyp, the values evolve.csv records, the limits they move in."""
+
 from __future__ import annotations
 
 from collections.abc import Mapping

@@ -9,6 +9,7 @@ whose worker died is run again and the study ends with exactly N. Each running t
 when its heartbeat is older than ``stale_s`` (Optuna's journal has no heartbeat of its own). A study killed
 with all its workers continues when any worker starts again on the same storage.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -150,8 +151,10 @@ class SearchTrial:
         state = self.search.storage.get_trial(self.trial._trial_id).state
         if state == TrialState.RUNNING:
             return True
-        LOGGER.warning(f"WARNING {self.name} was marked {state.name.lower()} meanwhile (no heartbeat for "
-                       f"{self.search.config.stale_s:.0f} s): its end is not recorded")
+        LOGGER.warning(
+            f"WARNING {self.name} was marked {state.name.lower()} meanwhile (no heartbeat for "
+            f"{self.search.config.stale_s:.0f} s): its end is not recorded"
+        )
         return False
 
     def report(self, epoch: int, fitness_value: float) -> bool:
@@ -165,8 +168,9 @@ class SearchTrial:
             from optuna.trial import TrialState
 
             self.trial.set_user_attr("results", [float(v) for v in results])
-            self.search.study.tell(self.trial, float(np.asarray(fitness(np.array(results[:4]))).reshape(-1)[0]),
-                                   state=TrialState.COMPLETE)
+            self.search.study.tell(
+                self.trial, float(np.asarray(fitness(np.array(results[:4]))).reshape(-1)[0]), state=TrialState.COMPLETE
+            )
 
     def prune(self) -> None:
         if self._end():
@@ -194,9 +198,14 @@ class Search:
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # the study's progress is this project's log's to tell
         self.config, self.space = config, space
         self.storage = open_storage(config.storage_name(), config.lock_grace_s)
-        self.study = optuna.create_study(storage=self.storage, study_name=config.study_name, direction="maximize",
-                                         sampler=make_sampler(config.sampler, space, config.seed),
-                                         pruner=make_pruner(config), load_if_exists=True)
+        self.study = optuna.create_study(
+            storage=self.storage,
+            study_name=config.study_name,
+            direction="maximize",
+            sampler=make_sampler(config.sampler, space, config.seed),
+            pruner=make_pruner(config),
+            load_if_exists=True,
+        )
         if completed is not None and len(completed) and not self.study.trials:
             self._add_completed(completed)
         self._check_space()
@@ -212,10 +221,20 @@ class Search:
             values = dict(zip(self.space.keys, map(float, row[n:])))
             params = {k: values[k] for k, d in distributions.items() if d.low <= values[k] <= d.high}
             score = float(np.asarray(fitness(np.array(row[:4]))).reshape(-1)[0])
-            attrs = {"results": [float(v) for v in row[:n]], "hyp": self.space.base.replace(**values).to_dict(),
-                     WORKER_ATTR: "evolve.csv"}
-            self.study.add_trial(create_trial(state=TrialState.COMPLETE, value=score, params=params,
-                                              distributions={k: distributions[k] for k in params}, user_attrs=attrs))
+            attrs = {
+                "results": [float(v) for v in row[:n]],
+                "hyp": self.space.base.replace(**values).to_dict(),
+                WORKER_ATTR: "evolve.csv",
+            }
+            self.study.add_trial(
+                create_trial(
+                    state=TrialState.COMPLETE,
+                    value=score,
+                    params=params,
+                    distributions={k: distributions[k] for k in params},
+                    user_attrs=attrs,
+                )
+            )
         LOGGER.info(f"evolve: the study starts from {len(rows)} completed trials of evolve.csv")
 
     def _check_space(self) -> None:
@@ -226,9 +245,11 @@ class Search:
                 base = self.space.base.to_dict()
                 self.study.enqueue_trial({k: base[k] for k in self.space.distributions()})
         elif recorded != self.space.describe():
-            raise UserError(f"{self.config.storage_name()}: study '{self.config.study_name}' searches other "
-                            f"hyper-parameters ({', '.join(recorded.get('keys', []))}); give another "
-                            f"--evolve-storage or --name")
+            raise UserError(
+                f"{self.config.storage_name()}: study '{self.config.study_name}' searches other "
+                f"hyper-parameters ({', '.join(recorded.get('keys', []))}); give another "
+                f"--evolve-storage or --name"
+            )
 
     def counts(self) -> tuple[int, int]:
         """(finished, under way): completed or pruned trials; running or waiting ones."""
@@ -273,9 +294,11 @@ class Search:
 
     def _say_waiting(self, finished: int, under_way: int) -> None:
         if not self._waiting_said:
-            LOGGER.info(f"evolve: {finished} of {self.config.n_trials} trials finished and {under_way} under way "
-                        f"elsewhere; waiting for them (a trial whose worker stops for {self.config.stale_s:.0f} s "
-                        f"is run again)")
+            LOGGER.info(
+                f"evolve: {finished} of {self.config.n_trials} trials finished and {under_way} under way "
+                f"elsewhere; waiting for them (a trial whose worker stops for {self.config.stale_s:.0f} s "
+                f"is run again)"
+            )
             self._waiting_said = True
 
     def ask(self) -> SearchTrial | None:
@@ -283,14 +306,19 @@ class Search:
         from optuna.trial import TrialState
 
         trial = self.study.ask()
-        claimed = sum(t.number < trial.number and t.state != TrialState.FAIL
-                      for t in self.study.get_trials(deepcopy=False))
+        claimed = sum(
+            t.number < trial.number and t.state != TrialState.FAIL for t in self.study.get_trials(deepcopy=False)
+        )
         if claimed >= self.config.n_trials:  # workers asked at once: trial numbers decide who runs the last ones
             trial.set_user_attr(FAILED_ATTR, f"not needed: {self.config.n_trials} trials were under way")
             self.study.tell(trial, state=TrialState.FAIL)
             return None
-        for key, value in {WORKER_ATTR: self.worker, "host": socket.gethostname(), "pid": os.getpid(),
-                           HEARTBEAT_ATTR: time.time()}.items():
+        for key, value in {
+            WORKER_ATTR: self.worker,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            HEARTBEAT_ATTR: time.time(),
+        }.items():
             trial.set_user_attr(key, value)
         running = SearchTrial(self, trial)  # beating from here on: drawing a hyp may take a while
         try:
@@ -304,8 +332,9 @@ class Search:
     def _draw(self, trial: Any) -> HypRecord:
         """The trial's hyp from the sampler, seeded for this trial."""
         genetic = self.config.sampler == "genetic"
-        sampler = make_sampler(self.config.sampler, self.space,
-                               self.config.seed if genetic else trial_seed(self.config.seed, trial.number))
+        sampler = make_sampler(
+            self.config.sampler, self.space, self.config.seed if genetic else trial_seed(self.config.seed, trial.number)
+        )
         self.study.sampler = sampler
         for key, dist in self.space.distributions().items():
             trial.suggest_float(key, dist.low, dist.high, log=dist.log)

@@ -5,6 +5,7 @@ or slow training: a call only puts a record on the queue (or discards it when th
 in the tracker's thread drops the tracker for the rest of the run with one warning. Epochs that the tracker
 run already holds (``Tracker.held``) are never logged again, so a resumed run holds every epoch once.
 """
+
 from __future__ import annotations
 
 import queue
@@ -29,8 +30,14 @@ def one_line(error: BaseException, limit: int = 300) -> str:
 class BackgroundTracker:
     """Runs ``tracker``'s calls in order in a daemon thread; ``submit`` never blocks."""
 
-    def __init__(self, tracker: Tracker, run: TrackerRun, saved: Mapping[str, str] | None,
-                 on_ids: Callable[[str, dict[str, str]], None], max_pending: int = MAX_PENDING):
+    def __init__(
+        self,
+        tracker: Tracker,
+        run: TrackerRun,
+        saved: Mapping[str, str] | None,
+        on_ids: Callable[[str, dict[str, str]], None],
+        max_pending: int = MAX_PENDING,
+    ):
         self.tracker = tracker
         self.failed = False
         self.discarded = 0
@@ -55,9 +62,11 @@ class BackgroundTracker:
         except queue.Full:
             self.discarded += 1
             if self.discarded == 1:
-                LOGGER.warning(f"WARNING {self.tracker.title} is {self._queue.maxsize} records behind: new records "
-                               f"are discarded until it catches up (results.csv keeps them; the tracker run is "
-                               f"completed from it at the end)")
+                LOGGER.warning(
+                    f"WARNING {self.tracker.title} is {self._queue.maxsize} records behind: new records "
+                    f"are discarded until it catches up (results.csv keeps them; the tracker run is "
+                    f"completed from it at the end)"
+                )
 
     def flush(self, timeout: float) -> bool:
         """Wait until the thread has handled everything submitted before; False after ``timeout`` seconds."""
@@ -102,8 +111,10 @@ class BackgroundTracker:
 
     def _fail(self, error: Exception) -> None:
         self.failed = True
-        LOGGER.warning(f"WARNING {self.tracker.title} stopped for the rest of this run ({one_line(error)}); "
-                       f"training goes on and results.csv keeps the record")
+        LOGGER.warning(
+            f"WARNING {self.tracker.title} stopped for the rest of this run ({one_line(error)}); "
+            f"training goes on and results.csv keeps the record"
+        )
         try:  # let it release what it holds (a W&B service, open files); it may fail again
             self.tracker.abandon()
         except Exception as e:

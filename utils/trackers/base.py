@@ -7,6 +7,7 @@ the run's record; trackers mirror it.
 
 ``Tracker`` is one tracker's side (TensorBoard, MLflow, W&B): plain blocking calls, made in its thread only.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence

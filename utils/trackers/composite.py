@@ -7,6 +7,7 @@ restart or a resume inside an epoch continues the same tracker run. Opening reco
 results.csv: epochs results.csv holds and the tracker run does not are logged, epochs it holds are not logged
 again; closing does the same once more, so records discarded on the way are completed from results.csv.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -84,8 +85,9 @@ def make_tracker(name: str) -> Tracker:
     raise UserError(f"--loggers {name}: not a tracker (choose from {', '.join(TRACKER_NAMES)})")
 
 
-def open_trackers(run: TrackerRun, is_main: bool, *, max_pending: int = MAX_PENDING,
-                  close_timeout: float = CLOSE_TIMEOUT) -> RunLogger:
+def open_trackers(
+    run: TrackerRun, is_main: bool, *, max_pending: int = MAX_PENDING, close_timeout: float = CLOSE_TIMEOUT
+) -> RunLogger:
     """The logger of this process: the trackers of ``run.names`` on global rank 0, a ``NullLogger`` elsewhere.
 
     Call it once results.csv holds only the epochs before the one training starts at (``RunRecord`` trims it).
@@ -133,8 +135,11 @@ def read_ids(run_dir: Path) -> dict[str, dict[str, str]]:
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         LOGGER.warning(f"WARNING {path}: unreadable ({e.__class__.__name__}); trackers start new runs")
         return {}
-    return {str(k): {str(a): str(b) for a, b in v.items()} for k, v in ids.items() if isinstance(v, dict)} \
-        if isinstance(ids, dict) else {}
+    return (
+        {str(k): {str(a): str(b) for a, b in v.items()} for k, v in ids.items() if isinstance(v, dict)}
+        if isinstance(ids, dict)
+        else {}
+    )
 
 
 def run_params(opt: Mapping[str, Any], hyp: Mapping[str, float]) -> dict[str, Any]:
@@ -151,8 +156,14 @@ def plot_files(run_dir: Path) -> list[Path]:
 class Trackers:
     """Several trackers behind one ``RunLogger``, each in its own thread."""
 
-    def __init__(self, run: TrackerRun, trackers: list[Tracker], *, max_pending: int = MAX_PENDING,
-                 close_timeout: float = CLOSE_TIMEOUT):
+    def __init__(
+        self,
+        run: TrackerRun,
+        trackers: list[Tracker],
+        *,
+        max_pending: int = MAX_PENDING,
+        close_timeout: float = CLOSE_TIMEOUT,
+    ):
         self.run = run
         self.close_timeout = close_timeout
         self._lock = threading.Lock()
@@ -177,8 +188,10 @@ class Trackers:
                     tmp.write_text(yaml.safe_dump(known, sort_keys=True), encoding="utf-8")
             except OSError as e:
                 if not self._ids_warned:
-                    LOGGER.warning(f"WARNING {self.run.run_dir / IDS_FILE} not written ({e.__class__.__name__}); "
-                                   f"the checkpoint still keeps the tracker runs' ids")
+                    LOGGER.warning(
+                        f"WARNING {self.run.run_dir / IDS_FILE} not written ({e.__class__.__name__}); "
+                        f"the checkpoint still keeps the tracker runs' ids"
+                    )
                 self._ids_warned = True
 
     def _submit(self, method: str, *args: Any) -> None:
@@ -224,5 +237,7 @@ class Trackers:
         deadline = time.monotonic() + self.close_timeout
         for worker in self.workers:
             if not worker.stop(status, max(0.0, deadline - time.monotonic())) and not worker.failed:
-                LOGGER.warning(f"WARNING {worker.tracker.title} did not finish within {self.close_timeout:g} s; "
-                               f"its last records may be missing (results.csv holds them)")
+                LOGGER.warning(
+                    f"WARNING {worker.tracker.title} did not finish within {self.close_timeout:g} s; "
+                    f"its last records may be missing (results.csv holds them)"
+                )

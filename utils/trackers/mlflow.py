@@ -8,6 +8,7 @@ under results.csv's column names with the epoch as their step; weights go under 
 ``plots/``. The MLflow client's own settings (``MLFLOW_HTTP_REQUEST_MAX_RETRIES``, ``..._TIMEOUT``, tokens)
 apply as MLflow documents them.
 """
+
 from __future__ import annotations
 
 import os
@@ -55,8 +56,10 @@ class MLflowTracker(Tracker):
         if not saved or not saved.get("run_id"):
             return None
         if saved.get("tracking_uri") != uri:
-            LOGGER.info(f"MLflow: the run was tracked at {saved.get('tracking_uri')}, now at {uri}: a new MLflow "
-                        f"run, filled from results.csv")
+            LOGGER.info(
+                f"MLflow: the run was tracked at {saved.get('tracking_uri')}, now at {uri}: a new MLflow "
+                f"run, filled from results.csv"
+            )
             return None
         from mlflow.exceptions import MlflowException
 
@@ -69,8 +72,9 @@ class MLflowTracker(Tracker):
             return None
         self.run_id = found.info.run_id
         self.params = dict(found.data.params)
-        self._held = {key: {m.step for m in self.client.get_metric_history(self.run_id, key)}
-                      for key in found.data.metrics}
+        self._held = {
+            key: {m.step for m in self.client.get_metric_history(self.run_id, key)} for key in found.data.metrics
+        }
         self.client.update_run(self.run_id, status="RUNNING")
         LOGGER.info(f"MLflow: continuing run {self.run_id} at {uri}")
         return found.info.experiment_id
@@ -87,8 +91,9 @@ class MLflowTracker(Tracker):
                 experiment_id = self.client.create_experiment(name, artifact_location=artifacts)
             except MlflowException:  # another run created it meanwhile
                 experiment_id = self.client.get_experiment_by_name(name).experiment_id
-        created = self.client.create_run(experiment_id, run_name=run.name,
-                                         tags={"yolo.run_dir": str(Path(run.run_dir).resolve())})
+        created = self.client.create_run(
+            experiment_id, run_name=run.name, tags={"yolo.run_dir": str(Path(run.run_dir).resolve())}
+        )
         self.run_id = created.info.run_id
         LOGGER.info(f"MLflow: run {self.run_id} in experiment '{name}' at {self.client.tracking_uri}")
         return experiment_id
@@ -102,7 +107,7 @@ class MLflowTracker(Tracker):
         new = {k: str(v)[:MAX_PARAM_LENGTH] for k, v in params.items() if k not in self.params}
         items = [Param(k, v) for k, v in new.items()]
         for i in range(0, len(items), BATCH_PARAMS):
-            self.client.log_batch(self.run_id, params=items[i:i + BATCH_PARAMS], synchronous=True)
+            self.client.log_batch(self.run_id, params=items[i : i + BATCH_PARAMS], synchronous=True)
         self.params.update(new)
 
     def log_metrics(self, epoch: int, values: Mapping[str, float]) -> None:

@@ -4,6 +4,7 @@ A process that starts on a run folder hides the events of earlier processes ther
 0) and writes results.csv's rows again from the reconciliation: after a resume the folder shows every epoch
 once, with the values results.csv kept, whatever the earlier processes wrote before they were stopped.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence

@@ -8,6 +8,7 @@ folder per process, and the shared id is what makes ``wandb sync`` upload them a
 holds is read from those folders' records (``wandb_records.py``), so an epoch is logged once across them.
 Rows carry their epoch under ``epoch`` (the charts' x axis) and a step that grows across processes.
 """
+
 from __future__ import annotations
 
 import os
@@ -51,8 +52,13 @@ class WandbTracker(Tracker):
         earlier = read_run(files_dir, run_id)
         self._held, self.step = earlier.epochs(), earlier.last_step() + 1
         offline = wandb.setup().settings.mode in ("offline", "dryrun")
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or run.experiment_name, name=run.name,
-                              id=run_id, dir=str(files_dir), resume=None if offline else "allow")
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT") or run.experiment_name,
+            name=run.name,
+            id=run_id,
+            dir=str(files_dir),
+            resume=None if offline else "allow",
+        )
         self.step = max(self.step, int(self.run.step or 0))  # online, the server knows the run's last step
         self.run.define_metric("epoch")
         self.run.define_metric("*", step_metric="epoch")

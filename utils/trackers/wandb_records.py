@@ -6,6 +6,7 @@ type and data, length, type: full, first, middle, last) and data; a record is on
 and a last. Each record is a protobuf ``wandb.proto.wandb_internal_pb2.Record``. A file cut short (W&B buffers
 its writes, so a killed process leaves a part or nothing) is read up to its last complete record.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,8 @@ def record_bytes(path: Path) -> Iterator[bytes]:
         if BLOCK - pos % BLOCK < CHUNK_HEADER:  # a block's tail too short for a chunk header is padding
             pos += BLOCK - pos % BLOCK
             continue
-        crc, length, kind = struct.unpack("<IHB", data[pos:pos + CHUNK_HEADER])
-        chunk = data[pos + CHUNK_HEADER:pos + CHUNK_HEADER + length]
+        crc, length, kind = struct.unpack("<IHB", data[pos : pos + CHUNK_HEADER])
+        chunk = data[pos + CHUNK_HEADER : pos + CHUNK_HEADER + length]
         if len(chunk) < length or zlib.crc32(bytes([kind]) + chunk) & 0xFFFFFFFF != crc:
             return
         pos += CHUNK_HEADER + length
@@ -90,8 +91,13 @@ def read_run(wandb_dir: Path, run_id: str) -> WandbRunFiles:
             if kind == "run":
                 out.run_ids.add(record.run.run_id)
             elif kind == "history":
-                out.history.append({item.nested_key[0] if item.nested_key else item.key: _value(item.value_json)
-                                    for item in record.history.item if len(item.nested_key) <= 1})
+                out.history.append(
+                    {
+                        item.nested_key[0] if item.nested_key else item.key: _value(item.value_json)
+                        for item in record.history.item
+                        if len(item.nested_key) <= 1
+                    }
+                )
             elif kind == "files":
                 out.files.update(f.path for f in record.files.files)
     return out
