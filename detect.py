@@ -143,8 +143,8 @@ def _frame_batches(
 
 def _predictor(opt: argparse.Namespace, device: torch.device) -> tuple[Any, int]:
     """The predictor at detect.py's thresholds, and the image size."""
-    from utils.evaluation.predictor import PredictOptions, Predictor, open_for_prediction
     from models.families import family_of
+    from utils.evaluation.predictor import PredictOptions, Predictor, open_for_prediction
     from utils.formats.metadata import default_imgsz
 
     runner = open_for_prediction(opt.weights, device, end2end=opt.end2end, augment=opt.augment, half=opt.half)

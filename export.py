@@ -169,8 +169,8 @@ def _imgsz(opt: argparse.Namespace, meta: Any) -> tuple[int, int]:
 
 def prepare(opt: argparse.Namespace) -> tuple[Source, list[Any]]:
     """Every check that can fail before a file is written, then the source model and its example input."""
-    from utils.formats.base import ExportOptions, NmsSpec
     from models.families import family_of
+    from utils.formats.base import ExportOptions, NmsSpec
     from utils.formats.pytorch import load_pytorch
 
     precision = _precision(opt)

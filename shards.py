@@ -91,7 +91,7 @@ def convert(
     cfg = load_data_config(data)
     out = Path(out).resolve()
     root = Path(cfg["path"])
-    new_cfg: dict = {"path": str(out), "names": {i: n for i, n in enumerate(cfg["names"])}}
+    new_cfg: dict = {"path": str(out), "names": dict(enumerate(cfg["names"]))}
     for split in SPLITS:
         source = cfg.get(split)
         if source is None:

@@ -31,7 +31,7 @@ from utils.distributed import check_one_process_per_gpu, dist_info, end_with_lau
 from utils.engine.config import TrainConfig, field_names
 from utils.engine.resume import ResumeRequest
 from utils.engine.run import Launch, run
-from utils.errors import UserError, run_reporting_errors
+from utils.errors import run_reporting_errors
 from utils.log import LOGGER, setup_logging
 from utils.process import setup_process
 from utils.search.options import add_search_options
@@ -217,7 +217,7 @@ def parse_opt(argv: list[str] | None = None) -> tuple[argparse.Namespace, set[st
     opt = build_parser().parse_args(argv)
     unset = object()
     probe = build_parser()
-    probe.set_defaults(**{name: unset for name in vars(opt)})
+    probe.set_defaults(**dict.fromkeys(vars(opt), unset))
     explicit = {name for name, value in vars(probe.parse_args(argv)).items() if value is not unset}
     if not opt.cfg:  # YOLOv5's commands often say --cfg '' for "no config": the same as leaving it out
         opt.cfg = None

@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-
 from models.families import titles_by
 from utils.cli import (
     INFERENCE_IMGSZ_HELP,
@@ -240,12 +239,12 @@ def _validate(
 ) -> ValResults:
     """One pass over the loader: the predictor at val.py's thresholds, the evaluator, and (with ``save_dir``) the
     outputs."""
+    from models.families import family_of
     from utils.coco_json import json_identities
     from utils.evaluation.evaluator import DetectionEvaluator
     from utils.evaluation.loop import evaluate
     from utils.evaluation.outputs import OutputOptions, ValOutputs
     from utils.evaluation.predictor import PredictOptions, Predictor
-    from models.families import family_of
 
     conf_thres, iou_thres, save_json = opt.conf_thres, opt.iou_thres, opt.save_json and save_dir is not None
     if opt.task == "speed":  # timing at deployment thresholds, not the mAP sweep

@@ -27,8 +27,8 @@ def measure(keep: bool, imgsz: int, batch_size: int, steps: int) -> dict[str, fl
     if keep:
         keep_freed_memory()
     import torch
-
     from model_step import images_per_second  # bench/model_step.py: the same training step, timed
+
     from models.yolo import Model
 
     cfg = str(ROOT / "models/yolov5n.yaml")

@@ -141,7 +141,7 @@ def _pil_style_check(pair: tuple[str, str]) -> int:
     with Image.open(im_file) as im:
         im.verify()
     with Image.open(im_file) as im:
-        ImageOps.exif_transpose(im).size
+        _ = ImageOps.exif_transpose(im).size  # decodes as training would
     with open(im_file, "rb") as f:
         f.seek(-2, 2)
         f.read()

@@ -15,10 +15,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from models.yolo import Model  # noqa: E402
 from models.families import YOLOV5  # noqa: E402
+from models.loss import ComputeLoss  # noqa: E402
+from models.yolo import Model  # noqa: E402
 from utils.amp import cpu_supports_bf16  # noqa: E402
-from utils.loss import ComputeLoss  # noqa: E402
 
 
 def images_per_second(

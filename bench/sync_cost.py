@@ -26,9 +26,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from models.yolo import Model  # noqa: E402
 from models.families import YOLOV5  # noqa: E402
-from utils.loss import ComputeLoss  # noqa: E402
+from models.loss import ComputeLoss  # noqa: E402
+from models.yolo import Model  # noqa: E402
 
 
 def _free_port() -> int:

@@ -14,6 +14,7 @@ gets a copy of the data YAML with `path:` made absolute.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import subprocess
@@ -53,10 +54,8 @@ def tree_memory_bytes(pid: int) -> int:
     total, stack = 0, [pid]
     while stack:
         p = stack.pop()
-        try:
+        with contextlib.suppress(OSError):  # the process ended meanwhile
             total += _pss_bytes(p)
-        except OSError:
-            pass  # the process ended meanwhile
         stack.extend(children.get(p, []))
     return total
 

@@ -17,9 +17,9 @@ Tensor layout (shared with the loss, validation and export):
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from copy import deepcopy
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn

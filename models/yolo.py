@@ -24,13 +24,12 @@ if __name__ == "__main__" and __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.anchor_free import AnchorFreeDetect
-from models.blocks import A2C2f, C2PSA, C2f, C3k2, DWConv
+from models.blocks import C2PSA, A2C2f, C2f, C3k2, DWConv
 from models.common import C3, SPPF, Bottleneck, Concat, Conv, fuse_conv_and_bn
 from models.heads import Detect, DetectionHead, head_for
 from models.summary import model_info
 from utils.errors import UserError
 from utils.log import LOGGER
-
 
 # Names a model YAML may use for its blocks. YAMLs are data: they are never passed to eval/exec.
 MODULES: dict[str, type[nn.Module]] = {

@@ -19,12 +19,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from models.families import YOLOV5  # noqa: E402
 from models.yolo import build_model  # noqa: E402
 from utils.data.config import load_data_config  # noqa: E402
-from utils.data.shard_dataset import ShardDataset  # noqa: E402
 from utils.data.loader import create_dataloader, load_labels  # noqa: E402
+from utils.data.shard_dataset import ShardDataset  # noqa: E402
 from utils.distributed import destroy_process_group, dist_info, init_process_group  # noqa: E402
-from models.families import YOLOV5  # noqa: E402
 from utils.torch_utils import torch_distributed_zero_first  # noqa: E402
 from utils.validation import validate  # noqa: E402
 
@@ -70,7 +70,7 @@ def _figures(r) -> dict:
 
 def distributed_val(data: dict, info) -> dict:
     """Distributed validation on every rank, and (rank 0) one process over the whole split, same threads."""
-    from utils.loss import ComputeLoss
+    from models.loss import ComputeLoss
 
     torch.manual_seed(0)
     model = build_model(ROOT / "models/yolov5n.yaml", nc=2, names=["red", "blue"]).eval()

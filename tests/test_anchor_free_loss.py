@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from utils.anchor_free_loss import AnchorFreeLoss, End2EndLoss, pad_targets
-from utils.loss import LossNorm
+from models.anchor_free_loss import AnchorFreeLoss, End2EndLoss, pad_targets
+from models.loss import LossNorm
 
 FIXTURE = Path(__file__).parent / "fixtures" / "ultralytics" / "anchor_free_loss.pt"
 GAINS = (7.5, 0.5, 1.5)

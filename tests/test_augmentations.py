@@ -6,6 +6,7 @@ import cv2
 import numpy as np
 import pytest
 
+from utils.boxes import xywhn2xyxy, xyxy2xywhn
 from utils.data.augmentations import (
     Warp,
     augment_hsv,
@@ -20,7 +21,6 @@ from utils.data.augmentations import (
     resize_to_long_side,
     warped_mosaic4,
 )
-from utils.boxes import xywhn2xyxy, xyxy2xywhn
 
 # Saturated colours: blending any of them with the dark noise background or the grey fill can only
 # ever come close (all channels within COLOUR_TOL) to the colour itself, never to another one.
@@ -181,9 +181,9 @@ def mosaic_then_perspective(seed: int, imgsz: int, **kwargs: float) -> tuple[np.
 @pytest.mark.parametrize(
     "params",
     [
-        dict(degrees=0, translate=0.1, scale=0.5, shear=0, perspective=0),
-        dict(degrees=20, translate=0.1, scale=0.3, shear=5, perspective=0.0005),
-        dict(degrees=45, translate=0.3, scale=0.9, shear=10, perspective=0.001),
+        {"degrees": 0, "translate": 0.1, "scale": 0.5, "shear": 0, "perspective": 0},
+        {"degrees": 20, "translate": 0.1, "scale": 0.3, "shear": 5, "perspective": 0.0005},
+        {"degrees": 45, "translate": 0.3, "scale": 0.9, "shear": 10, "perspective": 0.001},
     ],
 )
 def test_warped_mosaic_equals_mosaic_then_perspective_and_skips_hidden_tiles(params: dict) -> None:
@@ -321,7 +321,7 @@ def test_random_perspective_drops_boxes_pushed_out() -> None:
         img, labels, np.random.default_rng(0), degrees=0, translate=0.3, scale=0, shear=0, border=(-20, -20)
     )
     assert 1 in out[:, 0]
-    for cls, x1, y1, x2, y2 in out:
+    for _cls, x1, y1, x2, y2 in out:
         assert x2 - x1 > 2 and y2 - y1 > 2
 
 

@@ -11,8 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from models.yolo import Model
-from utils.autoanchor import (
+from models.autoanchor import (
     anchor_fitness,
     anchor_metrics,
     anchor_order_matches_stride,
@@ -21,9 +20,10 @@ from utils.autoanchor import (
     kmean_anchors,
     set_anchors,
 )
-from utils.log import LOGGER
 from models.families import YOLOV5
-from utils.loss import ComputeLoss
+from models.loss import ComputeLoss
+from models.yolo import Model
+from utils.log import LOGGER
 
 IMGSZ = 640
 

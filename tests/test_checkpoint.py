@@ -7,8 +7,8 @@ import zipfile
 import pytest
 import torch
 
-from models.yolo import Model
 from models.loading import load_model
+from models.yolo import Model
 from utils.checkpoint import load_checkpoint, model_state, save_checkpoint
 from utils.errors import UserError
 

@@ -19,12 +19,11 @@ import export
 import shards
 import train
 import val
-from utils.formats import open_runner
-from utils.formats.metadata import ModelMeta
 from models.yolo import Model
 from utils.checkpoint import latest_last_checkpoint, model_state, save_checkpoint
 from utils.engine.resume import resumed_config
-from utils.errors import UserError
+from utils.formats import open_runner
+from utils.formats.metadata import ModelMeta
 from utils.log import LOGGER
 
 SCRIPTS = {
@@ -283,8 +282,8 @@ def log_lines():
 
 
 def test_trained_size_is_read_from_ours_yolov5s_and_ultralytics_records() -> None:
-    from utils.formats.metadata import default_imgsz
     from utils.checkpoint import trained_imgsz
+    from utils.formats.metadata import default_imgsz
 
     assert trained_imgsz({"opt": {"imgsz": 64}}) == 64
     assert trained_imgsz({"yolov5": {"opt": {"imgsz": 320}}}) == 320

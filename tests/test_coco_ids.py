@@ -6,9 +6,9 @@ import json
 
 import numpy as np
 import pytest
+from test_val import IMAGE_SIZES, ColourOracle, make_dataset
 
 from models.families import YOLOV5
-from test_val import IMAGE_SIZES, ColourOracle, make_dataset
 from utils.coco_json import (
     COCO80_TO_91,
     COCO_NAMES,

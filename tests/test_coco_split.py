@@ -11,8 +11,8 @@ from pathlib import Path
 import cv2
 import numpy as np
 import pytest
-
 from conftest import write_rectangles_dataset
+
 from utils.data.config import load_data_config
 from utils.data.labels import load_labels, read_table
 from utils.data.splits import CocoSplit

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ast
 import functools
+import io
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,6 +81,8 @@ def test_the_counts_of_lines_and_parameters() -> None:
 
 
 def test_train_py_is_the_command_line_on_one_screen() -> None:
-    """train.py holds the options, the presets and one call into the engine: at most 250 lines (issue 38)."""
-    n = len((ROOT / "train.py").read_text(encoding="utf-8").splitlines())
-    assert n <= 250, f"train.py has {n} lines; the engine's work belongs in utils/engine/"
+    """train.py holds the options, the presets and one call into the engine: at most 160 logical lines (statements,
+    not the formatter's wrapping of one call over several lines; 153 when the limit was set)."""
+    source = (ROOT / "train.py").read_text(encoding="utf-8")
+    n = sum(1 for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.NEWLINE)
+    assert n <= 160, f"train.py has {n} logical lines; the engine's work belongs in utils/engine/"

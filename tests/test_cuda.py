@@ -20,11 +20,11 @@ import torch
 import detect
 import export
 import val
-from utils.formats import open_runner
 from tests.conftest import ROOT, free_port, write_rectangles_dataset
 from tests.test_train import results_rows
 from tests.ultralytics_reference import FIXTURES, reference
 from utils.checkpoint import load_checkpoint
+from utils.formats import open_runner
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -153,16 +153,16 @@ def test_val_detect_and_export_on_the_gpu_in_fp16(tmp_path) -> None:
     # TF32 convolutions and cuDNN's kernels round otherwise than the CPU's; boxes are in input pixels.
     torch.testing.assert_close(out, ref["pred"], atol=2e-2, rtol=1e-3)
 
-    options = dict(
-        data=str(rectangles_yaml),
-        weights=str(weights),
-        imgsz=64,
-        batch_size=8,
-        workers=0,
-        device="0",
-        noplots=True,
-        project=str(tmp_path),
-    )
+    options = {
+        "data": str(rectangles_yaml),
+        "weights": str(weights),
+        "imgsz": 64,
+        "batch_size": 8,
+        "workers": 0,
+        "device": "0",
+        "noplots": True,
+        "project": str(tmp_path),
+    }
     plain, half = val.run(**options), val.run(**options, half=True)
     assert plain.n_images == half.n_images == 8
     assert abs(plain.map50 - half.map50) < 0.05

@@ -11,8 +11,8 @@ from torch.utils.data import DataLoader
 import utils.data.loader as dataloaders
 from models.families import YOLOV5
 from utils.data.batch_ring import BatchRing
-from utils.data.loader import EpochStreamLoader, create_dataloader
 from utils.data.dataset import YoloDataset
+from utils.data.loader import EpochStreamLoader, create_dataloader
 from utils.data.shapes import generate_shapes
 
 BATCH = 4
@@ -122,7 +122,7 @@ def test_ring_batches_stay_intact_when_the_main_process_is_slow(images: str, mon
     for epoch in (0, 1, 2):
         loader.sampler.set_epoch(epoch)
         indices = list(loader.sampler)
-        for b, (imgs, targets, paths, _) in enumerate(loader):
+        for b, (imgs, _targets, paths, _) in enumerate(loader):
             for k, pair in enumerate(indices[b * BATCH : (b + 1) * BATCH]):
                 img, tgt, path, _ = loader.dataset[pair]
                 assert torch.equal(imgs[k], img) and path == paths[k], (epoch, b, k)

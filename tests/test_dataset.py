@@ -12,13 +12,13 @@ import torch
 
 import utils.data.dataset as dataset_module
 import utils.data.image_source as image_source_module
+from models.families import YOLOV5
 from utils.boxes import scale_boxes, xywh2xyxy
-from utils.data.loader import create_dataloader
 from utils.data.dataset import YoloDataset
 from utils.data.image_io import read_image_region
 from utils.data.jpeg_region import load_decoder
+from utils.data.loader import create_dataloader
 from utils.data.shapes import generate_shapes
-from models.families import YOLOV5
 
 IMGSZ = 64
 HYP = YOLOV5.hyp_type(

@@ -130,21 +130,21 @@ def test_fp32_onnx_runs_in_opencv_dnn_with_onnxruntimes_outputs(layout, exported
 @pytest.mark.parametrize("layout", ["yolov5", "anchor_free", "end2end"])
 def test_val_py_scores_the_onnx_as_the_pt(layout, trained, exported_onnx, deploy_data, tmp_path) -> None:
     """val.py on each layout's fp32 ONNX gives the .pt's figures at the same shape (square letterboxes)."""
-    options = dict(
-        data=str(deploy_data),
-        imgsz=64,
-        batch_size=4,
-        workers=0,
-        noplots=True,
-        project=str(tmp_path),
-        end2end=end2end(layout),
-    )
+    options = {
+        "data": str(deploy_data),
+        "imgsz": 64,
+        "batch_size": 4,
+        "workers": 0,
+        "noplots": True,
+        "project": str(tmp_path),
+        "end2end": end2end(layout),
+    }
     onnx = val.run(weights=str(exported_onnx[layout]), **options)
     assert onnx.n_images == 16 and onnx.map > 0.05
     runner = open_runner(trained[layout], end2end=end2end(layout))
-    from utils.evaluation.gate import split_map
-    from utils.data.config import load_data_config
     from models.families import family_of
+    from utils.data.config import load_data_config
+    from utils.evaluation.gate import split_map
 
     cfg = load_data_config(str(deploy_data))
     reference = split_map(runner, family_of(runner.meta.family), cfg, cfg["val"], 64, 0, batch_size=4)
@@ -166,13 +166,13 @@ def test_a_file_that_fails_the_numeric_check_is_set_aside(trained, tmp_path, mon
 def test_one_line_for_what_cannot_be_exported(trained, tmp_path) -> None:
     weights = str(_copy(trained["yolov5"], tmp_path))
     cases = [
-        (dict(int8=True), r"--int8 needs --data: INT8 is calibrated on images of the data YAML's train split"),
-        (dict(int8=True, half=True, data="x.yaml"), r"--half and --int8: one precision per call"),
-        (dict(include=["ncnn"], int8=True, data="x.yaml"), r"--include ncnn: no int8 files"),
-        (dict(include=["tensorrt"]), r"--include tensorrt: unknown format; choose from onnx, torchscript"),
-        (dict(include=["torchscript"], nms=True), r"--nms: NMS inside the graph is written for ONNX only"),
-        (dict(include=["onnx"], nms=True, end2end=True), r"--nms and --end2end: the end-to-end output is already"),
-        (dict(include=["torchscript"], int8=True, data="x.yaml"), r"--include torchscript: no int8 files"),
+        ({"int8": True}, r"--int8 needs --data: INT8 is calibrated on images of the data YAML's train split"),
+        ({"int8": True, "half": True, "data": "x.yaml"}, r"--half and --int8: one precision per call"),
+        ({"include": ["ncnn"], "int8": True, "data": "x.yaml"}, r"--include ncnn: no int8 files"),
+        ({"include": ["tensorrt"]}, r"--include tensorrt: unknown format; choose from onnx, torchscript"),
+        ({"include": ["torchscript"], "nms": True}, r"--nms: NMS inside the graph is written for ONNX only"),
+        ({"include": ["onnx"], "nms": True, "end2end": True}, r"--nms and --end2end: the end-to-end output is already"),
+        ({"include": ["torchscript"], "int8": True, "data": "x.yaml"}, r"--include torchscript: no int8 files"),
     ]
     for options, message in cases:
         with pytest.raises(UserError, match=message):
@@ -272,9 +272,9 @@ def test_calibration_images_come_from_train_outside_the_held_out_slice(deploy_da
     from utils.evaluation.calibration import calibration_images, train_parts
 
     cfg = load_data_config(str(deploy_data))
-    first = [a for a in calibration_images(cfg, 5, 64, 32)]
+    first = list(calibration_images(cfg, 5, 64, 32))
     assert len(first) == 5 and all(a.shape == (1, 3, 64, 64) and a.dtype == np.float32 for a in first)
-    assert all(0 <= a.min() and a.max() <= 1 for a in first)
+    assert all(a.min() >= 0 and a.max() <= 1 for a in first)
     again = list(calibration_images(cfg, 5, 64, 32))
     assert all(np.array_equal(a, b) for a, b in zip(first, again))  # the same images on every run
     part, held_out = train_parts(cfg)

@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import val
-
 from conftest import write_rectangles_dataset
 from test_val import _random_checkpoint
+
+import val
 from utils.log import LOGGER
 
 ROOT = Path(__file__).resolve().parents[1]

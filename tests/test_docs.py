@@ -20,7 +20,6 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -421,9 +420,8 @@ def check_links(page: Path, text: str, root: Path = ROOT) -> list[str]:
                 continue
             if root.resolve() not in dest.parents and dest != root.resolve():
                 problems.append(f"line {number}: {target} points outside the repository")
-            if anchor and dest.suffix == ".md":
-                if anchor not in heading_anchors(dest.read_text(encoding="utf-8")):
-                    problems.append(f"line {number}: {target}: no heading with anchor #{anchor}")
+            if anchor and dest.suffix == ".md" and anchor not in heading_anchors(dest.read_text(encoding="utf-8")):
+                problems.append(f"line {number}: {target}: no heading with anchor #{anchor}")
     return problems
 
 

@@ -126,8 +126,9 @@ def test_evolve_one_trial_then_continue_the_study_to_two(train_here, small_data,
 
 @pytest.mark.slow
 def test_evolve_under_two_gloo_ranks_trains_each_trial_together(small_data, tmp_path) -> None:
-    import train
     from conftest import main_on_ranks
+
+    import train
 
     argv = [
         "--data",
@@ -168,8 +169,8 @@ def test_a_trial_that_falls_behind_is_pruned_after_its_warmup_epoch_and_not_reco
     import types
 
     import torch
-    import train
 
+    import train
     import utils.engine.evolve as evolution
     import utils.search.records as records
     from utils.distributed import DistInfo

@@ -16,10 +16,10 @@ import torch
 import detect
 import export
 import val
-from utils.formats import open_runner
 from tests.conftest import write_rectangles_dataset, write_video
 from tests.ultralytics_reference import FIXTURES, assert_close_to_ultralytics, assert_same_end2end_detections, reference
 from utils.errors import UserError
+from utils.formats import open_runner
 
 FAMILIES = {"yolov8": "yolov8-final.pt", "yolo11": "yolo11-final.pt", "yolo26": "yolo26-final.pt"}
 

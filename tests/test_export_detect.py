@@ -13,10 +13,10 @@ import torch
 
 import detect
 import export
-from utils.formats import open_runner
 from models.yolo import Model
 from tests.conftest import write_video
 from utils.checkpoint import model_state, save_checkpoint
+from utils.formats import open_runner
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,6 +8,7 @@ import torch
 import torchvision
 import yaml
 
+from models.common import Conv
 from models.families import (
     FAMILIES,
     YOLO11,
@@ -22,10 +23,9 @@ from models.families import (
     missing_weights_message,
     ultralytics_export_family,
 )
-from models.common import Conv
+from models.loss import ComputeLoss
 from models.yolo import Model, load_model_config
 from utils.errors import UserError
-from utils.loss import ComputeLoss
 from utils.nms import end_to_end_detections, non_max_suppression, non_max_suppression_anchor_free
 from utils.optimizer import build_optimizer
 
@@ -213,7 +213,7 @@ def test_candidates_with_batched_nms_reproduce_the_familys_detections() -> None:
 def test_layout_export_module_and_the_end_to_end_switch(models) -> None:
     assert known_layouts() == ("yolov5", "anchor_free", "end2end")
     x = torch.rand(1, 3, 64, 64)
-    for name, model in models.items():
+    for _name, model in models.items():
         family = family_of(model)
         model.eval()
         exported = family.export_module(model)
@@ -235,7 +235,7 @@ def test_layout_export_module_and_the_end_to_end_switch(models) -> None:
 
 
 def test_int8_scope_names_the_decoding_and_the_dfl_of_the_model(models) -> None:
-    for name, model in models.items():
+    for _name, model in models.items():
         scope = family_of(model).int8_float_scope(model)
         modules = dict(model.named_modules())
         assert scope.decoding == (f"model.{len(model.model) - 1}",) and modules[scope.decoding[0]] is model.model[-1]

@@ -46,7 +46,7 @@ class _OncePerLayout(dict):
         weights = self.folder / f"{layout}_{precision}" / self.trained[layout].name
         weights.parent.mkdir()
         shutil.copyfile(self.trained[layout], weights)
-        options = {"fp16": dict(half=True), "int8": dict(int8=True, data=str(self.data), max_drop=1.0)}
+        options = {"fp16": {"half": True}, "int8": {"int8": True, "data": str(self.data), "max_drop": 1.0}}
         (path,) = export.run(
             weights=str(weights),
             include=[self.fmt],

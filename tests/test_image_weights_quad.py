@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import main_on_ranks, write_rectangles_dataset
+from test_train import train_args
 
 import train
 import utils.engine.step as step_module
-from conftest import main_on_ranks, write_rectangles_dataset
-from test_train import train_args
 from utils.checkpoint import load_checkpoint
 from utils.data.image_weights import (
     class_weights_from_maps,

@@ -15,10 +15,10 @@ import utils.data.label_cache as label_cache
 import utils.data.yolo_labels as yolo_labels
 from utils.data.config import list_image_files
 from utils.data.dataset import YoloDataset
-from utils.errors import UserError
 from utils.data.image_io import ImageError, probe_image, read_image
 from utils.data.label_cache import read_cache, write_cache
 from utils.data.yolo_labels import LabelError, load_label_set, parse_label_text
+from utils.errors import UserError
 
 NC = 3
 GOOD_ROW = "0 0.5 0.5 0.25 0.25\n"

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.yolo import Model
 from models.families import YOLOV5
-from utils.loss import ComputeLoss
+from models.loss import ComputeLoss
+from models.yolo import Model
 
 HYP = YOLOV5.hyp_type(box=0.05, obj=1.0, cls=0.5, cls_pw=1.0, obj_pw=1.0, anchor_t=4.0, fl_gamma=0.0)
 NC = 3

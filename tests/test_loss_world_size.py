@@ -13,9 +13,9 @@ import torch.distributed as dist
 from conftest import fork_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from models.yolo import Model
 from models.families import YOLOV5
-from utils.loss import ComputeLoss, LossNorm
+from models.loss import ComputeLoss, LossNorm
+from models.yolo import Model
 
 IMGSZ, NC, WORLD = 64, 3, 2
 HYP = YOLOV5.hyp_type()

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from utils.data.augmentations import letterbox
 from utils.boxes import scale_boxes, xyxy2xywh
+from utils.data.augmentations import letterbox
 from utils.nms import non_max_suppression
 
 

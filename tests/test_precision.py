@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from models.yolo import Model
 from models.families import YOLOV5
+from models.loss import ComputeLoss
+from models.yolo import Model
 from utils.amp import autocast, choose_precision, cpu_supports_bf16
-from utils.loss import ComputeLoss
 
 
 def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -99,9 +99,9 @@ def _kernel_flags() -> tuple:
 
 
 def test_seeding_and_choosing_a_device_leave_process_settings_alone(monkeypatch) -> None:
-    from utils.torch_utils import init_torch_seeds, select_device
-
     import torch
+
+    from utils.torch_utils import init_torch_seeds, select_device
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)  # a seeding function once set it to True

@@ -49,9 +49,8 @@ def test_explicit_optimizer_always_wins_with_yolov5s_accumulation() -> None:
 # Every image is one flat, unique colour: a mosaic sample shows several colours, a plain one shows one.
 N_IMAGES, SIZE, CLOSE_AT, EPOCHS = 8, 64, 2, 4
 MOSAIC_ONLY = HYP.replace(
-    **{
-        k: 0.0
-        for k in (
+    **dict.fromkeys(
+        (
             "hsv_h",
             "hsv_s",
             "hsv_v",
@@ -63,8 +62,9 @@ MOSAIC_ONLY = HYP.replace(
             "flipud",
             "fliplr",
             "mixup",
-        )
-    },
+        ),
+        0.0,
+    ),
     mosaic=1.0,
 )
 
@@ -144,8 +144,9 @@ def test_close_mosaic_under_two_rank_ddp(flat_colour_images, tmp_path) -> None:
 def test_short_training_learns_more_with_the_new_defaults_than_with_the_old(tmp_path) -> None:
     import csv
 
-    import train
     from conftest import write_rectangles_dataset
+
+    import train
 
     # 6 epochs of 20 batches (nominal batch 64): 30 optimizer steps. 15 steps, as this test first used, left
     # both runs near 0 mAP, where a one-grey-level change of a few pixels could swing the result several-fold.

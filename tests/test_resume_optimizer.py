@@ -6,8 +6,8 @@ import shutil
 
 import pytest
 
-from utils.checkpoint import load_checkpoint, save_checkpoint
 from models.families import YOLOV5
+from utils.checkpoint import load_checkpoint, save_checkpoint
 from utils.optimizer import choose_optimizer, unused_hyp_values
 
 HYP = YOLOV5.read_hyp(YOLOV5.default_hyp_path)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from utils.data.config import load_data_config
-from utils.data.yolo_labels import parse_label_text
 from utils.data.shapes import SHAPE_NAMES, ensure_shapes_dataset, generate_shapes
+from utils.data.yolo_labels import parse_label_text
 
 
 def _contents(root: Path) -> dict[str, bytes]:

@@ -16,14 +16,14 @@ import cv2
 import numpy as np
 import pytest
 import torch
-
 from conftest import COLOURS, main_on_ranks, write_rectangles_dataset
+
 from utils.data.config import load_data_config
-from utils.data.yolo_labels import load_split, parse_label_text
 from utils.data.loader import create_dataloader, load_labels
 from utils.data.samplers import ShardPlan
 from utils.data.shard_cache import ShardCache
 from utils.data.webshards import ShardSet, load_shard_index
+from utils.data.yolo_labels import load_split, parse_label_text
 from utils.errors import UserError
 from utils.log import LOGGER
 

@@ -246,7 +246,7 @@ def test_device_marks_never_wait_for_the_gpu_inside_an_epoch_and_count_every_pha
     gpu = FakeGpu()
     marks = DeviceMarks(new_event=gpu.new_event, max_pending=4)
     marks.start()
-    for step in range(20):  # each step: 1 s data, 2 s forward, 3 s backward, 0.5 s optimizer (GPU time)
+    for _step in range(20):  # each step: 1 s data, 2 s forward, 3 s backward, 0.5 s optimizer (GPU time)
         for phase, seconds in (("data", 1.0), ("forward", 2.0), ("backward", 3.0), ("optimizer", 0.5)):
             gpu.host += seconds
             marks.mark(phase)

@@ -12,11 +12,10 @@ import torch.nn as nn
 from conftest import fork_ranks
 
 import utils.data.yolo_labels as label_cache
-
 from models.yolo import Model
 from utils.distributed import WaitAbandoned, dist_info
-from utils.errors import UserError
 from utils.ema import ModelEMA
+from utils.errors import UserError
 from utils.optimizer import build_optimizer
 from utils.process import visible_devices
 from utils.sync_bn import CpuSyncBatchNorm, convert_sync_batchnorm

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import train
 import yaml
 from conftest import free_port, main_on_ranks, run_forked
 
+import train
 from utils.checkpoint import load_checkpoint
 from utils.engine.timing import TIME_COLUMNS
 

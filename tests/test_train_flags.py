@@ -26,6 +26,8 @@ import utils.data.image_source as image_source_module
 import utils.engine.run_record as run_record_module
 import utils.engine.step as step_module
 import utils.engine.trainer as trainer_module
+from models.families import YOLOV5
+from models.loss import ComputeLoss
 from utils.checkpoint import load_checkpoint, save_checkpoint, strip_training_state
 from utils.data.config import load_data_config
 from utils.data.loader import load_labels
@@ -35,8 +37,6 @@ from utils.engine.run_record import RunRecord
 from utils.engine.setup import freeze_layers, make_loaders
 from utils.engine.step import BatchOptions, SavePolicy
 from utils.engine.time_budget import fit_to_time, time_budget
-from models.families import YOLOV5
-from utils.loss import ComputeLoss
 from utils.results_log import result_columns
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -185,7 +185,7 @@ def test_fine_tune_with_optional_flags(train_here, finished_run, rectangles_yaml
 
 
 def _record(tmp_path: Path, **kwargs) -> RunRecord:
-    options = dict(patience=2, noval=False, nosave=True, save_period=-1)
+    options = {"patience": 2, "noval": False, "nosave": True, "save_period": -1}
     return RunRecord(tmp_path, result_columns(("box", "obj", "cls")), **{**options, **kwargs})
 
 

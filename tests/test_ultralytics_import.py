@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tests.ultralytics_reference import FIXTURES, assert_close_to_ultralytics, assert_same_end2end_detections, reference
 from models.families import family_of
+from tests.ultralytics_reference import FIXTURES, assert_close_to_ultralytics, assert_same_end2end_detections, reference
 from utils.checkpoint import load_checkpoint
 from utils.errors import UserError
 

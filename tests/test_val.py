@@ -16,8 +16,8 @@ import torch.nn as nn
 import yaml
 
 import val
-from models.yolo import Model
 from models.families import YOLOV5
+from models.yolo import Model
 from utils.checkpoint import model_state, save_checkpoint
 from utils.data.loader import create_dataloader
 from utils.errors import UserError
@@ -211,16 +211,16 @@ def _random_checkpoint(path: Path, nc: int = 2) -> Path:
 @pytest.mark.slow
 def test_run_with_a_random_model_and_loss(dataset, tmp_path):
     weights = _random_checkpoint(tmp_path / "rand.pt")
-    kwargs = dict(
-        data=str(dataset),
-        weights=str(weights),
-        imgsz=64,
-        batch_size=4,
-        device="cpu",
-        workers=0,
-        project=str(tmp_path / "runs"),
-        noplots=True,
-    )
+    kwargs = {
+        "data": str(dataset),
+        "weights": str(weights),
+        "imgsz": 64,
+        "batch_size": 4,
+        "device": "cpu",
+        "workers": 0,
+        "project": str(tmp_path / "runs"),
+        "noplots": True,
+    }
     r = val.run(**kwargs, max_det=50)
     assert r.save_dir == tmp_path / "runs" / "exp"
     assert r.n_images == 6 and 0.0 <= r.map <= r.map50 <= 1.0
@@ -228,7 +228,7 @@ def test_run_with_a_random_model_and_loss(dataset, tmp_path):
 
     # the training path: validate with the loss object on an already-built loader
     from models.loading import load_model
-    from utils.loss import ComputeLoss
+    from models.loss import ComputeLoss
 
     model, _ = load_model(weights, "cpu")
     hyp = YOLOV5.read_hyp(YOLOV5.default_hyp_path)
@@ -302,7 +302,7 @@ def test_cli_errors_are_one_line_and_exit_non_zero(dataset, tmp_path):
 
 
 def test_validate_folds_batchnorm_into_a_copy_with_the_same_outputs(dataset):
-    from utils.loss import ComputeLoss
+    from models.loss import ComputeLoss
 
     torch.manual_seed(0)
     model = Model(ROOT / "models" / "yolov5n.yaml", nc=2)

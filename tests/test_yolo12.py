@@ -14,9 +14,9 @@ import train
 from models.blocks import A2C2f, AreaAttention
 from models.families import YOLO12, family_of
 from models.yolo import build_model, load_model_config
-from utils.formats import open_runner
 from tests.ultralytics_reference import FIXTURES, assert_close_to_ultralytics, reference
 from utils.checkpoint import load_checkpoint, model_weights
+from utils.formats import open_runner
 
 CHECKPOINT = FIXTURES / "yolo12-final.pt"
 

@@ -52,7 +52,7 @@ def yolov5_style_model(model: Model, half: bool) -> Model:
     detect._grid_cache = {}
     m.yaml = {k: v for k, v in m.yaml.items() if k not in ("ch", "yaml_file", "family")}
     m.yaml_file = "yolov5n.yaml"
-    m.names = {i: n for i, n in enumerate(model.names)}
+    m.names = dict(enumerate(model.names))
     m.__dict__["stride"] = stride  # YOLOv5 keeps it on the model too (a property here)
     return m.half() if half else m
 

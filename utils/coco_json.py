@@ -12,8 +12,8 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-from pathlib import Path
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import numpy as np
 

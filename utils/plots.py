@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import csv
 import math
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 
 import cv2
 import numpy as np

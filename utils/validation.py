@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
+from models.families import Family, family_of
 from utils.evaluation.evaluator import DetectionEvaluator, ValResults
 from utils.evaluation.loop import evaluate
 from utils.evaluation.outputs import OutputOptions, ValOutputs
 from utils.evaluation.predictor import PredictOptions, Predictor
-from models.families import Family, family_of
 from utils.formats.metadata import ModelMeta
 from utils.formats.pytorch import PytorchRunner
 
@@ -38,7 +38,7 @@ class ValOptions:
     images. ``autocast_dtype`` (e.g. bf16 on a CPU, as training uses) runs inference under autocast of that type;
     NMS and metrics stay in fp32. ``family`` decodes the predictions (NMS at its IoU threshold unless
     ``iou_thres`` is given); the model's own by default, and it must be given for anything but a ``Model``.
-    ``compute_loss`` (a ``utils/loss.py: DetectionLoss``) adds the mean of each of its terms (``item_names``) to the
+    ``compute_loss`` (a ``models/loss.py: DetectionLoss``) adds the mean of each of its terms (``item_names``) to the
     results. ``gather``: distributed, every rank passes a loader over its own part of the split; see the evaluator."""
 
     names: Sequence[str]

@@ -19,12 +19,12 @@ import torch
 import torch.nn as nn
 
 from models.heads import DetectionHead
+from models.loss import DetectionLoss
 from models.yolo import build_model as build_yolo_model
 from utils.distributed import de_parallel
 from utils.errors import UserError
 from utils.hyp import HypRecord, Limit
 from utils.log import LOGGER
-from utils.loss import DetectionLoss
 from utils.optimizer import parameter_groups as yolo_parameter_groups
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -57,9 +57,9 @@ _TORCH_MODULES = frozenset(
 # was one file); a loss and its assigner pickled with old models, under ultralytics.yolo.* before 8.0.44.
 _RECORD_PREFIXES = (
     "ultralytics.nn.",
-    "ultralytics.utils.loss.",
+    "ultralytics.models.loss.",
     "ultralytics.utils.tal.",
-    "ultralytics.yolo.utils.loss.",
+    "ultralytics.yolo.models.loss.",
     "ultralytics.yolo.utils.tal.",
 )
 _NAMESPACES = frozenset({"ultralytics.utils.IterableSimpleNamespace", "ultralytics.yolo.utils.IterableSimpleNamespace"})

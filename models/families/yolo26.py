@@ -14,11 +14,11 @@ from typing import Any
 
 import torch.nn as nn
 
+from models.anchor_free_loss import End2EndLoss
 from models.families.base import head_of
 from models.families.yolov8 import AnchorFreeFamily
-from utils.anchor_free_loss import End2EndLoss
+from models.loss import DetectionLoss
 from utils.errors import UserError
-from utils.loss import DetectionLoss
 
 
 class YOLO26Family(AnchorFreeFamily):

@@ -14,12 +14,12 @@ from typing import Any, ClassVar
 import torch
 import torch.nn as nn
 
+from models.autoanchor import check_anchors
 from models.families.base import Family, head_of
 from models.families.yolov5_import import YOLOV5_IMPORTER
 from models.heads import Detect
-from utils.autoanchor import check_anchors
+from models.loss import ComputeLoss, DetectionLoss
 from utils.hyp import AugmentationHyp, HypRecord, OptimisationHyp, evolve_limits_of
-from utils.loss import ComputeLoss, DetectionLoss
 from utils.nms import non_max_suppression
 
 

@@ -17,11 +17,11 @@ import torch
 import torch.nn as nn
 
 from models.anchor_free import AnchorFreeDetect
+from models.anchor_free_loss import AnchorFreeLoss
 from models.families.base import Family, Int8Scope, block_names, head_name, head_of, prediction_convs
 from models.families.ultralytics_import import ULTRALYTICS_IMPORTER
-from utils.anchor_free_loss import AnchorFreeLoss
+from models.loss import DetectionLoss
 from utils.hyp import AugmentationHyp, HypRecord, Limit, OptimisationHyp, evolve_limits_of
-from utils.loss import DetectionLoss
 from utils.nms import end_to_end_detections, non_max_suppression_anchor_free
 
 # The loss terms of YOLOv5 that records written with one record for every family carry (an anchor-free run's
@@ -43,7 +43,7 @@ class AnchorFreeHyp(AugmentationHyp, AnchorFreeLossGains, OptimisationHyp):
 
     IGNORED_KEYS: ClassVar[dict[str, str]] = {
         **HypRecord.IGNORED_KEYS,
-        **{k: "a YOLOv5 loss term; anchor-free families have none" for k in _YOLOV5_TERMS},
+        **dict.fromkeys(_YOLOV5_TERMS, "a YOLOv5 loss term; anchor-free families have none"),
     }
     REQUIRED_KEYS: ClassVar[tuple[str, ...]] = ("dfl",)
 

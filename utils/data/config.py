@@ -19,8 +19,8 @@ from typing import Any
 
 import yaml
 
-from utils.data.image_files import IMG_FORMATS, img2label_path, is_image_file, list_image_files  # noqa: F401
 from utils.data.coco_reader import coco_class_names
+from utils.data.image_files import IMG_FORMATS, img2label_path, is_image_file, list_image_files  # noqa: F401
 from utils.data.shard_names import is_shard_entry, resolve_shard_split
 from utils.data.splits import CocoSplit, FractionSplit, VocSplit
 from utils.data.voc_reader import voc_class_names

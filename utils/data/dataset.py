@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, default_collate
 
+from utils.boxes import xywhn2xyxy, xyxy2xywhn
 from utils.data.augmentations import (
     Warp,
     augment_hsv,
@@ -34,14 +35,13 @@ from utils.data.augmentations import (
     warped_mosaic4,
 )
 from utils.data.batch_ring import BatchRing, RingSlot
-from utils.boxes import xywhn2xyxy, xyxy2xywhn
-from utils.errors import UserError
-from utils.files import atomic_output
-from utils.hyp import AugmentationHyp
 from utils.data.image_source import ImageSource, open_source
 from utils.data.jpeg_region import load_decoder
 from utils.data.label_table import LabelRows, LabelTable, PathList
 from utils.data.labels import load_labels
+from utils.errors import UserError
+from utils.files import atomic_output
+from utils.hyp import AugmentationHyp
 from utils.log import LOGGER
 
 if TYPE_CHECKING:

@@ -22,8 +22,6 @@ from utils.data.batch_ring import BatchRing, RingSlot, shared_memory_fits
 from utils.data.dataset import YoloDataset
 from utils.data.label_table import LabelTable
 from utils.data.labels import Split, load_labels
-from utils.hyp import AugmentationHyp
-from utils.log import LOGGER
 from utils.data.quad import QuadCollate
 from utils.data.samplers import (
     EpochStreamBatchSampler,
@@ -35,7 +33,8 @@ from utils.data.samplers import (
 )
 from utils.data.shard_dataset import DEFAULT_WINDOW, ShardDataset
 from utils.data.webshards import ShardLabelSet
-
+from utils.hyp import AugmentationHyp
+from utils.log import LOGGER
 
 PREFETCH_BATCHES = 2  # per worker (DataLoader's prefetch_factor); BatchRing's slot count follows from it
 
@@ -203,13 +202,13 @@ def create_dataloader(
     batch_size = min(batch_size, len(dataset))
     sampler = _sampler(len(dataset), plan, batch_size, o)
     loader_workers = min(loader_workers, batch_size)
-    common: dict[str, Any] = dict(
-        num_workers=loader_workers,
-        pin_memory=torch.cuda.is_available(),
-        collate_fn=YoloDataset.collate_fn,
-        persistent_workers=loader_workers > 0,
-        worker_init_fn=_worker_init if loader_workers > 0 else None,
-    )
+    common: dict[str, Any] = {
+        "num_workers": loader_workers,
+        "pin_memory": torch.cuda.is_available(),
+        "collate_fn": YoloDataset.collate_fn,
+        "persistent_workers": loader_workers > 0,
+        "worker_init_fn": _worker_init if loader_workers > 0 else None,
+    }
     if not o.augment:  # validation: one pass, each sample once
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=False, **common), dataset
     return _training_loader(dataset, sampler, (batch_size, imgsz), common, o), dataset

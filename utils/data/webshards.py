@@ -216,7 +216,7 @@ def _build(shards: ShardSet, cache: ShardCache, nc: int | None, workers: int) ->
     with ThreadPoolExecutor(max(1, min(workers, 8))) as pool:  # fetching and tar reading wait on I/O
         scans = list(pool.map(lambda u: scan_shard(u, cache, nc), shards.urls))
     builder = TableBuilder()
-    for k, (url, sc) in enumerate(zip(shards.urls, scans)):
+    for _k, (url, sc) in enumerate(zip(shards.urls, scans)):
         for member, status, shape, labels in zip(sc.members, sc.status, sc.shapes, sc.labels):
             builder.add(f"{url}/{member}", status, shape, labels)
         builder.messages += sc.messages

@@ -11,9 +11,9 @@ import torch.nn as nn
 
 from models.families import Family
 from utils.checkpoint import restore_training_state
+from utils.ema import ModelEMA
 from utils.engine.config import TrainConfig, stored_config
 from utils.engine.lr_schedule import LrSchedule, apply_warmup, warmup_iterations
-from utils.ema import ModelEMA
 from utils.hyp import OptimisationHyp
 from utils.log import LOGGER
 from utils.optimizer import (

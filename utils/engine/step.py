@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from models.families import Family
+from models.loss import DetectionLoss, LossNorm
 from utils.amp import Precision, autocast
 from utils.distributed import DistInfo, all_reduce_sum
 from utils.engine.optimization import Optimization
@@ -30,7 +31,6 @@ from utils.engine.tally import LossTally
 from utils.engine.timing import HostMarks
 from utils.errors import UserError
 from utils.log import LOGGER
-from utils.loss import DetectionLoss, LossNorm
 
 MAX_NONFINITE_STEPS = 25  # in a row: training has diverged
 

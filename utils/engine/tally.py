@@ -10,7 +10,7 @@ import torch
 
 @dataclass
 class LossTally:
-    """The sums of a loss's ``n`` terms over an epoch's micro-batches so far, over all ranks (see utils/loss.py)."""
+    """The sums of a loss's ``n`` terms over an epoch's micro-batches so far, over all ranks (see models/loss.py)."""
 
     n: int  # the family's number of loss terms
     sums: np.ndarray | None = None

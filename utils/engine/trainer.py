@@ -30,7 +30,7 @@ from utils.distributed import DistInfo, broadcast_object, collective, rank_zero_
 from utils.engine.config import CONFIG_SCHEMA, TrainConfig
 from utils.engine.epoch import EpochHooks, train_one_epoch
 from utils.engine.optimization import Optimization, OptimizerInputs, build_optimization, choose, restore
-from utils.engine.resume import ResumePosition, Resumed, resumed_position
+from utils.engine.resume import Resumed, ResumePosition, resumed_position
 from utils.engine.run_record import RunRecord
 from utils.engine.setup import RunSetup, close_mosaic_epoch, set_up
 from utils.engine.step import BatchOptions, SavePolicy, Stepper

@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
+from models.families import Family
+from utils.errors import UserError
 from utils.evaluation.evaluator import DetectionEvaluator
 from utils.evaluation.loop import evaluate
 from utils.evaluation.predictor import PredictOptions, Predictor, threads_for
 from utils.formats.base import Runner
-from utils.errors import UserError
-from models.families import Family
 from utils.log import LOGGER
 
 # The largest mAP50-95 drop (absolute) a file may show against the PyTorch model, per precision of the file.
@@ -124,7 +124,7 @@ class AccuracyGate:
             if nms is None
             else PredictOptions(conf_thres=nms.conf, iou_thres=nms.iou, max_det=nms.max_det)
         )
-        max_drop = dict(MAX_DROP) if opt.max_drop is None else {p: opt.max_drop for p in MAX_DROP}
+        max_drop = dict(MAX_DROP) if opt.max_drop is None else dict.fromkeys(MAX_DROP, opt.max_drop)
         gate = cls(
             load_data_config(opt.data), source.family, options, (h, opt.batch_size, source.meta.stride), max_drop
         )

@@ -82,7 +82,9 @@ class ValOutputs:
         if o.main:
             log_table(self.names, results, evaluator.images_per_class, o.verbose)
             if results.n_images:
-                LOGGER.info("Speed: %.1fms pre-process, %.1fms inference, %.1fms NMS per image" % results.speed)
+                LOGGER.info(
+                    "Speed: {:.1f}ms pre-process, {:.1f}ms inference, {:.1f}ms NMS per image".format(*results.speed)
+                )
         if o.plots:
             plot_metrics(results.class_metrics, evaluator.confusion, self.names, o.save_dir)
         if o.save_json and o.main:

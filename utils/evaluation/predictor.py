@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from models.families import Family
 from utils.boxes import scale_boxes
 from utils.data.augmentations import letterbox
 from utils.formats.base import Runner
-from models.families import Family
 from utils.log import LOGGER
 from utils.nms import end_to_end_detections
 
@@ -206,8 +206,8 @@ def open_for_prediction(
 def load_predictor(weights: str | Path, device: torch.device | str = "cpu", **options: Any) -> Predictor:
     """A predictor at detect.py's thresholds (``options``: PredictOptions' fields) for any weights file or export
     folder."""
-    from utils.formats import open_runner
     from models.families import family_of
+    from utils.formats import open_runner
 
     runner = open_runner(weights, torch.device(device))
     return Predictor(

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from utils.errors import UserError
 from models.families import Family, Int8Scope
+from utils.errors import UserError
 from utils.formats.metadata import ModelMeta
 
 # Where Ultralytics writes fp16 under the fp32 name, a tag keeps each precision's file apart.

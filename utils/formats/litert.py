@@ -26,10 +26,10 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from models.families import Int8Scope
 from utils.errors import UserError
 from utils.files import atomic_output
 from utils.formats.base import ExportJob, Format, Runner, as_numpy
-from models.families import Int8Scope
 from utils.formats.metadata import ModelMeta
 from utils.log import LOGGER
 

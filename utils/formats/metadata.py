@@ -124,7 +124,9 @@ class ModelMeta:
             precision = str(raw.get("precision") or "fp32")
             nms = {k: float(v) for k, v in raw["nms"].items()} if raw.get("nms") else None
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise UserError(f"{path}: metadata unreadable ({e.__class__.__name__}: {e}); re-export it with export.py")
+            raise UserError(
+                f"{path}: metadata unreadable ({e.__class__.__name__}: {e}); re-export it with export.py"
+            ) from None
         if layout not in LAYOUTS:
             raise UserError(f"{path}: unknown output layout {layout!r} in its metadata (known: {', '.join(LAYOUTS)})")
         known = {f.name for f in fields(cls)} | {"producer"}

@@ -74,7 +74,9 @@ class OnnxRunner(Runner):
         try:
             self.session = ort.InferenceSession(str(path), session_options(ort), providers=providers)
         except Exception as e:  # onnxruntime raises its own exception types for bad files  # noqa: BLE001
-            raise UserError(f"{path}: onnxruntime cannot open it ({e.__class__.__name__}: {str(e).splitlines()[0]})")
+            raise UserError(
+                f"{path}: onnxruntime cannot open it ({e.__class__.__name__}: {str(e).splitlines()[0]})"
+            ) from None
         first = self.session.get_inputs()[0]
         self.input_name = first.name
         self.input_dtype = torch.float16 if first.type == "tensor(float16)" else torch.float32

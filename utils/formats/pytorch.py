@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from models.families import family_of
 from utils.errors import UserError
 from utils.formats.base import ExportJob, Format, Runner
-from models.families import family_of
 from utils.formats.metadata import ModelMeta
 
 

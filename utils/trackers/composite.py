@@ -226,7 +226,7 @@ class Trackers:
 
     def flush(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
-        return all([w.flush(max(0.0, deadline - time.monotonic())) for w in self.workers])
+        return all(w.flush(max(0.0, deadline - time.monotonic())) for w in self.workers)
 
     def close(self, status: str = FINISHED) -> None:
         """Complete every tracker from results.csv, end its run, and wait at most ``close_timeout`` in all."""

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from utils.log import LOGGER, colorstr
 from utils.distributed import de_parallel
+from utils.log import LOGGER, colorstr
 
 PREFIX = "AutoAnchor: "
 BPR_GOOD_ENOUGH = 0.98

@@ -1,6 +1,6 @@
 """Training loss of the anchor-free heads: YOLOv8 / YOLO11 (DFL) and YOLO26 (L1, one-to-many + one-to-one).
 
-Per head, with targets from the task-aligned assigner (utils/assigner.py) and ``tss`` the sum of all soft target
+Per head, with targets from the task-aligned assigner (models/assigner.py) and ``tss`` the sum of all soft target
 scores of the GLOBAL micro-batch (every rank's, through ``reduce``), at least 1:
 
 - cls: BCE-with-logits of every anchor's class logits against the soft targets, summed, / tss;
@@ -32,10 +32,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.anchor_free import bbox2dist, dist2bbox, make_anchors
-from utils.assigner import Assignment, TaskAlignedAssigner
+from models.assigner import Assignment, TaskAlignedAssigner
+from models.loss import LossNorm, smooth_bce_targets
 from utils.boxes import bbox_ciou_xyxy, xywh2xyxy
 from utils.distributed import de_parallel
-from utils.loss import LossNorm, smooth_bce_targets
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
