@@ -16,7 +16,7 @@ import torch
 import detect
 import export
 import val
-from tests.deploy_fixtures import assert_same_rows, end2end
+from tests.deploy_fixtures import FIXTURES, assert_same_rows, end2end
 from utils.errors import UserError
 from utils.formats import format_named, format_of, open_runner, registered
 from utils.formats.metadata import ModelMeta
@@ -54,6 +54,26 @@ def test_onnx_nms_finds_what_detect_finds_with_the_pt(layout, trained, deploy_da
         other = runs[".onnx"].detections[key]
         assert other.shape == det.shape, key
         assert_same_rows(other, det, atol=[1e-3] * 4 + [1e-5, 0], err_msg=key)
+    # docs/deploy.md's own-code example, as printed there, on a committed image wider than high (so padded): the
+    # same detections as detect.py with the same file.
+    image = FIXTURES / "two_frames.jpg"
+    (expected,) = detect.run(
+        weights=str(path), source=str(image), nosave=True, project=str(tmp_path)
+    ).detections.values()
+    assert len(expected) >= 1, "no detection to compare"
+    example = deploy_example().replace('"best.onnx"', repr(str(path))).replace('"image.jpg"', repr(str(image)))
+    names: dict = {}
+    exec(compile(example, "docs/deploy.md", "exec"), names)
+    got = np.array([[*box, score, names["record"]["names"].index(name)] for name, score, box in names["detections"]])
+    assert_same_rows(got, expected, atol=[1e-3] * 4 + [1e-5, 0], err_msg="docs/deploy.md example")
+
+
+def deploy_example() -> str:
+    """The Python block of docs/deploy.md that runs an exported file with onnxruntime, OpenCV and NumPy alone."""
+    text = (ROOT / "docs" / "deploy.md").read_text(encoding="utf-8")
+    blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+    (block,) = [b for b in blocks if "onnxruntime as ort" in b and "copyMakeBorder" in b]
+    return block
 
 
 @pytest.mark.slow

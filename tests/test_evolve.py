@@ -4,6 +4,8 @@ samplers: tests/test_search.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import yaml
@@ -19,6 +21,10 @@ KEYS = YOLOV5.evolve_keys(BASE)
 LOSS_NAMES = YOLOV5.loss_names
 LIMITS = YOLOV5.evolve_limits
 N_RESULTS = 4 + len(LOSS_NAMES)
+# Short runs' --optimizer auto is AdamW, which sets its own lr0 and momentum: --evolve leaves them alone.
+LIMITS_UNDER_ADAMW = {
+    k: dataclasses.replace(v, scale=0.0) if k in ("lr0", "momentum") else v for k, v in LIMITS.items()
+}
 
 
 def _row(score: float, hyp) -> np.ndarray:
@@ -106,8 +112,10 @@ def test_evolve_one_trial_then_continue_the_study_to_two(train_here, small_data,
     more = read_evolve_csv(csv_file, KEYS, LOSS_NAMES)
     assert len(more) == 2 and np.array_equal(more[:1], rows)
     # Trial 1 is what (seed, 1) and the first row give: the same as an uninterrupted search.
-    expected = next_hyp(BASE, rows, KEYS, np.random.default_rng([0, 1]), LIMITS, N_RESULTS)
-    assert expected != BASE
+    # A 1-epoch run's --optimizer auto is AdamW, which sets its own lr0 and momentum: they are not searched.
+    assert "evolve: lr0 and momentum not searched" in log, log
+    expected = next_hyp(BASE, rows, KEYS, np.random.default_rng([0, 1]), LIMITS_UNDER_ADAMW, N_RESULTS)
+    assert expected != BASE and (expected.lr0, expected.momentum) == (BASE.lr0, BASE.momentum)
     np.testing.assert_allclose(more[1, N_RESULTS:], [expected.to_dict()[k] for k in KEYS], rtol=1e-4)
     assert (
         sorted(p.name for p in folder.glob("trial*")) == ["trial0", "trial1"] and not (tmp_path / "evolve/ev2").exists()
@@ -158,7 +166,7 @@ def test_evolve_under_two_gloo_ranks_trains_each_trial_together(small_data, tmp_
     rows = read_evolve_csv(tmp_path / "evolve/ev/evolve.csv", KEYS, LOSS_NAMES)
     assert len(rows) == 2  # each trial recorded once, not once per rank
     np.testing.assert_allclose(rows[0, N_RESULTS:], [BASE.to_dict()[k] for k in KEYS], rtol=1e-4)
-    expected = next_hyp(BASE, rows[:1], KEYS, np.random.default_rng([0, 1]), LIMITS, N_RESULTS)
+    expected = next_hyp(BASE, rows[:1], KEYS, np.random.default_rng([0, 1]), LIMITS_UNDER_ADAMW, N_RESULTS)
     np.testing.assert_allclose(rows[1, N_RESULTS:], [expected.to_dict()[k] for k in KEYS], rtol=1e-4)
     assert len({t.user_attrs["pid"] for t in _study(tmp_path / "evolve/ev").get_trials()}) == 1  # rank 0 asked
 
@@ -197,6 +205,5 @@ def test_a_trial_that_falls_behind_is_pruned_after_its_warmup_epoch_and_not_reco
 
     states = [t.state for t in _study(folder).get_trials()]
     assert states == [optuna.trial.TrialState.COMPLETE] * 6 + [optuna.trial.TrialState.PRUNED]
-    family = evolution.search_space(launch.config)[0]
-    space = evolution.search_space(launch.config)[1]
+    family, space = evolution.search_space(launch.config, DistInfo(rank=-1, local_rank=-1, world_size=1))
     assert len(read_evolve_csv(folder / "evolve.csv", space.keys, family.loss_names)) == 6

@@ -42,6 +42,9 @@ class OptimizerChoice:
     momentum: float
     accumulate: int  # batches per optimizer step
     reason: str
+    # The hyp keys this choice sets itself, whatever the hyp says (auto's AdamW: lr0 and momentum): --evolve does
+    # not search them.
+    hyp_keys_ignored: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values, for the checkpoint."""
@@ -85,7 +88,7 @@ def choose_optimizer(
         f"lr0 = {lr_per_class_term:g} / (4 + nc), "
         f"a step every batch ({optimizer_steps(epochs, n_images, batch_size, 1)} steps)"
     )
-    return OptimizerChoice("AdamW", lr0, 0.9, 1, reason)
+    return OptimizerChoice("AdamW", lr0, 0.9, 1, reason, ("lr0", "momentum"))
 
 
 def resumed_choice(

@@ -12,6 +12,7 @@ folder or a file in it); a folder whose evolve.csv has no study beside it starts
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ import torch
 
 from models.families import family_of
 from utils.checkpoint import load_checkpoint
+from utils.data.config import load_data_config
+from utils.data.labels import load_labels
 from utils.distributed import DistInfo, broadcast_object, rank_zero_decides
 from utils.engine.config import TrainConfig
 from utils.engine.setup import model_config
@@ -30,10 +33,12 @@ from utils.engine.trainer import train
 from utils.errors import UserError
 from utils.log import LOGGER, colorstr
 from utils.metrics import fitness
+from utils.optimizer import OptimizerChoice, choose_optimizer
 from utils.run_dir import increment_path
 from utils.search import Search, SearchConfig, SearchSpace
 from utils.search.records import read_evolve_csv
 from utils.search.study import JOURNAL_NAME
+from utils.torch_utils import torch_distributed_zero_first
 
 
 @dataclass(frozen=True)
@@ -71,12 +76,35 @@ def study_place(config: TrainConfig, info: DistInfo) -> StudyPlace:
     return StudyPlace(folder, str(folder / JOURNAL_NAME), folder.name)
 
 
-def search_space(config: TrainConfig) -> tuple[Any, SearchSpace]:
-    """The model family and what is searched: the --hyp values (or the family's file) moved within its limits."""
+def search_space(config: TrainConfig, info: DistInfo) -> tuple[Any, SearchSpace]:
+    """The model family and what is searched: the --hyp values (or the family's file) moved within its limits,
+    less the values the trials' optimizer sets itself (they would be recorded as evolved while no trial used them)."""
     family = family_of(model_config(config, None, load_checkpoint(config.weights) if config.weights else None))
     base = family.read_hyp(config.hyp or family.default_hyp_path)
     keys = tuple(family.evolve_keys(base))
-    return family, SearchSpace(base, keys, family.evolve_limits, tuple(family.loss_names))
+    choice = trial_optimizer(config, family, base, info)
+    limits = dict(family.evolve_limits)
+    if ignored := [k for k in choice.hyp_keys_ignored if k in keys and k in limits and limits[k].scale > 0]:
+        limits.update({k: dataclasses.replace(limits[k], scale=0.0) for k in ignored})
+        LOGGER.info(
+            f"evolve: {' and '.join(ignored)} not searched: every trial's optimizer sets its own ({choice.reason}); "
+            f"--optimizer SGD or AdamW searches them"
+        )
+    return family, SearchSpace(base, keys, limits, tuple(family.loss_names))
+
+
+def trial_optimizer(config: TrainConfig, family: Any, base: Any, info: DistInfo) -> OptimizerChoice:
+    """The optimizer every trial will choose: --optimizer auto decides by the length of the run, so by the number of
+    training images (the label cache the first trial reuses is built here, by local rank 0 first)."""
+    if config.optimizer != "auto":
+        return choose_optimizer(config.optimizer, config.epochs, 1, config.batch_size, 1, base)
+    with torch_distributed_zero_first(info.local_rank):
+        data = load_data_config(config.data)
+        table = load_labels(data["train"], nc=data["nc"], workers=config.workers, verbose=False)
+    nc = 1 if config.single_cls else data["nc"]
+    return choose_optimizer(
+        "auto", config.epochs, len(table), config.batch_size, nc, base, family.adamw_lr_per_class_term
+    )
 
 
 def open_search(config: TrainConfig, place: StudyPlace, space: SearchSpace) -> Search:
@@ -101,7 +129,7 @@ def evolve(config: TrainConfig, device: torch.device, info: DistInfo) -> Path:
         raise UserError(f"--resume-evolve {config.resume_evolve} needs --evolve N, the number of trials in total")
     if config.evolve < 1:
         raise UserError(f"--evolve {config.evolve}: give the number of trials, at least 1 (e.g. --evolve 30)")
-    family, space = search_space(config)
+    family, space = search_space(config, info)
     place = study_place(config, info)
     search = open_search(config, place, space) if info.is_main else None
     LOGGER.info(
