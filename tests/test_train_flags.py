@@ -562,6 +562,20 @@ def test_time_budget_gives_the_number_of_epochs_after_the_first() -> None:
     assert fit_to_time(budget, epoch=0, start_epoch=0, now=101.0, epoch_seconds=1.0, config=config) == {"epochs": 1800}
 
 
+def test_time_budget_fits_again_to_the_second_epochs_steady_speed() -> None:
+    """A first epoch slowed by one-off costs (a busy machine's start-up, the cache filling) fits too few epochs; the
+    second epoch's speed refits the run to the budget then left (issue 49: the demo fitted 4 of 22 epochs)."""
+    config = TrainConfig(epochs=22, time=270 / 3600, time_includes_startup=True, time_max_epochs=22)
+    budget = time_budget(config, process_started=0.0, loop_started=25.0)
+    assert fit_to_time(budget, epoch=0, start_epoch=0, now=85.0, epoch_seconds=60.0, config=config) == {"epochs": 4}
+    fitted = config.replace(epochs=4)
+    # Epoch 1 took 10 s: 175 s are left at 95 s, 17 more epochs, 19 in all.
+    assert fit_to_time(budget, epoch=1, start_epoch=0, now=95.0, epoch_seconds=10.0, config=fitted) == {"epochs": 19}
+    # Later epochs never refit; a resumed process refits after its own first two.
+    assert fit_to_time(budget, epoch=2, start_epoch=0, now=105.0, epoch_seconds=5.0, config=fitted) == {}
+    assert fit_to_time(budget, epoch=6, start_epoch=5, now=105.0, epoch_seconds=10.0, config=fitted) == {"epochs": 22}
+
+
 def test_the_demo_budget_fits_its_epochs_to_the_whole_run_and_never_more_than_its_own() -> None:
     # The demo's: 270 s from the process start, at most 22 epochs (train.py's preset). Start-up took 25 s here.
     config = TrainConfig(epochs=22, time=270 / 3600, time_includes_startup=True, time_max_epochs=22)

@@ -1,7 +1,8 @@
 """--time: fitting a run's number of epochs to a time budget, from the measured length of its first epoch.
 
 After the first epoch (of this process) the budget left, divided by that epoch's seconds, gives the number of
-epochs; the learning-rate schedule and close-mosaic are then fitted to it. After every epoch the run stops when
+epochs; after the second, the steady speed, the run is fitted again to the budget then left; the learning-rate
+schedule and close-mosaic follow each fit. After every epoch the run stops when
 the next epoch would not end within the budget. A budget counts from the first epoch's start (``--time``), or
 from the process start (``time_includes_startup``: start-up and data generation included; the built-in demo's),
 and may cap the number of epochs it fits (``time_max_epochs``: a fast machine still trains the preset's epochs).
@@ -49,9 +50,15 @@ def fit_to_time(
     if now - budget.started + epoch_seconds > budget.seconds:
         LOGGER.info(f"{budget.label}: the budget is spent after epoch {epoch}")
         return {"stop": True}
-    if epoch != start_epoch:
+    if epoch == start_epoch:
+        fitted = max(epoch + 2, int(budget.for_epochs / epoch_seconds))
+    elif epoch == start_epoch + 1:
+        # The first epoch carries one-off costs (workers starting, images decoded into the cache, a busy machine's
+        # start-up): the second is the steady speed, and the run is fitted again to what is left.
+        left = budget.seconds - (now - budget.started)
+        fitted = max(epoch + 2, epoch + 1 + int(left / epoch_seconds))
+    else:
         return {}
-    fitted = max(epoch + 2, int(budget.for_epochs / epoch_seconds))
     capped = budget.max_epochs is not None and fitted > budget.max_epochs
     epochs = budget.max_epochs if capped else fitted
     if epochs == config.epochs:  # nothing to refit
