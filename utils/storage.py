@@ -1,0 +1,176 @@
+"""Where a run's files live: a local folder or an object store (``s3://``, ``gs://``, any fsspec URL), behind one seam.
+
+A ``Storage`` is opened on a location (``open_storage``) and then addressed with paths relative to it. Writes are
+whole files, never visible half written: on a local disk through ``utils/files.py``'s write-beside-and-rename; on an
+object store a single upload is atomic (the object appears when its PUT, or the multipart upload's completion,
+succeeds), and on any other fsspec backend the file is uploaded under a temporary name and moved. fsspec and its
+backends (s3fs, gcsfs) are optional: imported only for a URL, one line naming the package when missing. Credentials
+and endpoints come from the environment and the providers' own files as the backends read them; they never appear
+in a message of this module (``redact``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from utils.errors import UserError
+from utils.files import atomic_output
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+# Protocols whose single upload is atomic (what a reader sees is the old object or the whole new one).
+ATOMIC_UPLOAD = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory"})
+BACKEND_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
+# Environment variables whose values are secrets: never part of a message.
+SECRET_VARIABLES = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "GOOGLE_APPLICATION_CREDENTIALS",
+    "AZURE_STORAGE_KEY",
+    "AZURE_STORAGE_CONNECTION_STRING",
+)
+CONNECT_TIMEOUT_S = 5  # an unreachable endpoint is one line within seconds, not a minute of retries
+
+
+def protocol_of(location: str | Path) -> str | None:
+    """The URL's protocol (``"s3"``), or None for a local path (``file://`` URLs included)."""
+    match = _SCHEME.match(str(location))
+    if match is None or match.group(1).lower() == "file":
+        return None
+    return match.group(1).lower()
+
+
+def is_url(location: str | Path) -> bool:
+    """Whether ``location`` names an object store or another remote file system rather than a local path."""
+    return protocol_of(location) is not None
+
+
+def redact(message: str) -> str:
+    """``message`` with every secret of the environment (``SECRET_VARIABLES``) replaced by ``***``."""
+    for name in SECRET_VARIABLES:
+        value = os.environ.get(name, "")
+        if len(value) >= 4:
+            message = message.replace(value, "***")
+    return message
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return redact(f"{error.__class__.__name__}: {lines[0]}" if lines else error.__class__.__name__)
+
+
+@dataclass(frozen=True)
+class Storage:
+    """Files under ``location``: ``fs`` is fsspec's file system for a URL, None for a local folder."""
+
+    location: str
+    fs: Any = None
+    protocol: str | None = None
+
+    def full(self, relative: str = "") -> str:
+        """The location of ``relative`` (a ``/``-separated path under this storage), as this storage names it."""
+        if not relative:
+            return self.location
+        if self.fs is None:
+            return str(Path(self.location) / relative)
+        return f"{self.location.rstrip('/')}/{relative.lstrip('/')}"
+
+    def write_bytes(self, relative: str, data: bytes) -> None:
+        """``data`` as the whole file ``relative``: visible all at once or not at all."""
+        target = self.full(relative)
+        if self.fs is None:
+            with atomic_output(target) as tmp:
+                tmp.write_bytes(data)
+            return
+        self._remote(lambda: self._put(target, lambda path: self.fs.pipe_file(path, data)), f"writing {target}")
+
+    def upload(self, local: str | Path, relative: str) -> None:
+        """The local file ``local`` as the file ``relative``, all at once (a local storage copies it atomically)."""
+        target = self.full(relative)
+        if self.fs is None:
+            with atomic_output(target) as tmp:
+                tmp.write_bytes(Path(local).read_bytes())
+            return
+        self._remote(lambda: self._put(target, lambda path: self.fs.put_file(str(local), path)), f"writing {target}")
+
+    def _put(self, target: str, put: Any) -> None:
+        if self.protocol in ATOMIC_UPLOAD:
+            put(target)
+            return
+        head, _, name = target.rpartition("/")
+        tmp = f"{head}/.{name}.{uuid.uuid4().hex}.tmp"
+        put(tmp)
+        self.fs.mv(tmp, target)
+
+    def read_bytes(self, relative: str) -> bytes:
+        target = self.full(relative)
+        if self.fs is None:
+            return Path(target).read_bytes()
+        return self._remote(lambda: self.fs.cat_file(target), f"reading {target}")
+
+    def exists(self, relative: str = "") -> bool:
+        target = self.full(relative)
+        if self.fs is None:
+            return Path(target).exists()
+        return bool(self._remote(lambda: self.fs.exists(target), f"looking for {target}"))
+
+    def listdir(self, relative: str = "") -> list[str]:
+        """The names directly under ``relative`` (none where it does not exist)."""
+        target = self.full(relative)
+        if self.fs is None:
+            return sorted(p.name for p in Path(target).iterdir()) if Path(target).is_dir() else []
+        if not self.exists(relative):
+            return []
+        entries: Iterable[str] = self._remote(lambda: self.fs.ls(target, detail=False), f"listing {target}")
+        return sorted(e.rstrip("/").rpartition("/")[2] for e in entries)
+
+    def check_access(self) -> None:
+        """Raise a one-line UserError when the location cannot be reached or read with the credentials at hand
+        (called before a run trains, so that wrong credentials cost no training)."""
+        if self.fs is None:
+            return
+        bucket = self.location.split("://", 1)[1].split("/", 1)[0]
+        self._remote(lambda: self.fs.ls(f"{self.protocol}://{bucket}", detail=False), f"opening {self.location}")
+
+    def _remote(self, call: Any, doing: str) -> Any:
+        try:
+            return call()
+        except FileNotFoundError:
+            raise
+        except Exception as e:  # backends raise their own types (botocore, aiohttp, google-auth ...)  # noqa: BLE001
+            raise UserError(f"{doing}: {_first_line(e)} (check the credentials and the endpoint)") from None
+
+
+def open_storage(location: str | Path) -> Storage:
+    """The storage of ``location``: a local folder, or a URL through fsspec and the protocol's backend."""
+    protocol = protocol_of(location)
+    if protocol is None:
+        text = str(location)
+        return Storage(text[len("file://") :] if text.lower().startswith("file://") else text)
+    try:
+        import fsspec
+    except ImportError:
+        raise UserError(f"{location}: a URL needs the package fsspec (pip install fsspec)") from None
+    try:
+        fs = fsspec.filesystem(protocol, **_backend_options(protocol))
+    except ImportError:
+        package = BACKEND_PACKAGES.get(protocol, f"the fsspec backend of {protocol}://")
+        raise UserError(f"{location}: {protocol}:// needs the package {package} (pip install {package})") from None
+    except ValueError as e:
+        raise UserError(f"{location}: {_first_line(e)}") from None
+    return Storage(str(location), fs, protocol)
+
+
+def _backend_options(protocol: str) -> dict[str, Any]:
+    """Bounded connection attempts, so that an unreachable endpoint fails in seconds; the rest as the backend reads
+    it from the environment (s3fs: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, ...)."""
+    if protocol in ("s3", "s3a"):
+        config = {"connect_timeout": CONNECT_TIMEOUT_S, "retries": {"max_attempts": 2, "mode": "standard"}}
+        return {"config_kwargs": config, "skip_instance_cache": True}
+    return {"skip_instance_cache": True}
