@@ -108,8 +108,7 @@ def pytorchjob_nodes(data: Path, project: Path, port: int) -> list[tuple[list[st
 
 
 def indexed_job_nodes(data: Path, project: Path, port: int) -> list[tuple[list[str], dict[str, str]]]:
-    (block,) = [b for b in doc_blocks("yaml") if "completionMode: Indexed" in b]
-    (job,) = [d for d in yaml.safe_load_all(block) if d["kind"] == "Job"]
+    (job,) = [yaml.safe_load(b) for b in doc_blocks("yaml") if "completionMode: Indexed" in b]
     (container,) = job["spec"]["template"]["spec"]["containers"]
     assert job["spec"]["completions"] == 2
     nodes = []
