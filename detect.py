@@ -34,7 +34,17 @@ import numpy as np
 import torch
 
 from models.families import titles_by
-from utils.cli import INFERENCE_IMGSZ_HELP, add_device, add_end2end, add_half, add_imgsz, add_run_folder, make_parser
+from utils.cli import (
+    INFERENCE_IMGSZ_HELP,
+    add_device,
+    add_end2end,
+    add_half,
+    add_imgsz,
+    add_max_pixels,
+    add_run_folder,
+    apply_data_limits,
+    make_parser,
+)
 from utils.data.image_files import IMG_FORMATS
 from utils.errors import UserError, run_reporting_errors
 from utils.log import LOGGER, colorstr, setup_logging
@@ -195,6 +205,7 @@ def _predictor(opt: argparse.Namespace, device: torch.device) -> tuple[Any, int]
 def run_options(opt: argparse.Namespace) -> DetectResults:
     from utils.evaluation.predictor import threads_for
 
+    apply_data_limits(opt)
     device = select_device(opt.device)
     predictor, imgsz = _predictor(opt, device)
     batch_size = predictor.meta.batch or max(opt.batch_size, 1)
@@ -307,6 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_imgsz(data, help=INFERENCE_IMGSZ_HELP)
     data.add_argument("--batch-size", type=int, default=1, help="images per forward pass")
+    add_max_pixels(data)
     model = parser.add_argument_group("model and inference")
     model.add_argument(
         "--weights",

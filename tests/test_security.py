@@ -6,9 +6,14 @@ import argparse
 from pathlib import Path
 
 import numpy as np
+import pytest
 
+import check_data
 import detect
+from utils.data.config import load_data_config
+from utils.data.labels import load_labels
 from utils.data.sources import Frame
+from utils.errors import UserError
 from utils.safe_paths import MAX_BYTES, PathParts, safe_part
 
 
@@ -52,3 +57,37 @@ def test_hostile_class_names_write_nothing_outside_the_run_folder(tmp_path) -> N
     crops = {p.relative_to(save_dir).parts[1] for p in save_dir.glob("crops/*/*.jpg")}
     assert crops == {"_._.._.._.._outside", safe_part(str(outside))}
     assert {p.name for p in save_dir.glob("labels/*.txt")} == {"_.txt", "clip_3.txt"}
+
+
+def _pipe_yaml(tmp_path: Path, marker: Path) -> tuple[Path, Path]:
+    """A data YAML whose train entry is a pipe: command, and one whose shard list holds one."""
+    command = f"pipe:touch {marker}; exit 1"
+    direct = tmp_path / "direct.yaml"
+    direct.write_text(f'path: {tmp_path}\ntrain: "{command}"\nval: "{command}"\nnames: [a]\n')
+    (tmp_path / "shards.txt").write_text(f"{command}\n")
+    listed = tmp_path / "listed.yaml"
+    listed.write_text(f"path: {tmp_path}\ntrain: shards.txt\nval: shards.txt\nnames: [a]\n")
+    return direct, listed
+
+
+def test_pipe_sources_run_nothing_without_the_opt_in(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("YOLO_TRAIN_SHARD_CACHE", str(tmp_path / "cache"))
+    marker = tmp_path / "marker"
+    for data in _pipe_yaml(tmp_path, marker):
+        with pytest.raises(UserError, match="pipe: URL, which runs a shell command.*--allow-pipe"):
+            load_labels(load_data_config(data)["train"], nc=1)
+        assert check_data.main(["--data", str(data), "--workers", "0", "--noplots"]) == 1
+        assert not marker.exists()
+
+
+def test_pipe_sources_run_with_the_opt_in(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("YOLO_TRAIN_SHARD_CACHE", str(tmp_path / "cache"))
+    marker = tmp_path / "marker"
+    direct, listed = _pipe_yaml(tmp_path, marker)
+    assert check_data.main(["--data", str(direct), "--workers", "0", "--noplots", "--allow-pipe"]) == 1  # exit 1
+    assert marker.is_file()
+    marker.unlink()
+    monkeypatch.setenv("YOLO_ALLOW_PIPE", "1")
+    with pytest.raises(UserError, match="cannot fetch shard"):  # the command ran, and failed as it was written to
+        load_labels(load_data_config(listed)["train"], nc=1)
+    assert marker.is_file()
