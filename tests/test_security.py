@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import struct
+import tracemalloc
+import zlib
 from pathlib import Path
 
+import cv2
 import numpy as np
 import pytest
 
 import check_data
 import detect
 from utils.data.config import load_data_config
+from utils.data.image_io import PNG_SIGNATURE as PNG
 from utils.data.labels import load_labels
+from utils.data.loader import create_dataloader
 from utils.data.sources import Frame
 from utils.errors import UserError
 from utils.safe_paths import MAX_BYTES, PathParts, safe_part
@@ -91,3 +97,89 @@ def test_pipe_sources_run_with_the_opt_in(tmp_path, monkeypatch) -> None:
     with pytest.raises(UserError, match="cannot fetch shard"):  # the command ran, and failed as it was written to
         load_labels(load_data_config(listed)["train"], nc=1)
     assert marker.is_file()
+
+
+def _bomb_jpeg() -> bytes:
+    """23 bytes: SOI, a baseline frame header claiming 65535x65535 (three components), EOI; no pixels at all."""
+    sof = b"\xff\xc0" + struct.pack(">HBHHB", 17, 8, 65535, 65535, 3) + b"\x01\x22\x00\x02\x11\x01\x03\x11\x01"
+    data = b"\xff\xd8" + sof + b"\xff\xd9"
+    assert len(data) == 23
+    return data
+
+
+def _png_chunk(kind: bytes, body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+
+def _large_png(side: int) -> bytes:
+    """A valid black 1-bit PNG of side x side, compressed a row at a time (never held raw in memory)."""
+    row, packer = b"\x00" * (1 + (side + 7) // 8), zlib.compressobj(9)
+    idat = b"".join(packer.compress(row) for _ in range(side)) + packer.flush()
+    ihdr = struct.pack(">IIBBBBB", side, side, 1, 0, 0, 0, 0)
+    return PNG + _png_chunk(b"IHDR", ihdr) + _png_chunk(b"IDAT", idat) + _png_chunk(b"IEND", b"")
+
+
+def _undecodable_jpeg() -> bytes:
+    """A JPEG whose header (64x64) and end marker are intact, but whose scan names a component the frame does not
+    have: libjpeg gives up on the body."""
+    _, good = cv2.imencode(".jpg", np.full((64, 64, 3), 90, np.uint8))
+    data = bytearray(good.tobytes())
+    data[data.index(b"\xff\xda") + 5] = 9  # the scan's first component id: the frame's are 1, 2, 3
+    return bytes(data)
+
+
+def _hostile_images(root: Path) -> Path:
+    """A data YAML over two good images and three hostile ones, each with a box."""
+    images, labels = root / "images", root / "labels"
+    images.mkdir(parents=True)
+    labels.mkdir()
+    for i in range(2):
+        cv2.imwrite(str(images / f"good{i}.jpg"), np.full((48, 64, 3), 100 + 40 * i, np.uint8))
+    (images / "bomb.jpg").write_bytes(_bomb_jpeg())
+    (images / "large.png").write_bytes(_large_png(17000))  # 2.9e8 pixels, over the default 2**28
+    (images / "body.jpg").write_bytes(_undecodable_jpeg())
+    for p in images.iterdir():
+        (labels / f"{p.stem}.txt").write_text("0 0.5 0.5 0.2 0.2\n")
+    yaml_file = root / "data.yaml"
+    yaml_file.write_text(f"path: {root}\ntrain: images\nval: images\nnames: [a]\n")
+    return yaml_file
+
+
+def test_image_bombs_and_undecodable_bodies_are_skipped_counted_and_never_allocated(tmp_path, caplog) -> None:
+    yaml_file = _hostile_images(tmp_path)
+    assert cv2.imdecode(np.frombuffer(_undecodable_jpeg(), np.uint8), cv2.IMREAD_COLOR) is None
+    tracemalloc.start()
+    try:
+        table = load_labels(load_data_config(yaml_file)["train"], nc=1)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert sorted(Path(f).name for f in table.im_files) == ["good0.jpg", "good1.jpg"]
+    assert table.counts["corrupt"] == 3 and table.counts["labelled"] == 2, table.counts
+    assert peak < 64 << 20, peak  # the large PNG is 870 MB of pixels as a 3-channel image
+    said = " ".join(table.messages)
+    assert "65535x65535 is over --max-pixels" in said and "17000x17000 is over --max-pixels" in said
+    assert said.count("body.jpg") == 1 and "undecodable body" in said
+    _, dataset = create_dataloader(load_data_config(yaml_file)["train"], 64, 2, 32, workers=0, nc=1)
+    assert sorted(Path(f).name for f in dataset.im_files) == ["good0.jpg", "good1.jpg"]  # nothing trained grey
+    caplog.clear()
+    for _ in range(2):  # every read of the training set, an epoch each: no warning about any image
+        for i in range(len(dataset)):
+            dataset[(0, i)]
+    assert "grey" not in caplog.text and "cannot decode" not in caplog.text
+
+
+def test_check_data_counts_each_skip_once_and_max_pixels_sets_the_cap(tmp_path, capsys) -> None:
+    yaml_file = _hostile_images(tmp_path)
+    assert check_data.main(["--data", str(yaml_file), "--workers", "0", "--noplots"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("train: 2 images (0 backgrounds), 2 instances; 3 corrupt images") == 1, out
+    assert out.count("body.jpg: corrupt image, skipped (cannot decode image (intact header, undecodable body))") == 2
+    # A cap of 4000 pixels: the good 64x48 images (3072) stay, the 64x64 one is skipped before it is decoded; the
+    # label cache written under the default cap is not reused.
+    assert check_data.main(["--data", str(yaml_file), "--workers", "0", "--noplots", "--max-pixels", "4000"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "train: 2 images" in out
+        and "body.jpg: corrupt image, skipped (image size 64x64 is over --max-pixels 4000" in out
+    )
