@@ -14,11 +14,12 @@ import pytest
 
 import check_data
 import detect
+from utils.cli import apply_data_limits
 from utils.data.config import load_data_config
 from utils.data.image_io import PNG_SIGNATURE as PNG
 from utils.data.labels import load_labels
 from utils.data.loader import create_dataloader
-from utils.data.sources import Frame
+from utils.data.sources import Frame, iter_source
 from utils.errors import UserError
 from utils.safe_paths import MAX_BYTES, PathParts, safe_part
 
@@ -183,3 +184,15 @@ def test_check_data_counts_each_skip_once_and_max_pixels_sets_the_cap(tmp_path, 
         "train: 2 images" in out
         and "body.jpg: corrupt image, skipped (image size 64x64 is over --max-pixels 4000" in out
     )
+
+
+def test_detect_reads_no_image_over_max_pixels(tmp_path, monkeypatch) -> None:
+    """detect.py's sources: an image over --max-pixels by its header is reported and never decoded."""
+    (tmp_path / "bomb.jpg").write_bytes(_bomb_jpeg())
+    cv2.imwrite(str(tmp_path / "small.png"), np.full((48, 64, 3), 90, np.uint8))
+    apply_data_limits(argparse.Namespace(max_pixels=3000))  # as detect.py --max-pixels 3000 sets it
+    frames = {Path(f.path).name: f for f in iter_source(str(tmp_path))}
+    assert frames["bomb.jpg"].image is None and "65535x65535 is over --max-pixels 3000" in frames["bomb.jpg"].error
+    assert frames["small.png"].image is None and "64x48 is over --max-pixels 3000" in frames["small.png"].error
+    monkeypatch.setenv("YOLO_MAX_PIXELS", "4000")
+    assert next(iter_source(str(tmp_path / "small.png"))).image.shape == (48, 64, 3)

@@ -217,6 +217,17 @@ def _header_size(f: BinaryIO, head: bytes) -> tuple[str, int, int, bool]:
     return "", 0, 0, False
 
 
+def check_image_size(path: str) -> None:
+    """An ImageError when the file's header says it has more pixels than ``--max-pixels`` (nothing is decoded);
+    detect.py asks before it reads an image whole."""
+    try:
+        with open(path, "rb") as f:
+            _, width, height, _ = _header_size(f, f.read(32))
+    except (OSError, struct.error) as e:
+        raise ImageError(f"cannot read ({e})") from e
+    check_pixels(width, height)
+
+
 def _probe(f: BinaryIO, read_all) -> tuple[tuple[int, int], str]:
     try:
         head = f.read(32)
