@@ -189,10 +189,12 @@ def test_check_data_counts_each_skip_once_and_max_pixels_sets_the_cap(tmp_path, 
 def test_detect_reads_no_image_over_max_pixels(tmp_path, monkeypatch) -> None:
     """detect.py's sources: an image over --max-pixels by its header is reported and never decoded."""
     (tmp_path / "bomb.jpg").write_bytes(_bomb_jpeg())
+    (tmp_path / "bomb.bmp").write_bytes(b"BM" + bytes(12) + struct.pack("<Iii", 40, 60000, -60000) + bytes(28))
     cv2.imwrite(str(tmp_path / "small.png"), np.full((48, 64, 3), 90, np.uint8))
     apply_data_limits(argparse.Namespace(max_pixels=3000))  # as detect.py --max-pixels 3000 sets it
     frames = {Path(f.path).name: f for f in iter_source(str(tmp_path))}
     assert frames["bomb.jpg"].image is None and "65535x65535 is over --max-pixels 3000" in frames["bomb.jpg"].error
+    assert frames["bomb.bmp"].image is None and "60000x60000 is over --max-pixels 3000" in frames["bomb.bmp"].error
     assert frames["small.png"].image is None and "64x48 is over --max-pixels 3000" in frames["small.png"].error
     monkeypatch.setenv("YOLO_MAX_PIXELS", "4000")
     assert next(iter_source(str(tmp_path / "small.png"))).image.shape == (48, 64, 3)

@@ -212,7 +212,11 @@ def _header_size(f: BinaryIO, head: bytes) -> tuple[str, int, int, bool]:
         width, height = _png_header_size(head)
         return "png", width, height, b"IEND" in _tail(f)
     if head[:2] == b"BM" and len(head) >= 26:
-        width, height = struct.unpack("<ii", head[18:26])
+        (info_size,) = struct.unpack("<I", head[14:18])
+        # the old OS/2 header keeps 16-bit sizes; every later one 32-bit signed (negative height: top-down rows)
+        width, height = struct.unpack(
+            "<HH" if info_size == 12 else "<ii", head[18:22] if info_size == 12 else head[18:26]
+        )
         return "bmp", abs(width), abs(height), False
     return "", 0, 0, False
 
