@@ -1,9 +1,10 @@
 """The command-line options the scripts share, each declared once.
 
-train.py, val.py, detect.py, export.py and shards.py add ``--imgsz``, ``--workers``, ``--device``,
-``--project``/``--name``/``--exist-ok``, ``--half`` and ``--end2end`` through the functions here, so that one option has one
-spelling, one set of aliases, one meaning and one default in every script. ``make_parser`` gives every script the
-same help layout: option groups, and each option's default shown.
+train.py, val.py, detect.py, export.py, check_data.py and shards.py add ``--imgsz``, ``--workers``, ``--device``,
+``--project``/``--name``/``--exist-ok``, ``--half``, ``--end2end``, and the limits on what reading data may do
+(``--allow-pipe``, ``--max-pixels``) through the functions here, so that one option has one spelling, one set of
+aliases, one meaning and one default in every script. ``make_parser`` gives every script the same help layout:
+option groups, and each option's default shown.
 
 Run folders are relative to the current directory (``./runs/train/exp``, ``./runs/val/exp``, ...), as in
 YOLOv5 and Ultralytics; scripts record the absolute path of the folder they made.

@@ -1,9 +1,9 @@
 """A per-node cache of remote tar shards: fetched once per node, size-limited, least recently used evicted.
 
-Remote URLs (``http(s)://``, ``pipe:COMMAND``, the latter only with the user's opt-in) are streamed with WebDataset's ``gopen`` into a temporary file
-and renamed into place, so a reader never sees half a shard. Ranks of one node share the directory: a per-shard
-``flock`` makes the first one fetch while the others wait and then reuse the file. Evicting a shard another
-process still has open is safe on POSIX (the open file lives on until closed).
+Remote URLs (``http(s)://``, and ``pipe:COMMAND`` with the user's opt-in only) are streamed with WebDataset's
+``gopen`` into a temporary file and renamed into place, so a reader never sees half a shard. Ranks of one node
+share the directory: a per-shard ``flock`` makes the first one fetch while the others wait and then reuse the
+file. Evicting a shard another process still has open is safe on POSIX (the open file lives on until closed).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Naming WebDataset tar shards in a data YAML: which split entries are shards, and their URLs in order.
 
 A split's ``train:``/``val:`` may name shards as a brace pattern, a list, a ``.txt`` list of URLs or a folder
-of ``.tar`` files; URLs are local paths, ``http(s)://`` or ``pipe:COMMAND`` (refused unless the user opts in: ``--allow-pipe``). The index that makes them readable
-is ``webshards.py``'s.
+of ``.tar`` files; URLs are local paths, ``http(s)://`` or ``pipe:COMMAND`` (refused unless the user opts in with
+``--allow-pipe``). The index that makes them readable is ``webshards.py``'s.
 """
 
 from __future__ import annotations
