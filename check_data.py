@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from utils.cli import add_imgsz, add_workers, make_parser
+from utils.cli import add_allow_pipe, add_imgsz, add_max_pixels, add_workers, apply_data_limits, make_parser
 from utils.data.config import load_data_config
 from utils.data.health import Thresholds, check_dataset, report_lines
 from utils.data.label_table import CORRUPT
@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     data = p.add_argument_group("data")
     data.add_argument("--data", required=True, help="dataset YAML")
     add_workers(data)
+    add_allow_pipe(data)
+    add_max_pixels(data)
     limits = p.add_argument_group("thresholds")
     add_imgsz(limits, help=f"the training image size the box sizes are judged at (default: {t.imgsz})")
     limits.add_argument("--min-box-px", type=float, default=t.min_box_px, help="tiny box: under this many pixels")
@@ -55,6 +57,7 @@ def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run(opt: argparse.Namespace) -> int:
+    apply_data_limits(opt)
     config = load_data_config(opt.data)
     thresholds = Thresholds(opt.imgsz or Thresholds().imgsz, opt.min_box_px, opt.max_aspect, opt.max_imbalance)
     health = check_dataset(config, thresholds, opt.workers)

@@ -34,11 +34,23 @@ import numpy as np
 import torch
 
 from models.families import titles_by
-from utils.cli import INFERENCE_IMGSZ_HELP, add_device, add_end2end, add_half, add_imgsz, add_run_folder, make_parser
+from utils.cli import (
+    INFERENCE_IMGSZ_HELP,
+    add_device,
+    add_end2end,
+    add_half,
+    add_imgsz,
+    add_max_pixels,
+    add_run_folder,
+    apply_data_limits,
+    make_parser,
+)
+from utils.data.image_files import IMG_FORMATS
 from utils.errors import UserError, run_reporting_errors
 from utils.log import LOGGER, colorstr, setup_logging
 from utils.process import setup_process
 from utils.run_dir import increment_path
+from utils.safe_paths import PathParts, inside
 from utils.torch_utils import select_device
 
 
@@ -81,7 +93,6 @@ def save_crop(img: np.ndarray, box: np.ndarray, path: Path, gain: float = 1.02, 
     w, h = w * gain + pad, h * gain + pad
     x1, y1 = int(max(cx - w / 2, 0)), int(max(cy - h / 2, 0))
     x2, y2 = int(min(cx + w / 2, img.shape[1])), int(min(cy + h / 2, img.shape[0]))
-    path.parent.mkdir(parents=True, exist_ok=True)
     cv2.imwrite(str(increment_path(path)), img[y1:y2, x1:x2])
 
 
@@ -90,20 +101,39 @@ def _display_available() -> bool:
 
 
 class _Writers:
-    """Annotated outputs: images written at once, one video writer per video (opened at its first frame)."""
+    """Annotated outputs: images written at once, one video writer per video (opened at its first frame).
 
-    def __init__(self, save_dir: Path):
+    Every file name made from an input's stem or a class name goes through ``utils/safe_paths.py`` and is checked
+    to lie inside the run folder: a class name such as ``../../x`` comes from a file the user may not have written.
+    """
+
+    def __init__(self, save_dir: Path, names: list[str]):
         self.save_dir = save_dir
         self.videos: dict[str, cv2.VideoWriter] = {}
+        self.stems = PathParts()
+        classes = PathParts()
+        self.class_parts = [classes.part(name) for name in names]
+
+    def path(self, *parts: str) -> Path:
+        """A file in the run folder, from safe parts; the folders above it made."""
+        path = inside(self.save_dir, self.save_dir.joinpath(*parts))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def stem(self, frame: Any) -> str:
+        """The frame's output stem: its file's stem made safe, and the frame number of a video."""
+        return self.stems.part(Path(frame.path).stem) + (f"_{frame.index}" if frame.kind != "image" else "")
 
     def write(self, frame: Any, img: np.ndarray) -> None:
         if frame.kind == "image":
-            cv2.imwrite(str(self.save_dir / Path(frame.path).name), img)
+            suffix = Path(frame.path).suffix.lower()
+            suffix = suffix if suffix[1:] in IMG_FORMATS else ".jpg"
+            cv2.imwrite(str(self.path(self.stem(frame) + suffix)), img)
             return
         if frame.path not in self.videos:
             for writer in self.videos.values():  # videos are read one after the other
                 writer.release()
-            out = self.save_dir / f"{Path(frame.path).stem}.mp4"
+            out = self.path(f"{self.stems.part(Path(frame.path).stem)}.mp4")
             h, w = img.shape[:2]
             self.videos = {frame.path: cv2.VideoWriter(str(out), cv2.VideoWriter_fourcc(*"mp4v"), frame.fps, (w, h))}
         self.videos[frame.path].write(img)
@@ -175,6 +205,7 @@ def _predictor(opt: argparse.Namespace, device: torch.device) -> tuple[Any, int]
 def run_options(opt: argparse.Namespace) -> DetectResults:
     from utils.evaluation.predictor import threads_for
 
+    apply_data_limits(opt)
     device = select_device(opt.device)
     predictor, imgsz = _predictor(opt, device)
     batch_size = predictor.meta.batch or max(opt.batch_size, 1)
@@ -185,7 +216,7 @@ def run_options(opt: argparse.Namespace) -> DetectResults:
     if opt.save_txt:
         (save_dir / "labels").mkdir(exist_ok=True)
     results = DetectResults(save_dir)
-    writers = _Writers(save_dir)
+    writers = _Writers(save_dir, predictor.meta.names)
     try:
         with threads_for(predictor.runner):
             _detect_all(opt, predictor, (imgsz, batch_size), save_dir, writers, view, results)
@@ -256,13 +287,13 @@ def _handle_frame(
     """Labels, crops, annotated image and display for one frame's detections (n, 6) in original pixels."""
     from utils.plots import class_colour
 
-    stem = Path(frame.path).stem + (f"_{frame.index}" if frame.kind != "image" else "")
+    stem = writers.stem(frame)
     results.detections[frame.path if frame.kind == "image" else f"{frame.path}:{frame.index}"] = det
     if opt.save_txt and len(det):  # as in YOLOv5, a frame without detections gets no label file
         from utils.evaluation.outputs import label_lines
 
         lines = label_lines(det, frame.image.shape[:2], opt.save_conf)
-        (save_dir / "labels" / f"{stem}.txt").write_text("".join(f"{line}\n" for line in lines))
+        writers.path("labels", f"{stem}.txt").write_text("".join(f"{line}\n" for line in lines))
     original = frame.image.copy() if opt.save_crop else None
     annotated = frame.image
     for *box, conf, cls in det:
@@ -271,7 +302,7 @@ def _handle_frame(
             label = "" if opt.hide_labels else (name if opt.hide_conf else f"{name} {conf:.2f}")
             draw_detection(annotated, np.array(box), label, class_colour(int(cls), bgr=True))
         if opt.save_crop:
-            save_crop(original, np.array(box), save_dir / "crops" / name / f"{stem}.jpg")
+            save_crop(original, np.array(box), writers.path("crops", writers.class_parts[int(cls)], f"{stem}.jpg"))
     if not opt.nosave:
         writers.write(frame, annotated)
     if view:
@@ -287,6 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_imgsz(data, help=INFERENCE_IMGSZ_HELP)
     data.add_argument("--batch-size", type=int, default=1, help="images per forward pass")
+    add_max_pixels(data)
     model = parser.add_argument_group("model and inference")
     model.add_argument(
         "--weights",

@@ -33,7 +33,17 @@ from typing import Any
 import torch
 
 from models.families import titles_by
-from utils.cli import INFERENCE_IMGSZ_HELP, add_device, add_end2end, add_half, add_imgsz, make_parser
+from utils.cli import (
+    INFERENCE_IMGSZ_HELP,
+    add_allow_pipe,
+    add_device,
+    add_end2end,
+    add_half,
+    add_imgsz,
+    add_max_pixels,
+    apply_data_limits,
+    make_parser,
+)
 from utils.errors import UserError, run_reporting_errors
 from utils.log import LOGGER, colorstr, setup_logging
 from utils.process import setup_process
@@ -99,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="dataset YAML: validate every file on its val split against the PyTorch model (and "
         "calibrate --int8 on its train split)",
     )
+    add_allow_pipe(gate)
+    add_max_pixels(gate)
     gate.add_argument(
         "--max-drop",
         type=float,
@@ -258,6 +270,7 @@ def export_one(fmt: Any, source: Source, weights: Path) -> tuple[Path, str]:
 
 
 def run_options(opt: argparse.Namespace) -> list[Path]:
+    apply_data_limits(opt)
     source, formats = prepare(opt)
     weights = Path(opt.weights)
     LOGGER.info(

@@ -25,7 +25,17 @@ import sys
 from pathlib import Path
 
 from models.families import titles_by
-from utils.cli import RUNS, add_device, add_imgsz, add_run_folder, add_workers, make_parser
+from utils.cli import (
+    RUNS,
+    add_allow_pipe,
+    add_device,
+    add_imgsz,
+    add_max_pixels,
+    add_run_folder,
+    add_workers,
+    apply_data_limits,
+    make_parser,
+)
 from utils.data.config import data_yaml_path
 from utils.distributed import check_one_process_per_gpu, dist_info, end_with_launcher
 from utils.engine.config import TrainConfig, field_names
@@ -70,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="cache decoded images: auto (in RAM when the dataset is small), ram, disk, off (default: auto)",
     )
     add_workers(data)
+    add_allow_pipe(data)
+    add_max_pixels(data)
     data.add_argument(
         "--shard-window",
         type=int,
@@ -303,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     launch = make_launch(opt, explicit)
 
     def start() -> int:
+        apply_data_limits(opt)
         check_one_process_per_gpu(opt.device, info, f"train.py {shlex.join(opt.argv)}")
         return run(launch, info)
 

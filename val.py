@@ -21,12 +21,15 @@ from typing import Any
 from models.families import titles_by
 from utils.cli import (
     INFERENCE_IMGSZ_HELP,
+    add_allow_pipe,
     add_device,
     add_end2end,
     add_half,
     add_imgsz,
+    add_max_pixels,
     add_run_folder,
     add_workers,
+    apply_data_limits,
     make_parser,
 )
 from utils.errors import UserError, run_reporting_errors
@@ -52,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--batch-size", type=int, default=32, help="images per forward pass")
     data.add_argument("--single-cls", action="store_true", help="treat every class as one")
     add_workers(data)
+    add_allow_pipe(data)
+    add_max_pixels(data)
     model = parser.add_argument_group("model and inference")
     model.add_argument(
         "--weights",
@@ -101,6 +106,7 @@ def run(**options: Any) -> ValResults:
 
 def run_options(opt: argparse.Namespace) -> ValResults:
     """Load a model (any format) and a dataset split, validate, and save the outputs in a new run folder."""
+    apply_data_limits(opt)
     from utils.data.config import load_data_config
     from utils.distributed import dist_info, init_process_group
     from utils.evaluation.predictor import open_for_prediction, threads_for

@@ -281,6 +281,16 @@ def project_logger_as_found(project_logger_at_start):
     LOGGER.propagate, LOGGER.disabled = propagate, disabled
 
 
+@pytest.fixture(autouse=True)
+def data_limits_as_found(monkeypatch):
+    """``--allow-pipe`` and ``--max-pixels`` reach the data readers through the environment (utils/cli.py:
+    apply_data_limits); an in-process ``main()`` or ``run()`` sets them, and no test may inherit another's."""
+    from utils.cli import ALLOW_PIPE_ENV, MAX_PIXELS_ENV
+
+    monkeypatch.delenv(ALLOW_PIPE_ENV, raising=False)
+    monkeypatch.delenv(MAX_PIXELS_ENV, raising=False)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:  # a worker per core: OpenMP threads beyond its share spin on cores the other workers need

@@ -99,3 +99,20 @@ def test_check_data_reads_coco_json_and_passes_a_clean_set_strictly(tmp_path: Pa
         json.dumps({"images": images, "annotations": anns, "categories": [{"id": 1, "name": "thing"}]})
     )
     assert check_data.main(args) == 0
+
+
+def test_check_data_names_labels_without_images_and_classes_only_val_has(tmp_path: Path, capsys) -> None:
+    for i in range(2):
+        _image(tmp_path / "images" / "train" / f"t{i}.png", i)
+        _label(tmp_path, "train", f"t{i}", "0 0.5 0.5 0.5 0.5\n")
+    _label(tmp_path, "train", "gone", "0 0.5 0.5 0.2 0.2\n1 0.3 0.3 0.1 0.1\n")  # its image was removed
+    _image(tmp_path / "images" / "val" / "v0.png", 9)
+    _label(tmp_path, "val", "v0", "0 0.5 0.5 0.5 0.5\n2 0.5 0.5 0.2 0.2\n")  # class c: never in train
+    yaml_file = tmp_path / "data.yaml"
+    yaml_file.write_text(f"path: {tmp_path}\ntrain: images/train\nval: images/val\nnames: [a, b, c]\n")
+    assert check_data.main(["--data", str(yaml_file), "--workers", "0", "--noplots"]) == 0
+    out = capsys.readouterr().out
+    gone = tmp_path / "labels" / "train" / "gone.txt"
+    assert f"  1 label files without an image (2 boxes never trained):\n    {gone}\n" in out
+    assert out.count("label files without an image") == 1  # val's folder has none
+    assert "WARNING classes in val that train never shows (the model cannot learn them): c\n" in out

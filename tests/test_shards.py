@@ -183,6 +183,7 @@ def http_server(converted):
 def test_http_and_pipe_urls_read_like_local_shards(converted, http_server, tmp_path, monkeypatch) -> None:
     _, shard_yaml = converted
     monkeypatch.setenv("YOLO_TRAIN_SHARD_CACHE", str(tmp_path / "node-cache"))
+    monkeypatch.setenv("YOLO_ALLOW_PIPE", "1")  # the pipe: URL below runs only with the user's opt-in
     sh = shard_yaml.parent
     remote = tmp_path / "remote.yaml"
     remote.write_text(
@@ -391,7 +392,17 @@ def test_shards_written_by_webdataset_itself_load_and_train_also_over_pipe(tmp_p
     monkeypatch.setenv("YOLO_TRAIN_SHARD_CACHE", str(tmp_path / "node-cache"))
     yaml_file.write_text(f"path: {tmp_path}\ntrain: pipe:cat {shard}\nval: foreign-000000.tar\nnames: [red, blue]\n")
     status, _ = train_here(
-        "--data", yaml_file, "--project", tmp_path, "--name", "exp", "--batch-size", "2", "--epochs", "1"
+        "--data",
+        yaml_file,
+        "--project",
+        tmp_path,
+        "--name",
+        "exp",
+        "--batch-size",
+        "2",
+        "--epochs",
+        "1",
+        "--allow-pipe",
     )
     assert status == 0
     rows = (tmp_path / "exp" / "results.csv").read_text().strip().splitlines()

@@ -1,9 +1,10 @@
 """The command-line options the scripts share, each declared once.
 
-train.py, val.py, detect.py, export.py and shards.py add ``--imgsz``, ``--workers``, ``--device``,
-``--project``/``--name``/``--exist-ok``, ``--half`` and ``--end2end`` through the functions here, so that one option has one
-spelling, one set of aliases, one meaning and one default in every script. ``make_parser`` gives every script the
-same help layout: option groups, and each option's default shown.
+train.py, val.py, detect.py, export.py, check_data.py and shards.py add ``--imgsz``, ``--workers``, ``--device``,
+``--project``/``--name``/``--exist-ok``, ``--half``, ``--end2end``, and the limits on what reading data may do
+(``--allow-pipe``, ``--max-pixels``) through the functions here, so that one option has one spelling, one set of
+aliases, one meaning and one default in every script. ``make_parser`` gives every script the same help layout:
+option groups, and each option's default shown.
 
 Run folders are relative to the current directory (``./runs/train/exp``, ``./runs/val/exp``, ...), as in
 YOLOv5 and Ultralytics; scripts record the absolute path of the folder they made.
@@ -12,13 +13,19 @@ YOLOv5 and Ultralytics; scripts record the absolute path of the folder they made
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
+
+from utils.errors import UserError
 
 RUNS = Path("runs")  # under the current directory
 INFERENCE_IMGSZ = 640  # YOLOv5's size, used when neither --imgsz nor the model says otherwise
 INFERENCE_IMGSZ_HELP = (
     f"default: the size the checkpoint was trained at (an exported file: its own size), else {INFERENCE_IMGSZ}"
 )
+ALLOW_PIPE_ENV = "YOLO_ALLOW_PIPE"  # "1": pipe: shard URLs may run their commands (--allow-pipe)
+MAX_PIXELS_ENV = "YOLO_MAX_PIXELS"  # --max-pixels, as the data readers of every process of a run see it
+MAX_PIXELS = 2**28  # 16384 x 16384: larger images are skipped (a header claiming more is never allocated)
 WORKERS = 8  # at most; the loaders use no more than the machine's cores (utils/data/loader.py)
 
 
@@ -96,3 +103,38 @@ def add_end2end(group) -> None:
         action="store_true",
         help="NMS-free output of the one-to-one head (B, 300, 6), for a model family that has one (docs/families.md)",
     )
+
+
+def add_allow_pipe(group) -> None:
+    group.add_argument(
+        "--allow-pipe",
+        action="store_true",
+        help=f"let pipe:COMMAND shard URLs in the data YAML or a shard list run their shell commands (or set "
+        f"{ALLOW_PIPE_ENV}=1); without it such a source is refused: a downloaded data YAML must not run code",
+    )
+
+
+def add_max_pixels(group) -> None:
+    group.add_argument(
+        "--max-pixels",
+        type=int,
+        default=MAX_PIXELS,
+        metavar="PIXELS",
+        help="images with more pixels (width x height, as their header says) are skipped and counted, never "
+        "allocated (default: 2**28)",
+    )
+
+
+def apply_data_limits(opt: argparse.Namespace) -> None:
+    """Hand ``--allow-pipe`` and ``--max-pixels`` to the data readers of this process and of the processes it
+    starts (loader workers, probe pools, ranks), through the environment they all inherit.
+
+    ``YOLO_ALLOW_PIPE=1`` set by the user stays set; the flag only adds the opt-in.
+    """
+    if getattr(opt, "allow_pipe", False):
+        os.environ[ALLOW_PIPE_ENV] = "1"
+    max_pixels = getattr(opt, "max_pixels", None)
+    if max_pixels is not None:
+        if max_pixels < 100:
+            raise UserError(f"--max-pixels {max_pixels}: must be at least 100 (an image is at least 10x10)")
+        os.environ[MAX_PIXELS_ENV] = str(max_pixels)

@@ -168,6 +168,7 @@ class YoloDataset(Dataset):
         # Loading in the main process (no workers) leaves cores idle: decode a mosaic's tiles in threads.
         self.decode_threads = max(1, o.decode_threads)
         self._decode_pool: ThreadPoolExecutor | None = None
+        self._unreadable: set[int] = set()  # images that failed to decode in this process (warned once each)
         if cache == "disk" and not self.source.disk_cacheable:
             LOGGER.warning(f"{prefix}WARNING --cache disk does not apply to {self.source.kind}: not caching")
             cache = None
@@ -289,10 +290,17 @@ class YoloDataset(Dataset):
 
     def _read_original(self, i: int) -> np.ndarray:
         img = self.source.read(i)
-        if img is None:  # verified earlier, so the file or shard changed or broke since: keep training going
-            LOGGER.warning(f"{self.prefix}WARNING {self.im_files[i]}: cannot decode image, using a grey image")
+        if img is None:
+            # It decoded when probed (image_checks.py), so the file or shard changed since: keep training going
+            # on a grey image at the training size, never one of the size its header claims; said once per image.
+            if i not in self._unreadable:
+                self._unreadable.add(i)
+                LOGGER.warning(
+                    f"{self.prefix}WARNING {self.im_files[i]}: cannot decode image (it decoded when the labels were "
+                    "checked: the file changed since), using a grey image"
+                )
             w, h = (int(v) for v in self.shapes[i])
-            img = np.full((h, w, 3), 114, np.uint8)
+            img = np.full((*long_side_shape(h, w, self.imgsz), 3), 114, np.uint8)
         return img
 
     def _decode(self, i: int) -> np.ndarray:

@@ -4,7 +4,8 @@ Each split is read through labels.py (label files, COCO JSON, VOC, shards; cache
 training), then measured: images and instances per class, backgrounds, corrupt files and label errors (what the
 readers skipped and counted), boxes smaller than ``min_box_px`` pixels at ``imgsz``, boxes more elongated than
 ``max_aspect``, class imbalance beyond ``max_imbalance`` (most to fewest instances of classes in use, and classes
-without any), and duplicate images (same bytes) within a split and across splits, naming both files.
+without any, and classes val has that train never shows), duplicate images (same bytes) within a split and
+across splits, naming both files, and label files that no image of the split has (their boxes vanish unnamed).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from utils.data.image_files import orphan_label_files
 from utils.data.label_table import CORRUPT, LabelTable
 from utils.data.labels import read_table
 
@@ -52,6 +54,7 @@ class SplitHealth:
     tiny_boxes: int
     extreme_aspect: int
     problems: list[str] = field(default_factory=list)
+    orphan_labels: list[str] = field(default_factory=list)  # label files of this split's folders without an image
 
 
 @dataclass
@@ -62,6 +65,7 @@ class Health:
     imbalance: float
     missing_classes: list[int]
     thresholds: Thresholds
+    val_only_classes: list[int] = field(default_factory=list)  # classes val has and train never shows
 
     @property
     def failed(self) -> bool:
@@ -136,10 +140,37 @@ def check_dataset(config: dict, t: Thresholds, workers: int = 8) -> Health:
             if digest in first_seen and first_seen[digest][0] != s.name:
                 leaks += [(*first_seen[digest], s.name, f) for f in files]
             first_seen.setdefault(digest, (s.name, files[0]))
+    for s in splits:
+        if isinstance(config[s.name], (str, list)):  # images with label files beside them (not JSON, XML, shards)
+            s.orphan_labels = orphan_label_files(list(s.table.im_files))
     train = splits[0].instances
     in_use = train[train > 0]
     imbalance = float(in_use.max() / in_use.min()) if len(in_use) else 0.0
-    return Health(splits, within, leaks, imbalance, [int(k) for k in np.nonzero(train == 0)[0]], t)
+    val = next((s.instances for s in splits if s.name == "val"), np.zeros_like(train))
+    val_only = [int(k) for k in np.nonzero((train == 0) & (val > 0))[0]]
+    return Health(splits, within, leaks, imbalance, [int(k) for k in np.nonzero(train == 0)[0]], t, val_only)
+
+
+def _class_name(names: list[str], k: int) -> str:
+    return names[k] if k < len(names) else str(k)
+
+
+def _orphan_lines(s: SplitHealth, max_listed: int) -> list[str]:
+    """The label files of a split that have no image, named, with the boxes they hold (never trained)."""
+    if not s.orphan_labels:
+        return []
+    boxes = 0
+    for path in s.orphan_labels:
+        try:
+            with open(path, encoding="utf-8") as f:
+                boxes += sum(1 for line in f if line.strip())
+        except (OSError, UnicodeDecodeError):
+            continue  # named all the same; its boxes cannot be counted
+    out = [f"  {len(s.orphan_labels)} label files without an image ({boxes} boxes never trained):"]
+    out += [f"    {p}" for p in s.orphan_labels[:max_listed]]
+    if len(s.orphan_labels) > max_listed:
+        out.append(f"    ... and {len(s.orphan_labels) - max_listed} more")
+    return out
 
 
 def report_lines(health: Health, names: list[str], max_listed: int = 20) -> list[str]:
@@ -163,10 +194,16 @@ def report_lines(health: Health, names: list[str], max_listed: int = 20) -> list
             out.append(f"  problem: {msg}")
         if len(s.problems) > max_listed:
             out.append(f"  ... and {len(s.problems) - max_listed} more problems")
+        out += _orphan_lines(s, max_listed)
     if health.imbalance > t.max_imbalance:
         out.append(
             f"WARNING class imbalance in train: {health.imbalance:.1f}x between the most and least common "
             f"classes (threshold {t.max_imbalance:g}x)"
+        )
+    if health.val_only_classes:
+        out.append(
+            "WARNING classes in val that train never shows (the model cannot learn them): "
+            f"{', '.join(_class_name(names, k) for k in health.val_only_classes)}"
         )
     if health.missing_classes:
         out.append(

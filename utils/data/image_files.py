@@ -23,6 +23,24 @@ def img2label_path(im_file: str) -> str:
     return f"{os.path.splitext(path)[0]}.txt"
 
 
+def orphan_label_files(im_files: list[str]) -> list[str]:
+    """Label files in the label folders of these images that belong to none of them (a label whose image was
+    removed or renamed: its boxes are never trained). Only folders apart from the images' own are searched, where
+    every ``.txt`` is a label file."""
+    wanted = {img2label_path(f) for f in im_files}
+    folders = {os.path.dirname(p) for p in wanted} - {os.path.dirname(f) for f in im_files}
+    found = []
+    for folder in sorted(folders):
+        try:
+            names = os.listdir(folder)
+        except OSError:  # no label folder: every image is a background one
+            continue
+        found += [
+            os.path.join(folder, n) for n in names if n.endswith(".txt") and os.path.join(folder, n) not in wanted
+        ]
+    return sorted(found)
+
+
 def _read_list_file(txt: Path) -> list[str]:
     """Image paths listed in a ``.txt`` file; relative entries (``./x`` or ``x``) are relative to its folder."""
     try:

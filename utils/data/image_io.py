@@ -2,9 +2,9 @@
 
 Decoding works on the encoded bytes, wherever they come from (a file, a tar shard); ``read_image`` and
 ``read_image_region`` are the file versions. ``probe_image`` gets an image's displayed size from its header
-without decoding the pixels (JPEG and PNG, the common case); it decodes only files that look damaged or are in
-a rarer format. This is what makes verifying a large dataset fast. The JPEG header parser here (frame size and
-EXIF orientation) is the project's only one.
+(JPEG, PNG, BMP), checks it against ``--max-pixels`` before any decoding, and then checks that the body decodes
+in bounded memory (image_checks.py); files that look damaged or are in a rarer format are decoded whole. The
+JPEG header parser here (frame size and EXIF orientation) is the project's only one.
 """
 
 from __future__ import annotations
@@ -16,7 +16,10 @@ from typing import BinaryIO
 import cv2
 import numpy as np
 
+from utils.data.image_checks import ImageError, check_pixels, verify_body
 from utils.data.jpeg_region import JpegRegionDecoder
+
+__all__ = ["ImageError"]  # defined beside the checks that raise it, used by every caller of the probes here
 
 JPEG_SOI, JPEG_EOI = b"\xff\xd8", b"\xff\xd9"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -24,10 +27,6 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _JPEG_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
 _EXIF_ORIENTATION_TAG = 0x0112
 _TAIL_BYTES = 64  # how far from the end of file an end marker may sit (some writers pad with zeros)
-
-
-class ImageError(ValueError):
-    """The file is not a usable image; the message says why."""
 
 
 def _imdecode(data: np.ndarray) -> np.ndarray | None:
@@ -200,39 +199,65 @@ def probe_image_bytes(data: bytes) -> tuple[tuple[int, int], str]:
     return _probe(io.BytesIO(data), lambda: np.frombuffer(data, np.uint8))
 
 
+def _header_size(f: BinaryIO, head: bytes) -> tuple[str, int, int, bool]:
+    """(kind, displayed width, height, end marker present) from the header; 0x0 where the format has no parser
+    here. A BMP's size is read too, so that the pixel cap holds before it is decoded."""
+    if head[:2] == JPEG_SOI:
+        f.seek(0)
+        width, height, orientation = _jpeg_header(_Reader(f))
+        if orientation in (5, 6, 7, 8):  # rotated by 90 degrees on display
+            width, height = height, width
+        return "jpeg", width, height, JPEG_EOI in _tail(f)
+    if head[:8] == PNG_SIGNATURE:
+        width, height = _png_header_size(head)
+        return "png", width, height, b"IEND" in _tail(f)
+    if head[:2] == b"BM" and len(head) >= 26:
+        (info_size,) = struct.unpack("<I", head[14:18])
+        # the old OS/2 header keeps 16-bit sizes; every later one 32-bit signed (negative height: top-down rows)
+        width, height = struct.unpack(
+            "<HH" if info_size == 12 else "<ii", head[18:22] if info_size == 12 else head[18:26]
+        )
+        return "bmp", abs(width), abs(height), False
+    return "", 0, 0, False
+
+
+def check_image_size(path: str) -> None:
+    """An ImageError when the file's header says it has more pixels than ``--max-pixels`` (nothing is decoded);
+    detect.py asks before it reads an image whole."""
+    try:
+        with open(path, "rb") as f:
+            _, width, height, _ = _header_size(f, f.read(32))
+    except (OSError, struct.error) as e:
+        raise ImageError(f"cannot read ({e})") from e
+    check_pixels(width, height)
+
+
 def _probe(f: BinaryIO, read_all) -> tuple[tuple[int, int], str]:
     try:
         head = f.read(32)
-        if head[:2] == JPEG_SOI:
-            f.seek(0)
-            width, height, orientation = _jpeg_header(_Reader(f))
-            if orientation in (5, 6, 7, 8):  # rotated by 90 degrees on display
-                width, height = height, width
-            complete = JPEG_EOI in _tail(f)
-        elif head[:8] == PNG_SIGNATURE:
-            width, height = _png_header_size(head)
-            complete = b"IEND" in _tail(f)
-        else:
-            width = height = 0
-            complete = False
+        kind, width, height, complete = _header_size(f, head)
     except (OSError, struct.error) as e:
         raise ImageError(f"cannot read ({e})") from e
+    check_pixels(width, height)  # before a byte of pixels is decoded: the header's claim allocates nothing
 
     warning = ""
-    if not complete:  # unknown format or a missing end marker: decode to be sure
-        data = read_all()
-        if data is None:
-            raise ImageError("cannot read")
-        if data.size == 0:
-            raise ImageError("empty file")
+    data = read_all()
+    if data is None:
+        raise ImageError("cannot read")
+    if data.size == 0:
+        raise ImageError("empty file")
+    if complete:  # an intact header and end marker: the body may still not decode (checked in bounded memory)
+        verify_body(kind, data)
+    else:  # unknown format or a missing end marker: decode to be sure
         img = _imdecode(data)
-        if img is None and head[:2] == JPEG_SOI:
+        if img is None and kind == "jpeg":
             img = decode_image(data)
             if img is not None:
                 warning = "truncated JPEG, repaired in memory when read"
         if img is None:
             raise ImageError("cannot decode image")
         height, width = img.shape[:2]
+        check_pixels(width, height)  # a format whose header is not parsed here (cv2 caps its own decoding)
     if width < 10 or height < 10:
         raise ImageError(f"image size {width}x{height} is below 10 pixels")
     return (width, height), warning

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from utils.data.image_checks import probe_key
 from utils.data.label_table import LabelTable
 from utils.files import atomic_output
 from utils.log import LOGGER
@@ -29,7 +30,7 @@ FALLBACK_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expandus
 
 def stat_digest(header: str, paths: Iterable[str]) -> str:
     """Hash of ``header`` and the paths with their sizes and modification times (a missing file hashes too)."""
-    h = hashlib.sha256(f"v{CACHE_VERSION} {header}\n".encode())
+    h = hashlib.sha256(f"v{CACHE_VERSION} {probe_key()} {header}\n".encode())  # probe_key: what was verified
     for path in paths:
         try:
             st = os.stat(path)

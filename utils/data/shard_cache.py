@@ -1,9 +1,9 @@
 """A per-node cache of remote tar shards: fetched once per node, size-limited, least recently used evicted.
 
-Remote URLs (``http(s)://``, ``pipe:COMMAND``) are streamed with WebDataset's ``gopen`` into a temporary file
-and renamed into place, so a reader never sees half a shard. Ranks of one node share the directory: a per-shard
-``flock`` makes the first one fetch while the others wait and then reuse the file. Evicting a shard another
-process still has open is safe on POSIX (the open file lives on until closed).
+Remote URLs (``http(s)://``, and ``pipe:COMMAND`` with the user's opt-in only) are streamed with WebDataset's
+``gopen`` into a temporary file and renamed into place, so a reader never sees half a shard. Ranks of one node
+share the directory: a per-shard ``flock`` makes the first one fetch while the others wait and then reuse the
+file. Evicting a shard another process still has open is safe on POSIX (the open file lives on until closed).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+from utils.cli import ALLOW_PIPE_ENV
 from utils.errors import UserError
 from utils.files import atomic_output
 from utils.log import LOGGER
@@ -29,6 +30,16 @@ CHUNK = 1 << 20
 
 def is_remote(url: str) -> bool:
     return url.startswith(REMOTE_PREFIXES)
+
+
+def check_pipe_allowed(url: str, source: str) -> None:
+    """A one-line error for a ``pipe:`` URL unless the user opted in: its command goes to a shell, and a data
+    YAML or shard list that came with a download must not run code by being read."""
+    if url.startswith("pipe:") and os.environ.get(ALLOW_PIPE_ENV) != "1":
+        raise UserError(
+            f"{source}: {url[:120]!r} is a pipe: URL, which runs a shell command; it was not run. "
+            f"To run it, pass --allow-pipe (or set {ALLOW_PIPE_ENV}=1)"
+        )
 
 
 class FetchError(OSError):
@@ -71,6 +82,7 @@ class ShardCache:
         """A local file holding the shard ``url``: itself when local, else the cached copy (fetched if needed)."""
         if not is_remote(url):
             return url
+        check_pipe_allowed(url, "shard")  # shard_names.py refused it already; no other way reaches the shell
         dest = self.path_for(url)
         if dest.is_file():
             with contextlib.suppress(OSError):

@@ -1,8 +1,8 @@
 """Naming WebDataset tar shards in a data YAML: which split entries are shards, and their URLs in order.
 
 A split's ``train:``/``val:`` may name shards as a brace pattern, a list, a ``.txt`` list of URLs or a folder
-of ``.tar`` files; URLs are local paths, ``http(s)://`` or ``pipe:COMMAND``. The index that makes them readable
-is ``webshards.py``'s.
+of ``.tar`` files; URLs are local paths, ``http(s)://`` or ``pipe:COMMAND`` (refused unless the user opts in with
+``--allow-pipe``). The index that makes them readable is ``webshards.py``'s.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from utils.data.image_files import is_image_file
-from utils.data.shard_cache import check_local_shards, is_remote
+from utils.data.shard_cache import check_local_shards, check_pipe_allowed, is_remote
 from utils.errors import UserError
 
 
@@ -85,5 +85,7 @@ def resolve_shard_split(value: str | list[str], root: Path, yaml_file: Path, key
     urls = expand_shard_urls(entries, root)
     if not urls:
         raise UserError(f"{yaml_file}: '{key}' {value!r} names no shards")
+    for url in urls:  # before anything is opened: a pipe: URL from a shard list too
+        check_pipe_allowed(url, f"{yaml_file} '{key}'")
     check_local_shards(urls, f"{yaml_file} '{key}'")
     return ShardSet(tuple(urls), f"{yaml_file} '{key}'")

@@ -15,7 +15,7 @@ import cv2
 import numpy as np
 
 from utils.data.image_files import IMG_FORMATS, is_image_file
-from utils.data.image_io import read_image
+from utils.data.image_io import ImageError, check_image_size, read_image
 from utils.errors import UserError
 
 VID_FORMATS = ("asf", "avi", "gif", "m4v", "mkv", "mov", "mp4", "mpeg", "mpg", "ts", "wmv", "webm")
@@ -79,6 +79,19 @@ def _video_frames(path: str, capture: cv2.VideoCapture, kind: str) -> Iterator[F
         yield Frame(path, None, kind, error="no frame could be read")
 
 
+def _image_frame(path: str) -> Frame:
+    """A still image, or why it is skipped: missing, over --max-pixels by its header (then never decoded),
+    or undecodable."""
+    if not Path(path).is_file():
+        return Frame(path, None, "image", error="file not found")
+    try:
+        check_image_size(path)
+    except ImageError as e:
+        return Frame(path, None, "image", error=str(e))
+    image = read_image(path)
+    return Frame(path, image, "image", error="" if image is not None else "image cannot be decoded")
+
+
 def iter_source(source: str | int) -> Iterator[Frame]:
     """Frames of ``source`` in order: each file of a folder/glob/list, each frame of each video."""
     source = str(source)
@@ -96,14 +109,6 @@ def iter_source(source: str | int) -> Iterator[Frame]:
                 continue
             yield from _video_frames(path, capture, "video")
         elif is_image_file(path):
-            image = read_image(path) if Path(path).is_file() else None
-            yield Frame(
-                path,
-                image,
-                "image",
-                error=""
-                if image is not None
-                else ("file not found" if not Path(path).is_file() else "image cannot be decoded"),
-            )
+            yield _image_frame(path)
         else:
             yield Frame(path, None, "image", error="not an image or video format this reads")

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from utils.data.image_checks import probe_key
 from utils.data.image_io import ImageError, probe_image_bytes
 from utils.data.label_cache import cached_table
 from utils.data.label_table import BACKGROUND, CORRUPT, EMPTY, LABELLED, LabelTable, TableBuilder, report
@@ -194,7 +195,7 @@ def scan_shard(url: str, cache: ShardCache, nc: int | None) -> _ShardScan:
 
 
 def _index_hash(urls: tuple[str, ...], nc: int | None) -> str:
-    h = hashlib.sha256(f"v{INDEX_VERSION} nc={nc}\n".encode())
+    h = hashlib.sha256(f"v{INDEX_VERSION} nc={nc} {probe_key()}\n".encode())
     for url in urls:
         if is_remote(url):
             h.update(f"{url}\n".encode())  # a remote shard is taken as immutable once named

@@ -14,6 +14,7 @@ from utils.boxes import xyxy2xywhn
 from utils.evaluation.evaluator import DetectionEvaluator, ImageTruth, ValResults
 from utils.log import LOGGER
 from utils.metrics import ClassMetrics
+from utils.safe_paths import PathParts, inside
 
 N_PLOTTED_BATCHES = 3
 
@@ -44,6 +45,7 @@ class ValOutputs:
 
     def __init__(self, options: OutputOptions, names: list[str]):
         self.options, self.names = options, names
+        self.stems = PathParts()  # an image's stem is someone else's string: made safe before it names a file
 
     def on_batch(
         self,
@@ -57,7 +59,7 @@ class ValOutputs:
         if o.save_txt:
             for image in images:
                 write_txt(
-                    o.save_dir / "labels" / f"{Path(image.path).stem}.txt",
+                    inside(o.save_dir, o.save_dir / "labels" / f"{self.stems.part(Path(image.path).stem)}.txt"),
                     image.detections,
                     image.original_hw,
                     o.save_conf,
