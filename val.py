@@ -265,7 +265,9 @@ def _validate(
     )
     predictor = Predictor(runner, family_of(runner.meta.family), options)
     evaluator = DetectionEvaluator(
-        data_cfg["names"], single_cls=opt.single_cls, confusion=save_dir is not None and not opt.noplots and main
+        data_cfg["names"],
+        single_cls=opt.single_cls,
+        confusion=not opt.noplots,  # on every rank: synchronize sums it
     )
     if save_json:
         evaluator.json_ids = json_identities(loader.dataset, evaluator.names)

@@ -284,3 +284,83 @@ def test_shards_converts_a_coco_split(coco_root: Path) -> None:
     shards = load_labels(shard_cfg["train"], nc=2, verbose=False)
     assert len(shards) == len(coco) == 8
     np.testing.assert_array_equal(shards.labels.rows, coco.labels.rows)  # every float32 digit kept
+
+
+def test_coco_non_finite_out_of_range_and_mistyped_numbers_are_named_label_errors(tmp_path: Path, capsys) -> None:
+    images = tmp_path / "train"
+    images.mkdir()
+    for name in "abcde":
+        cv2.imwrite(str(images / f"{name}.jpg"), np.full((50, 100, 3), 128, np.uint8))
+    widths = {"a": float("nan"), "b": float("inf"), "c": "BIG", "d": 10**12, "e": 100}  # BIG: written as 1e400
+    box = [10, 10, 20, 10]
+    data = {
+        "images": [
+            {"id": k, "file_name": f"{n}.jpg", "width": w, "height": 50} for k, (n, w) in enumerate(widths.items())
+        ],
+        "categories": [{"id": 1, "name": "red"}, {"id": 2, "name": "blue"}],
+        "annotations": [
+            *({"id": 10 + k, "image_id": k, "category_id": 1, "bbox": box} for k in range(4)),  # bad sizes
+            {"id": 20, "image_id": 4, "category_id": 1, "bbox": [float("nan"), 10, 20, 10]},
+            {"id": 21, "image_id": 4, "category_id": 1, "bbox": [10, 10, float("inf"), 10]},
+            {"id": 22, "image_id": 4, "category_id": 1, "bbox": [True, 10, 20, 10]},
+            {"id": 23, "image_id": True, "category_id": 2, "bbox": box},  # not image 1
+            {"id": 24, "image_id": 4, "category_id": 2, "bbox": box, "iscrowd": "0"},  # neither 0 nor 1
+            {"id": 25, "image_id": 4, "category_id": True, "bbox": box},  # not category 1
+            {"id": 26, "image_id": 4, "category_id": 2, "bbox": [50, 20, 30, 20], "iscrowd": 0},  # the good one
+        ],
+    }
+    path = tmp_path / "annotations" / "instances_train.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(data).replace('"BIG"', "1e400"))
+    table = load_labels(CocoSplit(str(path)), verbose=False)
+    assert np.isfinite(np.asarray(table.labels.rows)).all()
+    assert table.counts["bad_boxes"] == 7 and table.counts["bad_annotations"] == 3
+    assert table.counts.get("crowd_annotations_left_out", 0) == 0
+    assert [len(r) for r in table.labels] == [0, 0, 0, 0, 1] and table.labels[4][0, 0] == 1
+    for k in (10, 11, 12, 13, 20, 21, 22, 23, 24, 25):
+        assert any(m.startswith(f"{path}: ") and f"annotation {k}" in m for m in table.messages), k
+    assert any("iscrowd '0' is not 0 or 1" in m for m in table.messages)
+    assert any("image 0 width/height nanx50 is not a finite size" in m for m in table.messages)
+
+    # check_data.py counts them as label errors
+    import check_data
+
+    yaml_file = tmp_path / "data.yaml"
+    yaml_file.write_text(f"path: {tmp_path}\ntrain: {path}\nval: {path}\n")
+    assert check_data.main(["--data", str(yaml_file), "--noplots", "--strict", "--workers", "0"]) == 1
+    assert "10 label errors" in capsys.readouterr().out
+
+
+BASE_COCO = {
+    "images": [{"id": 1, "file_name": "a.jpg", "width": 100, "height": 50}],
+    "annotations": [{"id": 1, "image_id": 1, "category_id": 1, "bbox": [10, 10, 20, 10]}],
+    "categories": [{"id": 1, "name": "red"}],
+}
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"categories": [{"id": 1, "name": "red"}, {"id": 1, "name": "blue"}]}, "category id 1 is listed twice"),
+        ({"categories": 1.5}, "'categories' is '1.5', not a list"),
+        ({"categories": [{"id": True, "name": "red"}]}, "needs an integer 'id'"),
+        ({"images": [{"id": [1], "file_name": "a.jpg"}]}, r"image id \[1\] is not an integer"),
+        ({"images": [{"id": 2**63, "file_name": "a.jpg"}]}, "image id 9223372036854775808 is not an integer"),
+        ({"images": [{"id": True, "file_name": "a.jpg"}]}, "image id True is not an integer"),
+        ({"images": [{"id": 1, "file_name": "a.jpg"}] * 2}, "image id 1 is listed twice"),
+        ("deep", r"cannot read COCO JSON \(nested too deep\)"),
+        ("digits", "cannot read COCO JSON"),
+    ],
+)
+def test_coco_json_shapes_no_reader_expects_are_one_line_errors(tmp_path: Path, change, message) -> None:
+    cv2.imwrite(str(tmp_path / "a.jpg"), np.full((50, 100, 3), 128, np.uint8))
+    path = tmp_path / "labels.json"
+    if change == "deep":
+        path.write_text('{"images": ' + "[" * 100_000 + "]" * 100_000 + ', "annotations": []}')
+    elif change == "digits":
+        path.write_text(json.dumps(BASE_COCO).replace('"width": 100', '"width": ' + "7" * 5000))
+    else:
+        path.write_text(json.dumps({**BASE_COCO, **change}))
+    with pytest.raises(UserError, match=message) as e:
+        load_labels(CocoSplit(str(path)), verbose=False)
+    assert str(e.value).startswith(str(path)) and "\n" not in str(e.value)

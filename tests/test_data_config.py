@@ -156,3 +156,62 @@ def test_folder_listing_recurses_keeps_linked_files_and_skips_linked_folders(tmp
     )
     assert list_image_files(images) == expected
     assert list_image_files(str(images) + "/") == expected
+
+
+LAUGHS = "".join(  # under 400 bytes that expand to 9**9 strings
+    f"{k}: &{k} [{', '.join([f'*{p}' if p.strip() else 'lol'] * 9)}]\n" for p, k in zip(" abcdefgh", "abcdefghi")
+)
+
+
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        ("names: {'00': a}\n", ["'names' key '00' is not a class index"]),
+        ("names: [a]\nnc: .inf\n", ["'nc' must be a whole number of classes, got inf"]),
+        ("names: " + "[" * 3000 + "]" * 3000 + "\n", ["nested more than"]),
+        ("names: [a]\nnc: " + "7" * 5000 + "\n", ["cannot parse YAML"]),
+        ("names: [a]\ntest: ~nosuchuser/x\n", ["'test'", "~nosuchuser"]),
+        ('names: [a]\ntest: "images/a\\0b"\n', ["'test'", "NUL byte"]),
+        ("names: [a]\ntest: " + "x" * 256 + "\n", ["'test'", "longer than a path may be"]),
+        ("names: [a]\nbuiltin: {name: shapes, n_train: x}\n", ["n_train must be an integer in [1, "]),
+        ("names: [a]\nbuiltin: {name: shapes, imgsz: -5}\n", ["imgsz must be an integer in [32, "]),
+        ("names: [a]\nbuiltin: {name: shapes, colour: 3}\n", ["unknown option 'colour'"]),
+        (LAUGHS + "names: *i\n", ["aliases (*a) are not accepted"]),
+        ("names: [a]\ntest: shard-{000000000..999999999}.tar\n", ["'test'", "names more than 1000000 shards"]),
+        ("names: [a]\ntest: lists/self.txt\n", ["'test'", "self.txt: shard list lists itself"]),
+    ],
+    ids=[
+        "names-00",
+        "nc-inf",
+        "nested-3000",
+        "digits-5000",
+        "no-such-user",
+        "nul",
+        "name-256",
+        "builtin-str",
+        "builtin-negative",
+        "builtin-unknown",
+        "laughs",
+        "braces",
+        "cycle",
+    ],
+)
+def test_hostile_yaml_is_one_line_in_bounded_time(tmp_path: Path, body: str, words: list[str]) -> None:
+    import time
+
+    _dataset(tmp_path)
+    (tmp_path / "lists").mkdir()
+    (tmp_path / "lists" / "a-000000.tar").write_bytes(b"")
+    (tmp_path / "lists" / "self.txt").write_text("a-000000.tar\nself.txt\n")
+    yaml_file = tmp_path / "bad.yaml"
+    yaml_file.write_text("path: .\ntrain: images/train2017\nval: images/val2017\n" + body)
+    assert len(LAUGHS) <= 400
+    start = time.monotonic()
+    with pytest.raises(UserError) as info:
+        load_data_config(yaml_file)
+    assert time.monotonic() - start < 10  # unbounded, each of these ran for minutes or to a RecursionError
+    message = str(info.value)
+    assert str(yaml_file) in message and "\n" not in message
+    for word in words:
+        assert word in message
+    assert not (tmp_path / "shapes.json").exists()  # bad builtin options are refused before anything is generated

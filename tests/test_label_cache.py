@@ -199,8 +199,10 @@ def test_probe_image_reads_sizes_without_decoding(tmp_path: Path) -> None:
         ("0 0.5 0.5 0.2 0.2 0.3\n", "6 columns"),
         ("0.5 0.5 0.5 0.2 0.2\n", "class"),
         ("0 0.5 0.5 0 0.2\n", "positive"),
-        ("0 inf 0.5 0.2 0.2\n", "NaN"),
-        ("0 a 0.5 0.2 0.2\n", "non-numeric"),
+        ("0 inf 0.5 0.2 0.2\n", "row 1: 'inf' is not a finite number"),
+        ("0 0.5 nan 0.2 0.2\n", "row 1: 'nan' is not a finite number"),
+        ("0 0.5 0.5 1e400 0.2\n", "row 1: '1e400' is not a finite number"),
+        ("0 a 0.5 0.2 0.2\n", "row 1: 'a' is not a number"),
         ("0 0.5 -0.01 0.2 0.2\n", "outside"),
     ],
 )

@@ -86,3 +86,27 @@ def test_voc_names_from_yaml_and_bad_form(tmp_path: Path) -> None:
     )
     with pytest.raises(UserError, match=r"a VOC split is \{voc: <folder or list>, set: <ImageSets/Main name>\}"):
         load_data_config(bad)
+
+
+def test_voc_non_finite_or_out_of_range_numbers_are_named_label_errors(tmp_path: Path) -> None:
+    yaml_file = make_voc(tmp_path)
+    voc = tmp_path / "VOCdevkit" / "VOC2007"
+    bad = {  # image id: (width, height, corners): each a label error naming its tag
+        "000001": ("nan", 50, (1, 1, 100, 50)),
+        "000002": ("inf", 50, (1, 1, 100, 50)),
+        "000003": (100, "1e400", (1, 1, 100, 50)),
+        "000004": (10**12, 50, (1, 1, 100, 50)),
+        "000006": (100, 50, ("nan", 1, 100, 50)),
+        "000007": (100, 50, (1, "-inf", 100, 50)),
+        "000009": (0, 0, (1, 1, 100, 50)),  # VOC's 0: unknown, the image's own size is used
+    }
+    for i, (w, h, box) in bad.items():
+        cv2.imwrite(str(voc / "JPEGImages" / f"{i}.jpg"), np.full((50, 100, 3), 120, np.uint8))
+        (voc / "Annotations" / f"{i}.xml").write_text(_xml(f"{i}.jpg", w, h, [("dog", 0, box)]))
+    (voc / "ImageSets" / "Main" / "train.txt").write_text("".join(f"{i}\n" for i in [*bad, "000009"]))
+    table = load_labels(load_data_config(yaml_file)["train"], verbose=False)
+    assert np.isfinite(np.asarray(table.labels.rows)).all()
+    assert table.counts["corrupt"] == table.counts["label_files_unusable"] == 6  # label errors, not bad images
+    assert len(table.usable()) == 1 and len(table.usable().labels[0]) == 1
+    for i, what in zip(bad, ("<width> 'nan'", "<width> 'inf'", "<height> '1e400'", "<width> 1e+12", "'nan'", "'-inf'")):
+        assert any(m.startswith(str(voc / "Annotations" / f"{i}.xml")) and what in m for m in table.messages), i

@@ -16,7 +16,6 @@ listed but missing or corrupt) are one message each naming the JSON and the item
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,17 @@ from typing import Any
 import numpy as np
 
 from utils.data.label_cache import CACHE_SUFFIX, cached_table, stat_digest
-from utils.data.label_table import BACKGROUND, CORRUPT, EMPTY, LABELLED, LabelTable, TableBuilder
+from utils.data.label_table import (
+    BACKGROUND,
+    CORRUPT,
+    EMPTY,
+    LABELLED,
+    MAX_IMAGE_SIDE,
+    LabelTable,
+    TableBuilder,
+    finite_number,
+    is_id,
+)
 from utils.data.probe_pool import probe_files
 from utils.data.splits import CocoSplit
 from utils.errors import UserError
@@ -40,8 +49,10 @@ def read_coco_json(path: str | Path) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"{path}: cannot read COCO JSON ({str(e).splitlines()[0]})") from e
+    except RecursionError as e:  # arrays or objects nested thousands deep: no COCO file is
+        raise UserError(f"{path}: cannot read COCO JSON (nested too deep)") from e
+    except (OSError, ValueError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError, a 5000-digit integer
+        raise UserError(f"{path}: cannot read COCO JSON ({(str(e).splitlines() or [type(e).__name__])[0]})") from e
     missing = [k for k in ("images", "annotations") if not isinstance(data, dict) or not isinstance(data.get(k), list)]
     if missing:
         raise UserError(f"{path}: not a COCO JSON file (no {' or '.join(repr(k) for k in missing)} list)")
@@ -49,14 +60,19 @@ def read_coco_json(path: str | Path) -> dict[str, Any]:
 
 
 def _categories(data: dict, path: Path) -> list[tuple[int, str]]:
-    out = []
-    for c in data.get("categories") or []:
-        if not isinstance(c, dict) or not isinstance(c.get("id"), int) or "name" not in c:
-            raise UserError(f"{path}: category {c!r} needs an integer 'id' and a 'name'")
-        out.append((int(c["id"]), str(c["name"])))
+    categories = data.get("categories") or []
+    if not isinstance(categories, list):
+        raise UserError(f"{path}: 'categories' is {str(categories)[:40]!r}, not a list")
+    out: dict[int, str] = {}
+    for c in categories:
+        if not isinstance(c, dict) or not is_id(c.get("id")) or "name" not in c:
+            raise UserError(f"{path}: category {str(c)[:80]} needs an integer 'id' and a 'name'")
+        if c["id"] in out:  # a second entry would shift every class after it
+            raise UserError(f"{path}: category id {c['id']} is listed twice ({out[c['id']]!r}, {str(c['name'])!r})")
+        out[c["id"]] = str(c["name"])
     if not out:
         raise UserError(f"{path}: no 'categories' (needed for class names)")
-    return sorted(out)
+    return sorted(out.items())
 
 
 def coco_class_names(path: str | Path) -> list[str]:
@@ -123,11 +139,11 @@ def _box_row(bbox: Any, w: float, h: float) -> tuple[tuple[float, ...] | None, s
     """(normalised x, y, w, h) or None, why it was skipped, and whether it was clipped."""
     if not isinstance(bbox, (list, tuple)) or len(bbox) != 4:
         return None, f"bbox {bbox!r} is not [x, y, w, h]", False
-    try:
-        x, y, bw, bh = (float(v) for v in bbox)
-    except (TypeError, ValueError):
-        return None, f"bbox {bbox!r} is not numeric", False
-    if not all(math.isfinite(v) for v in (x, y, bw, bh)) or bw <= 0 or bh <= 0:
+    values = [finite_number(v) for v in bbox]
+    if any(v is None for v in values):
+        return None, f"bbox {str(bbox)[:80]} is not 4 finite numbers", False
+    x, y, bw, bh = values
+    if bw <= 0 or bh <= 0:
         return None, f"bbox {bbox!r} has no area", False
     tx, ty = BOX_TOLERANCE * w, BOX_TOLERANCE * h
     if x < -tx or y < -ty or x + bw > w + tx or y + bh > h + ty:
@@ -183,8 +199,10 @@ def _image_entries(data: dict, path: Path, builder: TableBuilder) -> dict[Any, d
             builder.messages.append(f"{path}: image entry {str(im)[:80]} needs 'id' and 'file_name', skipped")
             builder.count("bad_images")
             continue
-        if not isinstance(im["id"], int):
-            raise UserError(f"{path}: image id {im['id']!r} is not an integer")
+        if not is_id(im["id"]):
+            raise UserError(f"{path}: image id {str(im['id'])[:40]} is not an integer in the 64-bit range")
+        if im["id"] in images:  # the later entry would hide the earlier image
+            raise UserError(f"{path}: image id {im['id']} is listed twice")
         images[im["id"]] = im
     if not images:
         raise UserError(f"{path}: lists no usable images")
@@ -210,7 +228,12 @@ def _annotation_rows(
             builder.messages.append(f"{path}: annotation #{k} is not an object, skipped")
             builder.count("bad_annotations")
             continue
-        item = f"annotation {ann.get('id', '#' + str(k))}"
+        item = f"annotation {ann['id'] if is_id(ann.get('id')) else '#' + str(k)}"
+        why = _annotation_problem(ann)
+        if why:
+            builder.messages.append(f"{path}: {item}: {why}, skipped")
+            builder.count("bad_annotations")
+            continue
         image = images.get(ann.get("image_id"))
         if image is None:
             builder.messages.append(f"{path}: {item} has unknown image id {ann.get('image_id')!r}, skipped")
@@ -223,7 +246,7 @@ def _annotation_rows(
             builder.count("unknown_category_annotations")
             continue
         boxes.used_categories.add(cid)
-        if ann.get("iscrowd", 0):
+        if ann.get("iscrowd", 0) == 1:
             builder.count("crowd_annotations_left_out")
             continue
         row = _annotation_row(ann, image, item, class_of[cid], path, builder)
@@ -235,16 +258,31 @@ def _annotation_rows(
     return boxes
 
 
+def _annotation_problem(ann: dict) -> str:
+    """Why an annotation's ids or crowd flag cannot be used (``True`` is not image 1, ``"0"`` is not a flag), or ''."""
+    for key in ("image_id", "category_id"):
+        if key in ann and not is_id(ann[key]):
+            return f"{key} {str(ann[key])[:40]} is not an integer id"
+    crowd = ann.get("iscrowd", 0)
+    if isinstance(crowd, bool) or crowd not in (0, 1) or not isinstance(crowd, int):
+        return f"iscrowd {str(crowd)[:40]!r} is not 0 or 1"
+    return ""
+
+
 def _annotation_row(
     ann: dict, image: dict, item: str, cls: int, path: Path, builder: TableBuilder
 ) -> tuple[float, ...] | None:
     """One annotation's label row (class, normalised x, y, w, h), or None when its box or image size is bad."""
-    w, h = image.get("width"), image.get("height")
-    if not isinstance(w, (int, float)) or not isinstance(h, (int, float)) or w <= 0 or h <= 0:
-        builder.messages.append(f"{path}: image {image['id']} has no valid width/height, {item} skipped")
+    w, h = finite_number(image.get("width")), finite_number(image.get("height"))
+    if w is None or h is None or not (0 < w <= MAX_IMAGE_SIDE and 0 < h <= MAX_IMAGE_SIDE):
+        size = f"{str(image.get('width'))[:20]}x{str(image.get('height'))[:20]}"
+        builder.messages.append(
+            f"{path}: image {image['id']} width/height {size} is not a finite size in (0, {MAX_IMAGE_SIDE}], "
+            f"{item} skipped"
+        )
         builder.count("bad_boxes")
         return None
-    box, why, clipped = _box_row(ann.get("bbox"), float(w), float(h))
+    box, why, clipped = _box_row(ann.get("bbox"), w, h)
     if box is None:
         builder.messages.append(f"{path}: {item} of image {image['id']}: {why}, skipped")
         builder.count("bad_boxes")

@@ -22,12 +22,36 @@ import yaml
 from utils.data.coco_reader import coco_class_names
 from utils.data.image_files import IMG_FORMATS, img2label_path, is_image_file, list_image_files  # noqa: F401
 from utils.data.shard_names import is_shard_entry, resolve_shard_split
-from utils.data.splits import CocoSplit, FractionSplit, VocSplit
+from utils.data.splits import CocoSplit, FractionSplit, VocSplit, user_path
 from utils.data.voc_reader import voc_class_names
 from utils.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SPLITS = ("train", "val", "test")
+MAX_DEPTH = 50  # nesting of a data YAML's lists and mappings: a real one has a handful
+
+
+class _Refused(yaml.YAMLError):
+    """A YAML construct a data YAML has no use for, refused while it is read."""
+
+
+class _DataYamlLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses aliases (a 400-byte file of nested aliases expands to billions of nodes)
+    and nesting deeper than MAX_DEPTH (thousands of levels exhaust the recursion), so that reading is bounded by
+    the file's size."""
+
+    depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            raise _Refused(f"aliases (*{self.peek_event().anchor}) are not accepted in a data YAML")
+        self.depth += 1
+        try:
+            if self.depth > MAX_DEPTH:
+                raise _Refused(f"nested more than {MAX_DEPTH} levels deep")
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
 
 
 def data_yaml_path(path: str | Path) -> Path | None:
@@ -48,24 +72,45 @@ def _find_yaml(path: str | Path) -> Path:
     return found
 
 
+def _class_index(key: Any) -> int | None:
+    """A ``names`` mapping's key as a class index: an integer, or its decimal digits ('3'; not '03', not True)."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key
+    if isinstance(key, str) and key.isdecimal() and key.isascii() and str(int(key)) == key:
+        return int(key)
+    return None
+
+
 def _names_list(names: Any, yaml_file: Path) -> list[str]:
     if isinstance(names, dict):
-        try:
-            keys = sorted(int(k) for k in names)
-        except (TypeError, ValueError) as e:
-            raise UserError(f"{yaml_file}: 'names' keys must be integer class indices") from e
+        by_index = {_class_index(k): v for k, v in names.items()}
+        if None in by_index or len(by_index) != len(names):
+            bad = next((k for k in names if _class_index(k) is None), None)
+            why = f"key {str(bad)[:40]!r} is not" if bad is not None else "keys repeat"
+            raise UserError(f"{yaml_file}: 'names' {why} a class index (0, 1, 2, ...)")
+        keys = sorted(by_index)
         if keys != list(range(len(keys))):
-            raise UserError(f"{yaml_file}: 'names' indices must be 0..{len(keys) - 1}, got {keys}")
-        return [str(names[k] if k in names else names[str(k)]) for k in keys]
+            raise UserError(f"{yaml_file}: 'names' indices must be 0..{len(keys) - 1}, got {str(keys)[:80]}")
+        names = [by_index[k] for k in keys]
     if isinstance(names, (list, tuple)):
+        if not all(isinstance(n, (str, int, float)) for n in names):
+            raise UserError(f"{yaml_file}: 'names' must name each class with a string")
         return [str(n) for n in names]
     raise UserError(f"{yaml_file}: 'names' must be a list or an {{index: name}} mapping")
 
 
+def _class_count(value: Any, yaml_file: Path) -> int:
+    """``nc``: a whole number (2 or 2.0; not .inf, not true)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise UserError(f"{yaml_file}: 'nc' must be a whole number of classes, got {str(value)[:40]}")
+    return value
+
+
 def _resolve_root(raw: Any, yaml_file: Path) -> Path:
     """Dataset root: absolute, else relative to the YAML's folder when that exists, else to the current dir."""
-    root = Path(str(raw)) if raw not in (None, "") else Path(".")
-    root = root.expanduser()
+    root = user_path(str(raw), f"{yaml_file} 'path'") if raw not in (None, "") else Path(".")
     if root.is_absolute():
         return root
     beside_yaml = (yaml_file.parent / root).resolve()
@@ -79,7 +124,7 @@ def _resolve_split(value: Any, root: Path, yaml_file: Path, key: str) -> str | l
     entries = value if isinstance(value, (list, tuple)) else [value]
     resolved = []
     for entry in entries:
-        p = Path(str(entry)).expanduser()
+        p = user_path(str(entry), f"{yaml_file} '{key}'")
         full = p if p.is_absolute() else (root / p).resolve()
         if not full.exists() and str(entry).startswith("../"):
             full = (root / str(entry)[3:]).resolve()  # YOLOv5 YAMLs sometimes write '../' meaning the root
@@ -90,13 +135,23 @@ def _resolve_split(value: Any, root: Path, yaml_file: Path, key: str) -> str | l
 
 
 def _ensure_builtin(spec: Any, root: Path, yaml_file: Path) -> None:
-    """Generate a built-in dataset into ``root`` if it is missing."""
+    """Generate a built-in dataset into ``root`` if it is missing; its options are checked first, in one line."""
     options = dict(spec) if isinstance(spec, dict) else {"name": spec}
     name = options.pop("name", None)
     if name != "shapes":
-        raise UserError(f"{yaml_file}: 'builtin' {name!r} is unknown (known: shapes)")
-    from utils.data.shapes import ensure_shapes_dataset  # only needed by YAMLs that ask for it
+        raise UserError(f"{yaml_file}: 'builtin' {str(name)[:40]!r} is unknown (known: shapes)")
+    from utils.data.shapes import OPTION_RANGES, ensure_shapes_dataset  # only needed by YAMLs that ask for it
 
+    for key, value in options.items():
+        low, high = OPTION_RANGES.get(key, (None, None))
+        if low is None:
+            raise UserError(
+                f"{yaml_file}: 'builtin' {name}: unknown option {str(key)[:40]!r} (known: {sorted(OPTION_RANGES)})"
+            )
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise UserError(
+                f"{yaml_file}: 'builtin' {name}: {key} must be an integer in [{low}, {high}], got {str(value)[:40]}"
+            )
     try:
         ensure_shapes_dataset(root, **options)
     except (TypeError, FileExistsError) as e:
@@ -115,9 +170,9 @@ def load_data_config(path: str | Path) -> dict[str, Any]:
     yaml_file = _find_yaml(path)
     try:
         with open(yaml_file, encoding="utf-8") as f:
-            raw = yaml.safe_load(f)
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise UserError(f"{yaml_file}: cannot parse YAML ({str(e).splitlines()[0]})") from e
+            raw = yaml.load(f, Loader=_DataYamlLoader)  # noqa: S506  (a SafeLoader, bounded)
+    except (OSError, ValueError, yaml.YAMLError) as e:  # ValueError: UnicodeDecodeError, a 5000-digit integer
+        raise UserError(f"{yaml_file}: cannot parse YAML ({(str(e).splitlines() or [type(e).__name__])[0]})") from e
     if not isinstance(raw, dict):
         raise UserError(f"{yaml_file}: expected a mapping with keys path, train, val, names")
 
@@ -140,10 +195,7 @@ def load_data_config(path: str | Path) -> dict[str, Any]:
         names = _names_from_annotations(splits, yaml_file)
     splits = {key: _with_names(value, names) for key, value in splits.items()}
     if "nc" in raw and raw["nc"] is not None:
-        try:
-            nc = int(raw["nc"])
-        except (TypeError, ValueError) as e:
-            raise UserError(f"{yaml_file}: 'nc' must be an integer, got {raw['nc']!r}") from e
+        nc = _class_count(raw["nc"], yaml_file)
         if nc != len(names):
             raise UserError(f"{yaml_file}: 'nc' is {nc} but 'names' lists {len(names)} classes")
 
@@ -185,6 +237,8 @@ def _split_record(value: Any, root: Path, yaml_file: Path, key: str) -> Any:
     if isinstance(value, str) and value.lower().endswith(".json"):
         return CocoSplit(_resolve_split(value, root, yaml_file, key), None, source=where)
     entries = value if isinstance(value, (list, tuple)) else [value]
+    for entry in entries:  # before anything stats it: a path that cannot exist is one line naming the YAML
+        user_path(str(entry), where)
     if any(is_shard_entry(str(e), root) for e in entries):  # WebDataset tar shards (a ShardSet)
         return resolve_shard_split(value, root, yaml_file, key)
     return _resolve_split(value, root, yaml_file, key)
@@ -212,7 +266,7 @@ def _annotations_file(value: Any, root: Path, yaml_file: Path) -> str | None:
     if value in (None, ""):
         default = root / "annotations" / "instances_val2017.json"
         return str(default) if default.is_file() else None
-    path = Path(str(value))
+    path = user_path(str(value), f"{yaml_file} 'annotations'")
     path = path if path.is_absolute() else root / path
     if not path.is_file():
         raise UserError(f"{yaml_file}: 'annotations' {value!r} does not exist (tried {path})")

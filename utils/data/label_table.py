@@ -13,6 +13,7 @@ take the usable samples (``usable()``) and index them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, overload
@@ -24,6 +25,37 @@ from utils.log import LOGGER
 # Per-sample status codes.
 LABELLED, BACKGROUND, EMPTY, CORRUPT = 0, 1, 2, 3
 MAX_LOGGED_WARNINGS = 100
+ID_RANGE = (-(2**63), 2**63 - 1)  # ids are stored as int64
+MAX_IMAGE_SIDE = 2**28  # pixels: a width or height stated beyond this is an error, not an image
+
+
+def finite_number(value: Any) -> float | None:
+    """A number parsed from JSON as a float, or None: booleans (``True`` is not 1), non-numbers, NaN, infinities and
+    integers too large for a float are not numbers in a label source."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def finite_text(text: str) -> float:
+    """A number written as text (a YOLO label row, a VOC XML tag) as a float; ValueError naming it unless it is a
+    finite number (``nan``, ``inf`` and ``1e400`` are not)."""
+    try:
+        number = float(text)
+    except ValueError as e:
+        raise ValueError(f"{text[:40]!r} is not a number") from e
+    if not math.isfinite(number):
+        raise ValueError(f"{text[:40]!r} is not a finite number")
+    return number
+
+
+def is_id(value: Any) -> bool:
+    """Whether a JSON value is usable as an id: an integer (not a boolean) in the int64 range."""
+    return isinstance(value, int) and not isinstance(value, bool) and ID_RANGE[0] <= value <= ID_RANGE[1]
 
 
 class PathList(Sequence[str]):

@@ -22,6 +22,8 @@ from utils.log import LOGGER
 SHAPE_NAMES = ("circle", "rectangle", "triangle", "cross", "star")
 GENERATOR_VERSION = 1
 DEFAULTS = {"n_train": 400, "n_val": 100, "imgsz": 320, "seed": 0}
+# what a data YAML's `builtin:` may ask for: enough to train on, small enough to generate
+OPTION_RANGES = {"n_train": (1, 100_000), "n_val": (1, 100_000), "imgsz": (32, 2048), "seed": (0, 2**32 - 1)}
 _SIZES = ((1.0, 1.0), (1.0, 0.75), (0.75, 1.0), (1.0, 0.8))  # (w, h) as fractions of imgsz
 
 

@@ -7,11 +7,14 @@ of ``.tar`` files; URLs are local paths, ``http(s)://`` or ``pipe:COMMAND`` (ref
 
 from __future__ import annotations
 
+import itertools
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from utils.data.image_files import is_image_file
 from utils.data.shard_cache import check_local_shards, check_pipe_allowed, is_remote
+from utils.data.splits import user_path
 from utils.errors import UserError
 
 
@@ -26,14 +29,27 @@ class ShardSet:
 # ---- naming shards ------------------------------------------------------------------------------------------
 
 
-def _braces(pattern: str) -> list[str]:
+MAX_SHARD_URLS = 1_000_000  # a split's shards after expansion: far more than any dataset, few enough to list
+_RANGE = re.compile(r"\{(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?\}")  # a numeric brace range: {000..999}, {0..99..2}
+
+
+def _braces(pattern: str, room: int) -> list[str]:
+    """The pattern's expansion; a one-line UserError when it names more than ``room`` shards (it is expanded no
+    further: `{000000000..999999999}` would take minutes and gigabytes)."""
     import braceexpand  # WebDataset's own dependency, the expansion its shard lists use
 
-    return list(braceexpand.braceexpand(pattern))
+    # braceexpand lists each range whole before it yields anything: a range too long is refused unexpanded
+    for start, end, step in _RANGE.findall(pattern):
+        if len(start) > 12 or len(end) > 12 or abs(int(end) - int(start)) // max(abs(int(step or 1)), 1) >= room:
+            raise UserError(f"{pattern[:120]}: names more than {MAX_SHARD_URLS} shards")
+    urls = list(itertools.islice(braceexpand.braceexpand(pattern), room + 1))
+    if len(urls) > room:
+        raise UserError(f"{pattern[:120]}: names more than {MAX_SHARD_URLS} shards")
+    return urls
 
 
 def _local(entry: str, base: Path) -> str:
-    p = Path(entry).expanduser()
+    p = user_path(entry, f"shard {entry[:80]!r}")
     return str(p if p.is_absolute() else (base / p).resolve())
 
 
@@ -62,27 +78,37 @@ def is_shard_entry(entry: str, base: Path) -> bool:
     return False
 
 
-def expand_shard_urls(entries: list[str], base: Path) -> list[str]:
-    """Every entry (brace pattern, URL, .txt list, folder of .tar) as a flat list of shard URLs."""
+def expand_shard_urls(entries: list[str], base: Path, lists: tuple[Path, ...] = ()) -> list[str]:
+    """Every entry (brace pattern, URL, .txt list, folder of .tar) as a flat list of shard URLs, at most
+    MAX_SHARD_URLS; ``lists`` are the .txt lists being read (one that lists itself, at any depth, is an error)."""
     urls: list[str] = []
     for entry in entries:
+        room = MAX_SHARD_URLS - len(urls)
         if is_remote(entry):
-            urls += _braces(entry)
+            urls += _braces(entry, room)
             continue
         path = Path(_local(entry, base))
         if path.is_dir():
             urls += _tar_folder(path)
         elif path.suffix.lower() == ".txt" and path.is_file():
-            urls += expand_shard_urls(_txt_entries(path), path.parent)
+            if path in lists:
+                chain = " -> ".join(str(p) for p in (*lists[lists.index(path) :], path))
+                raise UserError(f"{path}: shard list lists itself ({chain})")
+            urls += expand_shard_urls(_txt_entries(path), path.parent, (*lists, path))
         else:
-            urls += [_local(u, base) for u in _braces(entry)]
+            urls += [_local(u, base) for u in _braces(entry, room)]
+        if len(urls) > MAX_SHARD_URLS:
+            raise UserError(f"{lists[-1] if lists else entry[:120]}: names more than {MAX_SHARD_URLS} shards")
     return urls
 
 
 def resolve_shard_split(value: str | list[str], root: Path, yaml_file: Path, key: str) -> ShardSet:
     """A split that names shards, expanded and checked: a missing local shard is a one-line error naming it."""
     entries = [str(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
-    urls = expand_shard_urls(entries, root)
+    try:
+        urls = expand_shard_urls(entries, root)
+    except UserError as e:  # a list, pattern or path the YAML led to: say which YAML
+        raise UserError(f"{yaml_file} '{key}': {e}") from e
     if not urls:
         raise UserError(f"{yaml_file}: '{key}' {value!r} names no shards")
     for url in urls:  # before anything is opened: a pipe: URL from a shard list too

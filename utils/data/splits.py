@@ -1,11 +1,16 @@
 """What a data YAML's split names, beyond a folder or list of images (a str or list of str) and tar shards
 (shard_names.ShardSet): a COCO JSON, Pascal VOC folders, or a fraction of another split. Plain records, made by
-config.py and read by the readers behind labels.py."""
+config.py and read by the readers behind labels.py; and ``user_path``, how a path written in such a file is
+checked."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from utils.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -36,3 +41,21 @@ class FractionSplit:
     root: str
     fraction: float
     part: str
+
+
+NAME_MAX, PATH_MAX = 255, 4096  # bytes: a longer file name or path cannot exist (Linux's limits)
+
+
+def user_path(text: str, where: str) -> Path:
+    """A path a user's file wrote, ``~`` expanded; a one-line UserError naming ``where`` (the file and key) when no
+    such path can exist: an unknown ``~user``, a NUL byte, a name or path longer than the system allows."""
+    if "\0" in text:
+        raise UserError(f"{where}: path {text[:80]!r} holds a NUL byte")
+    try:
+        path = Path(text).expanduser()
+    except RuntimeError as e:  # ~nosuchuser: no home directory to expand to
+        raise UserError(f"{where}: path {text[:80]!r}: {e}") from e
+    encoded = [os.fsencode(part) for part in path.parts]
+    if any(len(part) > NAME_MAX for part in encoded) or len(os.fsencode(str(path))) > PATH_MAX:
+        raise UserError(f"{where}: path {text[:80]!r} is longer than a path may be ({NAME_MAX} bytes a name)")
+    return path

@@ -16,7 +16,16 @@ from pathlib import Path
 import numpy as np
 
 from utils.data.label_cache import CACHE_SUFFIX, cached_table, stat_digest
-from utils.data.label_table import BACKGROUND, CORRUPT, EMPTY, LABELLED, LabelTable, TableBuilder
+from utils.data.label_table import (
+    BACKGROUND,
+    CORRUPT,
+    EMPTY,
+    LABELLED,
+    MAX_IMAGE_SIDE,
+    LabelTable,
+    TableBuilder,
+    finite_text,
+)
 from utils.data.probe_pool import probe_files
 from utils.data.splits import VocSplit
 from utils.errors import UserError
@@ -44,7 +53,7 @@ def _objects(xml_file: Path) -> tuple[tuple[float, float], list[tuple[str, bool,
     size = root.find("size")
     if size is None:
         raise ValueError("no <size>")
-    w, h = float(size.findtext("width", "nan")), float(size.findtext("height", "nan"))
+    w, h = _size_side(size, "width"), _size_side(size, "height")
     objects = []
     for k, obj in enumerate(root.iter("object"), 1):
         name = (obj.findtext("name") or "").strip()
@@ -52,11 +61,25 @@ def _objects(xml_file: Path) -> tuple[tuple[float, float], list[tuple[str, bool,
         if not name or box is None:
             raise ValueError(f"object {k} needs <name> and <bndbox>")
         try:
-            corners = tuple(float(box.findtext(t, "nan")) for t in ("xmin", "xmax", "ymin", "ymax"))
-        except ValueError as e:
-            raise ValueError(f"object {k}: non-numeric <bndbox>") from e
+            corners = tuple(finite_text(box.findtext(t) or "") for t in ("xmin", "xmax", "ymin", "ymax"))
+        except ValueError as e:  # missing, not a number, NaN, an infinity or 1e400
+            raise ValueError(f"object {k}: <bndbox> {e}") from e
         objects.append((name, (obj.findtext("difficult") or "0").strip() == "1", corners))
     return (w, h), objects
+
+
+def _size_side(size: ET.Element, tag: str) -> float:
+    """<size>'s width or height; 0 when absent or 0 (the image's own is used), ValueError when not a finite size."""
+    text = size.findtext(tag)
+    if text is None or not text.strip():
+        return 0.0
+    try:
+        side = finite_text(text)
+    except ValueError as e:
+        raise ValueError(f"<size> <{tag}> {e}") from e
+    if not 0 <= side <= MAX_IMAGE_SIDE:
+        raise ValueError(f"<size> <{tag}> {side:g} is not in [0, {MAX_IMAGE_SIDE}]")
+    return side
 
 
 def voc_class_names(split: VocSplit) -> list[str]:
@@ -121,6 +144,7 @@ def _build(root: Path, ids: list[str], names: list[str], workers: int, prefix: s
             (w, h), objects = _objects(xml)
         except ValueError as e:
             builder.add(file, CORRUPT, (0, 0), empty, f"{xml}: {e}, image skipped")
+            builder.count("label_files_unusable")  # the image is fine, its labels are not: a label error
             continue
         if not (w > 0 and h > 0):
             w, h = float(shape[0]), float(shape[1])  # VOC's <size> missing or zero: the image's own

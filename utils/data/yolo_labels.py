@@ -9,7 +9,6 @@ file: skipped). Duplicate rows are dropped and counted separately. The verified 
 from __future__ import annotations
 
 import hashlib
-import math
 import multiprocessing
 import os
 from pathlib import Path
@@ -20,7 +19,16 @@ from tqdm import tqdm
 from utils.data.image_files import img2label_path, list_image_files
 from utils.data.image_io import ImageError, probe_image
 from utils.data.label_cache import CACHE_SUFFIX, cached_table, stat_digest
-from utils.data.label_table import BACKGROUND, CORRUPT, EMPTY, LABELLED, LabelTable, TableBuilder, report
+from utils.data.label_table import (
+    BACKGROUND,
+    CORRUPT,
+    EMPTY,
+    LABELLED,
+    LabelTable,
+    TableBuilder,
+    finite_text,
+    report,
+)
 from utils.errors import UserError
 
 COORD_TOLERANCE = 1e-3  # label coordinates this far outside [0, 1] are clipped; farther is an error
@@ -65,11 +73,9 @@ def parse_label_text(text: str, nc: int | None) -> tuple[np.ndarray, int]:
         if not parts:
             continue
         try:
-            values = [float(v) for v in parts]
-        except ValueError as e:
-            raise LabelError(f"row {line_no}: non-numeric value") from e
-        if not all(math.isfinite(v) for v in values):
-            raise LabelError(f"row {line_no}: NaN or infinite value")
+            values = [finite_text(v) for v in parts]
+        except ValueError as e:  # not a number, or NaN, an infinity or 1e400
+            raise LabelError(f"row {line_no}: {e}") from e
         if len(values) >= 7 and len(values) % 2 == 1:
             values = _polygon_to_box(values)
         elif len(values) != 5:

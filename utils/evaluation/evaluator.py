@@ -186,7 +186,10 @@ class DetectionEvaluator:
         self.seen, self.n_batches = sum(p[0] for p in parts), sum(p[1] for p in parts)
         self.stats = [s for p in parts for s in p[2]]
         self.images_per_class = sum(p[3] for p in parts)
-        self.confusion = None if self.confusion is None else sum(p[4] for p in parts)
+        # Every rank's matches count: the matrix is summed over the ranks that keep one (a caller may keep it on
+        # rank 0 alone), and kept wherever any rank wanted it.
+        matrices = [p[4] for p in parts if p[4] is not None]
+        self.confusion = sum(matrices[1:], matrices[0].copy()) if matrices else None
         self.seconds = sum(p[5] for p in parts)
         self.batch_losses = [b for p in parts for b in p[6]]
         self.json_results = [j for p in parts for j in p[7]]
