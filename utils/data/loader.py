@@ -66,8 +66,29 @@ class EpochStreamLoader:
         self.loader = DataLoader(dataset, batch_sampler=batch_sampler, **options)
         self.sampler: ShardedSampler = batch_sampler.sampler
         self._batches: Iterator[Any] | None = None
-        self._next_epoch: int | None = None  # the epoch the stream starts next; None: mid-epoch or not started
+        self._stream_at: tuple[int, int] | None = None  # (epoch, batch) the stream yields next; None: unknown
         self.start_batch = 0
+
+    def start(self, epoch: int, start_batch: int = 0) -> None:
+        """Start the workers now on the batches of ``epoch`` from ``start_batch``, which the next iteration over
+        that epoch takes: a run's set-up goes on while the first batches are made."""
+        self.sampler.set_epoch(epoch)
+        self._restart(epoch, start_batch)
+
+    def close(self) -> None:
+        """End the stream and its workers (after the last epoch: no batches of an epoch that will not run). The
+        loader stays usable: a later iteration starts new workers."""
+        batches, self._batches, self._stream_at = self._batches, None, None
+        if self.loader.num_workers > 0:
+            shutdown = getattr(batches, "_shutdown_workers", None)  # torch's; dropping the iterator does it later
+            if shutdown is not None:
+                shutdown()
+            self.loader = DataLoader(self.dataset, batch_sampler=self.batch_sampler, **self.options)
+
+    def _restart(self, epoch: int, start_batch: int) -> None:
+        self.batch_sampler.start_epoch, self.batch_sampler.start_batch = epoch, start_batch
+        self._batches = iter(self.loader)  # persistent workers: drops what was in flight, then restarts
+        self._stream_at = (epoch, start_batch)
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         self.sampler.set_epoch(epoch)
@@ -95,7 +116,7 @@ class EpochStreamLoader:
         for name, value in attributes.items():
             setattr(self.dataset, name, value)
         if self.loader.num_workers > 0:
-            self._batches = None
+            self._batches, self._stream_at = None, None
             self.loader = DataLoader(self.dataset, batch_sampler=self.batch_sampler, **self.options)
 
     def __len__(self) -> int:
@@ -104,17 +125,16 @@ class EpochStreamLoader:
 
     def __iter__(self) -> Iterator[Any]:
         epoch, start = self.sampler.epoch, self.start_batch
-        if self._batches is None or self._next_epoch != epoch or start:
-            self.batch_sampler.start_epoch, self.batch_sampler.start_batch = epoch, start
-            self._batches = iter(self.loader)  # persistent workers: drops what was in flight, then restarts
-        self._next_epoch, self.start_batch = None, 0
+        if self._batches is None or self._stream_at != (epoch, start):
+            self._restart(epoch, start)
+        self._stream_at, self.start_batch = None, 0
         for _ in range(len(self) - start):
             batch = next(self._batches)
             if isinstance(batch[0], RingSlot):  # copied out before the next batch is asked for: see BatchRing
                 images = self.ring.take(batch[0], pin_memory=self.loader.pin_memory).permute(0, 3, 1, 2)
                 batch = (images, *batch[1:])
             yield batch
-        self._next_epoch = epoch + 1
+        self._stream_at = (epoch + 1, 0)
 
 
 def build_dataset(
