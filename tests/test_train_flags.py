@@ -238,6 +238,22 @@ def test_noval_validates_the_last_epoch_and_nosave_writes_only_its_checkpoint(
     assert (tmp_path / "exp/weights/best.pt").is_file()
     assert load_checkpoint(tmp_path / "exp/weights/best.pt")["best_epoch"] == 2
     assert written.count("last.pt") == 1 and set(written) <= {"last.pt", "best.pt"}  # --nosave: the final one only
+    # The log accounts for the run's time phase by phase (utils/engine/phases.py).
+    phases = {line.split(":")[0].removeprefix("phase ") for line in log.splitlines() if line.startswith("phase ")}
+    for phase in (
+        "imports and process set-up",
+        "data scan and caches",
+        "model",
+        "loaders",
+        "first batch",
+        "first step",
+        "epoch 2 validation",
+        "checkpoint last.pt, best.pt (epoch 2) written",
+        "checkpoints written",
+        "tracker close",
+        "exit",
+    ):
+        assert phase in phases, (phase, sorted(phases))
 
 
 def test_nosave_writes_the_final_epochs_checkpoint_and_saving_writes_every_epochs(tmp_path) -> None:
