@@ -9,6 +9,7 @@ import stat
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,8 +17,10 @@ import torch
 
 import utils.engine.run_record as run_record_module
 from utils.checkpoint import latest_last_checkpoint, load_checkpoint, run_state, save_checkpoint
+from utils.engine.config import TrainConfig
 from utils.engine.phases import BENCHMARK_MIN_STEPS_PER_SHAPE, benchmark_choice
 from utils.engine.run_record import RunRecord
+from utils.engine.setup import input_shapes
 from utils.errors import UserError
 from utils.files import atomic_output
 from utils.results_log import result_columns
@@ -146,3 +149,13 @@ def test_cudnn_benchmark_only_where_its_autotuning_pays_back():
     assert benchmark_choice(long_run, 1, cuda=True, deterministic=True)[0] is False
     on, reason = benchmark_choice(5000, 2, cuda=True, deterministic=False)
     assert on and "5000 steps over 2 input shapes (2500 per shape" in reason
+
+
+def test_the_training_shapes_the_benchmark_rule_counts():
+    square = SimpleNamespace(dataset=SimpleNamespace(rect=False, batch_shapes=None))
+    rect = SimpleNamespace(
+        dataset=SimpleNamespace(rect=True, batch_shapes=np.array([[320, 640], [640, 640], [320, 640]]))
+    )
+    assert input_shapes(TrainConfig(imgsz=640), 32, square) == 1
+    assert input_shapes(TrainConfig(imgsz=640), 32, rect) == 2
+    assert input_shapes(TrainConfig(imgsz=640, multi_scale=True), 32, square) == 21  # 320, 352, ..., 960

@@ -9,9 +9,9 @@ import time
 from utils.log import LOGGER
 
 # cuDNN's benchmark autotunes every convolution once per input shape; the step it then takes is a few percent
-# faster. The measurements (docs/benchmarks.md, "cuDNN benchmark") put the pay-back near a thousand steps of one
-# shape; below that the autotuning costs more than it gives back.
-BENCHMARK_MIN_STEPS_PER_SHAPE = 1000
+# faster. The extra first-step time divided by the time saved per step (docs/benchmarks.md, "cuDNN benchmark on
+# and off") is the number of steps of one shape that pay the autotuning back: this, rounded up.
+BENCHMARK_MIN_STEPS_PER_SHAPE = 2500
 
 
 class PhaseClock:

@@ -272,27 +272,21 @@ def choose_kernels(config: TrainConfig, device: torch.device, loaders: tuple[Any
     the reason; the CPU and --deterministic are left as they are."""
     if device.type != "cuda" or config.deterministic:
         return
-    train_loader, val_loader = loaders
-    validations = 1 if config.noval else config.epochs
-    steps = config.epochs * len(train_loader) + validations * len(val_loader)
-    on, reason = benchmark_choice(steps, input_shapes(config, grid, loaders), True, False)
+    # Validation runs with the benchmark off whatever this says (utils/validation.py): training's steps decide.
+    steps = config.epochs * len(loaders[0])
+    on, reason = benchmark_choice(steps, input_shapes(config, grid, loaders[0]), True, False)
     torch.backends.cudnn.benchmark = on
     LOGGER.info(reason)
 
 
-def input_shapes(config: TrainConfig, grid: int, loaders: tuple[Any, Any]) -> int:
-    """How many distinct image sizes the run's forward passes see: training's (one, one per --multi-scale size or
-    one per rect batch shape) and validation's (its rect batch shapes)."""
-    train, val = (getattr(loader, "dataset", None) for loader in loaders)
-
-    def rect_shapes(dataset: Any) -> int:
-        shapes = getattr(dataset, "batch_shapes", None)
-        return len({tuple(s) for s in shapes}) if getattr(dataset, "rect", False) and shapes is not None else 1
-
-    training = rect_shapes(train)
+def input_shapes(config: TrainConfig, grid: int, train_loader: Any) -> int:
+    """How many distinct image sizes the training steps see: one, one per --multi-scale size (step.py draws
+    multiples of ``grid`` from half to one and a half times --imgsz), or one per --rect batch shape."""
     if config.multi_scale:
-        training = len(range(int(config.imgsz * 0.5) // grid * grid, int(config.imgsz * 1.5) + grid, grid))
-    return training + rect_shapes(val)
+        return len(range(int(config.imgsz * 0.5) // grid * grid, int(config.imgsz * 1.5) + grid, grid))
+    dataset = getattr(train_loader, "dataset", None)
+    shapes = getattr(dataset, "batch_shapes", None)
+    return len({tuple(s) for s in shapes}) if getattr(dataset, "rect", False) and shapes is not None else 1
 
 
 def close_mosaic_epoch(epochs: int, close_mosaic: int) -> int | None:
