@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="?",
         const=True,
         default=False,
-        help="resume the latest run (the newest last.pt under --project), or PATH/last.pt",
+        help="resume the newest interrupted run (not finished) under --project, or PATH/last.pt",
     )
     output.add_argument("--nosave", action="store_true", help="only save the final checkpoint")
     output.add_argument("--noplots", action="store_true", help="write no plots")
@@ -296,7 +296,7 @@ def make_launch(opt: argparse.Namespace, explicit: set[str]) -> Launch:
 
 
 def resume_search(opt: argparse.Namespace, explicit: set[str]) -> list[Path]:
-    """Where ``--resume`` without a path looks for the newest last.pt: --project, and by default also the folder
+    """Where ``--resume`` without a path looks for the newest interrupted run: --project, and by default also the folder
     beside train.py where runs were written before they went under the current directory."""
     if "project" in explicit:
         return [Path(opt.project)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -87,6 +88,25 @@ def test_stream_reuses_prefetched_batches_only_for_the_next_epoch(images: str) -
     assert starts == [0, 5, 6]  # one stream for 0-2, a restart for the jump to 5 and for the repeat of 6
 
 
+def test_a_stream_started_at_set_up_is_the_one_the_first_epoch_takes(images: str) -> None:
+    loader = _loader(images, 0)
+    starts = []
+    original_iter = loader.loader.__iter__
+
+    class Spy(DataLoader):
+        def __iter__(self):
+            starts.append((loader.batch_sampler.start_epoch, loader.batch_sampler.start_batch))
+            return original_iter()
+
+    loader.loader.__class__ = Spy
+    loader.start(3, 1)  # a resumed run: batch 1 of epoch 3, started before its first step
+    assert starts == [(3, 1)]
+    loader.set_epoch(3, 1)
+    got = list(loader)
+    assert starts == [(3, 1)]  # no second start: the batches made during set-up are used
+    assert _same(got, _plain_epoch(_loader(images, 0), 3)[1:])
+
+
 def test_validation_loader_stays_plain(images: str) -> None:
     loader, _ = create_dataloader(images, IMGSZ, BATCH, 32, rect=True, pad=0.5, nc=5, workers=0)
     assert isinstance(loader, DataLoader) and len(loader) == 3
@@ -126,6 +146,41 @@ def test_ring_batches_stay_intact_when_the_main_process_is_slow(images: str, mon
             for k, pair in enumerate(indices[b * BATCH : (b + 1) * BATCH]):
                 img, tgt, path, _ = loader.dataset[pair]
                 assert torch.equal(imgs[k], img) and path == paths[k], (epoch, b, k)
+
+
+@pytest.mark.slow
+def test_ring_batches_leave_in_a_thread_of_their_own_intact_and_the_stream_ends_with_its_workers(
+    images: str, monkeypatch
+) -> None:
+    # Where CUDA trains, a hand-off thread copies batches out of the ring one ahead of the step; here it is turned
+    # on for the CPU. The step (this loop) is slow, the copy runs on the hand-off thread, an epoch is left early.
+    take, threads = BatchRing.take, set()
+
+    def recorded_take(self, where, pin_memory=False):
+        threads.add(threading.current_thread().name)
+        return take(self, where, pin_memory)
+
+    monkeypatch.setattr(BatchRing, "take", recorded_take)
+    loader = _loader(images, 2)
+    loader.copy_in_thread = True
+    loader.set_epoch(0)
+    next(iter(loader))  # left after one batch: the thread stops before the stream restarts
+    reference = _loader(images, 0)
+    for epoch in (0, 1):
+        loader.set_epoch(epoch)
+        got = []
+        for batch in loader:
+            time.sleep(0.05)
+            got.append(batch)
+        assert _same(got, _plain_epoch(reference, epoch)), epoch
+    assert threads == {"batch-hand-off"}
+    # After the last epoch the stream ends: its workers (running on into epoch 2) stop; a later epoch starts anew.
+    workers = list(loader._batches._workers)
+    assert workers and all(w.is_alive() for w in workers)
+    loader.close()
+    assert not any(w.is_alive() for w in workers)
+    loader.set_epoch(2)
+    assert _same(list(loader), _plain_epoch(reference, 2))
 
 
 def test_ring_only_where_workers_and_shared_memory_allow(images: str, monkeypatch) -> None:

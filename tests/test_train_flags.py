@@ -7,8 +7,10 @@ were read from), not only that the run ends.
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
+import threading
 import time
 import types
 from collections import Counter
@@ -238,6 +240,22 @@ def test_noval_validates_the_last_epoch_and_nosave_writes_only_its_checkpoint(
     assert (tmp_path / "exp/weights/best.pt").is_file()
     assert load_checkpoint(tmp_path / "exp/weights/best.pt")["best_epoch"] == 2
     assert written.count("last.pt") == 1 and set(written) <= {"last.pt", "best.pt"}  # --nosave: the final one only
+    # The log accounts for the run's time phase by phase (utils/engine/phases.py).
+    phases = {line.split(":")[0].removeprefix("phase ") for line in log.splitlines() if line.startswith("phase ")}
+    for phase in (
+        "imports and process set-up",
+        "data scan and caches",
+        "model",
+        "loaders",
+        "first batch",
+        "first step",
+        "epoch 2 validation",
+        "checkpoint last.pt, best.pt (epoch 2) written",
+        "checkpoints written",
+        "tracker close",
+        "exit",
+    ):
+        assert phase in phases, (phase, sorted(phases))
 
 
 def test_nosave_writes_the_final_epochs_checkpoint_and_saving_writes_every_epochs(tmp_path) -> None:
@@ -302,8 +320,28 @@ def test_multi_scale_draws_stride_aligned_sizes_per_step() -> None:
 
 
 @pytest.mark.slow
-def test_cos_lr_makes_the_lr_curve_a_cosine(train_here, rectangles_yaml, tmp_path) -> None:
+def test_cos_lr_makes_the_lr_curve_a_cosine_and_a_stuck_disk_holds_up_no_epoch(
+    train_here, rectangles_yaml, tmp_path, monkeypatch
+) -> None:
     # The linear curve, the default, is checked in results.csv by the resume and --time tests below.
+    # The same run checks the checkpoint writer: its first write sticks (a disk that stops answering) until the
+    # run's end waits for it; every epoch must have ended by then.
+    release, written, rows_at_close = threading.Event(), [], []
+    save, close = run_record_module.save_checkpoint, RunRecord.close
+
+    def stuck_save(ckpt, path):
+        if not written:
+            assert release.wait(120)
+        save(ckpt, path)
+        written.append((Path(path).name, ckpt["epoch"]))
+
+    def close_releasing(self, timeout=None):
+        rows_at_close.append((len(results(self.save_dir)), list(written)))
+        release.set()
+        return close(self, timeout)
+
+    monkeypatch.setattr(run_record_module, "save_checkpoint", stuck_save)
+    monkeypatch.setattr(RunRecord, "close", close_releasing)
     hyp = yaml.safe_load((ROOT / "data/hyps/hyp.scratch-low.yaml").read_text())
     hyp.update(warmup_epochs=0, lr0=0.01, lrf=0.1)
     (tmp_path / "hyp.yaml").write_text(yaml.safe_dump(hyp))
@@ -326,6 +364,13 @@ def test_cos_lr_makes_the_lr_curve_a_cosine(train_here, rectangles_yaml, tmp_pat
         ramp = (1 - math.cos(math.pi * row["epoch"] / 4)) / 2
         expected = 0.01 * (1 + (0.1 - 1) * ramp)
         assert [row[f"x/lr{j}"] for j in range(3)] == pytest.approx([expected] * 3, rel=1e-5), row  # csv keeps 6 digits
+    # All 4 epochs ended while epoch 0's write was stuck; then the newest snapshot (epoch 3) replaced those of
+    # epochs 1 and 2, which were never written, and is the newest complete checkpoint.
+    assert rows_at_close[0] == (4, [])
+    assert written == [("last.pt", 0), ("last.pt", 3)]
+    assert load_checkpoint(tmp_path / "exp/weights/last.pt")["epoch"] == 3
+    assert f"newest complete checkpoint: {tmp_path / 'exp/weights/last.pt'} (epoch 3)" in log
+    assert json.loads((tmp_path / "exp/run.json").read_text())["checkpoint"] == "epoch 3"
 
 
 def _reads_per_image(monkeypatch) -> Counter:

@@ -17,6 +17,7 @@ epoch's draw, or None). The resume rules are the engine's (utils/engine/resume.p
 
 from __future__ import annotations
 
+import json
 import pickle
 import shutil
 import zipfile
@@ -131,11 +132,16 @@ def training_checkpoint(
     """Everything needed to resume, in the safe format: tensors, state_dicts and plain values only.
 
     ``run`` holds the plain values of the run itself (``lr_schedule``, ``optimizer_choice``, ``config`` and
-    ``config_schema``, ``hyp``, ``world_size``, ``run_id``, ``class_weights``).
+    ``config_schema``, ``hyp``, ``world_size``, ``run_id``, ``class_weights``). Its tensors are the live ones, on
+    the model's device: take a ``host_snapshot`` before training goes on.
     """
+    bare = de_parallel(model)
+    # Left on the device: host_snapshot copies every tensor to the host in one go (one wait, not one per tensor).
     return {
-        **model_state(model),
-        "ema": cpu_fp32_state(ema.ema),
+        "model_cfg": bare.yaml,
+        "names": list(bare.names),
+        "model": _fp32_state(bare),
+        "ema": _fp32_state(ema.ema),
         "updates": ema.updates,
         "optimizer": optimizer.state_dict(),
         "scaler": scaler.state_dict() if scaler.is_enabled() else None,
@@ -147,6 +153,47 @@ def training_checkpoint(
         "torch_rng": torch.get_rng_state(),
         "date": datetime.now().isoformat(timespec="seconds"),
     }
+
+
+def _fp32_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A module's state_dict where it lies, floating-point tensors in fp32 (the live tensors where they are fp32)."""
+    return {k: v.detach().float() if v.is_floating_point() else v.detach() for k, v in module.state_dict().items()}
+
+
+def host_snapshot(ckpt: Any) -> Any:
+    """A copy of ``ckpt`` whose tensors are the host's own: what a background write may hold while training goes on.
+
+    Device tensors (the model, EMA, the optimizer's moments and, in a fused optimizer, its step counters) are
+    copied into pinned host memory without waiting, and the device is waited for once at the end; host tensors
+    are cloned. Nested dicts, lists and tuples are copied; other values are kept as they are.
+    """
+    devices: set[torch.device] = set()
+    copy = _host_copy(ckpt, devices)
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()  # every copy above was queued on this stream
+    return copy
+
+
+def _host_copy(obj: Any, devices: set[torch.device]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type != "cuda":
+            return obj.detach().clone()
+        devices.add(obj.device)
+        out = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=True)
+        return out.copy_(obj.detach(), non_blocking=True)
+    if isinstance(obj, dict):
+        return {k: _host_copy(v, devices) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_host_copy(v, devices) for v in obj)
+    return obj
+
+
+def checkpoint_label(ckpt: dict[str, Any]) -> str:
+    """Where a training checkpoint stands, for the log: ``epoch 3`` (its end) or ``epoch 4 batch 120``."""
+    mid = ckpt.get("mid_epoch")
+    if mid:
+        return f"epoch {mid['epoch']} batch {mid['batch']}"
+    return f"epoch {ckpt['epoch']}" if "epoch" in ckpt else "weights"
 
 
 def has_training_state(ckpt: dict[str, Any]) -> bool:
@@ -181,15 +228,65 @@ def strip_training_state(path: Path) -> None:
 # ---- resume rules ------------------------------------------------------------------------------------------
 
 
+RUN_STATE = "run.json"  # in a run folder: whether the run finished, its newest complete checkpoint
+
+
+def write_run_state(folder: str | Path, state: dict[str, Any]) -> None:
+    """The run folder's record of its state, written atomically (``run_state`` reads it)."""
+    with atomic_output(Path(folder) / RUN_STATE) as tmp:
+        tmp.write_text(json.dumps(state, indent=1), encoding="utf-8")
+
+
+def run_state(folder: str | Path) -> dict[str, Any] | None:
+    """The record ``write_run_state`` left in ``folder``; None where there is none (or it cannot be read)."""
+    try:
+        state = json.loads((Path(folder) / RUN_STATE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) else None
+
+
+def run_finished(folder: Path, last: Path) -> bool:
+    """Whether the run in ``folder`` trained all its epochs: its record says so; a folder written before the record
+    existed is judged by its last.pt (not finished when it cannot be read: a resume then names the problem)."""
+    state = run_state(folder)
+    if state is not None:
+        return state.get("status") == "finished"
+    try:
+        ckpt = torch.load(last, map_location="cpu", weights_only=True)
+        config = ckpt.get("config") or ckpt.get("opt") or {}
+        return ckpt.get("mid_epoch") is None and int(ckpt["epoch"]) + 1 >= int(config["epochs"])
+    except (
+        pickle.UnpicklingError,
+        RuntimeError,
+        EOFError,
+        zipfile.BadZipFile,
+        OSError,
+        LookupError,
+        TypeError,
+        ValueError,
+        AttributeError,
+    ):  # unreadable, foreign or without the keys: not known to be finished
+        return False
+
+
 def latest_last_checkpoint(*search_dirs: str | Path) -> Path:
-    """The newest ``last.pt`` under any of ``search_dirs`` (by modification time)."""
+    """The ``last.pt`` of the newest interrupted run under any of ``search_dirs`` (newest by modification time;
+    a run that finished is passed over: ``--resume PATH --epochs N`` extends one)."""
     candidates = sorted(
         {p.resolve() for d in search_dirs for p in Path(d).glob("**/last.pt")}, key=lambda p: p.stat().st_mtime
     )
+    where = " or ".join(str(d) for d in search_dirs)
     if not candidates:
-        where = " or ".join(str(d) for d in search_dirs)
         raise UserError(f"{where}: no last.pt to resume (train first, or pass --resume PATH)")
-    return candidates[-1]
+    for last in reversed(candidates):
+        folder = last.parent.parent if last.parent.name == "weights" else last.parent
+        if not run_finished(folder, last):
+            return last
+    raise UserError(
+        f"{where}: every run there finished (the newest: {candidates[-1]}); to train one further, pass "
+        f"--resume {candidates[-1]} --epochs N"
+    )
 
 
 def run_folder_of(run_id: str, project: str | Path, not_before: float | None = None) -> Path | None:

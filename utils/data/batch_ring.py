@@ -3,10 +3,11 @@
 A worker normally collates each batch into a fresh shared-memory segment that the main process maps and
 later unmaps: creating and first touching ~20 MB per batch (16 images at 640) costs about four times as much
 CPU as stacking it into memory already in use (1.3 vs 0.3 ms per image here). Here each worker owns a few
-fixed slots, fills them in turn and sends only the slot's number; the main process copies the batch out
-before asking for the next one. A worker has at most
-``prefetch_factor`` batches in flight (the DataLoader hands it a new one only when the main process takes
-one), so with ``prefetch_factor + 1`` slots it never refills a slot the main process has not copied yet.
+fixed slots, fills them in turn and sends only the slot's number; the main process (its training thread, or
+the loader's hand-off thread where CUDA pins batches) copies the batch out before asking for the next one. A
+worker has at most ``prefetch_factor`` batches in flight (the DataLoader hands it a new one only when the main
+process takes one), so with ``prefetch_factor + 1`` slots it never refills a slot the main process has not
+copied yet.
 """
 
 from __future__ import annotations

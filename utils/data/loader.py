@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import queue
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -37,6 +39,7 @@ from utils.hyp import AugmentationHyp
 from utils.log import LOGGER
 
 PREFETCH_BATCHES = 2  # per worker (DataLoader's prefetch_factor); BatchRing's slot count follows from it
+HANDOFF_AHEAD = 1  # batches copied out of the ring ahead of the step (each is a copy held in memory)
 
 
 def _worker_init(_: int) -> None:
@@ -66,8 +69,32 @@ class EpochStreamLoader:
         self.loader = DataLoader(dataset, batch_sampler=batch_sampler, **options)
         self.sampler: ShardedSampler = batch_sampler.sampler
         self._batches: Iterator[Any] | None = None
-        self._next_epoch: int | None = None  # the epoch the stream starts next; None: mid-epoch or not started
+        self._stream_at: tuple[int, int] | None = None  # (epoch, batch) the stream yields next; None: unknown
         self.start_batch = 0
+        # Where CUDA trains (pinned memory), batches leave the ring in a thread of their own (``_handed_off``);
+        # on the CPU the copy is cheap beside the step and the thread would only take a core from it.
+        self.copy_in_thread = bool(options.get("pin_memory"))
+
+    def start(self, epoch: int, start_batch: int = 0) -> None:
+        """Start the workers now on the batches of ``epoch`` from ``start_batch``, which the next iteration over
+        that epoch takes: a run's set-up goes on while the first batches are made."""
+        self.sampler.set_epoch(epoch)
+        self._restart(epoch, start_batch)
+
+    def close(self) -> None:
+        """End the stream and its workers (after the last epoch: no batches of an epoch that will not run). The
+        loader stays usable: a later iteration starts new workers."""
+        batches, self._batches, self._stream_at = self._batches, None, None
+        if self.loader.num_workers > 0:
+            shutdown = getattr(batches, "_shutdown_workers", None)  # torch's; dropping the iterator does it later
+            if shutdown is not None:
+                shutdown()
+            self.loader = DataLoader(self.dataset, batch_sampler=self.batch_sampler, **self.options)
+
+    def _restart(self, epoch: int, start_batch: int) -> None:
+        self.batch_sampler.start_epoch, self.batch_sampler.start_batch = epoch, start_batch
+        self._batches = iter(self.loader)  # persistent workers: drops what was in flight, then restarts
+        self._stream_at = (epoch, start_batch)
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         self.sampler.set_epoch(epoch)
@@ -95,7 +122,7 @@ class EpochStreamLoader:
         for name, value in attributes.items():
             setattr(self.dataset, name, value)
         if self.loader.num_workers > 0:
-            self._batches = None
+            self._batches, self._stream_at = None, None
             self.loader = DataLoader(self.dataset, batch_sampler=self.batch_sampler, **self.options)
 
     def __len__(self) -> int:
@@ -104,17 +131,66 @@ class EpochStreamLoader:
 
     def __iter__(self) -> Iterator[Any]:
         epoch, start = self.sampler.epoch, self.start_batch
-        if self._batches is None or self._next_epoch != epoch or start:
-            self.batch_sampler.start_epoch, self.batch_sampler.start_batch = epoch, start
-            self._batches = iter(self.loader)  # persistent workers: drops what was in flight, then restarts
-        self._next_epoch, self.start_batch = None, 0
-        for _ in range(len(self) - start):
-            batch = next(self._batches)
-            if isinstance(batch[0], RingSlot):  # copied out before the next batch is asked for: see BatchRing
-                images = self.ring.take(batch[0], pin_memory=self.loader.pin_memory).permute(0, 3, 1, 2)
-                batch = (images, *batch[1:])
-            yield batch
-        self._next_epoch = epoch + 1
+        if self._batches is None or self._stream_at != (epoch, start):
+            self._restart(epoch, start)
+        self._stream_at, self.start_batch = None, 0
+        n = len(self) - start
+        yield from self._handed_off(n) if self.ring is not None and self.copy_in_thread else self._taken(n)
+        self._stream_at = (epoch + 1, 0)
+
+    def _taken(self, n: int) -> Iterator[Any]:
+        for _ in range(n):
+            yield self._unring(next(self._batches))
+
+    def _unring(self, batch: Any) -> Any:
+        """A batch with its images copied out of their ring slot (pinned where CUDA takes them), before the next
+        batch is asked for: see BatchRing."""
+        if isinstance(batch[0], RingSlot):
+            images = self.ring.take(batch[0], pin_memory=self.loader.pin_memory).permute(0, 3, 1, 2)
+            batch = (images, *batch[1:])
+        return batch
+
+    def _handed_off(self, n: int) -> Iterator[Any]:
+        """``n`` batches copied out of the ring by a thread of their own, one batch ahead of the training step, so
+        that the copy (tens of MB per batch at 640) overlaps the step instead of preceding it."""
+        ready: queue.Queue = queue.Queue(maxsize=HANDOFF_AHEAD)
+        stop = threading.Event()
+
+        def hand_off() -> None:
+            try:
+                for _ in range(n):
+                    if not _offer(ready, self._unring(next(self._batches)), stop):
+                        return
+            except BaseException as e:  # raised again in the training thread, where the batch was wanted
+                _offer(ready, _Failed(e), stop)
+
+        thread = threading.Thread(target=hand_off, name="batch-hand-off", daemon=True)
+        thread.start()
+        try:
+            for _ in range(n):
+                batch = ready.get()
+                if isinstance(batch, _Failed):
+                    raise batch.error
+                yield batch
+        finally:  # also when the epoch is left early: the stream may restart only once the thread has stopped
+            stop.set()
+            thread.join()
+
+
+@dataclass(frozen=True)
+class _Failed:
+    error: BaseException
+
+
+def _offer(ready: queue.Queue, item: Any, stop: threading.Event) -> bool:
+    """Put ``item`` once there is room; False when ``stop`` was set first (nobody takes batches any more)."""
+    while not stop.is_set():
+        try:
+            ready.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
 
 
 def build_dataset(

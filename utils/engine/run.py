@@ -11,6 +11,7 @@ import torch.distributed as dist
 from utils.distributed import DistInfo, collective_failure, destroy_process_group, init_process_group
 from utils.engine.config import TrainConfig
 from utils.engine.evolve import evolve
+from utils.engine.phases import PhaseClock
 from utils.engine.resume import ResumeRequest, is_finished, resume_point
 from utils.engine.setup import check_global_batch
 from utils.engine.trainer import train
@@ -32,10 +33,13 @@ class Launch:
 def run(launch: Launch, info: DistInfo) -> int:
     """Train (or evolve) as ``launch`` says; the exit status."""
     config = launch.config
+    clock = PhaseClock(launch.process_started)
+    clock.stamp("imports and process set-up")
     check_trackers(config.loggers)  # before joining the process group: every rank stops at once, in one line
     if not launch.resume.asked:  # before joining the process group, so that every rank says so at once
         check_global_batch(config.batch_size, info.world_size)
     device = setup_device(config, info)
+    clock.stamp("device and process group")
     try:
         if config.evolve is not None or config.resume_evolve:
             if launch.resume.asked:
@@ -46,13 +50,15 @@ def run(launch: Launch, info: DistInfo) -> int:
             evolve(config, device, info)
             return 0
         config, resumed = resume_point(config, launch.resume, info)
+        if resumed is not None:
+            clock.stamp(f"resume: {resumed.path} read")
         if resumed is not None and is_finished(resumed, config):
             LOGGER.info(
                 f"{resumed.path}: this run already finished its {config.epochs} epochs; nothing to resume "
                 f"(add --epochs N to train it further)"
             )
             return 0
-        train(config, device, info, resumed, process_started=launch.process_started)
+        train(config, device, info, resumed, process_started=launch.process_started, clock=clock)
     except RuntimeError as e:  # dist.DistError and CollectiveError are RuntimeErrors
         failure = collective_failure(e, info)
         if failure is None:
@@ -61,6 +67,7 @@ def run(launch: Launch, info: DistInfo) -> int:
         return 1
     finally:
         destroy_process_group()
+        clock.stamp("exit")
     return 0
 
 

@@ -1,67 +1,158 @@
-"""The record a training run keeps in its folder: results.csv, weights/last.pt and best.pt, early stopping.
+"""The record a training run keeps in its folder: results.csv, weights/last.pt and best.pt, run.json, early
+stopping.
 
 ``RunRecord.end_epoch`` is everything that happens after an epoch's validation; ``save_mid_epoch`` writes
-last.pt inside an epoch. Checkpoints are written by one background thread from a snapshot (a copy of every
-tensor), so training goes on while the file is written and never waits longer than the copy.
+last.pt inside an epoch. A checkpoint is taken as a host snapshot (checkpoint.py: ``host_snapshot``, one copy
+of every tensor) and written by ``CheckpointWriter``'s background thread, so training never waits for the disk:
+see docs/design.md, "The checkpoint writer".
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from itertools import count
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from utils.checkpoint import copy_checkpoint, save_checkpoint, weights_are_finite
+from utils.checkpoint import (
+    checkpoint_label,
+    copy_checkpoint,
+    host_snapshot,
+    save_checkpoint,
+    weights_are_finite,
+    write_run_state,
+)
+from utils.engine.phases import PhaseClock
 from utils.log import LOGGER
 from utils.metrics import fitness
 from utils.results_log import append_results_row, extend_results_columns, truncate_results
 
+EXIT_WAIT_S = 60.0  # how long a run leaving on an error waits for the checkpoint being written
 
-def snapshot(obj: Any) -> Any:
-    """A deep copy of the tensors in nested dicts and lists (what a background write may hold while training)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: snapshot(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(snapshot(v) for v in obj)
-    return obj
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A checkpoint held in host memory until it is written."""
+
+    state: dict[str, Any]  # from host_snapshot: nothing in it changes while training goes on
+    label: str  # where it stands: "epoch 3", "epoch 4 batch 120"
+    serial: int  # the order of submission: the larger, the newer
+
+
+@dataclass(frozen=True)
+class Written:
+    """A checkpoint file complete on disk."""
+
+    path: Path
+    label: str
+    serial: int
+    seconds: float  # how long writing it took
+
+
+@dataclass
+class _Queue:
+    """The writer's shared state (under ``lock``)."""
+
+    lock: threading.Condition = field(default_factory=threading.Condition)
+    pending: dict[Path, Snapshot] = field(default_factory=dict)  # per file, the newest snapshot not yet written
+    busy: bool = False  # the thread is writing
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
 
 
 class CheckpointWriter:
-    """Writes checkpoints in a background thread, one at a time, in the order they were submitted."""
+    """Writes checkpoints from host snapshots in one background thread; ``submit`` never waits for the disk.
 
-    def __init__(self) -> None:
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+    Each file has at most one snapshot waiting: a newer one for the same file replaces it (a slow disk skips
+    checkpoints, never training), so held memory stays bounded by the files. A snapshot for several files
+    (last.pt and best.pt) is serialised once and copied. Files appear atomically (utils/files.py). Each file
+    written is passed to every ``on_written`` callback, in the writer's thread: where the run record and, later,
+    uploads to object storage plug in.
+    """
 
-    def submit(self, ckpt: dict[str, Any], paths: list[Path]) -> None:
-        self.flush()
-        self._thread = threading.Thread(target=self._write, args=(ckpt, paths), name="checkpoint-writer", daemon=True)
-        self._thread.start()
+    def __init__(self, clock: PhaseClock | None = None) -> None:
+        self._q = _Queue()
+        self._serials = count()
+        self.clock = clock or PhaseClock()
+        self.on_written: list[Callable[[Written], None]] = []
+        self.newest_complete: Written | None = None  # the newest snapshot written in full to a file
 
-    def _write(self, ckpt: dict[str, Any], paths: list[Path]) -> None:
-        try:
-            first, *others = paths
-            save_checkpoint(ckpt, first)
-            for path in others:
-                copy_checkpoint(first, path)
-        except BaseException as e:  # raised again in the training thread by flush()
-            self._error = e
+    def submit(self, state: dict[str, Any], paths: list[Path], label: str = "") -> None:
+        """Queue ``state`` (a host snapshot, not touched again by the caller) for ``paths``; returns at once.
+        An error of an earlier write is raised here."""
+        self._raise_error()
+        snapshot = Snapshot(state, label or checkpoint_label(state), next(self._serials))
+        q = self._q
+        with q.lock:
+            for path in paths:
+                q.pending[Path(path)] = snapshot
+            if q.thread is None:
+                q.thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
+                q.thread.start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds (None: as long as it takes) until every snapshot is written; True when
+        they are. An error of a write is raised here."""
+        q = self._q
+        with q.lock:
+            done = q.lock.wait_for(lambda: not q.pending and not q.busy, timeout)
+        self._raise_error()
+        return done
 
     def flush(self) -> None:
-        """Wait for the write in flight; raise its error, if any, here."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
+        self.wait()
+
+    def _raise_error(self) -> None:
+        q = self._q
+        with q.lock:
+            error, q.error = q.error, None
+        if error is not None:
             raise error
+
+    def _run(self) -> None:
+        """The thread: write what is pending, oldest snapshot first, until nothing is; then end."""
+        q = self._q
+        while True:
+            with q.lock:
+                if not q.pending:
+                    q.busy, q.thread = False, None
+                    q.lock.notify_all()
+                    return
+                batch, q.pending, q.busy = q.pending, {}, True
+            groups: dict[int, tuple[Snapshot, list[Path]]] = {}
+            for path, snapshot in batch.items():
+                groups.setdefault(snapshot.serial, (snapshot, []))[1].append(path)
+            for serial in sorted(groups):
+                try:
+                    self._write(*groups[serial])
+                except BaseException as e:  # raised again in the training thread by submit() or wait()
+                    with q.lock:
+                        q.error = e
+
+    def _write(self, snapshot: Snapshot, paths: list[Path]) -> None:
+        if not weights_are_finite(snapshot.state):
+            LOGGER.warning(f"WARNING weights are not finite: {', '.join(p.name for p in paths)} not overwritten")
+            return
+        t0 = time.monotonic()
+        first, *others = paths
+        save_checkpoint(snapshot.state, first)
+        for path in others:
+            copy_checkpoint(first, path)
+        seconds = time.monotonic() - t0
+        names = ", ".join(p.name for p in paths)
+        self.clock.stamp(f"checkpoint {names} ({snapshot.label}) written", seconds)
+        for path in paths:
+            written = Written(path, snapshot.label, snapshot.serial, seconds)
+            if self.newest_complete is None or written.serial > self.newest_complete.serial:
+                self.newest_complete = written
+            for callback in self.on_written:
+                callback(written)
 
 
 class RunRecord:
@@ -79,6 +170,7 @@ class RunRecord:
         best_fitness: float = 0.0,
         best_epoch: int = -1,
         start_epoch: int = 0,
+        clock: PhaseClock | None = None,
     ):
         self.save_dir = save_dir
         self.columns = columns  # results.csv's (utils/results_log.py)
@@ -90,11 +182,17 @@ class RunRecord:
         self.best_fitness, self.best_epoch = best_fitness, best_epoch
         # A resumed run keeps counting toward --patience from its best epoch.
         self.since_best = start_epoch - 1 - best_epoch if best_epoch >= 0 else 0
-        self.writer = CheckpointWriter()
+        self.writer = CheckpointWriter(clock)
         self.weights_dir.mkdir(parents=True, exist_ok=True)
         truncate_results(save_dir / "results.csv", keep_below_epoch=start_epoch)  # rows past the checkpoint go
         extend_results_columns(save_dir / "results.csv", columns)  # a run written before the columns appended last
         self.stop = False
+        # run.json: "running" until the run ends its epochs (what --resume without a path looks for), and the
+        # newest complete checkpoint, updated by the writer's thread as each is written.
+        self._state_lock = threading.Lock()
+        self.state: dict[str, Any] = {"status": "running", "newest_checkpoint": None, "checkpoint": None}
+        self._write_state()
+        self.writer.on_written.append(self._written)
 
     def end_epoch(
         self,
@@ -146,24 +244,43 @@ class RunRecord:
         self._submit(ckpt, [self.last])
 
     def _submit(self, ckpt: dict[str, Any], paths: list[Path]) -> None:
-        if not weights_are_finite(ckpt):
-            LOGGER.warning(f"WARNING weights are not finite: {', '.join(p.name for p in paths)} not overwritten")
-            return
-        self.writer.submit(snapshot(ckpt), paths)
+        self.writer.submit(host_snapshot(ckpt), paths)
 
-    def close(self) -> None:
-        """Wait for the checkpoint being written (before reading it back, and before the process ends)."""
-        self.writer.flush()
+    def _written(self, written: Written) -> None:
+        """The writer's thread: a file is complete; last.pt's newest becomes the run's newest checkpoint."""
+        if written.path == self.last:
+            self._write_state(newest_checkpoint=str(written.path.relative_to(self.save_dir)), checkpoint=written.label)
+
+    def _write_state(self, **changes: Any) -> None:
+        with self._state_lock:  # the training thread and the writer's both update it
+            self.state.update(changes, updated=time.time())
+            write_run_state(self.save_dir, self.state)
+
+    def mark_finished(self) -> None:
+        """The run trained all its epochs (or stopped early, or its time budget ended it): nothing to resume."""
+        self._write_state(status="finished")
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds (None: until done) for the checkpoints being written, then name the newest
+        complete one; True when nothing is left to write."""
+        done = self.writer.wait(timeout)
+        newest = self.writer.newest_complete
+        if not done:
+            LOGGER.warning(f"WARNING a checkpoint is still being written after {timeout:.0f} s; not waiting longer")
+        if newest is not None:
+            LOGGER.info(f"newest complete checkpoint: {newest.path} ({newest.label})")
+        return done
 
     @contextlib.contextmanager
     def kept_on_error(self) -> Iterator[None]:
-        """An error leaving the block (a diverged run, Ctrl-C, a lost rank) first waits for the checkpoint being
-        written: the writer is a daemon thread, and the process would end it mid-write, losing the last epoch."""
+        """An error leaving the block (a diverged run, Ctrl-C, a lost rank) first waits (up to ``EXIT_WAIT_S``) for
+        the checkpoint being written: the writer is a daemon thread, and the process would end it mid-write, losing
+        the last epoch."""
         try:
             yield
         except BaseException:
             try:
-                self.writer.flush()
+                self.close(EXIT_WAIT_S)
             except Exception as e:  # the error on its way out is the one to report
                 LOGGER.warning(f"WARNING the last checkpoint was not written: {e}")
             raise

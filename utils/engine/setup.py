@@ -19,6 +19,7 @@ from utils.data.loader import create_dataloader, load_labels
 from utils.data.webshards import ShardSet
 from utils.distributed import DistInfo, broadcast_object
 from utils.engine.config import TrainConfig
+from utils.engine.phases import PhaseClock, benchmark_choice
 from utils.engine.resume import Resumed
 from utils.errors import UserError
 from utils.hyp import HypRecord
@@ -48,9 +49,16 @@ class RunSetup:
 
 
 def set_up(
-    config: TrainConfig, device: torch.device, info: DistInfo, resumed: Resumed | None, hyp: HypRecord | None
+    config: TrainConfig,
+    device: torch.device,
+    info: DistInfo,
+    resumed: Resumed | None,
+    hyp: HypRecord | None,
+    clock: PhaseClock | None = None,
 ) -> RunSetup:
-    """Check, read and build everything a run trains with; ``hyp`` (an evolution's generation) replaces --hyp."""
+    """Check, read and build everything a run trains with; ``hyp`` (an evolution's generation) replaces --hyp;
+    ``clock`` stamps the phases on the log."""
+    clock = clock or PhaseClock()
     config = check_options(config, info, resumed=resumed is not None)
     ckpt = resumed.ckpt if resumed else None
     source = load_checkpoint(config.weights) if config.weights and not ckpt else None  # --weights to start from
@@ -72,6 +80,7 @@ def set_up(
             )
             for split in ("train", "val")
         ]
+    clock.stamp("data scan and caches")
     # Labels were checked against the data YAML's classes above; --single-cls folds them into one afterwards.
     nc, names = (1, ["item"]) if config.single_cls else (data["nc"], data["names"])
     model = create_model(config, family, ModelSource(nc, names, hyp, ckpt, source)).to(
@@ -87,9 +96,12 @@ def set_up(
         raise UserError(f"--imgsz {config.imgsz} must be a multiple of the largest stride ({grid})")
     precision = choose_precision(device, config.amp)
     LOGGER.info(f"precision: {precision.reason}")
+    clock.stamp("model")
     train_loader, dataset, val_loader = make_loaders(config, info, hyp, grid, labels)
+    choose_kernels(config, device, (train_loader, val_loader), grid)
     if not ckpt and not config.noautoanchor:
         family.fit_anchors(dataset, model, hyp, imgsz=config.imgsz)
+    clock.stamp("loaders")
     save_dir = run_folder(config, info, hyp, resumed is not None)  # only now that every check has passed
     return RunSetup(
         config.replace(save_dir=str(save_dir)),
@@ -253,6 +265,28 @@ def make_loaders(config: TrainConfig, info: DistInfo, hyp: HypRecord, grid: int,
         global_rank=max(info.rank, 0),
     )
     return train_loader, dataset, val_loader
+
+
+def choose_kernels(config: TrainConfig, device: torch.device, loaders: tuple[Any, Any], grid: int) -> None:
+    """cuDNN's benchmark on only where the run is long enough to pay its autotuning back (phases.py), logged with
+    the reason; the CPU and --deterministic are left as they are."""
+    if device.type != "cuda" or config.deterministic:
+        return
+    # Validation runs with the benchmark off whatever this says (utils/validation.py): training's steps decide.
+    steps = config.epochs * len(loaders[0])
+    on, reason = benchmark_choice(steps, input_shapes(config, grid, loaders[0]), True, False)
+    torch.backends.cudnn.benchmark = on
+    LOGGER.info(reason)
+
+
+def input_shapes(config: TrainConfig, grid: int, train_loader: Any) -> int:
+    """How many distinct image sizes the training steps see: one, one per --multi-scale size (step.py draws
+    multiples of ``grid`` from half to one and a half times --imgsz), or one per --rect batch shape."""
+    if config.multi_scale:
+        return len(range(int(config.imgsz * 0.5) // grid * grid, int(config.imgsz * 1.5) + grid, grid))
+    dataset = getattr(train_loader, "dataset", None)
+    shapes = getattr(dataset, "batch_shapes", None)
+    return len({tuple(s) for s in shapes}) if getattr(dataset, "rect", False) and shapes is not None else 1
 
 
 def close_mosaic_epoch(epochs: int, close_mosaic: int) -> int | None:

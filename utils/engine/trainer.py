@@ -9,7 +9,7 @@ import itertools
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from utils.distributed import DistInfo, broadcast_object, collective, rank_zero_
 from utils.engine.config import CONFIG_SCHEMA, TrainConfig
 from utils.engine.epoch import EpochHooks, train_one_epoch
 from utils.engine.optimization import Optimization, OptimizerInputs, build_optimization, choose, restore
+from utils.engine.phases import PhaseClock
 from utils.engine.resume import Resumed, ResumePosition, resumed_position
 from utils.engine.run_record import RunRecord
 from utils.engine.setup import RunSetup, close_mosaic_epoch, set_up
@@ -63,15 +64,17 @@ def train(
     hyp: HypRecord | None = None,
     process_started: float | None = None,
     on_validated: OnValidated | None = None,
+    clock: PhaseClock | None = None,
 ) -> TrainResult:
     """One training run. ``hyp`` (a search's trial) replaces reading --hyp; ``process_started`` (the monotonic
     clock at the process start) is where a budget that includes start-up counts from; ``on_validated`` may stop
-    the run after a validated epoch (rank 0 decides)."""
+    the run after a validated epoch (rank 0 decides); ``clock`` stamps the run's phases on the log."""
+    clock = clock or PhaseClock(process_started)
     check_trackers(config.loggers)  # a resumed run's own, on every rank: a missing package stops all of them
     if info.is_main:
         preload_trackers(config.loggers)  # their packages load while the data and the model are made
-    run = set_up(config, device, info, resumed, hyp)
-    trainer = Trainer(run, resumed, device, info, process_started)
+    run = set_up(config, device, info, resumed, hyp, clock)
+    trainer = Trainer(run, resumed, device, info, process_started, clock)
     trainer.on_validated = on_validated
     try:
         epoch = trainer.train_epochs()
@@ -91,9 +94,11 @@ class Trainer:
         device: torch.device,
         info: DistInfo,
         process_started: float | None = None,
+        clock: PhaseClock | None = None,
     ) -> None:
         self.run, self.config, self.info, self.device = run, run.config, info, device
         self.process_started = process_started
+        self.clock = clock or PhaseClock(process_started)
         ckpt = resumed.ckpt if resumed else None
         self.loss_names = tuple(run.family.loss_names)
         self.optim, self.position, best = start_optimization(run, ckpt, len(self.loss_names))
@@ -138,6 +143,10 @@ class Trainer:
             self.loss_names,
             SavePolicy(self.config.save_steps, self.config.save_minutes),
         )
+        # The workers start now, at the batch training begins with, and prepare it while the rest is set up.
+        start_stream = getattr(run.train_loader, "start", None)
+        if start_stream is not None:
+            start_stream(self.position.start_epoch, self.position.start_batch)
         if info.is_main:
             self.start_record(best, ckpt)
 
@@ -157,6 +166,7 @@ class Trainer:
             best_fitness=best[0],
             best_epoch=best[1],
             start_epoch=self.position.start_epoch,
+            clock=self.clock,
         )
         tracked = TrackerRun(
             run.save_dir,
@@ -170,7 +180,6 @@ class Trainer:
         self.hooks.progress = RunProgress(config.epochs)
         if config.profile > 0:
             self.profiler = StepProfiler(config.profile, run.save_dir / "profile.json", self.device)
-            self.hooks.after_step = self.profiler.step
         if first_run and not config.noplots:
             from utils.plots import plot_labels
 
@@ -216,6 +225,8 @@ class Trainer:
         self.loop_started = time.monotonic()
         budget = time_budget(config, self.process_started or self.loop_started, self.loop_started)
         start, epoch, tally = self.position.start_epoch, self.position.start_epoch, self.position.tally
+        self.hooks.after_step = FirstStepStamp(self.clock, self.profiler.step if self.profiler else None)
+        self.clock.stamp("set-up before the first epoch")
         # On an error, the checkpoint being written in the background is finished first (rank 0 writes them).
         with self.record.kept_on_error() if self.record is not None else contextlib.nullcontext():
             for epoch in itertools.count(start):  # a time budget may change the run's length on the way
@@ -229,7 +240,9 @@ class Trainer:
                     run.save_dir if epoch == start and self.info.is_main and not config.noplots else None
                 )
                 start_batch = self.position.start_batch if epoch == start else 0
-                tally, timing = train_one_epoch(self.stepper, run.train_loader, epoch, start_batch, tally, self.hooks)
+                loader = FirstBatchStamp(run.train_loader, self.clock) if epoch == start else run.train_loader
+                tally, timing = train_one_epoch(self.stepper, loader, epoch, start_batch, tally, self.hooks)
+                self.clock.stamp(f"epoch {epoch} steps")
                 self.run_time.add(timing)
                 decision = self.end_epoch(epoch, tally, budget, t_epoch, timing)
                 if self.hooks.progress is not None:
@@ -237,6 +250,9 @@ class Trainer:
                 if decision.get("stop") or epoch + 1 >= self.config.epochs:
                     break
                 tally = LossTally(len(self.loss_names))
+        end_stream = getattr(run.train_loader, "close", None)
+        if end_stream is not None:  # no batches of an epoch that will not run
+            end_stream()
         return epoch
 
     def draw_images(self, epoch: int) -> None:
@@ -260,6 +276,7 @@ class Trainer:
         if validated:
             self.last_val = self.validate(optim.ema.ema, plots=final and not config.noplots, verbose=final)
             self.results = self.last_val.as_row()
+            self.clock.stamp(f"epoch {epoch} validation")
         decision: dict = {}
         if self.info.is_main:
             if config.image_weights and validated:
@@ -274,6 +291,7 @@ class Trainer:
                 final,
                 extra=timing.row(),
             )
+            self.clock.stamp(f"epoch {epoch} record (checkpoint handed to the writer)")
             decision["stop"] = self.record.should_stop()
             self.hooks.logger.log_epoch(epoch, dict(zip(self.columns[1:], row[1:])))
             if validated and self.on_validated is not None and self.on_validated(epoch, self.results):
@@ -328,6 +346,8 @@ class Trainer:
                 f"{(time.monotonic() - self.loop_started) / 3600:.3f} hours."
             )
             self.record.close()
+            self.record.mark_finished()
+            self.clock.stamp("checkpoints written")
             strip_training_state(self.record.best)
             if self.record.best.exists() and self.record.best_epoch != epoch:
                 best_ckpt = load_checkpoint(self.record.best)
@@ -342,6 +362,7 @@ class Trainer:
                 verbose=True,
             )
             self.results = self.last_val.as_row()
+            self.clock.stamp("final validation")
         if info.is_main:
             self.report_time()
             r = self.last_val
@@ -357,7 +378,9 @@ class Trainer:
             logger = self.hooks.logger
             logger.log_images(plot_files(run.save_dir), epoch)
             logger.log_artifacts([self.record.best, self.record.last, run.save_dir / "results.csv"])
+            self.clock.stamp("plots and artifacts")
             logger.close()
+            self.clock.stamp("tracker close")
             LOGGER.info(f"Results saved to {colorstr(str(run.save_dir))}")
         return TrainResult(run.save_dir, self.results)
 
@@ -380,6 +403,42 @@ class Trainer:
         if self.profiler is not None:
             self.profiler.stop()
         self.hooks.logger.close(status)
+
+
+class FirstStepStamp:
+    """The epoch's after-step hook: stamps the first optimizer step, then calls ``then`` (--profile) each step."""
+
+    def __init__(self, clock: PhaseClock, then: Callable[[], None] | None) -> None:
+        self.clock, self.then, self.stamped = clock, then, False
+
+    def __call__(self) -> None:
+        if not self.stamped:
+            self.stamped = True
+            self.clock.stamp("first step")
+        if self.then is not None:
+            self.then()
+
+
+class FirstBatchStamp:
+    """A training loader whose first batch is stamped as it arrives (the workers' start-up and first batch)."""
+
+    def __init__(self, loader: Any, clock: PhaseClock) -> None:
+        self.loader, self.clock = loader, clock
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        batches = iter(self.loader)
+        first = next(batches, None)
+        if first is None:
+            return
+        self.clock.stamp("first batch")
+        yield first
+        yield from batches
 
 
 def start_optimization(
