@@ -198,3 +198,14 @@ def test_detect_reads_no_image_over_max_pixels(tmp_path, monkeypatch) -> None:
     assert frames["small.png"].image is None and "64x48 is over --max-pixels 3000" in frames["small.png"].error
     monkeypatch.setenv("YOLO_MAX_PIXELS", "4000")
     assert next(iter_source(str(tmp_path / "small.png"))).image.shape == (48, 64, 3)
+
+
+def test_an_image_broken_after_its_check_is_grey_at_the_training_size_and_warned_once(tmp_path, caplog) -> None:
+    yaml_file = _hostile_images(tmp_path)
+    _, dataset = create_dataloader(load_data_config(yaml_file)["train"], 32, 2, 32, workers=0, nc=1)
+    broken = dataset.im_files.index(str(tmp_path / "images" / "good0.jpg"))
+    (tmp_path / "images" / "good0.jpg").write_bytes(_undecodable_jpeg())  # changed after the labels were read
+    caplog.clear()
+    # What is allocated for it: an image at the training size (long side 32), not at the 64x48 its header claimed.
+    assert [dataset._read_original(broken).shape for _ in range(3)] == [(24, 32, 3)] * 3
+    assert caplog.text.count("good0.jpg: cannot decode image") == 1
