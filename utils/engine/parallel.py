@@ -9,8 +9,8 @@ DDP's settings, and why each keeps a run exactly what it was (docs/distributed.m
   checkpoints are bit for bit those of a run that broadcasts them every step. The other ranks' running statistics
   follow their own batches (with --sync-bn the global batch's, the same on every rank); what reads them is their
   EMA, which validates their part of the split: ``share_buffers`` gives every rank rank 0's EMA buffers before each
-  validation, so every rank validates exactly the weights rank 0 saves (the per-forward broadcast did not: each rank
-  then updated rank 0's statistics with its own batch before its EMA read them).
+  validation, so every rank validates exactly the weights rank 0 saves (the per-forward broadcast does not: each rank
+  moves rank 0's statistics by its own batch before its EMA reads them).
 - Gradient buckets are sized to the model (``bucket_cap_mb``): DDP starts a bucket's all-reduce once all its
   gradients exist. With torch's 25 MiB, yolo11n's 10 MiB of gradients make one bucket beside the 1 MiB first one,
   ready only when the backward pass reaches the first layers, so nothing overlaps the backward pass; about
