@@ -133,6 +133,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="minutes a collective may wait for a rank before the run stops (DDP)",
     )
+    distributed.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default="",
+        choices=("inductor", "aot_eager", "eager"),
+        metavar="BACKEND",
+        help="torch.compile the model's forward (not the loss) with BACKEND (alone: inductor; aot_eager traces "
+        "without generating code, for checks); off by default: see docs/training.md",
+    )
     # torch.distributed.launch and older scripts pass these; LOCAL_RANK from the environment is what counts.
     distributed.add_argument("--local-rank", "--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
 

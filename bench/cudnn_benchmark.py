@@ -1,6 +1,7 @@
 """cuDNN's benchmark on and off, on a CUDA GPU: what a new input shape costs the first time, and the steady step.
 
     python bench/cudnn_benchmark.py            # yolo11n, fp16 autocast, channels_last, as train.py runs it
+    python bench/cudnn_benchmark.py --device cpu --imgsz 64 --batch-size 2   # the code path at toy sizes, no GPU
 
 Each setting runs in a fresh process (cuDNN keeps its choices per process). Printed per setting: the first
 inference of four rectangular validation-like shapes (batch 32, 384-480 x 640) and the same calls again, then the
@@ -27,26 +28,31 @@ VAL_HEIGHTS = (384, 416, 448, 480)
 
 
 def _timed(fn) -> float:
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     t = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     return time.perf_counter() - t
 
 
-def measure(cfg: str, benchmark: bool) -> str:
+def measure(cfg: str, benchmark: bool, device: str = "cuda", imgsz: int = 640, batch_size: int = 64) -> str:
+    """Validation at half ``batch_size`` in four rectangles (0.6-0.75 of ``imgsz`` high), training at ``batch_size``."""
     torch.backends.cudnn.benchmark = benchmark
     fmt = torch.channels_last
-    model = build_model(cfg, nc=80).cuda().to(memory_format=fmt)
+    model = build_model(cfg, nc=80).to(device, memory_format=fmt)
+    on_gpu = device != "cpu"  # fp16 autocast as train.py runs it on CUDA; fp32 on the CPU, as train.py does there
 
     def infer(h: int) -> None:
-        x = torch.rand(32, 3, h, 640, device="cuda").contiguous(memory_format=fmt)
-        with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+        height = max(32, h * imgsz // 640 // 32 * 32)  # the heights scaled to imgsz, multiples of the stride
+        x = torch.rand(max(batch_size // 2, 1), 3, height, imgsz, device=device).contiguous(memory_format=fmt)
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16, enabled=on_gpu):
             model.eval()(x)
 
     def train_step() -> None:
-        x = torch.rand(64, 3, 640, 640, device="cuda").contiguous(memory_format=fmt)
-        with torch.autocast("cuda", dtype=torch.float16):
+        x = torch.rand(batch_size, 3, imgsz, imgsz, device=device).contiguous(memory_format=fmt)
+        with torch.autocast("cuda", dtype=torch.float16, enabled=on_gpu):
             out = model.train()(x)
         sum(o.float().mean() for o in out).backward()
 
@@ -61,20 +67,25 @@ def measure(cfg: str, benchmark: bool) -> str:
     )
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cfg", default="yolo11n.yaml")
+    p.add_argument("--device", default="cuda", help="cuda, or cpu to run the code path without a GPU")
+    p.add_argument("--imgsz", type=int, default=640)
+    p.add_argument("--batch-size", type=int, default=64, help="training batch (validation's is half of it)")
     p.add_argument("--one", choices=("on", "off"), help=argparse.SUPPRESS)  # the child process's own setting
-    args = p.parse_args()
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU")
+    args = p.parse_args(argv)
+    if args.device != "cpu" and not torch.cuda.is_available():
+        print("needs a CUDA GPU (--device cpu runs the code path)")
         return 1
+    sizes = ["--device", args.device, "--imgsz", str(args.imgsz), "--batch-size", str(args.batch_size)]
     if args.one:
-        print(measure(args.cfg, args.one == "on"), flush=True)
+        print(measure(args.cfg, args.one == "on", args.device, args.imgsz, args.batch_size), flush=True)
         return 0
-    print(f"{args.cfg} on {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    where = torch.cuda.get_device_name() if args.device != "cpu" else "the CPU"
+    print(f"{args.cfg} on {where}, torch {torch.__version__}", flush=True)
     for setting in ("off", "on"):
-        subprocess.run([sys.executable, __file__, "--cfg", args.cfg, "--one", setting], check=True)
+        subprocess.run([sys.executable, __file__, "--cfg", args.cfg, *sizes, "--one", setting], check=True)
     return 0
 
 

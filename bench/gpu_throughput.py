@@ -5,7 +5,8 @@
 Each trainer trains each ``--cfg`` from scratch on the same generated shapes set (``--images`` train images at
 ``--imgsz``, made once in parallel by ``utils/data/shapes.py``), batch ``--batch-size``, ``--workers`` loader
 workers, mixed precision (each trainer's default on CUDA), mosaic on in every epoch (close-mosaic 0 for both), no
-validation before the last epoch, each trainer's other defaults. Both save ``weights/last.pt`` at the end of every
+validation before the last epoch, no experiment trackers (ours: --loggers alone; Ultralytics: its integrations
+switched off), each trainer's other defaults. Both save ``weights/last.pt`` at the end of every
 epoch; a watcher here notes the moment each save lands, so an epoch's time is the interval between two saves,
 observed from outside, the same for both trainers. The first epoch (start-up, cuDNN's autotuning) and the
 interval that holds the final validation are left out: printed is the median of the remaining intervals as
@@ -23,6 +24,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -34,9 +36,10 @@ from utils.plots import read_results_csv  # noqa: E402
 SAVE_BURST_S = 0.5  # changes to the checkpoint closer together than this are one save
 
 
-def make_dataset(out: Path, images: int, imgsz: int, parts: int) -> tuple[Path, int]:
-    """``images`` distinct train images (and 64 val), made by ``parts`` processes, each with its own seed."""
-    root = out / f"shapes_{images}_{imgsz}"
+def make_dataset(out: Path, images: int, imgsz: int, parts: int, val: int = 64) -> tuple[Path, int]:
+    """``images`` distinct train images (and ``val`` to validate), made by ``parts`` processes, each with its own
+    seed."""
+    root = out / (f"shapes_{images}_{imgsz}" + ("" if val == 64 else f"_val{val}"))
     yaml_file = root / "data.yaml"
     if yaml_file.exists():
         return yaml_file, images
@@ -47,7 +50,7 @@ def make_dataset(out: Path, images: int, imgsz: int, parts: int) -> tuple[Path, 
                 generate_shapes,
                 [root / f"part{k}" for k in range(parts)],
                 [per] * parts,
-                [64 if k == 0 else 0 for k in range(parts)],
+                [val if k == 0 else 0 for k in range(parts)],
                 [imgsz] * parts,
                 range(parts),
             )
@@ -67,8 +70,11 @@ def make_dataset(out: Path, images: int, imgsz: int, parts: int) -> tuple[Path, 
     return yaml_file, images
 
 
-def watch_saves(cmd: list[str], cwd: Path, checkpoint: Path, log: Path, env: dict[str, str]) -> tuple[int, list[float]]:
-    """Run ``cmd``; return its exit code and the times (s since start) at which ``checkpoint`` was written anew."""
+def watch_saves(
+    cmd: list[str], cwd: Path, checkpoint: Path, log: Path, env: dict[str, str], timeout: float | None = None
+) -> tuple[int, list[float]]:
+    """Run ``cmd``; return its exit code (-9 when killed after ``timeout`` s) and the times (s since start) at which
+    ``checkpoint`` was written anew."""
     seen: list[float] = []
     done = threading.Event()
     t0 = time.perf_counter()
@@ -100,6 +106,9 @@ def watch_saves(cmd: list[str], cwd: Path, checkpoint: Path, log: Path, env: dic
         stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
     )
+    killer = threading.Timer(timeout, proc.kill) if timeout is not None else None
+    if killer is not None:
+        killer.start()
     with open(log, "w") as out:
         # Each line (progress bars' carriage returns too) stamped with the seconds since start: where time goes.
         for line in iter(proc.stdout.readline, b""):
@@ -108,6 +117,8 @@ def watch_saves(cmd: list[str], cwd: Path, checkpoint: Path, log: Path, env: dic
                     out.write(f"{time.perf_counter() - t0:8.2f} {part}\n")
         code = proc.wait()
         out.write(f"{time.perf_counter() - t0:8.2f} [process ended, exit {code}]\n")
+    if killer is not None:
+        killer.cancel()
     done.set()
     watcher.join()
     return code, seen
@@ -124,6 +135,120 @@ def images_per_s(saves: list[float], n_images: int, epochs: int) -> tuple[float,
 def our_data_share(results_csv: Path) -> list[float]:
     header, values = read_results_csv(results_csv)
     return values[:, header.index("time/data")].tolist()
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How both trainers train (the command line's settings)."""
+
+    imgsz: int
+    batch_size: int
+    workers: int
+    epochs: int
+    device: str
+    ultralytics_python: str = ""  # '' : ours only
+
+
+@dataclass
+class Trained:
+    """One trainer's run of one model."""
+
+    images_per_s: float
+    intervals: list[float]  # seconds between saves, the timed epochs
+    saves: int
+    whole_s: float  # the whole process
+    exit_code: int
+    log: Path  # its output, every line stamped with the seconds since its start
+    folder: Path  # its run folder (weights/last.pt, results.csv)
+    data_share: list[float] = field(default_factory=list)  # ours: time/data per epoch
+
+
+def our_cmd(cfg: str, settings: Settings, data_yaml: Path, project: Path) -> list[str]:
+    """train.py as the bench runs it: no validation before the last epoch, no plots, no trackers (--loggers alone)."""
+    return [
+        sys.executable,
+        "train.py",
+        "--data",
+        str(data_yaml),
+        "--cfg",
+        cfg,
+        "--epochs",
+        str(settings.epochs),
+        "--imgsz",
+        str(settings.imgsz),
+        "--batch-size",
+        str(settings.batch_size),
+        "--workers",
+        str(settings.workers),
+        "--device",
+        settings.device,
+        "--close-mosaic",
+        "0",
+        "--noval",
+        "--noplots",
+        "--loggers",
+        "--project",
+        str(project),
+        "--name",
+        Path(cfg).stem,
+        "--exist-ok",
+    ]
+
+
+def their_cmd(cfg: str, settings: Settings, data_yaml: Path, project: Path) -> list[str]:
+    """Ultralytics' trainer with the same settings (its tracker integrations are off in ``ultralytics_env``)."""
+    return ultralytics_train_cmd(
+        settings.ultralytics_python,
+        model=cfg,
+        data=str(data_yaml),
+        epochs=settings.epochs,
+        imgsz=settings.imgsz,
+        batch=settings.batch_size,
+        workers=settings.workers,
+        device=settings.device,
+        close_mosaic=0,
+        val=False,
+        plots=False,
+        project=str(project),
+        name=Path(cfg).stem,
+        exist_ok=True,
+    )
+
+
+def train_both(
+    cfg: str,
+    settings: Settings,
+    data: tuple[Path, int],
+    out: Path,
+    env_ul: dict[str, str],
+    timeout: float | None = None,
+) -> dict[str, Trained]:
+    """Ours, then Ultralytics' (when ``settings`` names its Python), on ``cfg``; each killed after ``timeout`` s."""
+    (data_yaml, n_images), name = data, Path(cfg).stem
+    runs = [("ours", our_cmd(cfg, settings, data_yaml, out / "ours"), out / "ours" / name, ROOT, {})]
+    if settings.ultralytics_python:
+        theirs = their_cmd(cfg, settings, data_yaml, out / "ultralytics")
+        runs.append(("Ultralytics", theirs, out / "ultralytics" / name, out, env_ul))
+    measured = {}
+    for label, cmd, folder, cwd, env in runs:
+        (folder / "weights/last.pt").unlink(missing_ok=True)
+        t = time.perf_counter()
+        log = out / f"{label}_{name}.log"
+        code, saves = watch_saves(cmd, cwd, folder / "weights/last.pt", log, env, timeout)
+        rate, intervals = images_per_s(saves, n_images, settings.epochs)
+        run = Trained(rate, intervals, len(saves), time.perf_counter() - t, code, log, folder)
+        if label == "ours" and (folder / "results.csv").exists():
+            run.data_share = our_data_share(folder / "results.csv")
+        measured[label] = run
+    return measured
+
+
+def describe(name: str, label: str, run: Trained) -> str:
+    extra = f", data share per epoch {' '.join(f'{s:.0%}' for s in run.data_share)}" if run.data_share else ""
+    return (
+        f"{name} {label:>11}: {run.images_per_s:7.0f} images/s (epochs {' '.join(f'{i:.2f}' for i in run.intervals)} "
+        f"s), {run.saves} saves, whole process {run.whole_s:.0f} s, exit {run.exit_code}{extra}"
+    )
 
 
 def main() -> int:
@@ -146,79 +271,18 @@ def main() -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
-    data_yaml, n_images = make_dataset(out, args.images, args.imgsz, min(os.cpu_count() or 1, 16))
-    print(
-        f"data: {n_images} train images at {args.imgsz} ({time.perf_counter() - t:.0f} s to make) in {data_yaml}",
-        flush=True,
-    )
+    data = make_dataset(out, args.images, args.imgsz, min(os.cpu_count() or 1, 16))
+    print(f"data: {data[1]} train images at {args.imgsz} ({time.perf_counter() - t:.0f} s to make) in {data[0]}")
+    settings = Settings(args.imgsz, args.batch_size, args.workers, args.epochs, args.device, args.ultralytics_python)
     env_ul = ultralytics_env(out, args.ultralytics_python) if args.ultralytics_python else {}
     for cfg in args.cfg:
         name = Path(cfg).stem
-        ours = [
-            sys.executable,
-            "train.py",
-            "--data",
-            str(data_yaml),
-            "--cfg",
-            cfg,
-            "--epochs",
-            str(args.epochs),
-            "--imgsz",
-            str(args.imgsz),
-            "--batch-size",
-            str(args.batch_size),
-            "--workers",
-            str(args.workers),
-            "--device",
-            args.device,
-            "--close-mosaic",
-            "0",
-            "--noval",
-            "--noplots",
-            "--project",
-            str(out / "ours"),
-            "--name",
-            name,
-            "--exist-ok",
-        ]
-        runs = [("ours", ours, out / "ours" / name, {})]
-        if args.ultralytics_python:
-            theirs = ultralytics_train_cmd(
-                args.ultralytics_python,
-                model=cfg,
-                data=str(data_yaml),
-                epochs=args.epochs,
-                imgsz=args.imgsz,
-                batch=args.batch_size,
-                workers=args.workers,
-                device=args.device,
-                close_mosaic=0,
-                val=False,
-                plots=False,
-                project=str(out / "ultralytics"),
-                name=name,
-                exist_ok=True,
-            )
-            runs.append(("Ultralytics", theirs, out / "ultralytics" / name, env_ul))
-        measured = {}
-        for label, cmd, folder, env in runs:
-            (folder / "weights/last.pt").unlink(missing_ok=True)
-            t = time.perf_counter()
-            code, saves = watch_saves(
-                cmd, ROOT if label == "ours" else out, folder / "weights/last.pt", out / f"{label}_{name}.log", env
-            )
-            rate, intervals = images_per_s(saves, n_images, args.epochs)
-            measured[label] = rate
-            extra = ""
-            if label == "ours" and (folder / "results.csv").exists():
-                extra = ", data share per epoch " + " ".join(f"{s:.0%}" for s in our_data_share(folder / "results.csv"))
-            print(
-                f"{name} {label:>11}: {rate:7.0f} images/s (epochs {' '.join(f'{i:.2f}' for i in intervals)} s), "
-                f"{len(saves)} saves, whole process {time.perf_counter() - t:.0f} s, exit {code}{extra}",
-                flush=True,
-            )
+        measured = train_both(cfg, settings, data, out, env_ul)
+        for label, run in measured.items():
+            print(describe(name, label, run), flush=True)
         if len(measured) == 2:
-            print(f"{name}: ours / Ultralytics = {measured['ours'] / measured['Ultralytics']:.2f}x", flush=True)
+            ratio = measured["ours"].images_per_s / measured["Ultralytics"].images_per_s
+            print(f"{name}: ours / Ultralytics = {ratio:.2f}x", flush=True)
     return 0
 
 

@@ -65,6 +65,7 @@ class TrainConfig:
     # device and distributed runs
     device: str = ""
     dist_timeout: float = 10.0
+    compile: str = ""  # torch.compile's backend for the model's forward ('': not compiled)
     # output and checkpoints
     project: str = "runs/train"
     name: str = "exp"

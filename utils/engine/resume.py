@@ -46,6 +46,7 @@ RESUME_OVERRIDABLE = frozenset(
         "time_max_epochs",
         "loggers",
         "profile",
+        "compile",  # how the forward is computed, not what
     }
 )
 

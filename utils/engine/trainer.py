@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from utils.checkpoint import RunPosition, load_checkpoint, model_weights, strip_training_state, training_checkpoint
 from utils.data.image_weights import (
@@ -30,6 +29,7 @@ from utils.distributed import DistInfo, broadcast_object, collective, rank_zero_
 from utils.engine.config import CONFIG_SCHEMA, TrainConfig
 from utils.engine.epoch import EpochHooks, train_one_epoch
 from utils.engine.optimization import Optimization, OptimizerInputs, build_optimization, choose, restore
+from utils.engine.parallel import compile_forward, share_buffers, wrap_ddp
 from utils.engine.phases import PhaseClock
 from utils.engine.resume import Resumed, ResumePosition, resumed_position
 from utils.engine.run_record import RunRecord
@@ -102,11 +102,7 @@ class Trainer:
         ckpt = resumed.ckpt if resumed else None
         self.loss_names = tuple(run.family.loss_names)
         self.optim, self.position, best = start_optimization(run, ckpt, len(self.loss_names))
-        model = (
-            DDP(run.model, device_ids=[device.index] if device.type == "cuda" else None)
-            if info.is_distributed
-            else run.model
-        )
+        model = compile_forward(wrap_ddp(run.model, device) if info.is_distributed else run.model, self.config.compile)
         loss = run.family.make_loss(
             model, run.hyp, imgsz=self.config.imgsz, label_smoothing=self.config.label_smoothing
         )
@@ -274,6 +270,7 @@ class Trainer:
         validated = not config.noval or final
         optim.ema.update_attributes(self.stepper.model)
         if validated:
+            share_buffers(optim.ema.ema, self.info)  # every rank validates the EMA rank 0 saves
             self.last_val = self.validate(optim.ema.ema, plots=final and not config.noplots, verbose=final)
             self.results = self.last_val.as_row()
             self.clock.stamp(f"epoch {epoch} validation")
