@@ -159,3 +159,18 @@ def test_the_training_shapes_the_benchmark_rule_counts():
     assert input_shapes(TrainConfig(imgsz=640), 32, square) == 1
     assert input_shapes(TrainConfig(imgsz=640), 32, rect) == 2
     assert input_shapes(TrainConfig(imgsz=640, multi_scale=True), 32, square) == 21  # 320, 352, ..., 960
+
+
+def test_a_resumed_record_runs_again_and_keeps_naming_the_checkpoint_it_resumes_from(tmp_path):
+    record = _record(tmp_path)
+    _end_epoch(record, 0, 0.1, torch.zeros(1))
+    record.close()
+    record.mark_finished()
+    resumed = _record(tmp_path)  # --resume PATH --epochs N on the finished run
+    state = run_state(tmp_path)
+    assert (state["status"], state["newest_checkpoint"], state["checkpoint"]) == (
+        "running",
+        "weights/last.pt",
+        "epoch 0",
+    )
+    resumed.close()

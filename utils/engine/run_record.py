@@ -24,6 +24,7 @@ from utils.checkpoint import (
     checkpoint_label,
     copy_checkpoint,
     host_snapshot,
+    run_state,
     save_checkpoint,
     weights_are_finite,
     write_run_state,
@@ -190,7 +191,12 @@ class RunRecord:
         # run.json: "running" until the run ends its epochs (what --resume without a path looks for), and the
         # newest complete checkpoint, updated by the writer's thread as each is written.
         self._state_lock = threading.Lock()
-        self.state: dict[str, Any] = {"status": "running", "newest_checkpoint": None, "checkpoint": None}
+        before = run_state(save_dir) or {}  # a resumed run's newest checkpoint stays named until a newer one
+        self.state: dict[str, Any] = {
+            "status": "running",
+            "newest_checkpoint": before.get("newest_checkpoint"),
+            "checkpoint": before.get("checkpoint"),
+        }
         self._write_state()
         self.writer.on_written.append(self._written)
 
