@@ -141,26 +141,24 @@ class Predictor:
 
     def detect(self, images: list[np.ndarray], imgsz: int | None = None) -> list[np.ndarray]:
         """Detections (n, 6) = x1 y1 x2 y2 conf cls in pixels of each BGR image (any sizes, one at a time when their
-        letterboxes differ): the whole path of detect.py, for your own code."""
-        from utils.formats.metadata import default_imgsz
+        letterboxes differ): the whole path of detect.py, for your own code, at the size detect.py would use."""
+        from utils.formats.metadata import inference_imgsz
 
-        imgsz = imgsz or default_imgsz(self.meta)[0]
+        shape = inference_imgsz(self.meta, imgsz)
         out = []
-        for image, (boxed, ratio_pad) in zip(images, self.letterboxed(images, imgsz)):
+        for image, (boxed, ratio_pad) in zip(images, self.letterboxed(images, shape)):
             pred = self.predict(to_batch([boxed]))
             det = to_original(pred.detections[0], tuple(pred.images.shape[2:]), image.shape[:2], ratio_pad)
             out.append(det.numpy())
         return out
 
-    def input_shape(self, imgsz: int) -> tuple[tuple[int, int], bool]:
-        """The letterbox target and whether it is fixed (an exported file's own shape) or padded only to a stride
-        multiple (a PyTorch model takes any)."""
+    def letterboxed(
+        self, images: Iterable[np.ndarray], shape: tuple[int, int]
+    ) -> Iterator[tuple[np.ndarray, RatioPad]]:
+        """Each BGR image letterboxed for this runner (RGB, CHW uint8) with its ratio and padding: to ``shape`` (h, w)
+        from ``inference_imgsz``, exactly for a file with a fixed input shape, else padded only to a stride multiple
+        (a PyTorch model takes any)."""
         fixed = self.meta.imgsz is not None
-        return (tuple(self.meta.imgsz) if fixed else (imgsz, imgsz)), fixed
-
-    def letterboxed(self, images: Iterable[np.ndarray], imgsz: int) -> Iterator[tuple[np.ndarray, RatioPad]]:
-        """Each BGR image letterboxed for this runner (RGB, CHW uint8) with its ratio and padding."""
-        shape, fixed = self.input_shape(imgsz)
         for image in images:
             boxed, ratio, pad = letterbox(image, shape, auto=not fixed, stride=self.meta.stride)
             yield boxed[..., ::-1].transpose(2, 0, 1), ((ratio[1], ratio[0]), pad)
