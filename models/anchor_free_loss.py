@@ -121,7 +121,8 @@ class AnchorFreeLoss:
         label_smoothing: float = 0.0,
         gains: tuple[float, float, float] | None = None,
     ) -> None:
-        head = de_parallel(model).model[-1]
+        net: Any = de_parallel(model)  # a Model: its layers are untyped nn.Module attributes
+        head = net.model[-1]
         self.strides: list[float] = [float(s) for s in head.stride]  # fixed once the model is built
         self.nc: int = int(head.nc)
         self.reg_max: int = int(head.reg_max)
@@ -299,7 +300,7 @@ class End2EndLoss(AnchorFreeLoss):
 
     def __call__(
         self,
-        preds: dict[str, Sequence[torch.Tensor]],
+        preds: Sequence[torch.Tensor] | dict[str, Sequence[torch.Tensor]],
         targets: torch.Tensor,
         norm: LossNorm | None = None,
         prepared: Any = None,
