@@ -16,6 +16,7 @@ import export
 from models.yolo import Model
 from tests.conftest import write_video
 from utils.checkpoint import model_state, save_checkpoint
+from utils.evaluation.predictor import load_predictor
 from utils.formats import open_runner
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,7 +77,9 @@ def test_exported_files_agree_with_pytorch_and_carry_metadata(weights, exported)
 
 
 @pytest.mark.slow
-def test_detect_skips_a_broken_image_and_agrees_across_formats(tmp_path, weights, exported, capsys) -> None:
+def test_detect_skips_a_broken_image_and_agrees_across_formats_and_with_load_predictor(
+    tmp_path, weights, exported, capsys
+) -> None:
     source = _images(tmp_path / "images")
     (source / "broken.jpg").write_bytes(b"not a jpeg")
     results = {}
@@ -105,6 +108,17 @@ def test_detect_skips_a_broken_image_and_agrees_across_formats(tmp_path, weights
             # Rows are matched regardless of order: near-equal scores may sort differently.
             gaps = np.abs(det[:, None, :] - other[None, :, :]).max(-1)
             assert (gaps.min(1) < 1e-2).all() and (gaps.min(0) < 1e-2).all(), (suffix, key)
+    # docs/deploy.md's "in your own code": load_predictor and detect() find, in the same pixels, what detect.py found.
+    for path in (weights, exported[".onnx"]):
+        predictor = load_predictor(path, conf_thres=0.5)
+        assert predictor.meta.names == ["red", "blue"]
+        keys = sorted(results[path.suffix].detections)
+        found = predictor.detect([cv2.imread(key) for key in keys], 64)
+        for key, boxes in zip(keys, found):
+            det = results[path.suffix].detections[key]
+            assert boxes.shape == det.shape and boxes.dtype == det.dtype, (path.suffix, key)
+            gaps = np.abs(det[:, None, :] - boxes[None, :, :]).max(-1)
+            assert (gaps.min(1) < 1e-3).all() and (gaps.min(0) < 1e-3).all(), (path.suffix, key)
     save_dir = ref.save_dir
     assert sorted(p.name for p in save_dir.glob("*.jpg")) == ["000.jpg", "001.jpg", "002.jpg"]
     label_file = next((save_dir / "labels").glob("*.txt"))
