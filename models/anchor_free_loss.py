@@ -138,7 +138,7 @@ class AnchorFreeLoss:
         self.smooth_scale, self.smooth_offset = 1.0 - label_smoothing, smooth_bce_targets(label_smoothing)[1]
 
     # The DetectionLoss protocol: nothing to assign or count before the forward (assignment needs predictions).
-    def prepare(self, targets: torch.Tensor, image_hw: tuple[int, int]) -> None:
+    def prepare(self, targets: torch.Tensor, image_hw: tuple[int, ...]) -> None:
         return None
 
     def counts(self, prepared: Any) -> torch.Tensor:

@@ -44,7 +44,7 @@ class DetectionLoss(Protocol):
 
     item_names: tuple[str, ...]
 
-    def prepare(self, targets: torch.Tensor, image_hw: tuple[int, int]) -> Any: ...
+    def prepare(self, targets: torch.Tensor, image_hw: tuple[int, ...]) -> Any: ...
 
     def counts(self, prepared: Any) -> torch.Tensor: ...
 
@@ -131,7 +131,7 @@ class ComputeLoss:
         self.cls_positive, self.cls_negative = smooth_bce_targets(label_smoothing)
         self.balance = LEVEL_BALANCE.get(self.nl, LEVEL_BALANCE_FALLBACK[: self.nl])
 
-    def prepare(self, targets: torch.Tensor, image_hw: tuple[int, int]) -> list[LevelTargets]:
+    def prepare(self, targets: torch.Tensor, image_hw: tuple[int, ...]) -> list[LevelTargets]:
         """The target assignments of a batch of images of size ``image_hw``, before any forward pass."""
         grids = [(image_hw[0] // int(s), image_hw[1] // int(s)) for s in self.detect.stride]
         return self.build_targets(grids, targets.to(dtype=torch.float32))

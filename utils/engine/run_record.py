@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +104,7 @@ class RunRecord:
         lrs: list[float],
         ckpt: dict[str, Any],
         final: bool,
-        extra: list[float] = (),
+        extra: Sequence[float] = (),
     ) -> list[float]:
         """Record an epoch: results row, last.pt, best.pt when it improved; returns the row (``should_stop`` says
         whether early stopping ends the run).
