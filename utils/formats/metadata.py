@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass, field, fields, replace
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 
@@ -136,7 +136,7 @@ class ModelMeta:
             names=names,
             stride=stride,
             kind=kind,
-            imgsz=imgsz,
+            imgsz=cast("tuple[int, int] | None", imgsz),  # (h, w) as the file wrote it
             batch=batch,
             family=family,
             layout=layout,
@@ -209,7 +209,7 @@ class ModelMeta:
         names = values.get("names")
         if isinstance(names, dict):  # {0: 'person', ...}; JSON makes the keys strings
             names = [names[k] for k in sorted(names, key=int)]
-        args = values.get("args") if isinstance(values.get("args"), dict) else {}
+        args: dict[str, Any] = values["args"] if isinstance(values.get("args"), dict) else {}
         family = ultralytics_export_family(str(values.get("description", ""))).name
         end2end = values.get("end2end") in (True, "True") or args.get("nms") in (True, "True")
         nms = (
