@@ -77,9 +77,7 @@ def test_exported_files_agree_with_pytorch_and_carry_metadata(weights, exported)
 
 
 @pytest.mark.slow
-def test_detect_skips_a_broken_image_and_agrees_across_formats_and_with_load_predictor(
-    tmp_path, weights, exported, capsys
-) -> None:
+def test_detect_skips_a_broken_image_and_agrees_across_formats(tmp_path, weights, exported, capsys) -> None:
     source = _images(tmp_path / "images")
     (source / "broken.jpg").write_bytes(b"not a jpeg")
     results = {}
@@ -108,23 +106,34 @@ def test_detect_skips_a_broken_image_and_agrees_across_formats_and_with_load_pre
             # Rows are matched regardless of order: near-equal scores may sort differently.
             gaps = np.abs(det[:, None, :] - other[None, :, :]).max(-1)
             assert (gaps.min(1) < 1e-2).all() and (gaps.min(0) < 1e-2).all(), (suffix, key)
-    # docs/deploy.md's "in your own code": load_predictor and detect() find, in the same pixels, what detect.py found.
-    for path in (weights, exported[".onnx"]):
-        predictor = load_predictor(path, conf_thres=0.5)
-        assert predictor.meta.names == ["red", "blue"]
-        keys = sorted(results[path.suffix].detections)
-        found = predictor.detect([cv2.imread(key) for key in keys], 64)
-        for key, boxes in zip(keys, found):
-            det = results[path.suffix].detections[key]
-            assert boxes.shape == det.shape and boxes.dtype == det.dtype, (path.suffix, key)
-            gaps = np.abs(det[:, None, :] - boxes[None, :, :]).max(-1)
-            assert (gaps.min(1) < 1e-3).all() and (gaps.min(0) < 1e-3).all(), (path.suffix, key)
     save_dir = ref.save_dir
     assert sorted(p.name for p in save_dir.glob("*.jpg")) == ["000.jpg", "001.jpg", "002.jpg"]
     label_file = next((save_dir / "labels").glob("*.txt"))
     rows = np.loadtxt(label_file, ndmin=2)
     assert rows.shape[1] == 6 and (rows[:, 1:5] >= 0).all() and (rows[:, 1:5] <= 1).all()
     assert any((save_dir / "crops").rglob("*.jpg"))
+
+
+@pytest.mark.slow
+def test_load_predictor_finds_what_detect_finds(tmp_path, weights, exported) -> None:
+    """docs/deploy.md's "in your own code": load_predictor and detect() on images that are not the input size
+    (letterboxed, then boxes back in their pixels) find what detect.py finds, on the page's example, an ONNX file."""
+    source = _images(tmp_path / "images", n=2, size=96)
+    for i in range(2):  # not square either: padding on one axis
+        path = source / f"{i:03d}.jpg"
+        cv2.imwrite(str(path), cv2.imread(str(path))[: 72 - 8 * i])
+    path = exported[".onnx"]
+    runs = {"project": str(tmp_path / "runs"), "name": path.suffix[1:], "nosave": True}
+    ref = detect.run(weights=str(path), source=str(source), imgsz=64, conf_thres=0.5, **runs)
+    assert sum(len(d) for d in ref.detections.values()) > 0
+    predictor = load_predictor(path, conf_thres=0.5)
+    assert predictor.meta.names == ["red", "blue"]
+    keys = sorted(ref.detections)
+    for key, boxes in zip(keys, predictor.detect([cv2.imread(key) for key in keys], 64)):
+        det = ref.detections[key]
+        assert boxes.shape == det.shape and boxes.dtype == det.dtype, (path.suffix, key)
+        gaps = np.abs(det[:, None, :] - boxes[None, :, :]).max(-1)
+        assert (gaps.min(1) < 1e-3).all() and (gaps.min(0) < 1e-3).all(), (path.suffix, key)
 
 
 def test_detect_on_a_video(tmp_path, weights) -> None:
