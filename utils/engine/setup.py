@@ -74,7 +74,7 @@ def set_up(
         ]
     # Labels were checked against the data YAML's classes above; --single-cls folds them into one afterwards.
     nc, names = (1, ["item"]) if config.single_cls else (data["nc"], data["names"])
-    model = create_model(config, family, ModelSource(nc, names, hyp, ckpt, source)).to(  # type: ignore[call-overload]
+    model = create_model(config, family, ModelSource(nc, names, hyp, ckpt, source)).to(  # type: ignore[call-overload]  # stubs: device with memory_format
         device, memory_format=torch.channels_last
     )
     freeze_layers(model, list(config.freeze))
