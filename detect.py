@@ -145,7 +145,7 @@ class _Writers:
 
 
 def _frame_batches(
-    frames: Iterator[Any], predictor: Any, imgsz: int, batch_size: int, skipped: list[str]
+    frames: Iterator[Any], predictor: Any, imgsz: tuple[int, int], batch_size: int, skipped: list[str]
 ) -> Iterator[tuple[list[Any], torch.Tensor, list[Any]]]:
     """Batches of same-shape letterboxed frames: (frames, uint8 (b, 3, h, w), ratio_pads). Unreadable frames are
     reported and skipped. The letterbox time counts as pre-processing."""
@@ -171,11 +171,11 @@ def _frame_batches(
         yield [p[0] for p in pending], to_batch([p[1] for p in pending]), [p[2] for p in pending]
 
 
-def _predictor(opt: argparse.Namespace, device: torch.device) -> tuple[Any, int]:
+def _predictor(opt: argparse.Namespace, device: torch.device) -> tuple[Any, tuple[int, int]]:
     """The predictor at detect.py's thresholds, and the image size."""
     from models.families import family_of
     from utils.evaluation.predictor import PredictOptions, Predictor, open_for_prediction
-    from utils.formats.metadata import default_imgsz
+    from utils.formats.metadata import inference_imgsz
 
     runner = open_for_prediction(opt.weights, device, end2end=opt.end2end, augment=opt.augment, half=opt.half)
     meta = runner.meta
@@ -188,15 +188,7 @@ def _predictor(opt: argparse.Namespace, device: torch.device) -> tuple[Any, int]
         augment=opt.augment,
     )
     predictor = Predictor(runner, family_of(meta.family), options, purpose="detect")
-    imgsz = opt.imgsz
-    if imgsz is None:
-        imgsz, source = default_imgsz(meta)
-        LOGGER.info(f"image size {imgsz} ({source})")
-    if imgsz % meta.stride:
-        asked, imgsz = imgsz, (imgsz // meta.stride + 1) * meta.stride
-        LOGGER.warning(f"image size {asked} is not a multiple of the stride {meta.stride}: using {imgsz}")
-    if meta.imgsz is not None and meta.imgsz != (imgsz, imgsz):
-        LOGGER.info(f"{opt.weights}: exported for {meta.imgsz[0]}x{meta.imgsz[1]} input; using that size")
+    imgsz = inference_imgsz(meta, opt.imgsz, opt.weights)
     if opt.classes and max(opt.classes) >= meta.nc:
         raise UserError(f"--classes {' '.join(map(str, opt.classes))}: the model has classes 0..{meta.nc - 1}")
     return predictor, imgsz

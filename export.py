@@ -165,24 +165,11 @@ def _formats(opt: argparse.Namespace, precision: str, options: Any) -> list[Any]
     return formats
 
 
-def _imgsz(opt: argparse.Namespace, meta: Any) -> tuple[int, int]:
-    from utils.formats.metadata import default_imgsz
-
-    asked = opt.imgsz
-    if asked is None:
-        size, source = default_imgsz(meta)
-        LOGGER.info(f"image size {size} ({source})")
-        asked = [size]
-    imgsz = list(asked) * 2 if len(asked) == 1 else list(asked)
-    if len(imgsz) != 2 or any(s % meta.stride for s in imgsz):
-        raise UserError(f"--imgsz {' '.join(map(str, asked))}: give one or two multiples of the stride {meta.stride}")
-    return imgsz[0], imgsz[1]
-
-
 def prepare(opt: argparse.Namespace) -> tuple[Source, list[Any]]:
     """Every check that can fail before a file is written, then the source model and its example input."""
     from models.families import family_of
     from utils.formats.base import ExportOptions, NmsSpec
+    from utils.formats.metadata import inference_imgsz
     from utils.formats.pytorch import load_pytorch
 
     precision = _precision(opt)
@@ -211,7 +198,7 @@ def prepare(opt: argparse.Namespace) -> tuple[Source, list[Any]]:
     module = family.export_module(runner.model, end2end=opt.end2end)
     for p in module.parameters():
         p.requires_grad_(False)
-    imgsz = _imgsz(opt, runner.meta)
+    imgsz = inference_imgsz(runner.meta, opt.imgsz, opt.weights)
     # A reproducible input in [0, 1] like a real image; zeros would leave most activations untested.
     example = torch.rand(opt.batch_size, 3, *imgsz, generator=torch.Generator().manual_seed(0)).to(runner.device)
     meta = runner.meta.copy(imgsz=imgsz, batch=None if opt.dynamic else opt.batch_size, trained_imgsz=None)

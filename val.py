@@ -175,26 +175,18 @@ def _passes(
 
 
 def input_size(opt: argparse.Namespace, meta: Any) -> tuple[int, int, bool]:
-    """(image size, batch size, rectangular batches): an exported file takes one square input shape."""
-    from utils.formats.metadata import default_imgsz
+    """(image size, batch size, rectangular batches): the size by the one policy (``inference_imgsz``); an exported
+    file takes one input shape, which val.py's square letterboxes need square."""
+    from utils.formats.metadata import inference_imgsz
 
-    imgsz, batch_size, rect = opt.imgsz, opt.batch_size, True
-    if imgsz is None:
-        imgsz, source = default_imgsz(meta)
-        LOGGER.info(f"image size {imgsz} ({source})")
-    if meta.imgsz is not None:  # an exported file takes one input shape: square letterboxes of its size
-        if meta.imgsz[0] != meta.imgsz[1]:
-            raise UserError(
-                f"{opt.weights}: exported for {meta.imgsz[0]}x{meta.imgsz[1]} input; val.py needs a "
-                "square one (export with a single --imgsz)"
-            )
-        if imgsz != meta.imgsz[0]:
-            LOGGER.info(f"{opt.weights}: exported for {meta.imgsz[0]}x{meta.imgsz[1]} input; using that size")
-        imgsz, rect = meta.imgsz[0], False  # a file fixed to a batch size runs any loader batch, that many at a time
-    if imgsz % meta.stride:
-        asked, imgsz = imgsz, (imgsz // meta.stride + 1) * meta.stride
-        LOGGER.warning(f"image size {asked} is not a multiple of the stride {meta.stride}: using {imgsz}")
-    return imgsz, batch_size, rect
+    h, w = inference_imgsz(meta, opt.imgsz, opt.weights)
+    if h != w:
+        raise UserError(
+            f"{opt.weights}: exported for {h}x{w} input; val.py needs a square one (export with a single --imgsz)"
+        )
+    # A file fixed to one shape takes no rectangular batches; fixed to a batch size, it runs any loader batch, that
+    # many at a time.
+    return h, opt.batch_size, meta.imgsz is None
 
 
 def _loader_and_folder(

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from copy import deepcopy
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -44,7 +44,7 @@ def make_anchors(
     Points take the dtype and device of the feature maps (float32 on the CPU for sizes).
     """
     if len(feats_or_shapes) and isinstance(feats_or_shapes[0], torch.Tensor) and feats_or_shapes[0].dim() == 4:
-        sizes = [tuple(f.shape[2:]) for f in feats_or_shapes]
+        sizes = [tuple(f.shape[2:]) for f in cast("Sequence[torch.Tensor]", feats_or_shapes)]
         dtype, device = feats_or_shapes[0].dtype, feats_or_shapes[0].device
     else:
         sizes = [(int(s[0]), int(s[1])) for s in feats_or_shapes]
@@ -199,8 +199,10 @@ class AnchorFreeDetect(DetectionHead):
     def _branches(self, x: list[torch.Tensor], box: nn.ModuleList, cls: nn.ModuleList) -> list[torch.Tensor]:
         return [torch.cat((box[i](x[i]), cls[i](x[i])), 1) for i in range(self.nl)]
 
-    def forward(self, x: list[torch.Tensor]):
-        raw: list[torch.Tensor] | dict[str, list[torch.Tensor]] = self._branches(x, self.cv2, self.cv3)
+    def forward(self, x: list[torch.Tensor]) -> Any:
+        raw: Any = self._branches(  # levels, or with the one-to-one head a dict of both heads' levels
+            x, self.cv2, self.cv3
+        )
         if self.end2end:
             # The one-to-one loss must not shape the backbone: only its own branches learn from it.
             features = [f.detach() for f in x] if self.training else x
@@ -243,6 +245,8 @@ class AnchorFreeDetect(DetectionHead):
     def bias_init(self) -> None:
         """Box bias 2.0; class bias log(5 / nc / (640 / stride)^2), about 5 objects per 640 image (strides needed)."""
         pairs = [(self.cv2, self.cv3)] + ([(self.one2one_cv2, self.one2one_cv3)] if self.end2end else [])
+        box: Any  # each a branch's nn.Sequential
+        cls: Any
         with torch.no_grad():
             for box_branches, cls_branches in pairs:
                 for box, cls, stride in zip(box_branches, cls_branches, self.stride.tolist()):

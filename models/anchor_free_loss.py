@@ -121,7 +121,8 @@ class AnchorFreeLoss:
         label_smoothing: float = 0.0,
         gains: tuple[float, float, float] | None = None,
     ) -> None:
-        head = de_parallel(model).model[-1]
+        net: Any = de_parallel(model)  # a Model: its layers are untyped nn.Module attributes
+        head = net.model[-1]
         self.strides: list[float] = [float(s) for s in head.stride]  # fixed once the model is built
         self.nc: int = int(head.nc)
         self.reg_max: int = int(head.reg_max)
@@ -137,7 +138,7 @@ class AnchorFreeLoss:
         self.smooth_scale, self.smooth_offset = 1.0 - label_smoothing, smooth_bce_targets(label_smoothing)[1]
 
     # The DetectionLoss protocol: nothing to assign or count before the forward (assignment needs predictions).
-    def prepare(self, targets: torch.Tensor, image_hw: tuple[int, int]) -> None:
+    def prepare(self, targets: torch.Tensor, image_hw: tuple[int, ...]) -> None:
         return None
 
     def counts(self, prepared: Any) -> torch.Tensor:
@@ -299,7 +300,7 @@ class End2EndLoss(AnchorFreeLoss):
 
     def __call__(
         self,
-        preds: dict[str, Sequence[torch.Tensor]],
+        preds: Sequence[torch.Tensor] | dict[str, Sequence[torch.Tensor]],
         targets: torch.Tensor,
         norm: LossNorm | None = None,
         prepared: Any = None,

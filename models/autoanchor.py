@@ -7,10 +7,13 @@ least one anchor. Everything here is deterministic, so every DDP rank reaches th
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import numpy as np
 import torch
 import torch.nn as nn
 
+from models.heads import Detect
 from utils.distributed import de_parallel
 from utils.log import LOGGER, colorstr
 
@@ -123,7 +126,7 @@ def kmean_anchors(
     return anchors
 
 
-def dataset_box_sizes(dataset, imgsz: int, rng: np.random.Generator) -> np.ndarray:
+def dataset_box_sizes(dataset: Any, imgsz: int, rng: np.random.Generator) -> np.ndarray:
     """Pixel (w, h) of every labelled box with the image's long side at ``imgsz``, randomly rescaled 0.9-1.1."""
     shapes = np.asarray(dataset.shapes, dtype=np.float64).reshape(-1, 2)
     image_sizes = imgsz * shapes / shapes.max(1, keepdims=True)
@@ -136,7 +139,7 @@ def dataset_box_sizes(dataset, imgsz: int, rng: np.random.Generator) -> np.ndarr
     return wh[(wh > 0).all(1)]
 
 
-def anchor_order_matches_stride(detect: nn.Module) -> bool:
+def anchor_order_matches_stride(detect: Detect) -> bool:
     """True when the mean pixel anchor area grows with the stride across levels."""
     stride = detect.stride.detach().cpu().double()
     area = (detect.anchors.detach().cpu().double() * stride.view(-1, 1, 1)).prod(-1).mean(-1)
@@ -144,7 +147,7 @@ def anchor_order_matches_stride(detect: nn.Module) -> bool:
     return bool((ordered[1:] >= ordered[:-1]).all())
 
 
-def set_anchors(detect: nn.Module, anchors_px: np.ndarray) -> None:
+def set_anchors(detect: Detect, anchors_px: np.ndarray) -> None:
     """Write (nl * na, 2) pixel anchors into ``detect.anchors`` in place: smallest to the finest stride."""
     nl, na = detect.nl, detect.na
     anchors_px = anchors_px[np.argsort(anchors_px.prod(1))].reshape(nl, na, 2)
@@ -158,12 +161,13 @@ def set_anchors(detect: nn.Module, anchors_px: np.ndarray) -> None:
         raise RuntimeError("anchors were written out of stride order")
 
 
-def check_anchors(dataset, model: nn.Module, thr: float = 4.0, imgsz: int = 640) -> bool:
+def check_anchors(dataset: Any, model: nn.Module, thr: float = 4.0, imgsz: int = 640) -> bool:
     """Log the anchors' BPR on ``dataset``; below 0.98, refit them with k-means and keep the better set.
 
     Returns True when the Detect anchors were replaced.
     """
-    detect = de_parallel(model).model[-1]
+    net: Any = de_parallel(model)  # a Model: its layers are untyped nn.Module attributes
+    detect = cast(Detect, net.model[-1])  # YOLOv5's models: the only ones with anchors
     rng = np.random.default_rng(0)
     wh = dataset_box_sizes(dataset, imgsz, rng)
     stride = detect.stride.detach().cpu().double().view(-1, 1, 1)

@@ -5,6 +5,8 @@ The blocks only the anchor-free families use (C2f, C3k2, attention, ...) live in
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -26,9 +28,9 @@ class Conv(nn.Module):
         self, c1: int, c2: int, k: int = 1, s: int = 1, p: int | None = None, g: int = 1, d: int = 1, act: bool = True
     ):
         super().__init__()
-        self.conv = nn.Conv2d(c1, c2, k, s, same_padding(k, p, d), groups=g, dilation=d, bias=False)
+        self.conv = nn.Conv2d(c1, c2, k, s, cast(int, same_padding(k, p, d)), groups=g, dilation=d, bias=False)
         # BN settings of the published YOLOv5 models (eps 1e-3, momentum 0.03).
-        self.bn = nn.BatchNorm2d(c2, eps=1e-3, momentum=0.03)
+        self.bn: nn.Module = nn.BatchNorm2d(c2, eps=1e-3, momentum=0.03)  # nn.Identity once fused
         # Not in place when training: autograd would copy the input of an in-place SiLU for its backward anyway.
         self.act = nn.SiLU() if act else nn.Identity()
 
@@ -123,13 +125,14 @@ class Concat(nn.Module):
 
 def fuse_conv_and_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> nn.Conv2d:
     """A single Conv2d equal to ``bn(conv(x))`` in eval mode, its weight in the memory format of ``conv``'s."""
+    assert bn.running_mean is not None and bn.running_var is not None, "a BatchNorm without running statistics"
     fused = nn.Conv2d(
         conv.in_channels,
         conv.out_channels,
-        kernel_size=conv.kernel_size,
-        stride=conv.stride,
-        padding=conv.padding,
-        dilation=conv.dilation,
+        kernel_size=cast("tuple[int, int]", conv.kernel_size),  # torch types these as tuple[int, ...]
+        stride=cast("tuple[int, int]", conv.stride),
+        padding=cast("str | tuple[int, int]", conv.padding),
+        dilation=cast("tuple[int, int]", conv.dilation),
         groups=conv.groups,
         bias=True,
     ).to(conv.weight.device)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -49,11 +49,15 @@ class DetectionHead(nn.Module):
 
 def probe_input(model: nn.Module) -> torch.Tensor:
     """The blank image a head's strides are measured with: the model's input channels, ``PROBE_SIZE`` square."""
-    return torch.zeros(1, model.yaml["ch"], PROBE_SIZE, PROBE_SIZE)
+    cfg = cast("dict[str, Any]", model.yaml)  # nn.Module's attributes are untyped; Model sets this one
+    return torch.zeros(1, cfg["ch"], PROBE_SIZE, PROBE_SIZE)
 
 
 class Detect(DetectionHead):
     """YOLOv5's anchor-based head: a 1x1 conv per level predicting (x, y, w, h, obj, classes) for each anchor."""
+
+    anchors: torch.Tensor  # buffers, registered in __init__
+    stride: torch.Tensor
 
     def __init__(self, nc: int = 80, anchors: list | tuple = (), ch: list[int] | tuple[int, ...] = ()):
         super().__init__()
@@ -99,7 +103,7 @@ class Detect(DetectionHead):
     def _initialize_biases(self) -> None:
         """Start objectness near 8 objects per 640 image and classes near 0.6 / nc, so early losses are sane."""
         for conv, s in zip(self.m, self.stride):
-            b = conv.bias.view(self.na, -1)
+            b = cast(torch.Tensor, conv.bias).view(self.na, -1)
             with torch.no_grad():
                 b[:, 4] += math.log(8 / (640 / float(s)) ** 2)
                 b[:, 5 : 5 + self.nc] += math.log(0.6 / (self.nc - 0.99999))
@@ -126,12 +130,14 @@ class Detect(DetectionHead):
         wh = wh * wh * anchor_grid  # not ** 2: LiteRT's converter has no legal lowering of a float power
         return torch.cat((xy, wh, y[..., 4:]), -1).reshape(bs, -1, self.no)
 
-    def _grids(self, level: int, nx: int, ny: int, device: torch.device, dtype: torch.dtype):
+    def _grids(
+        self, level: int, nx: int, ny: int, device: torch.device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # The anchors' version counter changes with every in-place edit (AutoAnchor, EMA, loading weights),
         # and reading it does not wait for the device.
         # Under torch.export (LiteRT's converter) the anchors are fake tensors, without storage: no cache then.
         tracing = torch.compiler.is_compiling()
-        key = None if tracing else (level, nx, ny, device, dtype, self.anchors.data_ptr(), self.anchors._version)
+        key: Any = None if tracing else (level, nx, ny, device, dtype, self.anchors.data_ptr(), self.anchors._version)
         if tracing or key not in self._grid_cache:
             # arange in fp32, then cast: the ONNX exporter cannot infer a Range of fp16 (an --half export fails).
             ys, xs = torch.meshgrid(

@@ -10,12 +10,13 @@ CIoUs (deterministic), where YOLOv5 keeps whichever write happens last.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, cast
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models.heads import Detect
 from utils.boxes import bbox_ciou
 from utils.distributed import de_parallel
 
@@ -43,7 +44,7 @@ class DetectionLoss(Protocol):
 
     item_names: tuple[str, ...]
 
-    def prepare(self, targets: torch.Tensor, image_hw: tuple[int, int]) -> Any: ...
+    def prepare(self, targets: torch.Tensor, image_hw: tuple[int, ...]) -> Any: ...
 
     def counts(self, prepared: Any) -> torch.Tensor: ...
 
@@ -114,10 +115,11 @@ class ComputeLoss:
     """
 
     gr = 1.0  # objectness target = (1 - gr) + gr * CIoU; 1.0 uses the CIoU itself
-    item_names = ("box", "obj", "cls")
+    item_names: tuple[str, ...] = ("box", "obj", "cls")
 
     def __init__(self, model: nn.Module, hyp: Any, label_smoothing: float = 0.0) -> None:
-        self.detect = de_parallel(model).model[-1]  # read anchors at call time: they follow .to() and AutoAnchor
+        net: Any = de_parallel(model)  # a Model: its layers are untyped nn.Module attributes
+        self.detect = cast(Detect, net.model[-1])  # read anchors at call time: they follow .to() and AutoAnchor
         self.nl: int = self.detect.nl
         self.na: int = self.detect.na
         self.nc: int = self.detect.nc
@@ -129,7 +131,7 @@ class ComputeLoss:
         self.cls_positive, self.cls_negative = smooth_bce_targets(label_smoothing)
         self.balance = LEVEL_BALANCE.get(self.nl, LEVEL_BALANCE_FALLBACK[: self.nl])
 
-    def prepare(self, targets: torch.Tensor, image_hw: tuple[int, int]) -> list[LevelTargets]:
+    def prepare(self, targets: torch.Tensor, image_hw: tuple[int, ...]) -> list[LevelTargets]:
         """The target assignments of a batch of images of size ``image_hw``, before any forward pass."""
         grids = [(image_hw[0] // int(s), image_hw[1] // int(s)) for s in self.detect.stride]
         return self.build_targets(grids, targets.to(dtype=torch.float32))

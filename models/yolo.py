@@ -13,7 +13,7 @@ import re
 import sys
 from copy import deepcopy
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn as nn
@@ -109,7 +109,7 @@ def _layer_args(
         adjust = getattr(block, "adjust_yaml_args", None)  # a block's own rules for its YAML rows
         if adjust is not None:
             built = adjust(built, scale=scaling.scale, given=len(args))
-        return built, c_out, repeats
+        return built, int(c_out), repeats
     if block is nn.BatchNorm2d:
         return [channels[source]], channels[source], repeats
     if block is Concat:
@@ -135,12 +135,14 @@ def parse_model(cfg: dict, ch: int) -> tuple[nn.Sequential, list[int]]:
     scaling = Scaling(*_scaling(cfg), head_outputs=None if na is None else na * (nc + 5))
 
     channels = [ch]
-    layers, save = [], []
+    layers: list[nn.Module] = []
+    save: list[int] = []
     LOGGER.debug(f"{'':>3}{'from':>18}{'n':>3}{'params':>10}  {'module':<24}{'arguments':<30}")
     for i, (source, repeats, name, args) in enumerate(cfg["backbone"] + cfg["head"]):
         where = f"model YAML layer {i} ({name})"
         args = [_resolve_arg(a, nc, anchors) for a in args]
         repeats = max(round(repeats * scaling.depth), 1) if repeats > 1 else repeats
+        block: type[Any]
         if name in HEADS:
             block = head_for(name, cfg, HEADS[name])
             args, c_out = block.yaml_args(args, cfg, [channels[s] for s in source]), channels[source[-1]]
@@ -153,6 +155,7 @@ def parse_model(cfg: dict, ch: int) -> tuple[nn.Sequential, list[int]]:
             raise UserError(
                 f"model YAML layer {i}: unknown module '{name}'; known modules: {', '.join([*MODULES, *HEADS])}"
             )
+        module: Any  # a block, with the routing attributes Model.forward reads
         try:
             module = nn.Sequential(*(block(*args) for _ in range(repeats))) if repeats > 1 else block(*args)
         except (TypeError, ValueError) as e:
@@ -217,7 +220,12 @@ class Model(nn.Module):
     """A detector whose layers come from a YAML config; the last layer is a detection head (models/heads.py), which
     finishes itself once the model is built (its strides, anchors and first biases)."""
 
-    def __init__(self, cfg: str | Path | dict = "yolov5s.yaml", ch: int = 3, nc: int | None = None, anchors=None):
+    model: nn.Sequential
+    save: list[int]
+
+    def __init__(
+        self, cfg: str | Path | dict = "yolov5s.yaml", ch: int = 3, nc: int | None = None, anchors: Any = None
+    ):
         super().__init__()
         self.yaml = load_model_config(cfg)
         # Ultralytics' configs name the input channels 'channels'.
@@ -236,11 +244,11 @@ class Model(nn.Module):
             raise UserError(f"{self.yaml.get('yaml_file', 'model config')}: the last layer must be Detect")
         head.setup(self)
 
-    def forward(self, x: torch.Tensor):
-        cache: list[torch.Tensor | None] = []
+    def forward(self, x: torch.Tensor | list[Any]) -> Any:
+        cache: list[Any] = []
         for module in self.model:
             if module.source != -1:
-                src = module.source
+                src: Any = module.source
                 x = cache[src] if isinstance(src, int) else [x if j == -1 else cache[j] for j in src]
             x = module(x)
             cache.append(x if module.layer_index in self.save else None)
@@ -259,7 +267,7 @@ class Model(nn.Module):
 
     @property
     def stride(self) -> torch.Tensor:
-        return self.model[-1].stride
+        return cast(torch.Tensor, self.model[-1].stride)
 
 
 def build_model(

@@ -298,6 +298,39 @@ def test_trained_size_is_read_from_ours_yolov5s_and_ultralytics_records() -> Non
     assert default_imgsz(meta) == (128, "from the exported file")
 
 
+def test_one_image_size_policy_for_val_detect_export_and_the_predictor(log_lines, monkeypatch) -> None:
+    """inference_imgsz: left out, the trained size (logged); not a stride multiple, raised to one (warned), one value
+    or h w; an exported file's fixed shape wins (logged); nonsense is one line. The predictor's detect(), val.py,
+    detect.py and export.py all take their size from it."""
+    from utils.errors import UserError
+    from utils.evaluation.predictor import Predictor
+    from utils.formats.metadata import inference_imgsz
+
+    meta = ModelMeta(names=["a"], stride=32, kind="pytorch", trained_imgsz=96)
+    assert inference_imgsz(meta, None) == (96, 96) and "image size 96 (from the checkpoint)" in log_lines
+    assert inference_imgsz(meta, 100) == (128, 128) and inference_imgsz(meta, [100]) == (128, 128)
+    assert "image size 100 is not a multiple of the stride 32: using 128" in log_lines
+    assert inference_imgsz(meta, [64, 100]) == (64, 128) and inference_imgsz(meta, [320, 640]) == (320, 640)
+    for bad in ([1, 2, 3], [0], -32):
+        with pytest.raises(UserError, match="--imgsz"):
+            inference_imgsz(meta, bad)
+    fixed = ModelMeta(names=["a"], stride=32, kind="onnx", imgsz=(160, 160))
+    assert inference_imgsz(fixed, 640, "m.onnx") == (160, 160) and inference_imgsz(fixed, None) == (160, 160)
+    assert "m.onnx: exported for 160x160 input; using that size" in log_lines
+    seen = []
+    real = inference_imgsz
+    monkeypatch.setattr(
+        "utils.formats.metadata.inference_imgsz", lambda *a: seen.append(a[1]) or real(*a)
+    )  # the predictor looks it up at call time, as the scripts do
+    predictor = Predictor.__new__(Predictor)
+    predictor.letterboxed = lambda images, shape: seen.append(shape) or iter(())
+    predictor.runner = types.SimpleNamespace(meta=meta)
+    assert predictor.detect([], 100) == [] and seen == [100, (128, 128)]
+    for script in (val, detect, export):  # each script's one size: through the policy, never its own rule
+        source = Path(script.__file__).read_text(encoding="utf-8")
+        assert "inference_imgsz(" in source and "default_imgsz" not in source and "% meta.stride" not in source
+
+
 @pytest.mark.slow
 def test_val_detect_and_export_default_to_the_size_the_checkpoint_was_trained_at(
     trained_at_64, rectangles_yaml, tmp_path, monkeypatch, log_lines, capsys

@@ -16,6 +16,7 @@ import export
 from models.yolo import Model
 from tests.conftest import write_video
 from utils.checkpoint import model_state, save_checkpoint
+from utils.evaluation.predictor import load_predictor
 from utils.formats import open_runner
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,6 +112,28 @@ def test_detect_skips_a_broken_image_and_agrees_across_formats(tmp_path, weights
     rows = np.loadtxt(label_file, ndmin=2)
     assert rows.shape[1] == 6 and (rows[:, 1:5] >= 0).all() and (rows[:, 1:5] <= 1).all()
     assert any((save_dir / "crops").rglob("*.jpg"))
+
+
+@pytest.mark.slow
+def test_load_predictor_finds_what_detect_finds(tmp_path, weights, exported) -> None:
+    """docs/deploy.md's "in your own code": load_predictor and detect() on images that are not the input size
+    (letterboxed, then boxes back in their pixels) find what detect.py finds, on the page's example, an ONNX file."""
+    source = _images(tmp_path / "images", n=2, size=96)
+    for i in range(2):  # not square either: padding on one axis
+        path = source / f"{i:03d}.jpg"
+        cv2.imwrite(str(path), cv2.imread(str(path))[: 72 - 8 * i])
+    path = exported[".onnx"]
+    runs = {"project": str(tmp_path / "runs"), "name": path.suffix[1:], "nosave": True}
+    ref = detect.run(weights=str(path), source=str(source), imgsz=64, conf_thres=0.5, **runs)
+    assert sum(len(d) for d in ref.detections.values()) > 0
+    predictor = load_predictor(path, conf_thres=0.5)
+    assert predictor.meta.names == ["red", "blue"]
+    keys = sorted(ref.detections)
+    for key, boxes in zip(keys, predictor.detect([cv2.imread(key) for key in keys], 64)):
+        det = ref.detections[key]
+        assert boxes.shape == det.shape and boxes.dtype == det.dtype, (path.suffix, key)
+        gaps = np.abs(det[:, None, :] - boxes[None, :, :]).max(-1)
+        assert (gaps.min(1) < 1e-3).all() and (gaps.min(0) < 1e-3).all(), (path.suffix, key)
 
 
 def test_detect_on_a_video(tmp_path, weights) -> None:

@@ -1,37 +1,36 @@
-"""The library's layers (docs/design.md, "Layers"): import-linter's contracts in .importlinter hold, fail on a planted
+"""The library's layers (docs/design.md, "Layers"): import-linter's contracts in pyproject.toml hold, fail on a planted
 upward import and on a planted ``import train``, and place every module in exactly one layer; no module outside
 models/families/ names a model family in its code."""
 
 from __future__ import annotations
 
 import ast
-import configparser
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import tomllib
 from test_import_cycles import project_modules
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / ".importlinter"
+CONFIG = ROOT / "pyproject.toml"
 LINT = "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(no_cache=True, no_logo=True))"
 
 
-def contracts() -> configparser.ConfigParser:
-    parser = configparser.ConfigParser()
-    parser.read(CONFIG, encoding="utf-8")
-    return parser
+def contracts() -> dict[str, dict]:
+    """import-linter's contracts in pyproject.toml, by id."""
+    with open(CONFIG, "rb") as f:
+        settings = tomllib.load(f)["tool"]["importlinter"]
+    return {contract["id"]: contract for contract in settings["contracts"]}
 
 
 def layers() -> list[list[tuple[str, bool]]]:
     """The layers contract's layers, highest first: (module, optional) per entry."""
-    lines = [line.strip() for line in contracts()["importlinter:contract:layers"]["layers"].splitlines()]
     return [
         [(entry.strip().strip("()"), entry.strip().startswith("(")) for entry in line.split(":")]
-        for line in lines
-        if line
+        for line in contracts()["layers"]["layers"]
     ]
 
 
@@ -66,9 +65,9 @@ def test_every_module_sits_in_exactly_one_layer() -> None:
     present = [name for layer in layers() for name, optional in layer if not optional]
     modules = project_modules()
     for name in present:
-        assert name in modules, f"{name}: a layer of .importlinter that does not exist"
+        assert name in modules, f"{name}: a layer of pyproject.toml's contracts that does not exist"
     roots = {"models", "utils"}
-    scripts = set(contracts()["importlinter:contract:scripts"]["forbidden_modules"].split())
+    scripts = set(contracts()["scripts"]["forbidden_modules"])
     for module in modules:
         if module.split(".")[0] not in roots:
             assert module in scripts or module.startswith("docs."), f"{module}: an entry script not forbidden"

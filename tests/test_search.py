@@ -11,17 +11,16 @@ import time
 from pathlib import Path
 
 import numpy as np
+import optuna  # a test requirement: missing, this module fails rather than skips
 import pytest
 import yaml
+from optuna.trial import TrialState
 
 from models.families import YOLO11, YOLOV5
 from tests.fixtures.evolve.make_evolve_fixture import SEED, fixture_path, pretend_results
 from utils.errors import UserError
 from utils.search import Search, SearchConfig, SearchSpace
 from utils.search.records import read_evolve_csv
-
-optuna = pytest.importorskip("optuna")
-from optuna.trial import TrialState  # noqa: E402
 
 BASE = YOLOV5.read_hyp(YOLOV5.default_hyp_path)
 KEYS = YOLOV5.evolve_keys(BASE)

@@ -111,9 +111,20 @@ def test_init_torch_seeds_repeats_random_streams() -> None:
     assert torch.equal(a, torch.rand(3))
 
 
-def test_time_synchronized_moves_forward() -> None:
-    t0 = time_synchronized()
-    assert time_synchronized() >= t0
+def test_time_synchronized_syncs_cuda_before_reading_the_monotonic_clock(monkeypatch) -> None:
+    """With CUDA in use, the queued work is waited for first and the clock read after; the clock is perf_counter
+    (monotonic, not the wall clock a system's time change moves); without CUDA in use nothing is synchronised."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: calls.append("synchronize"))
+    monkeypatch.setattr(time, "perf_counter", lambda: calls.append("perf_counter") or 123.5)
+    monkeypatch.setattr(time, "time", lambda: calls.append("time") or -1.0)
+    assert time_synchronized() == 123.5
+    assert calls == ["synchronize", "perf_counter"]
+    calls.clear()
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # CUDA present but unused: not initialised
+    assert time_synchronized() == 123.5 and calls == ["perf_counter"]
 
 
 def test_optimizer_groups_keep_decay_off_norms_and_biases() -> None:

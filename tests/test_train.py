@@ -353,6 +353,8 @@ def test_a_launcher_restart_and_a_kill_inside_an_epoch_end_as_an_uninterrupted_r
     epoch and resumed with --resume. Its weights equal an uninterrupted run's, results.csv and each tracker hold
     every epoch once, in one MLflow run and one W&B run id, with the weights and results.csv; then the MLflow
     server is killed under a logging run, which goes on at its pace with one warning."""
+    import mlflow  # noqa: F401  (test requirements: missing, the test fails rather than skips)
+    import wandb  # noqa: F401
     from tracker_servers import (
         MLflowServer,
         check_mlflow_run,
@@ -363,8 +365,6 @@ def test_a_launcher_restart_and_a_kill_inside_an_epoch_end_as_an_uninterrupted_r
         wandb_services,
     )
 
-    pytest.importorskip("mlflow")
-    pytest.importorskip("wandb")
     cache = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider: the store is migrated anew
     server = MLflowServer(tmp_path / "mlflow", template=cache.mkdir("mlflow-store") if cache else None)  # starts now
     services_before = wandb_services()

@@ -8,11 +8,14 @@ or numpy arrays of shape (..., 4) unless stated otherwise.
 from __future__ import annotations
 
 import math
+from typing import TypeVar
 
 import numpy as np
 import torch
 
-Array = torch.Tensor | np.ndarray
+# Boxes in a tensor or an array: each function gives back the kind it was given (a constrained type variable, so
+# that the checker follows each kind through the arithmetic).
+Array = TypeVar("Array", torch.Tensor, np.ndarray)
 
 
 def _clone(x: Array) -> Array:

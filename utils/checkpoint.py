@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from utils.distributed import de_parallel
+from utils.ema import ModelEMA
 from utils.errors import UserError
 from utils.files import atomic_output
 from utils.torch_utils import cpu_fp32_state
@@ -42,7 +43,7 @@ FORMAT_VERSION = 1
 
 def model_state(model: nn.Module) -> dict[str, Any]:
     """The entries that rebuild a model: its config, class names and fp32 weights (on the CPU)."""
-    bare = de_parallel(model)
+    bare: Any = de_parallel(model)  # a Model: yaml and names are untyped nn.Module attributes
     return {"model_cfg": bare.yaml, "names": list(bare.names), "model": cpu_fp32_state(bare)}
 
 
@@ -123,7 +124,7 @@ class RunPosition:
 
 def training_checkpoint(
     model: nn.Module,
-    ema,
+    ema: ModelEMA,
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler,
     position: RunPosition,
@@ -201,7 +202,7 @@ def has_training_state(ckpt: dict[str, Any]) -> bool:
 
 
 def restore_training_state(
-    ckpt: dict[str, Any], optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, ema
+    ckpt: dict[str, Any], optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, ema: ModelEMA | None
 ) -> None:
     """Load the optimizer, scaler, EMA and RNG of a training checkpoint into the freshly built ones."""
     optimizer.load_state_dict(ckpt["optimizer"])

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from utils.errors import UserError
 
+ArgGroup = argparse._ActionsContainer  # where an option is declared: a parser or one of its groups
+
 RUNS = Path("runs")  # under the current directory
 INFERENCE_IMGSZ = 640  # YOLOv5's size, used when neither --imgsz nor the model says otherwise
 INFERENCE_IMGSZ_HELP = (
@@ -43,7 +45,7 @@ def make_parser(description: str | None) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
 
 
-def add_imgsz(group, *, help: str, pair: bool = False) -> None:
+def add_imgsz(group: ArgGroup, *, help: str, pair: bool = False) -> None:
     """``--imgsz``/``--img``/``--img-size``, default None: each script says what None means in ``help``.
 
     ``pair`` (export.py): one value or ``h w``.
@@ -60,7 +62,7 @@ def add_imgsz(group, *, help: str, pair: bool = False) -> None:
     )
 
 
-def add_workers(group) -> None:
+def add_workers(group: ArgGroup) -> None:
     group.add_argument(
         "--workers",
         type=int,
@@ -69,7 +71,7 @@ def add_workers(group) -> None:
     )
 
 
-def add_device(group, default: str = "") -> None:
+def add_device(group: ArgGroup, default: str = "") -> None:
     group.add_argument(
         "--device",
         default=default,
@@ -79,7 +81,7 @@ def add_device(group, default: str = "") -> None:
     )
 
 
-def add_run_folder(group, task: str) -> None:
+def add_run_folder(group: ArgGroup, task: str) -> None:
     """``--project``, ``--name``, ``--exist-ok``: the run is saved to ``project/name`` (then ``name2``, ...)."""
     group.add_argument("--project", default=str(RUNS / task), help="runs are saved to project/name")
     group.add_argument("--name", default="exp", help="runs are saved to project/name")
@@ -88,7 +90,7 @@ def add_run_folder(group, task: str) -> None:
     )
 
 
-def add_half(group) -> None:
+def add_half(group: ArgGroup) -> None:
     group.add_argument(
         "--half",
         action="store_true",
@@ -97,7 +99,7 @@ def add_half(group) -> None:
     )
 
 
-def add_end2end(group) -> None:
+def add_end2end(group: ArgGroup) -> None:
     group.add_argument(
         "--end2end",
         action="store_true",

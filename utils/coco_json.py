@@ -14,6 +14,7 @@ import io
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -179,7 +180,8 @@ def ground_truth_dict(
     (identity when None).
     """
     class_map = list(range(len(names))) if class_map is None else list(class_map)
-    images, annotations = [], []
+    images: list[dict[str, Any]] = []
+    annotations: list[dict[str, Any]] = []
     for lab, (h, w), image_id, file_name in zip(labels, shapes, image_ids, file_names):
         image_id = image_id if isinstance(image_id, str) else int(image_id)
         images.append({"id": image_id, "width": int(w), "height": int(h), "file_name": Path(file_name).name})
@@ -286,7 +288,7 @@ def json_identities(dataset: object, names: Sequence[str]) -> tuple[list[int], d
     """
     table = getattr(dataset, "table", None)
     extra, meta = getattr(table, "extra", {}), getattr(table, "meta", {})
-    if "image_id" in extra and len(meta.get("category_ids", ())) == len(names):
+    if table is not None and "image_id" in extra and len(meta.get("category_ids", ())) == len(names):
         return [int(c) for c in meta["category_ids"]], dict(zip(table.im_files, extra["image_id"].tolist()))
     files = list(getattr(dataset, "im_files", None) or [])
     return category_ids(names), dict(zip(files, image_ids_for(files))) if files else {}

@@ -41,7 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("output", help="where to write the converted checkpoint")
     opt = parser.parse_args(argv)
     setup_logging()
-    return run_reporting_errors(lambda: convert(opt.source, opt.output) and None)
+
+    def run() -> None:
+        convert(opt.source, opt.output)
+
+    return run_reporting_errors(run)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -384,14 +385,17 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def broadcast_object(obj: object, info: DistInfo) -> object:
+T = TypeVar("T")
+
+
+def broadcast_object(obj: T, info: DistInfo) -> T:
     """Rank 0's ``obj`` on every rank (pickled between our own processes only)."""
     if not info.is_distributed:
         return obj
     box = [obj if info.rank == 0 else None]
     with collective("broadcast"):
         dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return cast(T, box[0])  # rank 0's object: of the type every rank passed
 
 
 def de_parallel(model: nn.Module) -> nn.Module:

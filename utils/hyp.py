@@ -43,6 +43,7 @@ class HypRecord:
     means unset, left out of the YAML written; ``REQUIRED_KEYS``: keys a file must set (families check them).
     """
 
+    __dataclass_fields__: ClassVar[dict[str, Any]]  # every record is a dataclass: the checker's view of that
     IGNORED_KEYS: ClassVar[dict[str, str]] = IGNORED_KEYS
     OPTIONAL_KEYS: ClassVar[tuple[str, ...]] = ()
     REQUIRED_KEYS: ClassVar[tuple[str, ...]] = ()

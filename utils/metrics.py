@@ -32,7 +32,7 @@ Agreement to 0.001 on mAP50 and mAP50-95 is asserted in ``tests/test_coco_agreem
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -197,7 +197,7 @@ def mean_metrics(metrics: ClassMetrics) -> tuple[float, float, float, float]:
     )
 
 
-def fitness(x) -> np.ndarray | float:
+def fitness(x: Any) -> np.ndarray | float:
     """Model selection score 0.1 * mAP50 + 0.9 * mAP50-95 of rows [P, R, mAP50, mAP50-95, ...].
 
     Accepts an array-like whose last axis holds those four values first, or any object with ``map50`` and
@@ -240,6 +240,6 @@ def confusion_matrix(
             continue
         det_used[d] = gt_used[g] = True
         matrix[det_cls[d], gt_cls[g]] += 1
-    np.add.at(matrix, (det_cls[~det_used], nc), 1)
-    np.add.at(matrix, (nc, gt_cls[~gt_used]), 1)
+    np.add.at(matrix[:, nc], det_cls[~det_used], 1)  # views: the counts land in matrix
+    np.add.at(matrix[nc], gt_cls[~gt_used], 1)
     return matrix

@@ -163,6 +163,7 @@ def build_optimizer(
     # One fused kernel per step instead of a dozen small ops per tensor.
     fused = all(p.device.type in ("cpu", "cuda") for p in model.parameters())
     first, rest = groups[0], groups[1:]
+    optimizer: torch.optim.Optimizer
     if name == "Adam":
         optimizer = torch.optim.Adam([first], lr=lr, betas=(momentum, 0.999), fused=fused)
     elif name == "AdamW":

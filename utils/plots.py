@@ -11,6 +11,7 @@ import csv
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import cv2
 import numpy as np
@@ -18,6 +19,10 @@ import torch
 
 from utils.boxes import xywh2xyxy, xyxy2xywh
 from utils.log import LOGGER
+
+if TYPE_CHECKING:  # matplotlib is imported only when a plot is drawn
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Rectangle
 
 # 20 well-separated colours (RGB), cycled by class index
 _PALETTE_HEX = (
@@ -50,7 +55,7 @@ def class_colour(index: int, bgr: bool = False) -> tuple[int, int, int]:
     return rgb[::-1] if bgr else rgb
 
 
-def _new_figure(width: float, height: float, fitted: bool = True):
+def _new_figure(width: float, height: float, fitted: bool = True) -> Figure:
     """A matplotlib figure on its own Agg canvas; ``fitted``: margins fitted to its labels when drawn."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -60,7 +65,9 @@ def _new_figure(width: float, height: float, fitted: bool = True):
     return fig
 
 
-def panel_grid(n_panels: int, n_cols: int, panel_width: float, panel_height: float, left: float = 0.7):
+def panel_grid(
+    n_panels: int, n_cols: int, panel_width: float, panel_height: float, left: float = 0.7
+) -> tuple[Figure, Any]:
     """A figure of ``n_panels`` small charts, ``n_cols`` to a row, and its axes (flat; the unused ones hidden);
     ``left``: the margin in inches (more for a label of the whole figure there).
 
@@ -79,7 +86,7 @@ def panel_grid(n_panels: int, n_cols: int, panel_width: float, panel_height: flo
     return fig, axes[:n_panels]
 
 
-def save_figure(fig, path: str | Path, dpi: int = 200) -> Path:
+def save_figure(fig: Figure, path: str | Path, dpi: int = 200) -> Path:
     """``fig`` written to ``path`` (format from its suffix), its folder made."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -303,7 +310,7 @@ def plot_labels(labels: np.ndarray, names: Sequence[str], save_dir: str | Path) 
     return save_figure(fig, Path(save_dir) / "labels.jpg")
 
 
-def _rectangle(xy: tuple[float, float], w: float, h: float, colour: np.ndarray):
+def _rectangle(xy: tuple[float, float], w: float, h: float, colour: np.ndarray) -> Rectangle:
     from matplotlib.patches import Rectangle
 
     return Rectangle(xy, w, h, fill=False, linewidth=0.5, edgecolor=colour, alpha=0.4)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
@@ -37,6 +39,8 @@ class CpuSyncBatchNorm(nn.BatchNorm2d):
         m2 = gathered[:, channels : 2 * channels].sum(0) + ((gathered[:, :channels] - mean).square() * counts).sum(0)
         var = m2 / n
         if self.track_running_stats:
+            assert self.running_mean is not None and self.running_var is not None  # kept when tracking
+            assert self.num_batches_tracked is not None
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
                 momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
@@ -60,7 +64,7 @@ def convert_sync_batchnorm(module: nn.Module, device: torch.device) -> nn.Module
         # Made where the BatchNorm's tensors are (the model is already on its device, e.g. a GPU shared over gloo).
         tensors = (*module.parameters(recurse=False), *module.buffers(recurse=False))
         where = next((t for t in tensors if t.is_floating_point()), None)
-        factory = {} if where is None else {"device": where.device, "dtype": where.dtype}
+        factory: dict[str, Any] = {} if where is None else {"device": where.device, "dtype": where.dtype}
         sync = CpuSyncBatchNorm(
             module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats, **factory
         )

@@ -64,7 +64,7 @@ class ValOptions:
 
     def outputs(self) -> OutputOptions:
         return OutputOptions(
-            save_dir=self.save_dir,
+            save_dir=None if self.save_dir is None else Path(self.save_dir),
             plots=self.plots,
             verbose=self.verbose,
             save_json=self.save_json,
@@ -104,7 +104,8 @@ def module_runner(model: torch.nn.Module, names: Sequence[str], device: torch.de
     model.eval()
     if isinstance(model, Model) and any(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules()):
         model = copy.deepcopy(model).fuse()
-    stride = int(model.stride.max()) if isinstance(getattr(model, "stride", None), torch.Tensor) else 32
+    strides = getattr(model, "stride", None)
+    stride = int(strides.max()) if isinstance(strides, torch.Tensor) else 32
     try:
         layout = family.layout(model)
     except (AttributeError, TypeError, IndexError):  # not a detector of this project (a test's stand-in)

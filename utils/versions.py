@@ -13,12 +13,14 @@ This module is plain enough to import on any Python 3: the check must run where 
 
 import re
 import sys
+from collections.abc import Sequence
+from typing import Any
 
 MIN_PYTHON = (3, 9)
 MIN_TORCH = (2, 6)
 
 
-def unsupported_versions(python, torch_version):
+def unsupported_versions(python: "Sequence[Any]", torch_version: str) -> "str | None":
     """A one-line reason when ``python`` (a version_info) or ``torch_version`` (a string) is too old, else None."""
     problems = []
     if tuple(python[:2]) < MIN_PYTHON:
@@ -31,8 +33,9 @@ def unsupported_versions(python, torch_version):
     return "unsupported " + " and ".join(problems) + ": install the versions in requirements.txt"
 
 
-def require_supported_versions():
+def require_supported_versions() -> None:
     """Exit with one ``ERROR`` line on stderr when this Python or torch is too old (status 1)."""
+    torch_version: str  # string annotations only here: this module must load on the old Pythons it refuses
     try:
         import torch
 

@@ -13,7 +13,7 @@ import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn as nn
@@ -140,7 +140,13 @@ class Family:
         it. The model must carry ``yaml`` (its config dict, stored in checkpoints), ``names`` and a ``stride``
         tensor (image sizes are multiples of its largest)."""
         return build_yolo_model(
-            cfg, nc=nc, weights=weights, transfer=transfer, keep_anchors=keep_anchors, anchors=anchors, names=names
+            cfg if isinstance(cfg, (str, Path)) else dict(cfg),
+            nc=nc,
+            weights=weights,
+            transfer=transfer,
+            keep_anchors=keep_anchors,
+            anchors=anchors,
+            names=names,
         )
 
     def make_loss(self, model: nn.Module, hyp: Any, *, imgsz: int, label_smoothing: float = 0.0) -> DetectionLoss:
@@ -173,8 +179,9 @@ class Family:
             source = source or str(values)
             values = self.hyp_type.read_yaml(values, source)
         source = source or "hyp"
-        self.check_hyp_keys(values, source)
-        return self.hyp_type.from_dict(dict(values), source)
+        mapping = cast(Mapping[str, Any], values)  # a YAML file's contents, whatever they are: checked below
+        self.check_hyp_keys(mapping, source)
+        return self.hyp_type.from_dict(dict(mapping), source)
 
     def check_hyp_keys(self, values: Mapping[str, Any], source: str) -> None:
         """A one-line error when ``values`` set a key this family's record has not, or lack one it needs."""
@@ -287,12 +294,14 @@ def block_names(cfg: Mapping[str, Any]) -> set[str]:
 
 def head_name(model: nn.Module) -> str:
     """The qualified name of a built model's head (its last layer)."""
-    bare = de_parallel(model)
+    bare: Any = de_parallel(model)  # a Model: its layers are untyped nn.Module attributes
     return f"model.{len(bare.model) - 1}"
 
 
-def head_of(model: nn.Module) -> nn.Module:
-    return de_parallel(model).model[-1]
+def head_of(model: nn.Module) -> Any:
+    """A built model's head, whose attributes depend on the family (hence ``Any``)."""
+    net: Any = de_parallel(model)  # a Model: its layers are untyped nn.Module attributes
+    return net.model[-1]
 
 
 def prediction_convs(model: nn.Module) -> list[str]:

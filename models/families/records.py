@@ -86,7 +86,7 @@ class NumpyDtypeRecord:
         if dtype.kind not in _NUMERIC_KINDS or dtype.fields is not None:
             raise pickle.UnpicklingError(f"numpy dtype {spec!r} refused: only numeric dtypes are read")
         order = self.state[1] if isinstance(self.state, tuple) and len(self.state) > 1 else "="
-        return dtype.newbyteorder(order) if order in ("<", ">") else dtype
+        return dtype.newbyteorder("<" if order == "<" else ">") if order in ("<", ">") else dtype
 
 
 class NumpyArrayRecord:

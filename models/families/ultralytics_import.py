@@ -165,7 +165,7 @@ def read_ultralytics(path: str | Path, families: Sequence[Family], names: list[s
     _refuse_other_tasks(path, names, families)
     if refused:
         _refuse(path, refused)
-    stand_ins = [(_stand_in(n), n) for n in names]
+    stand_ins: list[Any] = [(_stand_in(n), n) for n in names]
     try:
         with torch.serialization.safe_globals(stand_ins):
             raw = torch.load(path, map_location="cpu", weights_only=True)

@@ -125,7 +125,7 @@ def _check_structure(model: torch.nn.Module, record: ModuleRecord, path: Path) -
         if mine is None or rec is None:
             missing = "in the file" if rec is None else "in the model built from its YAML"
             raise UserError(
-                f"{path}: layer {where} ({type(mine).__name__ if mine else rec.short_name}) "
+                f"{path}: layer {where} ({type(mine).__name__ if mine is not None else rec.short_name if rec is not None else '?'}) "
                 f"is missing {missing}; is the model fused or modified?"
             )
         expected = _OUR_CLASS_NAME.get(rec.short_name, rec.short_name)
@@ -214,9 +214,10 @@ def convert_yolov5(raw: Any, path: str | Path) -> dict[str, Any]:
         if k in raw
     }
     n_tensors = len(model.state_dict())
+    built: Any = model  # a Model: yaml, nc and its layers are untyped nn.Module attributes
     LOGGER.info(
-        f"{path}: YOLOv5 checkpoint imported ({model.yaml.get('yaml_file', 'model')}, {model.nc} classes, "
-        f"{model.model[-1].nl} levels, {str(dtype).replace('torch.', '')}, {n_tensors}/{n_tensors} tensors "
+        f"{path}: YOLOv5 checkpoint imported ({built.yaml.get('yaml_file', 'model')}, {built.nc} classes, "
+        f"{built.model[-1].nl} levels, {str(dtype).replace('torch.', '')}, {n_tensors}/{n_tensors} tensors "
         f"matched{', with EMA' if ema is not None else ''}); nothing in it was executed"
     )
     return {

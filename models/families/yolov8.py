@@ -57,7 +57,7 @@ class AnchorFreeFamily(Family):
     default_hyp = "data/hyps/hyp.anchor-free.yaml"
     # YOLOv5's table for what they share; the box gain on their scale (7.5) and the DFL/L1 gain of their own.
     evolve_limits = evolve_limits_of(AnchorFreeHyp, box=Limit(1, 1.0, 20.0), dfl=Limit(1, 0.4, 6.0))
-    layouts = ("anchor_free",)
+    layouts: ClassVar[tuple[str, ...]] = ("anchor_free",)
     val_iou = 0.7  # the threshold Ultralytics validates these families at
     detect_iou = 0.7  # Ultralytics' predictor
     importers = (ULTRALYTICS_IMPORTER,)

@@ -253,7 +253,7 @@ def plan_warp(matrix: np.ndarray, out_wh: tuple[int, int], in_wh: tuple[int, int
         spans = [_resize_span(matrix[i, i], matrix[i, 2], in_wh[i], out_wh[i]) for i in (0, 1)]
         if spans[0] is None or spans[1] is None:
             return WarpPlan(matrix, None)
-        (ax, bx, cx, dx), (ay, by, cy, dy) = spans
+        (ax, bx, cx, dx), (ay, by, cy, dy) = spans[0], spans[1]
         sx, sy = (dx - cx) / (bx - ax), (dy - cy) / (by - ay)
         exact = np.array([[sx, 0.0, cx - ax * sx], [0.0, sy, cy - ay * sy], [0.0, 0.0, 1.0]])
         return WarpPlan(exact, (ax, ay, bx, by), (cx, cy, dx, dy))

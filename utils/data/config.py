@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 
@@ -226,7 +226,8 @@ def _split_record(value: Any, root: Path, yaml_file: Path, key: str) -> Any:
             if unknown:
                 raise UserError(f"{where}: unknown key(s) {sorted(unknown)} (a COCO split takes annotations, images)")
             images = _resolve_split(value["images"], root, yaml_file, key) if value.get("images") else None
-            return CocoSplit(_resolve_split(value["annotations"], root, yaml_file, key), images, source=where)
+            annotations = cast(str, _resolve_split(value["annotations"], root, yaml_file, key))
+            return CocoSplit(annotations, cast("str | None", images), source=where)
         if "voc" in value:
             unknown = set(value) - {"voc", "set"}
             if unknown or not value.get("set"):
@@ -235,7 +236,7 @@ def _split_record(value: Any, root: Path, yaml_file: Path, key: str) -> Any:
             return VocSplit(tuple(roots if isinstance(roots, list) else [roots]), str(value["set"]), source=where)
         raise UserError(f"{where}: a mapping must be {{annotations, images}} (COCO JSON) or {{voc, set}} (Pascal VOC)")
     if isinstance(value, str) and value.lower().endswith(".json"):
-        return CocoSplit(_resolve_split(value, root, yaml_file, key), None, source=where)
+        return CocoSplit(cast(str, _resolve_split(value, root, yaml_file, key)), None, source=where)
     entries = value if isinstance(value, (list, tuple)) else [value]
     for entry in entries:  # before anything stats it: a path that cannot exist is one line naming the YAML
         user_path(str(entry), where)

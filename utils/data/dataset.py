@@ -13,7 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import cv2
 import numpy as np
@@ -141,6 +141,7 @@ class YoloDataset(Dataset):
         self.seed, self.close_mosaic_epoch, self.prefix = o.seed, o.close_mosaic_epoch, prefix
 
         if label_set is None:
+            assert path is not None, "a dataset needs a split or its labels"
             label_set = load_labels(path, nc=o.nc, workers=o.workers, prefix=prefix, verbose=o.verbose)
         if o.single_cls:
             label_set = label_set.with_single_class()
@@ -388,7 +389,11 @@ class YoloDataset(Dataset):
 
     def _letterboxed(self, index: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, tuple]:
         img, (h0, w0), (h, w) = self.load_image(index)
-        shape = tuple(self.batch_shapes[self.batch_index[index]]) if self.rect else (self.imgsz, self.imgsz)
+        shape = (
+            tuple(cast(np.ndarray, self.batch_shapes)[self.batch_index[index]])
+            if self.rect
+            else (self.imgsz, self.imgsz)
+        )
         img, (rw, rh), (pw, ph) = letterbox(img, shape, auto=False, scaleup=self.augment)
         labels = self.labels[index].copy()
         if len(labels):

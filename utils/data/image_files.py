@@ -78,7 +78,7 @@ def _walk_images(folder: str) -> list[str]:
     return found
 
 
-def list_image_files(source: str | Path | list[str | Path]) -> list[str]:
+def list_image_files(source: str | Path | list[str] | list[str | Path]) -> list[str]:
     """All image files of a folder (recursive), a ``.txt`` list or a list of those; sorted, no duplicates.
 
     Raises UserError when a source does not exist or holds no image.

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import io
 import struct
-from typing import BinaryIO
+from collections.abc import Callable
+from typing import BinaryIO, cast
 
 import cv2
 import numpy as np
@@ -164,7 +165,7 @@ def _jpeg_header(r: _Reader) -> tuple[int, int, int]:
 
 def jpeg_info(data: np.ndarray | bytes) -> tuple[int, int, int]:
     """(stored width, stored height, EXIF orientation 1-8) of JPEG bytes; ImageError when the header is broken."""
-    return _jpeg_header(_Reader(data=bytes(memoryview(data)[:65536])))
+    return _jpeg_header(_Reader(data=bytes(memoryview(cast(bytes, data))[:65536])))  # an array is a buffer too
 
 
 def _png_header_size(head: bytes) -> tuple[int, int]:
@@ -232,7 +233,7 @@ def check_image_size(path: str) -> None:
     check_pixels(width, height)
 
 
-def _probe(f: BinaryIO, read_all) -> tuple[tuple[int, int], str]:
+def _probe(f: BinaryIO, read_all: Callable[[], np.ndarray | None]) -> tuple[tuple[int, int], str]:
     try:
         head = f.read(32)
         kind, width, height, complete = _header_size(f, head)

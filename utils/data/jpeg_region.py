@@ -71,7 +71,7 @@ class JpegRegionDecoder:
         ]
         self._lib.decode_region.restype = ctypes.c_int
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[JpegRegionDecoder], tuple[Path]]:
         return JpegRegionDecoder, (self.library,)
 
     def decode(
@@ -109,7 +109,9 @@ def agrees_with_opencv(decoder: JpegRegionDecoder) -> bool:
     yy, xx = np.mgrid[0:48, 0:40]
     img = np.stack([xx * 6, yy * 5, (xx * yy) % 256], -1).astype(np.uint8)
     data = cv2.imencode(".jpg", img)[1].reshape(-1)  # 4:2:0, the usual sampling
-    expected = cv2.imdecode(data, cv2.IMREAD_COLOR)[9:41, 3:37]
+    decoded = cv2.imdecode(data, cv2.IMREAD_COLOR)
+    assert decoded is not None, "OpenCV cannot decode the JPEG it encoded"
+    expected = decoded[9:41, 3:37]
     out = decoder.decode(data, (48, 40), (3, 9, 37, 41))
     return out is not None and np.array_equal(out, expected)
 

@@ -15,6 +15,7 @@ import hashlib
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 
@@ -49,7 +50,7 @@ def fallback_cache_path(primary: Path) -> Path:
 def write_cache(path: Path, arrays: dict[str, np.ndarray]) -> None:
     """Write an .npz atomically: a temp file in the same folder, then os.replace (raises OSError)."""
     with atomic_output(path) as tmp, open(tmp, "wb") as f:
-        np.savez(f, **arrays)
+        np.savez(f, **cast("dict[str, Any]", arrays))  # numpy's stubs take a keyword named like its own flags
 
 
 def read_cache(path: Path, expected_hash: str) -> dict[str, np.ndarray] | None:

@@ -16,11 +16,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
 from utils.log import LOGGER
+
+if TYPE_CHECKING:
+    from typing import Self  # Python 3.11; annotations are never evaluated on older ones
 
 # Per-sample status codes.
 LABELLED, BACKGROUND, EMPTY, CORRUPT = 0, 1, 2, 3
@@ -186,7 +189,7 @@ class LabelTable:
     def __len__(self) -> int:
         return len(self.status)
 
-    def take(self, indices: np.ndarray) -> LabelTable:
+    def take(self, indices: np.ndarray) -> Self:
         """The samples ``indices``, in that order, as a new table of flat arrays."""
         indices = np.asarray(indices, dtype=np.int64)
         starts, lengths = _take_spans(self.labels.offsets, indices)
@@ -200,7 +203,7 @@ class LabelTable:
             extra={k: v[indices] for k, v in self.extra.items()},
         )
 
-    def usable(self) -> LabelTable:
+    def usable(self) -> Self:
         """The samples that can be trained on (not corrupt)."""
         return self.take(np.nonzero(self.status != CORRUPT)[0])
 
@@ -211,7 +214,7 @@ class LabelTable:
 
     # ---- as plain arrays (the label cache) ------------------------------------------------------------
     def to_arrays(self) -> dict[str, np.ndarray]:
-        arrays = {
+        arrays: dict[str, np.ndarray] = {
             "rows": self.labels.rows,
             "row_offsets": self.labels.offsets,
             "shapes": self.shapes.astype(np.int32),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -85,7 +86,7 @@ def describe(source: Split) -> str:
     return ", ".join(source) if isinstance(source, list) else str(source)
 
 
-def fraction_mask(paths, root: str, fraction: float) -> np.ndarray:
+def fraction_mask(paths: Sequence[str], root: str, fraction: float) -> np.ndarray:
     """(N,) True for the paths whose hash of their path relative to ``root`` falls below ``fraction``.
 
     A path's side depends on that path alone, so adding images or moving the dataset folder never moves an old

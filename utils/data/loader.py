@@ -67,7 +67,7 @@ class EpochStreamLoader:
     ):
         self.dataset, self.batch_sampler, self.options, self.ring = dataset, batch_sampler, options, ring
         self.loader = DataLoader(dataset, batch_sampler=batch_sampler, **options)
-        self.sampler: ShardedSampler = batch_sampler.sampler
+        self.sampler: ShardedSampler | ShardPlanSampler = batch_sampler.sampler
         self._batches: Iterator[Any] | None = None
         self._stream_at: tuple[int, int] | None = None  # (epoch, batch) the stream yields next; None: unknown
         self.start_batch = 0
@@ -146,6 +146,7 @@ class EpochStreamLoader:
         """A batch with its images copied out of their ring slot (pinned where CUDA takes them), before the next
         batch is asked for: see BatchRing."""
         if isinstance(batch[0], RingSlot):
+            assert self.ring is not None  # slots come only from workers given the ring
             images = self.ring.take(batch[0], pin_memory=self.loader.pin_memory).permute(0, 3, 1, 2)
             batch = (images, *batch[1:])
         return batch
@@ -250,6 +251,7 @@ def create_dataloader(
     # Without worker processes the mosaic tiles are decoded in threads of this process, sharing its cores.
     decode_threads = 1 if loader_workers else max(1, min(4, cpus // max(1, o.world_size)))
     if label_set is None:
+        assert path is not None, "a loader needs a split or its labels"
         label_set = load_labels(path, nc=o.nc, workers=o.workers, prefix=o.prefix)
     plan = None
     if isinstance(label_set, ShardLabelSet) and o.augment and not o.rect:

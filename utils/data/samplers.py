@@ -78,7 +78,9 @@ class ShardedSampler(Sampler[tuple[int, int]]):
         return len(self.shard()) if self.block > 1 or not self.pad else math.ceil(self.n / self.world_size)
 
 
-def epoch_batches(sampler: ShardedSampler, batch_size: int, epoch: int) -> list[list[tuple[int, int]]]:
+def epoch_batches(
+    sampler: ShardedSampler | ShardPlanSampler, batch_size: int, epoch: int
+) -> list[list[tuple[int, int]]]:
     """One epoch of ``sampler``'s shard cut into batches; only the last one may be short."""
     pairs = [(epoch, i) for i in sampler.shard(epoch)]
     return [pairs[i : i + batch_size] for i in range(0, len(pairs), batch_size)]
@@ -92,7 +94,7 @@ class EpochStreamBatchSampler:
     ``start_epoch`` and ``start_batch`` (where a resumed epoch goes on) are read when an iteration starts.
     """
 
-    def __init__(self, sampler: ShardedSampler, batch_size: int):
+    def __init__(self, sampler: ShardedSampler | ShardPlanSampler, batch_size: int):
         if batch_size < 1:
             raise ValueError(f"batch size {batch_size} must be at least 1")
         self.sampler, self.batch_size, self.start_epoch, self.start_batch = sampler, batch_size, 0, 0
@@ -123,7 +125,9 @@ class WeightedShardedSampler(ShardedSampler):
         new = None if weights is None else np.asarray(weights, dtype=np.float64).copy()
         if new is not None and len(new) != self.n:
             raise ValueError(f"{len(new)} image weights for {self.n} images")
-        changed = (new is None) != (self.weights is None) or (new is not None and not np.array_equal(new, self.weights))
+        changed = (new is None) != (self.weights is None) or (
+            new is not None and self.weights is not None and not np.array_equal(new, self.weights)
+        )
         self.weights = new
         return changed
 

@@ -52,7 +52,7 @@ def _background(rng: np.random.Generator, h: int, w: int) -> np.ndarray:
 def _polygon(cls: int, cx: float, cy: float, rx: float, ry: float, angle: float) -> np.ndarray:
     """Outline points of a non-circle shape centred on (cx, cy) with half-sizes rx, ry."""
     if cls == 1:
-        pts = [(-1, -1), (1, -1), (1, 1), (-1, 1)]
+        pts: list[tuple[float, float]] = [(-1, -1), (1, -1), (1, 1), (-1, 1)]
     elif cls == 2:
         pts = [(0, -1), (0.95, 0.8), (-0.95, 0.8)]
     elif cls == 3:
@@ -94,7 +94,7 @@ def _draw_image(rng: np.random.Generator, imgsz: int) -> tuple[np.ndarray, list[
         rx, ry = side / 2 * rng.uniform(0.8, 1.2), side / 2 * rng.uniform(0.8, 1.2)
         cx, cy = rng.uniform(1.3 * rx + 1, w - 1.3 * rx - 1), rng.uniform(1.3 * ry + 1, h - 1.3 * ry - 1)
         if cls == 0:
-            pts = cv2.ellipse2Poly((int(cx), int(cy)), (int(rx), int(ry)), 0, 0, 360, 3).astype(np.float64)
+            pts = np.asarray(cv2.ellipse2Poly((int(cx), int(cy)), (int(rx), int(ry)), 0, 0, 360, 3), np.float64)
         else:
             angle = rng.uniform(-0.3, 0.3) if cls in (1, 3) else rng.uniform(-0.2, 0.2)
             pts = _polygon(cls, cx, cy, rx, ry, angle)

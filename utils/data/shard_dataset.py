@@ -7,6 +7,8 @@ around where it already is instead of anywhere in the set.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from utils.data.dataset import YoloDataset
@@ -19,7 +21,7 @@ DEFAULT_WINDOW = 1000  # samples shuffled together: partners and order mix over 
 class ShardDataset(YoloDataset):
     """A YoloDataset whose ``label_set`` is a ShardLabelSet; ``plan`` gives the windows partners come from."""
 
-    def __init__(self, *args, label_set: ShardLabelSet, plan: ShardPlan | None = None, **kwargs):
+    def __init__(self, *args: Any, label_set: ShardLabelSet, plan: ShardPlan | None = None, **kwargs: Any) -> None:
         self.plan = plan
         super().__init__(None, *args, label_set=label_set, **kwargs)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -59,7 +59,7 @@ def train_one_epoch(
     stepper.model.train()
     loader.set_epoch(epoch, start_batch)
     n_batches = len(loader)
-    batches = enumerate(loader, start_batch)
+    batches: Iterable[tuple[int, Any]] = enumerate(loader, start_batch)
     main = stepper.info.is_main
     if main:
         losses = "".join(f"{name + '_loss':>{width}}" for name, width in zip(hooks.loss_names, column_widths(hooks)))
@@ -131,7 +131,13 @@ def _report_step(stepper: Stepper, hooks: EpochHooks, epoch: int, window: Window
 
         for i, b in window:
             if i < 3:
-                plot_images(b[0], b[1], b[2], hooks.plots_dir / f"train_batch{i}.jpg", de_parallel(stepper.model).names)
+                plot_images(
+                    b[0],
+                    b[1],
+                    b[2],
+                    hooks.plots_dir / f"train_batch{i}.jpg",
+                    cast("list[str]", de_parallel(stepper.model).names),
+                )
 
 
 def _log_epoch_speed(stepper: Stepper, epoch: int, timing: EpochTime, tally: LossTally) -> None:

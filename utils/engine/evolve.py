@@ -111,6 +111,7 @@ def open_search(config: TrainConfig, place: StudyPlace, space: SearchSpace) -> S
     """Rank 0's handle on the study (made, or joined)."""
     place.folder.mkdir(parents=True, exist_ok=True)
     rows = read_evolve_csv(place.folder / "evolve.csv", space.keys, space.loss_names) if place.csv_rows_to_add else None
+    assert config.evolve is not None, "evolution without --evolve"
     search_config = SearchConfig(
         place.folder,
         config.evolve,

@@ -27,7 +27,7 @@ class LrSchedule:
     def for_run(cls, epochs: int, lrf: float, cosine: bool = False) -> LrSchedule:
         return cls([[0, epochs, 1.0, lrf]], cosine)
 
-    def __call__(self, epoch: int) -> float:
+    def __call__(self, epoch: float) -> float:
         seg = next((s for s in self.segments if epoch < s[1]), self.segments[-1])
         start, end, f0, f1 = seg
         t = min(max((epoch - start) / (end - start), 0.0), 1.0) if end > start else 1.0

@@ -62,6 +62,7 @@ class Optimization:
     def refit(self, epochs: int) -> None:
         """A new run length (a time budget): the schedule from epoch 0 to ``epochs``, the next epoch's rates set."""
         self.schedule = LrSchedule.for_run(epochs, self.hyp.lrf, self.schedule.cosine)
+        assert self.scheduler is not None, "refit before start_schedule"
         self.scheduler.lr_lambdas = [self.schedule] * len(self.scheduler.lr_lambdas)
         for group, base_lr in zip(self.optimizer.param_groups, self.scheduler.base_lrs):  # the next epoch's
             group["lr"] = base_lr * self.schedule(self.scheduler.last_epoch)

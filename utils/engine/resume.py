@@ -86,7 +86,7 @@ def resume_point(config: TrainConfig, request: ResumeRequest, info: DistInfo) ->
     """The configuration and checkpoint to continue from: --resume, or the run a restarted launcher group was
     training. Rank 0 decides which file; every rank then reads it (on several machines the run folder must be
     shared)."""
-    path = None
+    path: Path | str | None = None
     if request.path is not None:
         path = Path(request.path).resolve()  # every node reads the same file, whatever its working directory
     elif request.latest_under and info.is_main:  # the newest run rank 0 sees; the other nodes need not see it

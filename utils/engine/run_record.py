@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
@@ -208,7 +208,7 @@ class RunRecord:
         lrs: list[float],
         ckpt: dict[str, Any],
         final: bool,
-        extra: list[float] = (),
+        extra: Sequence[float] = (),
     ) -> list[float]:
         """Record an epoch: results row, last.pt, best.pt when it improved; returns the row (``should_stop`` says
         whether early stopping ends the run).

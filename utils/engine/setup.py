@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -83,7 +83,7 @@ def set_up(
     clock.stamp("data scan and caches")
     # Labels were checked against the data YAML's classes above; --single-cls folds them into one afterwards.
     nc, names = (1, ["item"]) if config.single_cls else (data["nc"], data["names"])
-    model = create_model(config, family, ModelSource(nc, names, hyp, ckpt, source)).to(
+    model = create_model(config, family, ModelSource(nc, names, hyp, ckpt, source)).to(  # type: ignore[call-overload]  # stubs: device with memory_format
         device, memory_format=torch.channels_last
     )
     freeze_layers(model, list(config.freeze))
@@ -176,7 +176,7 @@ def model_config(config: TrainConfig, ckpt: dict | None, source: dict | None) ->
     checkpoint's."""
     if ckpt:
         return ckpt["model_cfg"]
-    return load_model_config(config.cfg or source["model_cfg"])  # without --weights the preset gave --cfg
+    return load_model_config(config.cfg or cast(dict, source)["model_cfg"])  # without --weights the preset gave --cfg
 
 
 @dataclass(frozen=True)
@@ -207,6 +207,7 @@ def create_model(config: TrainConfig, family: Family, source: ModelSource) -> nn
             anchors=anchors,
             names=source.names,
         )
+    assert config.cfg is not None, "a new model needs --cfg (the presets give one)"
     return family.build_model(config.cfg, nc=source.nc, anchors=anchors, names=source.names)
 
 
@@ -301,6 +302,7 @@ def run_folder(config: TrainConfig, info: DistInfo, hyp: HypRecord, resumed: boo
         else None
     )
     if resumed:
+        assert config.save_dir is not None, "a resumed run's configuration names its folder"
         save_dir = Path(config.save_dir)
     elif restarted is not None:  # the launcher restarted the group before the run's first checkpoint
         save_dir = restarted

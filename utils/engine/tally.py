@@ -27,8 +27,10 @@ class LossTally:
         self.micro_batches += float(synced[self.n]) / world_size
 
     def means(self) -> np.ndarray:
+        assert self.sums is not None, "no step added yet"
         return self.sums / max(self.micro_batches, 1.0)
 
     def state(self) -> dict:
         """What a checkpoint written inside an epoch keeps of it."""
+        assert self.sums is not None, "no step added yet"
         return {"sums": self.sums.tolist(), "micro_batches": self.micro_batches, "skipped_steps": self.skipped_steps}

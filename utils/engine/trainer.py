@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -38,13 +38,13 @@ from utils.engine.step import BatchOptions, SavePolicy, Stepper
 from utils.engine.tally import LossTally
 from utils.engine.time_budget import TimeBudget, fit_to_time, time_budget
 from utils.engine.timing import TIME_COLUMNS, EpochTime, RunProgress, RunTime, StepProfiler, data_advice, new_marks
-from utils.hyp import HypRecord
+from utils.hyp import HypRecord, OptimisationHyp
 from utils.log import LOGGER, colorstr
 from utils.metrics import RECALL_POINTS
 from utils.results_log import result_columns
 from utils.trackers import FAILED, KILLED, TrackerRun, check_trackers, open_trackers, plot_files, run_params
 from utils.trackers import preload as preload_trackers
-from utils.validation import validate
+from utils.validation import ValResults, validate
 
 # Called on rank 0 after each validated epoch with its results; True stops the run (a search's pruner).
 OnValidated = Callable[[int, tuple[float, ...]], bool]
@@ -131,7 +131,7 @@ class Trainer:
             else self.base_class_weights
         )
         self.results: tuple[float, ...] = (0.0,) * (4 + len(self.loss_names))
-        self.last_val = None  # the last validation's ValResults
+        self.last_val: ValResults | None = None  # the last validation's
         self.record: RunRecord | None = None
         self.hooks = EpochHooks(
             self.config.epochs,
@@ -187,6 +187,7 @@ class Trainer:
 
     def checkpoint(self, epoch: int, mid_epoch: dict | None) -> dict:
         """Everything a resume needs, after ``epoch`` (and inside the next one with ``mid_epoch``)."""
+        assert self.record is not None, "only rank 0 keeps the record"
         position = RunPosition(epoch, mid_epoch, self.record.best_fitness, self.record.best_epoch)
         run = {
             "lr_schedule": self.optim.schedule.segments,
@@ -205,6 +206,7 @@ class Trainer:
         )
 
     def save_mid_epoch(self, epoch: int, batch: int, tally: LossTally) -> None:
+        assert self.record is not None, "only rank 0 keeps the record"
         self.record.save_mid_epoch(self.checkpoint(epoch - 1, {"epoch": epoch, "batch": batch, **tally.state()}))
 
     # ---- the epochs --------------------------------------------------------------------------------------
@@ -265,6 +267,7 @@ class Trainer:
         """Validation, the record, and what every rank decides together: stop, refit the length, class weights."""
         config, optim = self.config, self.optim
         lrs = optim.learning_rates()  # the epoch's own rates, for results.csv
+        assert optim.scheduler is not None, "the schedule starts before the first epoch"
         optim.scheduler.step()
         final = epoch + 1 == config.epochs
         validated = not config.noval or final
@@ -276,7 +279,9 @@ class Trainer:
             self.clock.stamp(f"epoch {epoch} validation")
         decision: dict = {}
         if self.info.is_main:
+            assert self.record is not None, "only rank 0 keeps the record"
             if config.image_weights and validated:
+                assert self.last_val is not None  # validated above
                 self.class_weights = class_weights_from_maps(self.base_class_weights, self.last_val.maps)
                 decision["class_weights"] = [float(w) for w in self.class_weights]  # repr round-trips exactly
             row = self.record.end_epoch(
@@ -342,6 +347,7 @@ class Trainer:
                 f"\n{epoch - self.position.start_epoch + 1} epochs completed in "
                 f"{(time.monotonic() - self.loop_started) / 3600:.3f} hours."
             )
+            assert self.record is not None, "only rank 0 keeps the record"
             self.record.close()
             self.record.mark_finished()
             self.clock.stamp("checkpoints written")
@@ -354,7 +360,7 @@ class Trainer:
         if best is not None:
             final_model = run.family.build_model(best[0], weights=best[1], names=run.names)
             self.last_val = self.validate(
-                final_model.to(self.device, memory_format=torch.channels_last),
+                final_model.to(self.device, memory_format=torch.channels_last),  # type: ignore[call-overload]  # a keyword torch's stubs lack
                 plots=not self.config.noplots,
                 verbose=True,
             )
@@ -374,6 +380,7 @@ class Trainer:
                     LOGGER.warning(f"WARNING results.png not drawn: {e}")
             logger = self.hooks.logger
             logger.log_images(plot_files(run.save_dir), epoch)
+            assert self.record is not None, "only rank 0 keeps the record"
             logger.log_artifacts([self.record.best, self.record.last, run.save_dir / "results.csv"])
             self.clock.stamp("plots and artifacts")
             logger.close()
@@ -442,14 +449,15 @@ def start_optimization(
     run: RunSetup, ckpt: dict | None, n_losses: int
 ) -> tuple[Optimization, ResumePosition, tuple[float, int]]:
     """The run's optimizer, EMA and schedule, a resumed run's restored; where the run starts; its best so far."""
-    inputs = OptimizerInputs(len(run.dataset), run.nc, run.hyp, run.family.adamw_lr_per_class_term)
+    hyp = cast(OptimisationHyp, run.hyp)  # every family's record holds the shared optimisation group
+    inputs = OptimizerInputs(len(run.dataset), run.nc, hyp, run.family.adamw_lr_per_class_term)
     optim = build_optimization(
-        run.model, run.family, run.config, choose(run.config, inputs, ckpt), run.hyp, run.precision.needs_scaler
+        run.model, run.family, run.config, choose(run.config, inputs, ckpt), hyp, run.precision.needs_scaler
     )
     position, best = ResumePosition(optim.schedule, 0, 0, LossTally(n_losses)), (0.0, -1)
     if ckpt:
         restore(optim, ckpt)
-        position = resumed_position(ckpt, run.config, run.hyp, n_losses)
+        position = resumed_position(ckpt, run.config, hyp, n_losses)
         optim.schedule = position.schedule
         best = float(ckpt["best_fitness"]), int(ckpt.get("best_epoch", -1))
     optim.start_schedule(position.start_epoch, len(run.train_loader))

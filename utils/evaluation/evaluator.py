@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -58,7 +58,7 @@ class EvalBatch:
     targets: torch.Tensor  # (n, 6) image index, class, x y w h normalised to the letterboxed input
     paths: Sequence[str]
     shapes: Sequence[Any]  # per image ((h0, w0), ratio_pad), or None: the input is the original
-    input_hw: tuple[int, int]
+    input_hw: tuple[int, ...]  # (h, w)
 
 
 @dataclass
@@ -145,6 +145,7 @@ class DetectionEvaluator:
     def _add_json(self, image: ImageTruth) -> None:
         from utils.coco_json import detections_to_results, image_ids_for
 
+        assert self.json_ids is not None  # update() calls this only with them
         class_map, file_ids = self.json_ids
         image_id = file_ids.get(image.path)
         if image_id is None:  # a loader without the dataset's file list: ids from this file's name
@@ -208,7 +209,7 @@ class DetectionEvaluator:
         maps = np.full(self.nc, map50_95)
         in_range = metrics.classes < self.nc
         maps[metrics.classes[in_range]] = metrics.ap50_95[in_range]
-        speed = tuple(float(t) for t in self.seconds / max(self.seen, 1) * 1e3)
+        speed = cast("tuple[float, float, float]", tuple(float(t) for t in self.seconds / max(self.seen, 1) * 1e3))
         return ValResults(
             p=p,
             r=r,

@@ -150,6 +150,7 @@ class AccuracyGate:
         row then gives its mAP beside the reason)."""
         from utils.formats.base import file_size
 
+        assert self.reference is not None  # measured when the gate was made
         precision = runner.meta.precision
         value = self.measure(runner).map
         change = value - self.reference.map
@@ -163,6 +164,7 @@ class AccuracyGate:
         return row
 
     def table(self) -> str:
+        assert self.reference is not None
         return format_table(self.rows, self.reference, self.max_drop, cpu_name())
 
 

@@ -37,6 +37,7 @@ class OutputOptions:
             raise ValueError("validate: plots, save_json and save_txt need a save_dir")
         self.save_dir = Path(self.save_dir) if self.save_dir is not None else None
         if self.save_txt:
+            assert self.save_dir is not None  # refused above
             (self.save_dir / "labels").mkdir(parents=True, exist_ok=True)
 
 
@@ -57,6 +58,7 @@ class ValOutputs:
     ) -> None:
         o = self.options
         if o.save_txt:
+            assert o.save_dir is not None  # OutputOptions refuses files without a folder
             for image in images:
                 write_txt(
                     inside(o.save_dir, o.save_dir / "labels" / f"{self.stems.part(Path(image.path).stem)}.txt"),
@@ -66,6 +68,8 @@ class ValOutputs:
                 )
         if o.plots and batch_i < N_PLOTTED_BATCHES:  # rank 0 holds the split's first batches
             from utils.plots import output_to_target, plot_images
+
+            assert o.save_dir is not None
 
             uint8_imgs = (inputs.float() * 255).round().byte().cpu()
             paths = [image.path for image in images]
@@ -88,8 +92,10 @@ class ValOutputs:
                     "Speed: {:.1f}ms pre-process, {:.1f}ms inference, {:.1f}ms NMS per image".format(*results.speed)
                 )
         if o.plots:
+            assert o.save_dir is not None and results.class_metrics is not None and evaluator.confusion is not None
             plot_metrics(results.class_metrics, evaluator.confusion, self.names, o.save_dir)
         if o.save_json and o.main:
+            assert o.save_dir is not None and evaluator.json_ids is not None  # set with save_json
             class_map = evaluator.json_ids[0]
             results.coco_stats = coco_evaluation(
                 evaluator.json_results,
@@ -101,6 +107,7 @@ class ValOutputs:
                 results.map,
             )
         if o.save_txt and o.main:
+            assert o.save_dir is not None
             n_files = len(list((o.save_dir / "labels").glob("*.txt")))
             LOGGER.info(f"{n_files} label files saved to {o.save_dir / 'labels'}")
 
@@ -128,6 +135,7 @@ def log_table(names: list[str], results: ValResults, images_per_class: np.ndarra
         LOGGER.warning("WARNING no labels found in this split: metrics cannot be computed without labels")
     nc, metrics = len(names), results.class_metrics
     if verbose and nc > 1:
+        assert metrics is not None  # a summary always has them
         for i, c in enumerate(metrics.classes):
             name = names[c] if c < len(names) else str(c)
             images = images_per_class[c] if c < nc else 0

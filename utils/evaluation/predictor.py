@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -21,6 +21,7 @@ from models.families import Family
 from utils.boxes import scale_boxes
 from utils.data.augmentations import letterbox
 from utils.formats.base import Runner
+from utils.formats.metadata import ModelMeta
 from utils.log import LOGGER
 from utils.nms import end_to_end_detections
 
@@ -59,7 +60,7 @@ class Timer:
     images: int = 0
 
     def per_image_ms(self) -> tuple[float, float, float]:
-        return tuple(float(t) for t in self.seconds / max(self.images, 1) * 1e3)
+        return cast("tuple[float, float, float]", tuple(float(t) for t in self.seconds / max(self.images, 1) * 1e3))
 
 
 def _now(device: torch.device) -> float:
@@ -78,7 +79,7 @@ class Predictor:
         self.timer = Timer()
 
     @property
-    def meta(self):  # noqa: ANN201 (ModelMeta)
+    def meta(self) -> ModelMeta:
         return self.runner.meta
 
     @property
@@ -103,10 +104,11 @@ class Predictor:
             if self.options.augment:
                 from utils.tta import tta_predict
 
+                assert model is not None, "test-time augmentation runs a PyTorch model"  # open_for_prediction checks
                 return tta_predict(model, x, self.meta.stride), None
             if want_raw and model is not None:
                 out = model(x)
-                return out if isinstance(out, (tuple, list)) else (out, None)
+                return cast("tuple[torch.Tensor, Any]", out) if isinstance(out, (tuple, list)) else (out, None)
             return self.runner(x), None
 
     def decode(self, pred: torch.Tensor) -> list[torch.Tensor]:
@@ -141,26 +143,25 @@ class Predictor:
 
     def detect(self, images: list[np.ndarray], imgsz: int | None = None) -> list[np.ndarray]:
         """Detections (n, 6) = x1 y1 x2 y2 conf cls in pixels of each BGR image (any sizes, one at a time when their
-        letterboxes differ): the whole path of detect.py, for your own code."""
-        from utils.formats.metadata import default_imgsz
+        letterboxes differ): the whole path of detect.py, for your own code, at the size detect.py would use."""
+        from utils.formats.metadata import inference_imgsz
 
-        imgsz = imgsz or default_imgsz(self.meta)[0]
+        shape = inference_imgsz(self.meta, imgsz)
         out = []
-        for image, (boxed, ratio_pad) in zip(images, self.letterboxed(images, imgsz)):
+        for image, (boxed, ratio_pad) in zip(images, self.letterboxed(images, shape)):
             pred = self.predict(to_batch([boxed]))
-            det = to_original(pred.detections[0], tuple(pred.images.shape[2:]), image.shape[:2], ratio_pad)
+            input_hw = cast("tuple[int, int]", tuple(pred.images.shape[2:]))
+            det = to_original(pred.detections[0], input_hw, image.shape[:2], ratio_pad)
             out.append(det.numpy())
         return out
 
-    def input_shape(self, imgsz: int) -> tuple[tuple[int, int], bool]:
-        """The letterbox target and whether it is fixed (an exported file's own shape) or padded only to a stride
-        multiple (a PyTorch model takes any)."""
+    def letterboxed(
+        self, images: Iterable[np.ndarray], shape: tuple[int, int]
+    ) -> Iterator[tuple[np.ndarray, RatioPad]]:
+        """Each BGR image letterboxed for this runner (RGB, CHW uint8) with its ratio and padding: to ``shape`` (h, w)
+        from ``inference_imgsz``, exactly for a file with a fixed input shape, else padded only to a stride multiple
+        (a PyTorch model takes any)."""
         fixed = self.meta.imgsz is not None
-        return (tuple(self.meta.imgsz) if fixed else (imgsz, imgsz)), fixed
-
-    def letterboxed(self, images: Iterable[np.ndarray], imgsz: int) -> Iterator[tuple[np.ndarray, RatioPad]]:
-        """Each BGR image letterboxed for this runner (RGB, CHW uint8) with its ratio and padding."""
-        shape, fixed = self.input_shape(imgsz)
         for image in images:
             boxed, ratio, pad = letterbox(image, shape, auto=not fixed, stride=self.meta.stride)
             yield boxed[..., ::-1].transpose(2, 0, 1), ((ratio[1], ratio[0]), pad)
@@ -199,7 +200,7 @@ def open_for_prediction(
     elif half and not hasattr(runner, "half"):
         LOGGER.warning(f"--half: {weights} computes in the precision it was exported in ({runner.meta.precision})")
     elif half:
-        runner.half()
+        cast(Any, runner).half()  # the PyTorch runner's, checked above
     return runner
 
 

@@ -20,7 +20,9 @@ import importlib.util
 import re
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -45,6 +47,8 @@ PIP_NAMES = {
 class NormalisedBoxes(nn.Module):
     """The export module with x, w divided by the input width and y, h by its height (YOLOv5 and anchor-free
     layouts; an end-to-end output passes unchanged)."""
+
+    scale: torch.Tensor  # a buffer: width, height, width, height
 
     def __init__(self, module: nn.Module, layout: str, size: tuple[int, int]):
         super().__init__()
@@ -125,7 +129,7 @@ def _convert(module: nn.Module, example: torch.Tensor, path: Path) -> None:
     litert_torch.convert(module.eval(), (example,)).export(str(path))
 
 
-def _quantize(source: Path, target: Path, configure, calibration_samples=None) -> None:  # noqa: ANN001
+def _quantize(source: Path, target: Path, configure: Callable[..., None], calibration_samples: Any = None) -> None:
     """ai-edge-quantizer on ``source`` into ``target``; ``configure(quantizer, qtyping, recipe)`` sets the recipe."""
     from ai_edge_quantizer import qtyping, quantizer, recipe
 
@@ -137,7 +141,7 @@ def _quantize(source: Path, target: Path, configure, calibration_samples=None) -
     quantizer_.quantize(calibration_result=result).export_model(str(target), overwrite=True)
 
 
-def _fp16_recipe(quantizer_, qtyping, recipe) -> None:  # noqa: ANN001
+def _fp16_recipe(quantizer_: Any, qtyping: Any, recipe: Any) -> None:  # ai_edge_quantizer's objects
     """Every weight stored in fp16 and dequantized once at load; arithmetic in fp32."""
     quantizer_.update_quantization_recipe(
         regex=".*",
@@ -151,8 +155,8 @@ def _fp16_recipe(quantizer_, qtyping, recipe) -> None:  # noqa: ANN001
     )
 
 
-def _int8_recipe(patterns: list[str]):  # noqa: ANN202
-    def configure(quantizer_, qtyping, recipe) -> None:  # noqa: ANN001
+def _int8_recipe(patterns: list[str]) -> Callable[..., None]:
+    def configure(quantizer_: Any, qtyping: Any, recipe: Any) -> None:  # ai_edge_quantizer's objects
         quantizer_.load_quantization_recipe(recipe.static_wi8_ai8())
         # float32 input and output, as Ultralytics' INT8 LiteRT files have (after the recipe, which would set them)
         for op in (qtyping.TFLOperationName.INPUT, qtyping.TFLOperationName.OUTPUT):
@@ -230,6 +234,7 @@ class LiteRTRunner(Runner):
         self.interpreter.set_tensor(self.input_index, as_numpy(images, np.float32))
         self.interpreter.invoke()
         out = self.interpreter.get_tensor(self.output_index).copy()
+        assert self.meta.imgsz is not None  # a LiteRT file has one input shape
         return torch.from_numpy(denormalise(out, self.meta.layout, self.meta.imgsz))
 
 
@@ -247,7 +252,7 @@ class LiteRTFormat(Format):
         return None
 
     def write(self, job: ExportJob) -> str:
-        module = NormalisedBoxes(job.module, job.meta.layout, tuple(job.example.shape[2:]))
+        module = NormalisedBoxes(job.module, job.meta.layout, (job.example.shape[2], job.example.shape[3]))
         meta = job.meta.copy(batch=job.export_batch)  # a converted graph takes its batch only
         notes = ["litert-torch"]
         with atomic_output(job.path) as target:

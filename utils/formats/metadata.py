@@ -18,13 +18,14 @@ import json
 from dataclasses import dataclass, field, fields, replace
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 
 from models.families import UNRECORDED_EXPORT_FAMILY, known_layouts, ultralytics_export_family
 from utils.cli import INFERENCE_IMGSZ
 from utils.errors import UserError
+from utils.log import LOGGER
 
 OWN_METADATA_KEY = "yolo_train"  # this project's record among the exported metadata
 METADATA_YAML = "metadata.yaml"  # inside an export folder, as Ultralytics writes it
@@ -135,7 +136,7 @@ class ModelMeta:
             names=names,
             stride=stride,
             kind=kind,
-            imgsz=imgsz,
+            imgsz=cast("tuple[int, int] | None", imgsz),  # (h, w) as the file wrote it
             batch=batch,
             family=family,
             layout=layout,
@@ -208,7 +209,7 @@ class ModelMeta:
         names = values.get("names")
         if isinstance(names, dict):  # {0: 'person', ...}; JSON makes the keys strings
             names = [names[k] for k in sorted(names, key=int)]
-        args = values.get("args") if isinstance(values.get("args"), dict) else {}
+        args: dict[str, Any] = values["args"] if isinstance(values.get("args"), dict) else {}
         family = ultralytics_export_family(str(values.get("description", ""))).name
         end2end = values.get("end2end") in (True, "True") or args.get("nms") in (True, "True")
         nms = (
@@ -242,3 +243,33 @@ def default_imgsz(meta: ModelMeta) -> tuple[int, str]:
     if meta.trained_imgsz is not None:
         return meta.trained_imgsz, "from the checkpoint"
     return INFERENCE_IMGSZ, "the default; the checkpoint does not record its training size"
+
+
+def inference_imgsz(meta: ModelMeta, asked: int | list[int] | None, weights: str | Path = "") -> tuple[int, int]:
+    """The input size (h, w) of inference with ``meta``'s model: the one policy of val.py, detect.py, export.py and
+    the predictor (docs/deploy.md, "Image size"). ``asked`` is ``--imgsz``: one size, ``[size]`` or ``[h, w]``.
+
+    Left out, it is the size the model was trained at, else 640 (logged). A size that is not a multiple of the stride
+    is raised to the next multiple, with a warning. An exported file with a fixed input shape runs at that shape
+    whatever was asked (logged when it differs)."""
+    if asked is None:
+        size, source = default_imgsz(meta)
+        LOGGER.info(f"image size {size} ({source})")
+        asked = [size]
+    sizes = [asked] if isinstance(asked, int) else list(asked)
+    if len(sizes) not in (1, 2) or min(sizes) < 1:
+        raise UserError(f"--imgsz {' '.join(map(str, sizes))}: give one size or two (h w), each at least 1 pixel")
+    stride = int(meta.stride)
+    raised = [-(-s // stride) * stride for s in sizes]
+    if raised != sizes:
+        shown = " ".join(map(str, sizes))
+        LOGGER.warning(
+            f"image size {shown} is not a multiple of the stride {stride}: using {' '.join(map(str, raised))}"
+        )
+    h, w = raised * 2 if len(raised) == 1 else raised
+    if meta.imgsz is not None:
+        fixed = (int(meta.imgsz[0]), int(meta.imgsz[1]))
+        if fixed != (h, w):
+            LOGGER.info(f"{weights or 'the model'}: exported for {fixed[0]}x{fixed[1]} input; using that size")
+        return fixed
+    return h, w

@@ -9,6 +9,7 @@ import importlib.util
 import tempfile
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -91,7 +92,7 @@ class OnnxRunner(Runner):
         return (out if out.dtype == torch.float32 else out.float()).to(images.device)
 
 
-def session_options(ort):  # noqa: ANN001, ANN201 (onnxruntime's types)
+def session_options(ort: Any) -> Any:  # onnxruntime and its SessionOptions
     """As many intra-op threads as PyTorch's (the process's share of the cores, set once at start-up), so the two
     runtimes never ask for more cores than the process has."""
     options = ort.SessionOptions()

@@ -22,6 +22,7 @@ import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch.nn as nn
@@ -51,7 +52,7 @@ class _Reader:
         pass
 
 
-def float_nodes(model, traced: nn.Module, job: ExportJob) -> list[str]:  # noqa: ANN001 (onnx.ModelProto)
+def float_nodes(model: Any, traced: nn.Module, job: ExportJob) -> list[str]:  # an onnx.ModelProto
     """Names of the nodes the family's Int8Scope keeps float."""
     if job.int8_scope is None:
         return []

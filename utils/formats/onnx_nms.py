@@ -10,6 +10,7 @@ its own class's channel, zero elsewhere), so classes never interact and no box i
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -26,10 +27,10 @@ class _NonMaxSuppression(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx,
+        ctx: Any,
         boxes: torch.Tensor,
         scores: torch.Tensor,
-        max_per_class: torch.Tensor,  # noqa: ANN001
+        max_per_class: torch.Tensor,
         iou: torch.Tensor,
         conf: torch.Tensor,
     ) -> torch.Tensor:
@@ -43,7 +44,9 @@ class _NonMaxSuppression(torch.autograd.Function):
         return torch.cat(selected) if selected else torch.zeros((0, 3), dtype=torch.long)
 
     @staticmethod
-    def symbolic(g, boxes, scores, max_per_class, iou, conf):  # noqa: ANN001, ANN205 (the exporter's graph types)
+    def symbolic(
+        g: Any, boxes: Any, scores: Any, max_per_class: Any, iou: Any, conf: Any
+    ) -> Any:  # the exporter's graph types
         return g.op("NonMaxSuppression", boxes, scores, max_per_class, iou, conf, center_point_box_i=0)
 
 
@@ -51,7 +54,10 @@ class InGraphNms(nn.Module):
     """``module``'s output0, then NMS on ``candidates(output0)``: (B, max_det, 6)."""
 
     def __init__(
-        self, module: nn.Module, candidates: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]], spec: NmsSpec
+        self,
+        module: nn.Module,
+        candidates: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None],
+        spec: NmsSpec,
     ):
         super().__init__()
         self.module, self.candidates, self.spec = module, candidates, spec

@@ -16,6 +16,8 @@ import shutil
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,7 +41,7 @@ OV_TYPES = {
 }
 
 
-def _import_openvino(path: Path | str):  # noqa: ANN202 (the module)
+def _import_openvino(path: Path | str) -> ModuleType:
     try:
         import openvino
     except ImportError as e:
@@ -47,7 +49,7 @@ def _import_openvino(path: Path | str):  # noqa: ANN202 (the module)
     return openvino
 
 
-def convert(job: ExportJob):  # noqa: ANN201 (openvino.Model)
+def convert(job: ExportJob) -> Any:  # an openvino.Model
     """The job's fp32 module as an OpenVINO model, batch open with ``--dynamic``, by OpenVINO's PyTorch front end:
     it turns ``chunk`` into one split, where the graph traced to ONNX has a slice per part, each of which INT8 would
     quantize on its own (more FakeQuantize operations, a slower file)."""
@@ -71,10 +73,11 @@ def convert(job: ExportJob):  # noqa: ANN201 (openvino.Model)
     return model
 
 
-def float_ops(model, job: ExportJob) -> list[str]:  # noqa: ANN001 (openvino.Model)
+def float_ops(model: Any, job: ExportJob) -> list[str]:  # an openvino.Model
     """Friendly names of the operations the family's Int8Scope keeps float, its ONNX ``op_types`` by their
     OpenVINO names."""
     # The logits quantized: NNCF's asymmetric activation ranges keep them as accurate as float (docs/benchmarks.md).
+    assert job.int8_scope is not None  # set for INT8 jobs
     matcher = ScopeMatcher.of(job.int8_scope, job.module, job.model, logits=False)
     matcher = ScopeMatcher(matcher.whole, matcher.own, tuple(OV_TYPES[t] for t in matcher.op_types if t in OV_TYPES))
     return [
@@ -84,12 +87,13 @@ def float_ops(model, job: ExportJob) -> list[str]:  # noqa: ANN001 (openvino.Mod
     ]
 
 
-def quantize(model, job: ExportJob) -> tuple[object, str]:  # noqa: ANN001 (openvino.Model)
+def quantize(model: Any, job: ExportJob) -> tuple[object, str]:  # an openvino.Model
     """NNCF post-training quantization of ``model`` on the job's calibration images; (model, note)."""
     try:
         import nncf
     except ImportError as e:
         raise missing_package(job.path, "nncf", "OpenVINO INT8") from e
+    assert job.calibration is not None  # INT8 jobs carry their calibration images
     batches = _Batches(job)
     kept = float_ops(model, job) if job.int8_scope is not None else []
     nncf_log = logging.getLogger("nncf")

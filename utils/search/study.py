@@ -19,7 +19,8 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -30,6 +31,11 @@ from utils.log import LOGGER
 from utils.metrics import fitness
 from utils.search.records import append_evolve_row, write_best_hyp
 from utils.search.space import SearchSpace
+
+if TYPE_CHECKING:  # optuna is imported only when a search runs
+    import optuna
+
+    from utils.search.sampler import GeneticSampler
 
 SAMPLERS = ("genetic", "tpe", "cmaes")
 PRUNERS = ("median", "none")
@@ -65,7 +71,7 @@ def worker_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def import_optuna():
+def import_optuna() -> ModuleType:
     try:
         import optuna
     except ImportError as e:
@@ -73,7 +79,7 @@ def import_optuna():
     return optuna
 
 
-def open_storage(spec: str, lock_grace_s: float):
+def open_storage(spec: str, lock_grace_s: float) -> optuna.storages.BaseStorage:
     """An SQL URL (``sqlite:///...``, ``postgresql://...``) as Optuna's RDB storage; any other string is a
     journal file, locked by a lock file that network file systems honour too (one left by a killed writer is taken
     over after ``lock_grace_s``)."""
@@ -88,7 +94,7 @@ def open_storage(spec: str, lock_grace_s: float):
     return optuna.storages.JournalStorage(JournalFileBackend(str(path), lock_obj=lock))
 
 
-def make_sampler(name: str, space: SearchSpace, seed: int):
+def make_sampler(name: str, space: SearchSpace, seed: int) -> optuna.samplers.BaseSampler:
     """The sampler ``--evolve-sampler`` names; ``seed`` is the trial's own (see ``Search.ask``)."""
     optuna = import_optuna()
     if name == "genetic":
@@ -106,7 +112,7 @@ def make_sampler(name: str, space: SearchSpace, seed: int):
     raise UserError(f"--evolve-sampler {name}: not a sampler (choose from {', '.join(SAMPLERS)})")
 
 
-def make_pruner(config: SearchConfig):
+def make_pruner(config: SearchConfig) -> optuna.pruners.BasePruner:
     optuna = import_optuna()
     if config.pruner == "median":
         return optuna.pruners.MedianPruner(n_startup_trials=config.prune_startup, n_warmup_steps=config.prune_warmup)
@@ -339,7 +345,8 @@ class Search:
         for key, dist in self.space.distributions().items():
             trial.suggest_float(key, dist.low, dist.high, log=dist.log)
         if genetic:
-            return sampler.drawn.pop(trial.number, None) or sampler.hyp_for(self.study, trial.number)
+            genetic_sampler = cast("GeneticSampler", sampler)
+            return genetic_sampler.drawn.pop(trial.number, None) or genetic_sampler.hyp_for(self.study, trial.number)
         return self.space.hyp_of(trial.params)
 
     def write_records(self, plot: bool = False) -> Path | None:

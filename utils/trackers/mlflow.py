@@ -36,7 +36,7 @@ class MLflowTracker(Tracker):
     name, title, package = "mlflow", "MLflow", "mlflow"
 
     def __init__(self) -> None:
-        self.client = None
+        self.client: Any = None  # an MlflowClient once open() ran: mlflow is imported there
         self.run_id = ""
         self.params: dict[str, str] = {}  # those the run holds: MLflow refuses to change a parameter's value
         self._held: dict[str, set[int]] = {}

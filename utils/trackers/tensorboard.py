@@ -21,7 +21,7 @@ class TensorBoardTracker(Tracker):
     name, title, package = "tensorboard", "TensorBoard", "tensorboard"
 
     def __init__(self) -> None:
-        self.writer = None
+        self.writer: Any = None  # a SummaryWriter once open() ran: tensorboard is imported there
         self.batch_logged = False
 
     def open(self, run: TrackerRun, saved: Mapping[str, str] | None) -> dict[str, str]:

@@ -35,7 +35,7 @@ class WandbTracker(Tracker):
     name, title, package = "wandb", "W&B", "wandb"
 
     def __init__(self) -> None:
-        self.run = None
+        self.run: Any = None  # wandb's Run once open() ran: wandb is imported there
         self.step = 0  # the next row's; rows of earlier processes of the run came before
         self.run_id = ""
         self._held: dict[str, set[int]] = {}

@@ -15,7 +15,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 FILE_HEADER = 7
 BLOCK = 32768
@@ -85,7 +85,7 @@ def read_run(wandb_dir: Path, run_id: str) -> WandbRunFiles:
     out = WandbRunFiles(folders=run_folders(wandb_dir, run_id))
     for folder in out.folders:
         for raw in record_bytes(folder / f"run-{run_id}.wandb"):
-            record = wandb_internal_pb2.Record()
+            record = cast(Any, wandb_internal_pb2).Record()  # a protobuf class made at import, unseen by the checker
             record.ParseFromString(raw)
             kind = record.WhichOneof("record_type")
             if kind == "run":
