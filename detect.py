@@ -34,7 +34,16 @@ import numpy as np
 import torch
 
 from models.families import titles_by
-from utils.cli import INFERENCE_IMGSZ_HELP, add_device, add_end2end, add_half, add_imgsz, add_run_folder, make_parser
+from utils.cli import (
+    INFERENCE_IMGSZ_HELP,
+    add_device,
+    add_end2end,
+    add_half,
+    add_imgsz,
+    add_run_folder,
+    make_parser,
+    positive_int,
+)
 from utils.errors import UserError, run_reporting_errors
 from utils.log import LOGGER, colorstr, setup_logging
 from utils.process import setup_process
@@ -286,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--source", type=str, required=True, help="image, folder, glob, .txt list, video file or webcam index (0)"
     )
     add_imgsz(data, help=INFERENCE_IMGSZ_HELP)
-    data.add_argument("--batch-size", type=int, default=1, help="images per forward pass")
+    data.add_argument("--batch-size", type=positive_int, default=1, help="images per forward pass")
     model = parser.add_argument_group("model and inference")
     model.add_argument(
         "--weights",

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from models.families import titles_by
-from utils.cli import INFERENCE_IMGSZ_HELP, add_device, add_end2end, add_half, add_imgsz, make_parser
+from utils.cli import INFERENCE_IMGSZ_HELP, add_device, add_end2end, add_half, add_imgsz, make_parser, positive_int
 from utils.errors import UserError, run_reporting_errors
 from utils.log import LOGGER, colorstr, setup_logging
 from utils.process import setup_process
@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="checkpoint (.pt: this project's, YOLOv5's or Ultralytics' detection model)",
     )
     add_imgsz(model, help=INFERENCE_IMGSZ_HELP, pair=True)
-    model.add_argument("--batch-size", type=int, default=1, help="batch size of the exported input")
+    model.add_argument("--batch-size", type=positive_int, default=1, help="batch size of the exported input")
     # Traced on the CPU unless asked otherwise, as YOLOv5 does: the exported graph does not depend on a GPU.
     add_device(model, default="cpu")
     add_end2end(model)
