@@ -44,6 +44,7 @@ from utils.cli import (
     add_run_folder,
     apply_data_limits,
     make_parser,
+    positive_int,
 )
 from utils.data.image_files import IMG_FORMATS
 from utils.errors import UserError, run_reporting_errors
@@ -309,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--source", type=str, required=True, help="image, folder, glob, .txt list, video file or webcam index (0)"
     )
     add_imgsz(data, help=INFERENCE_IMGSZ_HELP)
-    data.add_argument("--batch-size", type=int, default=1, help="images per forward pass")
+    data.add_argument("--batch-size", type=positive_int, default=1, help="images per forward pass")
     add_max_pixels(data)
     model = parser.add_argument_group("model and inference")
     model.add_argument(

@@ -43,6 +43,7 @@ from utils.cli import (
     add_max_pixels,
     apply_data_limits,
     make_parser,
+    positive_int,
 )
 from utils.errors import UserError, run_reporting_errors
 from utils.log import LOGGER, colorstr, setup_logging
@@ -67,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="checkpoint (.pt: this project's, YOLOv5's or Ultralytics' detection model)",
     )
     add_imgsz(model, help=INFERENCE_IMGSZ_HELP, pair=True)
-    model.add_argument("--batch-size", type=int, default=1, help="batch size of the exported input")
+    model.add_argument("--batch-size", type=positive_int, default=1, help="batch size of the exported input")
     # Traced on the CPU unless asked otherwise, as YOLOv5 does: the exported graph does not depend on a GPU.
     add_device(model, default="cpu")
     add_end2end(model)

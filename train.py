@@ -35,6 +35,9 @@ from utils.cli import (
     add_workers,
     apply_data_limits,
     make_parser,
+    non_negative_int,
+    positive_float,
+    positive_int,
 )
 from utils.data.config import data_yaml_path
 from utils.distributed import check_one_process_per_gpu, dist_info, end_with_launcher
@@ -96,7 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     model = p.add_argument_group("model")
     model.add_argument(
-        "--weights", default="", help="checkpoint to start from (ours or YOLOv5's; '' trains from scratch)"
+        "--weights",
+        default="",
+        help="checkpoint to start from (ours, YOLOv5's or Ultralytics' detection .pt, e.g. yolo11n.pt; '' trains "
+        "from scratch)",
     )
     model.add_argument(
         "--cfg",
@@ -104,7 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"model YAML (default: the config inside --weights; from scratch {DEMO_PRESET['cfg']} on "
         f"the built-in demo, {DATASET_PRESET['cfg']} on any other --data)",
     )
-    model.add_argument("--freeze", nargs="+", type=int, default=[0], help="freeze the first N layers, or listed layers")
+    model.add_argument(
+        "--freeze", nargs="+", type=non_negative_int, default=[0], help="freeze the first N layers, or listed layers"
+    )
     model.add_argument("--noautoanchor", action="store_true", help="keep the model's anchors as they are")
     model.add_argument(
         "--sync-bn",
@@ -190,14 +198,16 @@ def add_schedule_options(schedule: argparse._ArgumentGroup) -> None:
     """The run's length, optimisation, seed, precision and evolution."""
     schedule.add_argument(
         "--epochs",
-        type=int,
+        type=positive_int,
         default=None,
         help=f"total training epochs, with --resume: extend the run (default: "
         f"{DEMO_PRESET['epochs']} on the built-in demo, {DATASET_PRESET['epochs']} on any "
         f"other --data)",
     )
-    schedule.add_argument("--time", type=float, default=None, help="train for this many hours (overrides --epochs)")
-    schedule.add_argument("--batch-size", type=int, default=16, help="total batch size over all ranks")
+    schedule.add_argument(
+        "--time", type=positive_float, default=None, help="train for this many hours (overrides --epochs)"
+    )
+    schedule.add_argument("--batch-size", type=positive_int, default=16, help="total batch size over all ranks")
     schedule.add_argument(
         "--hyp",
         default="",
@@ -218,7 +228,9 @@ def add_schedule_options(schedule: argparse._ArgumentGroup) -> None:
     schedule.add_argument(
         "--noval", action="store_true", help="only validate after the final epoch (no early stopping)"
     )
-    schedule.add_argument("--seed", type=int, default=0, help="global seed: model init, data order, augmentations")
+    schedule.add_argument(
+        "--seed", type=non_negative_int, default=0, help="global seed: model init, data order, augmentations"
+    )
     schedule.add_argument("--deterministic", action="store_true", help="bit-for-bit repeatable kernels (slower)")
     schedule.add_argument(
         "--amp",

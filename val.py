@@ -31,6 +31,7 @@ from utils.cli import (
     add_workers,
     apply_data_limits,
     make_parser,
+    positive_int,
 )
 from utils.errors import UserError, run_reporting_errors
 from utils.log import LOGGER, colorstr, setup_logging
@@ -52,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--data", type=str, required=True, help="dataset YAML")
     data.add_argument("--task", default="val", choices=TASKS, help="split to use; speed: timing at conf 0.25")
     add_imgsz(data, help=INFERENCE_IMGSZ_HELP)
-    data.add_argument("--batch-size", type=int, default=32, help="images per forward pass")
+    data.add_argument("--batch-size", type=positive_int, default=32, help="images per forward pass")
     data.add_argument("--single-cls", action="store_true", help="treat every class as one")
     add_workers(data)
     add_allow_pipe(data)

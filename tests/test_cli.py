@@ -376,3 +376,31 @@ def test_val_detect_and_export_default_to_the_size_the_checkpoint_was_trained_at
         project=str(tmp_path / "detect"),
     )
     assert "image size 64 (from the exported file)" in log_lines
+
+
+@pytest.mark.parametrize(
+    "script, argv, message",
+    [
+        (train, ["--batchsize", "4"], "unrecognized arguments: --batchsize 4 (did you mean --batch-size?)"),
+        (train, ["--epoch", "1"], "unrecognized arguments: --epoch 1 (did you mean --epochs?)"),  # no abbreviation
+        (val, ["--weights", "w.pt", "--conf", "0.1"], "(did you mean --conf-thres?)"),
+        (train, ["--imgsz", "0"], "argument --imgsz/--img/--img-size: '0' is not an integer of at least 1"),
+        (train, ["--seed", "-1"], "argument --seed: '-1' is not an integer from 0"),
+        (train, ["--freeze", "-3"], "argument --freeze: '-3' is not an integer from 0"),
+        (train, ["--time", "inf"], "argument --time: 'inf' is not a finite number above 0"),
+        (train, ["--time", "nan"], "argument --time: 'nan' is not a finite number above 0"),
+        (train, ["--epochs", "0"], "argument --epochs: '0' is not an integer of at least 1"),
+        (val, ["--weights", "w.pt", "--batch-size", "0"], "argument --batch-size: '0' is not an integer of at least 1"),
+        (detect, ["--weights", "w.pt", "--imgsz", "-640"], "'-640' is not an integer of at least 1"),
+    ],
+)
+def test_bad_flags_are_argparse_error_lines_with_a_suggestion(script, argv, message, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        script.build_parser().parse_args(["--data", "d.yaml", *argv] if script is not detect else argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_weights_help_names_ultralytics_checkpoints() -> None:
+    for script in (train, val, detect, export):
+        assert "Ultralytics'" in _actions(f"{script.__name__}.py")["weights"].help, script.__name__

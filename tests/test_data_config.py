@@ -12,6 +12,8 @@ import pytest
 from utils.data.config import img2label_path, is_image_file, list_image_files, load_data_config
 from utils.errors import UserError
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def _dataset(root: Path, splits: tuple[str, ...] = ("train2017", "val2017")) -> None:
     for split in splits:
@@ -101,9 +103,13 @@ def test_yaml_errors_name_file_key_and_path(tmp_path: Path, body: str, words: li
         assert word in message
 
 
-def test_missing_yaml_and_empty_folder(tmp_path: Path) -> None:
+def test_missing_yaml_and_empty_folder(tmp_path: Path, monkeypatch) -> None:
     with pytest.raises(UserError, match="not found"):
         load_data_config(tmp_path / "nope.yaml")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError) as e:  # says where it looked: here, and among the YAMLs shipped in data/
+        load_data_config("coco128.yaml")
+    assert str(e.value).endswith(f"(looked for {tmp_path / 'coco128.yaml'} and {ROOT / 'data' / 'coco128.yaml'})")
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="no images"):
         list_image_files(str(tmp_path / "empty"))

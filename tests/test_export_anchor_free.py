@@ -250,3 +250,15 @@ def test_test_time_augmentation_on_ultralytics_checkpoints(tmp_path) -> None:
             end2end=True,
             project=str(tmp_path / "refused"),
         )
+
+
+@pytest.mark.parametrize("stride", ["0", "inf", "-32", "32.5", "1e400"])
+def test_exported_metadata_refuses_a_stride_that_is_not_one(stride) -> None:
+    from utils.formats.metadata import ModelMeta
+
+    props = json.loads((FIXTURES / "onnx_metadata.json").read_text())
+    with pytest.raises(UserError, match=r"x.onnx: metadata unreadable \(ValueError: stride .* is not a whole number"):
+        ModelMeta.from_onnx_props({**props, "stride": stride}, Path("x.onnx"))  # Ultralytics' props
+    record = f'{{"names": ["a"], "stride": {stride.replace("inf", "Infinity")}}}'
+    with pytest.raises(UserError, match=r"x.onnx: metadata unreadable \(ValueError: stride .* is not a whole number"):
+        ModelMeta.from_json(record, "onnx", Path("x.onnx"))  # ours

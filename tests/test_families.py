@@ -268,3 +268,23 @@ def test_importers_release_names_and_exports_of_other_tools(tmp_path) -> None:
     junk.write_bytes(b"not a checkpoint")
     with pytest.raises(UserError, match=r"junk\.pt: refused"):  # the catch-all importer names what it read
         import_checkpoint(junk)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("", "is empty, not a mapping of hyper-parameter names to numbers"),
+        ("- 1\n- 2\n", "holds a list, not a mapping of hyper-parameter names to numbers"),
+        ("scale: -1\n", "'scale' -1 is outside [0, 0.99]"),
+        ("scale: 1.5\n", "'scale' 1.5 is outside [0, 0.99]"),
+        ("mosaic: 2\n", "'mosaic' 2 is outside [0, 1]"),
+        ("lr0: -0.01\n", "'lr0' -0.01 is outside [0, 10]"),
+        ("anchor_t: .nan\n", "'anchor_t' must be a finite number, got nan"),
+    ],
+)
+def test_a_hyp_file_out_of_range_or_empty_is_one_line(tmp_path, text, message) -> None:
+    hyp_file = tmp_path / "hyp.yaml"
+    hyp_file.write_text(text)
+    with pytest.raises(UserError) as e:
+        family_of("yolov5").read_hyp(hyp_file)
+    assert str(e.value) == f"{hyp_file}: {message}"

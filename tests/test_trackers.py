@@ -195,3 +195,19 @@ def test_tensorboard_in_a_resumed_folder_shows_every_epoch_once(tmp_path) -> Non
         np.testing.assert_allclose([e.value for e in scalars], [values_of(e)[i] for e in range(4)], rtol=1e-6)
     assert acc.Tags()["images"] == ["plots/confusion_matrix"]
     assert [e.step for e in acc.Tensors("val/PR_curve")] == [2]
+
+
+def test_a_resumed_results_csv_with_a_float_epoch_or_a_non_utf8_byte_is_cleaned_not_fatal(tmp_path) -> None:
+    from utils.plots import read_results_csv
+
+    csv_file = tmp_path / "results.csv"
+    for epoch in range(4):
+        append_results_row(csv_file, [epoch, *values_of(epoch)], COLUMNS)
+    lines = csv_file.read_bytes().splitlines(keepends=True)
+    lines[1] = b"1.0" + lines[1].lstrip()[1:]  # epoch 0 written as `1.0` by hand: epoch 1
+    lines[2] = lines[2][:-8] + b"\xff" + lines[2][-7:]  # a byte that is not UTF-8: the row is dropped
+    csv_file.write_bytes(b"".join(lines))
+    truncate_results(csv_file, keep_below_epoch=3)
+    header, values = read_results_csv(csv_file)  # the reader results.png uses: every row numbers again
+    assert header == list(COLUMNS) and values[:, 0].tolist() == [1, 2]
+    assert all(row.split(",")[0].strip().isdecimal() for row in csv_file.read_text().splitlines()[1:])

@@ -39,6 +39,7 @@ from utils.engine.run_record import RunRecord
 from utils.engine.setup import freeze_layers, make_loaders
 from utils.engine.step import BatchOptions, SavePolicy
 from utils.engine.time_budget import fit_to_time, time_budget
+from utils.errors import UserError
 from utils.results_log import result_columns
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,8 +114,11 @@ def test_a_global_batch_that_does_not_divide_by_the_world_size_is_one_line(
         monkeypatch.setenv(name, value)
     status, log = train_here("--data", rectangles_yaml, "--project", tmp_path, "--epochs", "1", "--batch-size", "7")
     assert status == 1
-    assert log.splitlines()[-1] == "ERROR --batch-size 7 must be a multiple of WORLD_SIZE 2"
+    assert log.splitlines()[-1] == "ERROR --batch-size 7 must be a multiple of WORLD_SIZE 2: try --batch-size 6 or 8"
     assert not tmp_path.joinpath("exp").exists()
+    monkeypatch.setenv("RANK", "1")  # the other rank stops alike, without saying it a second time
+    status, log = train_here("--data", rectangles_yaml, "--project", tmp_path, "--epochs", "1", "--batch-size", "7")
+    assert status == 1 and "--batch-size 7" not in log
 
 
 @pytest.mark.parametrize(
@@ -141,9 +145,9 @@ def test_bad_inputs_are_one_line_errors(train_here, rectangles_yaml, tmp_path) -
     assert status == 1 and "not a checkpoint of this project" in log.splitlines()[-1]
     status, log = train_here("--resume", "--project", tmp_path / "empty")
     assert status == 1 and "no last.pt to resume" in log.splitlines()[-1]
-    status, log = train_here("--data", rectangles_yaml, "--project", tmp_path, "--time", "0")
-    assert status == 1 and log.splitlines()[-1].startswith("ERROR --time 0.0: ")
-    assert not (tmp_path / "exp").exists()
+    with pytest.raises(SystemExit) as e:  # argparse's error line (tests/test_cli.py)
+        train_here("--data", rectangles_yaml, "--project", tmp_path, "--time", "0")
+    assert e.value.code == 2 and not (tmp_path / "exp").exists()
 
 
 @pytest.mark.slow
@@ -690,3 +694,8 @@ def test_freeze_keeps_what_the_model_fixes_itself_and_freezes_only_the_layers_as
     first_two = {name for name, _ in model.named_parameters() if name.startswith(("model.0.", "model.1."))}
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     assert first_two and frozen == {"model.23.dfl.conv.weight"} | first_two
+    n_layers = 1 + max(int(name.split(".")[1]) for name, _ in model.named_parameters())
+    freeze_layers(model, [n_layers])  # every layer: allowed
+    for freeze in ([1000], [0, n_layers]):
+        with pytest.raises(UserError, match=rf"--freeze .*: the model has {n_layers} layers \(0 to {n_layers - 1}\)"):
+            freeze_layers(model, freeze)

@@ -4,7 +4,9 @@ train.py, val.py, detect.py, export.py, check_data.py and shards.py add ``--imgs
 ``--project``/``--name``/``--exist-ok``, ``--half``, ``--end2end``, and the limits on what reading data may do
 (``--allow-pipe``, ``--max-pixels``) through the functions here, so that one option has one spelling, one set of
 aliases, one meaning and one default in every script. ``make_parser`` gives every script the same help layout:
-option groups, and each option's default shown.
+option groups, and each option's default shown; it refuses abbreviated options (``--epoch`` is not ``--epochs``)
+and suggests the nearest option for a misspelt one. The type functions below check a number's range where
+argparse reads it, so a bad value is argparse's one error line, never a traceback later.
 
 Run folders are relative to the current directory (``./runs/train/exp``, ``./runs/val/exp``, ...), as in
 YOLOv5 and Ultralytics; scripts record the absolute path of the folder they made.
@@ -13,7 +15,10 @@ YOLOv5 and Ultralytics; scripts record the absolute path of the folder they made
 from __future__ import annotations
 
 import argparse
+import difflib
+import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from utils.errors import UserError
@@ -41,8 +46,50 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         return super()._get_help_string(action)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse without abbreviations (a prefix of a long option is an unknown option, not that option), whose
+    error for an unknown option names the nearest known one."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(allow_abbrev=False, **kwargs)
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        if message.startswith("unrecognized arguments:"):
+            known = [o for action in self._actions for o in action.option_strings if o.startswith("--")]
+            for token in message.split(":", 1)[1].split():
+                flag = token.split("=", 1)[0]
+                longer = sorted((o for o in known if o.startswith(flag)), key=len)  # what an abbreviation meant
+                near = longer or difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+                if token.startswith("--") and near:
+                    message += f" (did you mean {near[0]}?)"
+                    break
+        super().error(message)
+
+
 def make_parser(description: str | None) -> argparse.ArgumentParser:
-    return argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
+    return Parser(description=description, formatter_class=HelpFormatter)
+
+
+def ranged(kind: Callable[[str], int | float], low: float, high: float, wanted: str) -> Callable[[str], int | float]:
+    """An argparse type: ``kind`` (int or float) of a finite value in [low, high], else argparse's error line
+    saying what is ``wanted``."""
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except (ValueError, OverflowError) as e:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {wanted}") from e
+        if not (math.isfinite(value) and low <= value <= high):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {wanted}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
+positive_int = ranged(int, 1, math.inf, "an integer of at least 1")  # --imgsz, --batch-size, --epochs
+non_negative_int = ranged(int, 0, 2**63 - 1, "an integer from 0 to 2**63-1")  # --seed, --freeze
+positive_float = ranged(float, math.ulp(0.0), math.inf, "a finite number above 0")  # --time
 
 
 def add_imgsz(group: ArgGroup, *, help: str, pair: bool = False) -> None:
@@ -54,7 +101,7 @@ def add_imgsz(group: ArgGroup, *, help: str, pair: bool = False) -> None:
         "--imgsz",
         "--img",
         "--img-size",
-        type=int,
+        type=positive_int,
         default=None,
         nargs="+" if pair else None,
         metavar="PIXELS",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from utils.log import LOGGER
@@ -11,10 +12,16 @@ class UserError(Exception):
     """A problem with the user's input (a flag, a file, a dataset): the message names the file and the problem."""
 
 
+class EveryRankError(UserError):
+    """A UserError every rank of a distributed run raises alike (a check of the options they share): only global
+    rank 0 prints it, so that the user reads it once."""
+
+
 def run_reporting_errors(entry: Callable[[], int | None]) -> int:
     """Call an entry point's body; a UserError becomes one ``ERROR ...`` line and exit status 1."""
     try:
         return entry() or 0
     except UserError as e:
-        LOGGER.error(f"ERROR {e}")
+        if not isinstance(e, EveryRankError) or os.environ.get("RANK", "0") == "0":
+            LOGGER.error(f"ERROR {e}")
         return 1

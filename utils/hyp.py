@@ -33,6 +33,40 @@ IGNORED_KEYS = {
 
 OPTIONAL_KEYS = ("anchors", "dfl")  # None means unset: left out of the YAML written
 
+# What each value may be at all (wider than --evolve's limits): outside it training fails, or means nothing. The
+# scale gain draws sizes in [1 - scale, 1 + scale], so 1 and above would make empty images.
+_PROBABILITY = (0.0, 1.0)
+VALID_RANGES: dict[str, tuple[float, float]] = {
+    "lr0": (0.0, 10.0),
+    "lrf": (0.0, 10.0),
+    "momentum": (0.0, 0.999),
+    "weight_decay": (0.0, 1.0),
+    "warmup_epochs": (0.0, 10_000.0),
+    "warmup_momentum": (0.0, 0.999),
+    "warmup_bias_lr": (0.0, 10.0),
+    "box": (0.0, 1000.0),
+    "cls": (0.0, 1000.0),
+    "cls_pw": (0.0, 1000.0),
+    "obj": (0.0, 1000.0),
+    "obj_pw": (0.0, 1000.0),
+    "dfl": (0.0, 1000.0),
+    "anchor_t": (1.0, 100.0),
+    "anchors": (1.0, 100.0),
+    "fl_gamma": (0.0, 10.0),
+    "hsv_h": _PROBABILITY,
+    "hsv_s": _PROBABILITY,
+    "hsv_v": _PROBABILITY,
+    "degrees": (0.0, 180.0),
+    "translate": (0.0, 1.0),
+    "scale": (0.0, 0.99),
+    "shear": (0.0, 80.0),
+    "perspective": (0.0, 0.1),
+    "flipud": _PROBABILITY,
+    "fliplr": _PROBABILITY,
+    "mosaic": _PROBABILITY,
+    "mixup": _PROBABILITY,
+}
+
 R = TypeVar("R", bound="HypRecord")
 
 
@@ -71,7 +105,10 @@ class HypRecord:
             if key not in known or (key in cls.OPTIONAL_KEYS and value is None):
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise UserError(f"{source}: '{key}' must be a finite number, got {value!r}")
+                raise UserError(f"{source}: '{key}' must be a finite number, got {str(value)[:40]}")
+            low, high = VALID_RANGES.get(key, (-math.inf, math.inf))
+            if not low <= value <= high:
+                raise UserError(f"{source}: '{key}' {value:g} is outside [{low:g}, {high:g}]")
             chosen[key] = float(value)
         return cls(**chosen)
 
@@ -79,9 +116,13 @@ class HypRecord:
     def read_yaml(path: str | Path, source: str | None = None) -> Any:
         """A hyp file's contents, as YAML read them (checked by ``from_dict``)."""
         try:
-            return yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+            values = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError, yaml.YAMLError) as e:  # ValueError: not UTF-8, 5000 digits
             raise UserError(f"{source or path}: cannot read hyper-parameters ({e.__class__.__name__})") from e
+        if not isinstance(values, dict):
+            what = "is empty" if values is None else f"holds a {type(values).__name__}"
+            raise UserError(f"{source or path}: {what}, not a mapping of hyper-parameter names to numbers")
+        return values
 
     @classmethod
     def from_yaml(cls: type[R], path: str | Path) -> R:

@@ -68,7 +68,8 @@ def data_yaml_path(path: str | Path) -> Path | None:
 def _find_yaml(path: str | Path) -> Path:
     found = data_yaml_path(path)
     if found is None:
-        raise UserError(f"{path}: dataset YAML not found")
+        places = [Path(path).absolute()] + ([REPO_ROOT / "data" / path] if not Path(path).is_absolute() else [])
+        raise UserError(f"{path}: dataset YAML not found (looked for {' and '.join(map(str, places))})")
     return found
 
 

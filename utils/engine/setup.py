@@ -21,7 +21,7 @@ from utils.distributed import DistInfo, broadcast_object
 from utils.engine.config import TrainConfig
 from utils.engine.phases import PhaseClock, benchmark_choice
 from utils.engine.resume import Resumed
-from utils.errors import UserError
+from utils.errors import EveryRankError, UserError
 from utils.hyp import HypRecord
 from utils.log import LOGGER, colorstr
 from utils.process import kernel_choice
@@ -148,8 +148,13 @@ def check_options(config: TrainConfig, info: DistInfo, resumed: bool) -> TrainCo
 
 
 def check_global_batch(batch_size: int, world_size: int) -> None:
+    """The global batch splits evenly over the ranks; else one line (from rank 0) with the nearest that do."""
     if batch_size % world_size:
-        raise UserError(f"--batch-size {batch_size} must be a multiple of WORLD_SIZE {world_size}")
+        below = batch_size // world_size * world_size
+        nearest = " or ".join(str(b) for b in (below, below + world_size) if b > 0)
+        raise EveryRankError(
+            f"--batch-size {batch_size} must be a multiple of WORLD_SIZE {world_size}: try --batch-size {nearest}"
+        )
 
 
 def check_data_options(config: TrainConfig, data: dict) -> None:
@@ -214,6 +219,10 @@ def create_model(config: TrainConfig, family: Family, source: ModelSource) -> nn
 def freeze_layers(model: nn.Module, freeze: list[int]) -> None:
     """--freeze: stop training the listed layers. Parameters a model keeps fixed itself (the DFL head's bins) stay
     fixed: trainable, they would get no gradient, and DDP stops at a parameter that takes no part in the loss."""
+    indices = [name.split(".")[1] for name, _ in model.named_parameters() if name.startswith("model.")]
+    n_layers = 1 + max((int(i) for i in indices if i.isdecimal()), default=-1)
+    if max(freeze) > n_layers or (len(freeze) > 1 and max(freeze) >= n_layers):
+        raise UserError(f"--freeze {' '.join(map(str, freeze))}: the model has {n_layers} layers (0 to {n_layers - 1})")
     layers = [f"model.{x}." for x in (freeze if len(freeze) > 1 else range(freeze[0]))]
     for name, p in model.named_parameters():
         if any(name.startswith(prefix) for prefix in layers):

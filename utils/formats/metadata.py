@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 from dataclasses import dataclass, field, fields, replace
 from datetime import datetime
 from pathlib import Path
@@ -31,6 +32,8 @@ OWN_METADATA_KEY = "yolo_train"  # this project's record among the exported meta
 METADATA_YAML = "metadata.yaml"  # inside an export folder, as Ultralytics writes it
 LAYOUTS = known_layouts()
 PRECISIONS = ("fp32", "fp16", "int8")
+MAX_STRIDE = 1024  # a detector's largest stride is 32 or 64; anything past this is not a stride
+MAX_SIDE = 65536  # an exported input's side or batch
 
 
 @dataclass
@@ -117,14 +120,14 @@ class ModelMeta:
     def from_record(cls, raw: dict[str, Any], kind: str, path: Path) -> ModelMeta:
         """From this project's record, or the flat JSON of files exported before it had one (YOLOv5 layout)."""
         try:
-            names, stride = [str(n) for n in raw["names"]], int(raw["stride"])
-            imgsz = tuple(int(v) for v in raw["imgsz"]) if raw.get("imgsz") else None
-            batch = int(raw["batch"]) if raw.get("batch") else None
+            names, stride = [str(n) for n in raw["names"]], _whole(raw["stride"], "stride", MAX_STRIDE)
+            imgsz = tuple(_whole(v, "imgsz", MAX_SIDE) for v in raw["imgsz"]) if raw.get("imgsz") else None
+            batch = _whole(raw["batch"], "batch", MAX_SIDE) if raw.get("batch") else None
             family = str(raw.get("family", UNRECORDED_EXPORT_FAMILY.name))
             layout = str(raw.get("layout", UNRECORDED_EXPORT_FAMILY.layouts[0]))
             precision = str(raw.get("precision") or "fp32")
             nms = {k: float(v) for k, v in raw["nms"].items()} if raw.get("nms") else None
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as e:
             raise UserError(
                 f"{path}: metadata unreadable ({e.__class__.__name__}: {e}); re-export it with export.py"
             ) from None
@@ -234,6 +237,15 @@ class ModelMeta:
             kind,
             path,
         )
+
+
+def _whole(value: Any, key: str, high: int) -> int:
+    """A metadata number that must be a whole number in [1, high] (a stride of 0 or infinity would divide image
+    sizes by nothing); ValueError naming the key otherwise."""
+    number = float(value)  # "32", 32 and 32.0 alike; inf and nan pass here and fail below
+    if not (math.isfinite(number) and number.is_integer() and 1 <= number <= high):
+        raise ValueError(f"{key} {value!r} is not a whole number in [1, {high}]")
+    return int(number)
 
 
 def default_imgsz(meta: ModelMeta) -> tuple[int, str]:
