@@ -136,7 +136,7 @@ def training_checkpoint(
     ``config_schema``, ``hyp``, ``world_size``, ``run_id``, ``class_weights``). Its tensors are the live ones, on
     the model's device: take a ``host_snapshot`` before training goes on.
     """
-    bare = de_parallel(model)
+    bare: Any = de_parallel(model)  # a Model: yaml and names are untyped nn.Module attributes
     # Left on the device: host_snapshot copies every tensor to the host in one go (one wait, not one per tensor).
     return {
         "model_cfg": bare.yaml,

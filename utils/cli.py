@@ -20,6 +20,7 @@ import math
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from utils.errors import UserError
 
@@ -50,7 +51,7 @@ class Parser(argparse.ArgumentParser):
     """argparse without abbreviations (a prefix of a long option is an unknown option, not that option), whose
     error for an unknown option names the nearest known one."""
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, **kwargs: Any) -> None:
         super().__init__(allow_abbrev=False, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
@@ -154,7 +155,7 @@ def add_end2end(group: ArgGroup) -> None:
     )
 
 
-def add_allow_pipe(group) -> None:
+def add_allow_pipe(group: ArgGroup) -> None:
     group.add_argument(
         "--allow-pipe",
         action="store_true",
@@ -163,7 +164,7 @@ def add_allow_pipe(group) -> None:
     )
 
 
-def add_max_pixels(group) -> None:
+def add_max_pixels(group: ArgGroup) -> None:
     group.add_argument(
         "--max-pixels",
         type=int,

@@ -142,7 +142,7 @@ def _box_row(bbox: Any, w: float, h: float) -> tuple[tuple[float, ...] | None, s
     values = [finite_number(v) for v in bbox]
     if any(v is None for v in values):
         return None, f"bbox {str(bbox)[:80]} is not 4 finite numbers", False
-    x, y, bw, bh = values
+    x, y, bw, bh = (float(v) for v in values if v is not None)
     if bw <= 0 or bh <= 0:
         return None, f"bbox {bbox!r} has no area", False
     tx, ty = BOX_TOLERANCE * w, BOX_TOLERANCE * h

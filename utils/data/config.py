@@ -89,7 +89,7 @@ def _names_list(names: Any, yaml_file: Path) -> list[str]:
             bad = next((k for k in names if _class_index(k) is None), None)
             why = f"key {str(bad)[:40]!r} is not" if bad is not None else "keys repeat"
             raise UserError(f"{yaml_file}: 'names' {why} a class index (0, 1, 2, ...)")
-        keys = sorted(by_index)
+        keys = sorted(k for k in by_index if k is not None)  # None was refused above
         if keys != list(range(len(keys))):
             raise UserError(f"{yaml_file}: 'names' indices must be 0..{len(keys) - 1}, got {str(keys)[:80]}")
         names = [by_index[k] for k in keys]
@@ -144,11 +144,12 @@ def _ensure_builtin(spec: Any, root: Path, yaml_file: Path) -> None:
     from utils.data.shapes import OPTION_RANGES, ensure_shapes_dataset  # only needed by YAMLs that ask for it
 
     for key, value in options.items():
-        low, high = OPTION_RANGES.get(key, (None, None))
-        if low is None:
+        bounds = OPTION_RANGES.get(key)
+        if bounds is None:
             raise UserError(
                 f"{yaml_file}: 'builtin' {name}: unknown option {str(key)[:40]!r} (known: {sorted(OPTION_RANGES)})"
             )
+        low, high = bounds
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
             raise UserError(
                 f"{yaml_file}: 'builtin' {name}: {key} must be an integer in [{low}, {high}], got {str(value)[:40]}"

@@ -139,6 +139,7 @@ class EpochStreamLoader:
         self._stream_at = (epoch + 1, 0)
 
     def _taken(self, n: int) -> Iterator[Any]:
+        assert self._batches is not None  # started by __iter__
         for _ in range(n):
             yield self._unring(next(self._batches))
 
@@ -157,10 +158,13 @@ class EpochStreamLoader:
         ready: queue.Queue = queue.Queue(maxsize=HANDOFF_AHEAD)
         stop = threading.Event()
 
+        batches = self._batches
+        assert batches is not None  # started by __iter__
+
         def hand_off() -> None:
             try:
                 for _ in range(n):
-                    if not _offer(ready, self._unring(next(self._batches)), stop):
+                    if not _offer(ready, self._unring(next(batches)), stop):
                         return
             except BaseException as e:  # raised again in the training thread, where the batch was wanted
                 _offer(ready, _Failed(e), stop)
