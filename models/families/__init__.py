@@ -16,6 +16,7 @@ from typing import Any
 import torch.nn as nn
 
 from models.families.base import CheckpointImporter, ExportModule, Family, Int8Scope
+from models.families.dfine import DFINE
 from models.families.ultralytics_import import ULTRALYTICS_IMPORTER
 from models.families.yolo12 import YOLO12
 from models.families.yolo26 import YOLO26
@@ -24,15 +25,18 @@ from models.families.yolov8 import YOLO11, YOLOV8
 from utils.distributed import de_parallel
 from utils.errors import UserError
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (YOLOV5, YOLO26, YOLO12, YOLO11, YOLOV8)}
+# The DETR families recognise only configs that name them; first, so that their importers (folders, plain tensor
+# files) are asked before the YOLO ones.
+FAMILIES: dict[str, Family] = {f.name: f for f in (DFINE, YOLOV5, YOLO26, YOLO12, YOLO11, YOLOV8)}
 Family.register(*FAMILIES.values())
 # The order in which help texts and messages list the families: the order they appeared in.
-LISTING_ORDER = (YOLOV5, YOLOV8, YOLO11, YOLO12, YOLO26)
+LISTING_ORDER = (YOLOV5, YOLOV8, YOLO11, YOLO12, YOLO26, DFINE)
 
 # The family of exported files of this project that record none (the first exports were all YOLOv5 models).
 UNRECORDED_EXPORT_FAMILY = YOLOV5
 
 __all__ = [
+    "DFINE",
     "FAMILIES",
     "LISTING_ORDER",
     "YOLO11",

@@ -75,6 +75,13 @@ class PytorchFormat(Format):
     precisions = ("fp32",)
     description = "PyTorch checkpoint (the source of exports)"
 
+    def recognizes(self, path: Path) -> bool:
+        """Ours (``.pt``), the official DETRs' ``.pth`` and Hugging Face folders (``config.json`` +
+        ``model.safetensors``): checkpoints the families' importers read."""
+        if path.is_dir():
+            return (path / "config.json").is_file() and (path / "model.safetensors").is_file()
+        return path.suffix.lower() in (".pt", ".pth")
+
     def write(self, job: ExportJob) -> str:
         raise UserError("export.py starts from a .pt checkpoint; it does not write one")
 
