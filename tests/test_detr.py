@@ -19,6 +19,7 @@ import yaml
 pytest.importorskip("transformers", reason="the DETR families need transformers (requirements-test.txt)")
 
 import detect  # noqa: E402
+import export  # noqa: E402
 import val  # noqa: E402
 from models.families import DFINE, family_of  # noqa: E402
 from models.loading import load_model  # noqa: E402
@@ -156,3 +157,5 @@ def test_val_and_detect_run_our_pt_and_a_hf_folder(tiny_scale, tmp_path) -> None
     for key, det in found[0].detections.items():
         np.testing.assert_allclose(det, found[1].detections[key], atol=1e-4)
     assert family_of(model).name == "dfine"
+    with pytest.raises(UserError, match="D-FINE is exported to onnx and openvino only: torchscript is not checked"):
+        export.run(weights=str(tmp_path / "hf"), include=["torchscript"], imgsz=[128])

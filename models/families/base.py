@@ -261,6 +261,10 @@ class Family:
             self.use_end_to_end(model, getattr(model, "yaml", {}).get("yaml_file", "the model"))
         return ExportModule(model).eval()
 
+    def export_refusal(self, format_name: str) -> str | None:
+        """Why its models cannot be written in ``format_name`` (one line), or None: every format can."""
+        return None
+
     def int8_float_scope(self, model: nn.Module) -> Int8Scope:
         """What stays out of INT8: the head's decoding, and where a format asks, its logits (see :class:`Int8Scope`)."""
         return Int8Scope(modules=(), decoding=(head_name(model),), logits=tuple(prediction_convs(model)))

@@ -34,6 +34,7 @@ from utils.nms import end_to_end_detections
 MODELS = Path(__file__).resolve().parents[1]
 HUGGING_FACE_IMPORTER = HuggingFaceImporter()
 OFFICIAL_IMPORTER = OfficialDetrImporter()
+EXPORT_FORMATS = ("onnx", "openvino")  # checked against PyTorch: docs/benchmarks.md
 _SCALED = re.compile(r"^(?P<base>.+)-(?P<scale>[a-z0-9]+)$")  # dfine-n, rtdetrv2-r18
 
 
@@ -161,6 +162,16 @@ class DetrFamily(Family):
 
     def export_module(self, model: nn.Module, *, end2end: bool = False) -> nn.Module:
         return ExportModule(model).eval()
+
+    def export_refusal(self, format_name: str) -> str | None:
+        """The formats whose files were checked against PyTorch (docs/deploy.md); the others are refused until
+        someone checks that they express the deformable sampling (grid_sample) and the top-k."""
+        if format_name in EXPORT_FORMATS:
+            return None
+        return (
+            f"{self.title} is exported to {' and '.join(EXPORT_FORMATS)} only: {format_name} is not checked to "
+            "express its deformable sampling (grid_sample) and top-k"
+        )
 
     def int8_float_scope(self, model: nn.Module) -> Int8Scope:
         """The encoder's attention and everything after it stay float: the deformable sampling (offsets and
