@@ -105,11 +105,25 @@ class DetrDetector(nn.Module):
         h, w = images.shape[2:]
         if not torch.jit.is_tracing() and not torch.compiler.is_compiling():
             self.check_size(int(h), int(w))
-        out = self.detr(pixel_values=images, labels=targets)
         if self.training:
-            return out
+            return self.detr(pixel_values=images, labels=targets)
+        out = self.inference_pass(images)
         raw = {"logits": out.logits, "pred_boxes": out.pred_boxes}
         return top_detections(out.logits, out.pred_boxes, (h, w), self.queries), raw
+
+    def inference_pass(self, images: torch.Tensor) -> Any:
+        """transformers' forward pass, through the first ``eval_layers`` decoder layers where the config asks (the
+        official RT-DETRv2-M trains 6 and infers with 3: its ``eval_idx``); transformers runs them all."""
+        keep = self.yaml.get("eval_layers")
+        decoder = self.detr.model.decoder
+        if not keep:
+            return self.detr(pixel_values=images)
+        every = decoder.layers
+        decoder.layers = every[:keep]
+        try:
+            return self.detr(pixel_values=images)
+        finally:
+            decoder.layers = every
 
     def fuse(self) -> DetrDetector:
         """Nothing to fold: transformers' modules keep their normalisations (the contract asks every model)."""

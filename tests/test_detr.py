@@ -1,4 +1,4 @@
-"""The DETR families (D-FINE): official scales, weights read from the official release layout and from Hugging Face
+"""The DETR families (D-FINE, RT-DETRv2): official scales, weights read from the official release layout and from Hugging Face
 folders, detections equal to the references', val.py and detect.py on them.
 
 A narrowed D-FINE (tests/fixtures/detr/dfine_tiny.yaml: a small HGNetV2, 2 decoder layers) keeps them cheap; its
@@ -56,14 +56,22 @@ def assert_same_detections(ours: torch.Tensor, scores, boxes, labels) -> None:
             assert (boxes[i][same] - row[:4]).abs().max(1).values.min() <= 1e-3, f"image {i}: box {row[:4]}"
 
 
-def test_scales_have_the_official_parameter_counts() -> None:
-    """Each scale of models/dfine.yaml built (on the meta device: shapes only) has the parameter count the official
-    model of that scale has at 80 classes (counted from the official code by bench/detr_reference_check.py)."""
-    official = {"n": 3782693, "s": 10321877, "m": 19590064, "l": 31244152, "x": 62621560}
-    for scale, count in official.items():
+# The official models' parameter counts at 80 classes, counted from the official code with random weights
+# (bench/detr_reference_check.py; docs/benchmarks.md).
+OFFICIAL_COUNTS = {
+    "dfine": {"n": 3782693, "s": 10321877, "m": 19590064, "l": 31244152, "x": 62621560},
+    "rtdetrv2": {"r18": 20184464, "r34": 31441668, "r50": 42891372, "r50m": 36593772, "r101": 76556268},
+}
+
+
+@pytest.mark.parametrize("family", sorted(OFFICIAL_COUNTS))
+def test_scales_have_the_official_parameter_counts(family) -> None:
+    """Each scale of models/<family>.yaml, built from its --cfg name (on the meta device: shapes only), has the
+    parameter count of the official model of that scale."""
+    for scale, count in OFFICIAL_COUNTS[family].items():
         with torch.device("meta"):
-            model = DFINE.build_model(f"dfine-{scale}.yaml")
-        assert model.nc == 80 and model.yaml["yaml_file"] == f"dfine-{scale}.yaml"
+            model = family_of(family).build_model(f"{family}-{scale}.yaml")
+        assert model.nc == 80 and model.yaml["yaml_file"] == f"{family}-{scale}.yaml"
         assert sum(p.numel() for p in model.parameters()) == count, scale
 
 
@@ -159,3 +167,35 @@ def test_val_and_detect_run_our_pt_and_a_hf_folder(tiny_scale, tmp_path) -> None
     assert family_of(model).name == "dfine"
     with pytest.raises(UserError, match="D-FINE is exported to onnx and openvino only: torchscript is not checked"):
         export.run(weights=str(tmp_path / "hf"), include=["torchscript"], imgsz=[128])
+
+
+def test_rtdetrv2_hugging_face_folder_equals_transformers(tmp_path, caplog) -> None:
+    """RT-DETRv2 through the same path: a narrowed model of transformers (a small ResNet, 2 decoder layers) saved
+    as a folder gives transformers' own detections, and its config, no scale of ours, is one logged line."""
+    from transformers import RTDetrImageProcessor, RTDetrResNetConfig, RTDetrV2Config, RTDetrV2ForObjectDetection
+
+    backbone = RTDetrResNetConfig(
+        layer_type="basic", depths=[1, 1, 1, 1], hidden_sizes=[8, 16, 32, 64], embedding_size=8,
+        out_features=["stage2", "stage3", "stage4"],
+    )  # fmt: skip
+    config = RTDetrV2Config(
+        backbone_config=backbone, encoder_in_channels=[16, 32, 64], encoder_hidden_dim=32, encoder_ffn_dim=64,
+        encoder_attention_heads=4, d_model=32, decoder_ffn_dim=64, decoder_attention_heads=4, decoder_layers=2,
+        decoder_in_channels=[32, 32, 32], num_labels=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = RTDetrV2ForObjectDetection(config).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    with caplog.at_level(logging.WARNING):
+        ours, ckpt = load_model(tmp_path / "hf")
+    assert family_of(ours).name == "rtdetrv2" and ckpt["model_cfg"]["scale"] is None
+    assert "no scale of RT-DETRv2; built as its config says (nearest: rtdetrv2-" in caplog.text
+    images = torch.rand(2, 3, 128, 160, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        output0, _ = ours(images)
+        theirs = RTDetrImageProcessor().post_process_object_detection(
+            hf(pixel_values=images), threshold=0.0, target_sizes=[images.shape[2:]] * len(images)
+        )
+    assert_same_detections(
+        output0, [t["scores"] for t in theirs], [t["boxes"] for t in theirs], [t["labels"] for t in theirs]
+    )

@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from models.families.base import CheckpointImporter, ExportModule, Family, Int8Scope
 from models.families.dfine import DFINE
+from models.families.rtdetrv2 import RTDETRV2
 from models.families.ultralytics_import import ULTRALYTICS_IMPORTER
 from models.families.yolo12 import YOLO12
 from models.families.yolo26 import YOLO26
@@ -27,10 +28,10 @@ from utils.errors import UserError
 
 # The DETR families recognise only configs that name them; first, so that their importers (folders, plain tensor
 # files) are asked before the YOLO ones.
-FAMILIES: dict[str, Family] = {f.name: f for f in (DFINE, YOLOV5, YOLO26, YOLO12, YOLO11, YOLOV8)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (DFINE, RTDETRV2, YOLOV5, YOLO26, YOLO12, YOLO11, YOLOV8)}
 Family.register(*FAMILIES.values())
 # The order in which help texts and messages list the families: the order they appeared in.
-LISTING_ORDER = (YOLOV5, YOLOV8, YOLO11, YOLO12, YOLO26, DFINE)
+LISTING_ORDER = (YOLOV5, YOLOV8, YOLO11, YOLO12, YOLO26, DFINE, RTDETRV2)
 
 # The family of exported files of this project that record none (the first exports were all YOLOv5 models).
 UNRECORDED_EXPORT_FAMILY = YOLOV5
@@ -38,6 +39,7 @@ UNRECORDED_EXPORT_FAMILY = YOLOV5
 __all__ = [
     "DFINE",
     "FAMILIES",
+    "RTDETRV2",
     "LISTING_ORDER",
     "YOLO11",
     "YOLO12",

@@ -83,6 +83,7 @@ class DetrFamily(Family):
             "scale": scale,
             "nc": int(nc if nc is not None else table["nc"]),
             "params": int(entry["params"]),
+            "eval_layers": entry.get("eval_layers"),
             "transformers": fields,
         }
 

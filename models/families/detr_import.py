@@ -78,9 +78,11 @@ def complete_tied(state: dict[str, torch.Tensor], pairs: Sequence[tuple[str, str
     return state
 
 
-def _labels(config: Mapping[str, Any]) -> list[str]:
-    id2label = config.get("id2label") or {}
-    return [str(id2label.get(str(i), id2label.get(i, i))) for i in range(len(id2label))]
+def _labels(path: Path, model_type: str) -> list[str]:
+    """The class names of a folder's config (transformers' reading: a file may leave default labels out)."""
+    config_class = getattr(transformers_module(), MODEL_CLASSES[model_type][0])
+    id2label = config_class.from_pretrained(path, local_files_only=True).id2label
+    return [str(id2label[i]) for i in range(len(id2label))]
 
 
 def _hugging_face_state(path: Path, model_type: str) -> dict[str, torch.Tensor]:
@@ -133,7 +135,7 @@ class HuggingFaceImporter(CheckpointImporter):
                 f"{family.name}-{scale}, differing in {'; '.join(diff[:4])}{' ...' if len(diff) > 4 else ''})"
             )
         state = {f"detr.{k}": v for k, v in _hugging_face_state(path, family.model_type).items()}
-        names = _labels(config)
+        names = _labels(path, family.model_type)
         model_cfg = {
             "family": family.name,
             "model_type": family.model_type,
