@@ -58,6 +58,7 @@ __all__ = [
     "importer_of_source",
     "known_layouts",
     "missing_weights_message",
+    "model_config_of_name",
     "titles_by",
     "ultralytics_export_family",
 ]
@@ -80,6 +81,16 @@ def family_name(cfg: Mapping[str, Any]) -> str:
         f"{cfg.get('yaml_file', 'model config')}: no model family recognises this config "
         f"(known: {', '.join(sorted(FAMILIES))})"
     )
+
+
+def model_config_of_name(cfg: str | Path) -> dict[str, Any] | None:
+    """The model config of a ``--cfg`` name that a family resolves itself (``dfine-n.yaml``), or None: the YOLO YAML
+    reader's (models/yolo.py: load_model_config)."""
+    for family in FAMILIES.values():
+        config = family.config_of_name(cfg)
+        if config is not None:
+            return config
+    return None
 
 
 def family_of(model_or_cfg: nn.Module | Mapping[str, Any] | str | Family) -> Family:

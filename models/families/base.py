@@ -121,6 +121,11 @@ class Family:
         """The rule for configs without a ``family:`` key (see ``FAMILIES``' order in models/families/__init__.py)."""
         return False
 
+    def config_of_name(self, cfg: str | Path) -> dict[str, Any] | None:
+        """The model config a ``--cfg`` name stands for, when the name is one of this family's that the YOLO YAML
+        reader does not resolve (the DETRs' ``dfine-n.yaml``); None otherwise (the default)."""
+        return None
+
     # ---- training ----
 
     def build_model(

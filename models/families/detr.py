@@ -101,6 +101,10 @@ class DetrFamily(Family):
             raise UserError(f"{cfg}: name a scale of {self.title}: {scales}")
         return self.config_of_scale(match["scale"])
 
+    def config_of_name(self, cfg: str | Path) -> dict[str, Any] | None:
+        match = _SCALED.match(Path(cfg).stem)
+        return self.load_config(cfg) if match and f"{match['base']}.yaml" == self.yaml_name else None
+
     def scale_names(self) -> list[str]:
         return list(self.scales()["scales"])
 
