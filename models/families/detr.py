@@ -34,7 +34,6 @@ from utils.nms import end_to_end_detections
 MODELS = Path(__file__).resolve().parents[1]
 HUGGING_FACE_IMPORTER = HuggingFaceImporter()
 OFFICIAL_IMPORTER = OfficialDetrImporter()
-EXPORT_FORMATS = ("onnx", "openvino")  # checked against PyTorch: docs/benchmarks.md
 _SCALED = re.compile(r"^(?P<base>.+)-(?P<scale>[a-z0-9]+)$")  # dfine-n, rtdetrv2-r18
 
 
@@ -53,6 +52,7 @@ class DetrFamily(Family):
     val_iou = 0.7  # unused: the output is final; kept for the predictor's interface
     detect_iou = 0.7
     importers = (HUGGING_FACE_IMPORTER, OFFICIAL_IMPORTER)
+    export_formats: ClassVar[tuple[str, ...]] = ()  # formats whose files were checked against PyTorch
 
     # ---- configs ----
 
@@ -171,10 +171,12 @@ class DetrFamily(Family):
     def export_refusal(self, format_name: str) -> str | None:
         """The formats whose files were checked against PyTorch (docs/deploy.md); the others are refused until
         someone checks that they express the deformable sampling (grid_sample) and the top-k."""
-        if format_name in EXPORT_FORMATS:
+        if format_name in self.export_formats:
             return None
+        if not self.export_formats:
+            return f"{self.title} export is not checked yet (docs/deploy.md): use val.py and detect.py with its weights"
         return (
-            f"{self.title} is exported to {' and '.join(EXPORT_FORMATS)} only: {format_name} is not checked to "
+            f"{self.title} is exported to {' and '.join(self.export_formats)} only: {format_name} is not checked to "
             "express its deformable sampling (grid_sample) and top-k"
         )
 

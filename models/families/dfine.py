@@ -77,6 +77,7 @@ class DFineFamily(DetrFamily):
     official_keys = OFFICIAL_KEYS
     official_dropped = OFFICIAL_DROPPED
     tied_copies = TIED_COPIES
+    export_formats = ("onnx", "openvino")  # checked against PyTorch: docs/benchmarks.md
 
     def backbone_config(self, table: Mapping[str, Any]) -> dict[str, Any]:
         """HGNetV2Config: the table's channels and blocks; the stem's output and the stages' outputs are also what
