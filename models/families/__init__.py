@@ -26,9 +26,8 @@ from models.families.yolov8 import YOLO11, YOLOV8
 from utils.distributed import de_parallel
 from utils.errors import UserError
 
-# The DETR families recognise only configs that name them; first, so that their importers (folders, plain tensor
-# files) are asked before the YOLO ones.
-FAMILIES: dict[str, Family] = {f.name: f for f in (DFINE, RTDETRV2, YOLOV5, YOLO26, YOLO12, YOLO11, YOLOV8)}
+# The DETR families recognise only configs that name them (their place in the order does not matter).
+FAMILIES: dict[str, Family] = {f.name: f for f in (YOLOV5, YOLO26, YOLO12, YOLO11, YOLOV8, DFINE, RTDETRV2)}
 Family.register(*FAMILIES.values())
 # The order in which help texts and messages list the families: the order they appeared in.
 LISTING_ORDER = (YOLOV5, YOLOV8, YOLO11, YOLO12, YOLO26, DFINE, RTDETRV2)

@@ -25,7 +25,7 @@ import yaml
 from models.detr import DetrDetector
 from models.families.base import ExportModule, Family, Int8Scope
 from models.families.detr_import import HuggingFaceImporter, OfficialDetrImporter
-from models.families.yolov8 import AnchorFreeHyp
+from models.families.yolov8 import AnchorFreeFamily, AnchorFreeHyp
 from models.loss import DetectionLoss
 from utils.errors import UserError
 from utils.log import LOGGER
@@ -44,9 +44,11 @@ class DetrFamily(Family):
     model_type: ClassVar[str]  # transformers' model type: "d_fine", "rt_detr_v2"
     yaml_name: ClassVar[str]  # its config file in models/, holding its scales
     head = DetrDetector  # the whole detector: transformers' decoder is its head
-    hyp_type = AnchorFreeHyp  # until part 2 brings the DETR recipe, the record the engine reads
-    default_hyp = "data/hyps/hyp.anchor-free.yaml"
-    evolve_limits: ClassVar[dict] = {}
+    # Until part 2 brings the DETR recipe: the anchor-free record, file and limits, which the engine and --evolve
+    # read before make_loss stops the run in one line.
+    hyp_type = AnchorFreeHyp
+    default_hyp = AnchorFreeFamily.default_hyp
+    evolve_limits = AnchorFreeFamily.evolve_limits
     layouts = ("end2end",)
     end_to_end = True
     val_iou = 0.7  # unused: the output is final; kept for the predictor's interface
