@@ -318,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=str,
         required=True,
         help=".pt (ours, YOLOv5's or Ultralytics' detection model), or a file or folder export.py wrote "
-        "(.onnx, .torchscript, ...)",
+        "(.onnx, .torchscript, ...); a DETR's official .pth or Hugging Face folder",
     )
     model.add_argument("--conf-thres", type=float, default=0.25, help="confidence threshold")
     model.add_argument(

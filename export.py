@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--weights",
         type=str,
         required=True,
-        help="checkpoint (.pt: this project's, YOLOv5's or Ultralytics' detection model)",
+        help="checkpoint (.pt: this project's, YOLOv5's or Ultralytics' detection model; a DETR's official .pth or Hugging Face folder)",
     )
     add_imgsz(model, help=INFERENCE_IMGSZ_HELP, pair=True)
     model.add_argument("--batch-size", type=positive_int, default=1, help="batch size of the exported input")
@@ -171,17 +171,18 @@ def prepare(opt: argparse.Namespace) -> tuple[Source, list[Any]]:
     from models.families import family_of
     from utils.formats.base import ExportOptions, NmsSpec
     from utils.formats.metadata import inference_imgsz
+    from utils.formats.pytorch import FORMAT as PYTORCH
     from utils.formats.pytorch import load_pytorch
 
     precision = _precision(opt)
     weights = Path(opt.weights)
-    if weights.suffix != ".pt":
-        raise UserError(f"{weights}: export starts from a .pt checkpoint")
+    if not PYTORCH.recognizes(weights):
+        raise UserError(f"{weights}: export starts from a checkpoint (.pt, or a DETR's .pth or Hugging Face folder)")
     if opt.batch_size < 1:
         raise UserError(f"--batch-size {opt.batch_size}: must be at least 1")
     if opt.nms and opt.end2end:
         raise UserError("--nms and --end2end: the end-to-end output is already final; it needs no NMS")
-    if not weights.is_file():
+    if not weights.exists():
         from models.families import missing_weights_message
 
         raise UserError(missing_weights_message(weights, "weights file"))
@@ -194,6 +195,10 @@ def prepare(opt: argparse.Namespace) -> tuple[Source, list[Any]]:
     )
     options = ExportOptions(opset=opt.opset, dynamic=opt.dynamic, simplify=opt.simplify, nms=nms, end2end=opt.end2end)
     formats = _formats(opt, precision, options)
+    for fmt in formats:
+        refusal = family.export_refusal(fmt.name)
+        if refusal:
+            raise UserError(f"{weights}: {refusal}")
     if opt.end2end:
         runner.use_end2end(weights)
     module = family.export_module(runner.model, end2end=opt.end2end)

@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=str,
         required=True,
         help="checkpoint (.pt: this project's, YOLOv5's or Ultralytics'), or a file or folder export.py "
-        "wrote (.onnx, .torchscript, ...)",
+        "wrote (.onnx, .torchscript, ...); a DETR's official .pth or Hugging Face folder",
     )
     model.add_argument("--conf-thres", type=float, default=CONF_THRES, help="confidence threshold")
     model.add_argument(

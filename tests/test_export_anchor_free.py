@@ -88,7 +88,9 @@ def test_yolo26_end2end_export_computes_ultralytics_end2end_output(tmp_path) -> 
 
 
 def test_end2end_needs_a_one_to_one_head(tmp_path) -> None:
-    with pytest.raises(UserError, match=r"--end2end: .*yolo11-final\.pt has no one-to-one head \(YOLO26 only\)"):
+    with pytest.raises(
+        UserError, match=r"--end2end: .*yolo11-final\.pt has no one-to-one head \(YOLO26, D-FINE, RT-DETRv2 only\)"
+    ):
         export.run(weights=str(FIXTURES / "yolo11-final.pt"), imgsz=[64], include=["onnx"], end2end=True)
 
 

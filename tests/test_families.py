@@ -224,7 +224,7 @@ def test_layout_export_module_and_the_end_to_end_switch(models) -> None:
             trained, plain = family.forward_train(model.train(), x, torch.zeros(0, 6)), model(x)
         assert type(trained) is type(plain) and len(trained) == len(plain)
         model.eval()
-    with pytest.raises(UserError, match=r"--end2end: m\.pt has no one-to-one head \(YOLO26 only\)"):
+    with pytest.raises(UserError, match=r"--end2end: m\.pt has no one-to-one head \(YOLO26, D-FINE, RT-DETRv2 only\)"):
         YOLO11.use_end_to_end(models["yolo11"], "m.pt")
     end2end = YOLO26.export_module(models["yolo26"], end2end=True)
     assert YOLO26.layout(models["yolo26"]) == "anchor_free"  # the model itself is left as it was

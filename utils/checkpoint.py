@@ -74,6 +74,8 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     from models.families import import_checkpoint, missing_weights_message
 
     path = Path(path)
+    if path.is_dir():  # a Hugging Face folder (config.json + model.safetensors)
+        return import_checkpoint(path)
     if not path.is_file():
         raise UserError(missing_weights_message(path))
     try:
@@ -84,6 +86,8 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         return import_checkpoint(path)
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as e:
         raise UserError(f"{path}: not a readable checkpoint ({e.__class__.__name__}: {str(e).splitlines()[0]})") from e
+    if isinstance(ckpt, dict) and ("model" in ckpt or "ema" in ckpt) and "model_cfg" not in ckpt:
+        return import_checkpoint(path)  # plain tensors of another tool (the official DETRs' .pth)
     if not isinstance(ckpt, dict) or "model_cfg" not in ckpt or "model" not in ckpt:
         raise UserError(f"{path}: not a checkpoint of this project (no model config and weights)")
     return ckpt

@@ -16,6 +16,8 @@ from typing import Any
 import torch.nn as nn
 
 from models.families.base import CheckpointImporter, ExportModule, Family, Int8Scope
+from models.families.dfine import DFINE
+from models.families.rtdetrv2 import RTDETRV2
 from models.families.ultralytics_import import ULTRALYTICS_IMPORTER
 from models.families.yolo12 import YOLO12
 from models.families.yolo26 import YOLO26
@@ -24,16 +26,19 @@ from models.families.yolov8 import YOLO11, YOLOV8
 from utils.distributed import de_parallel
 from utils.errors import UserError
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (YOLOV5, YOLO26, YOLO12, YOLO11, YOLOV8)}
+# The DETR families recognise only configs that name them (their place in the order does not matter).
+FAMILIES: dict[str, Family] = {f.name: f for f in (YOLOV5, YOLO26, YOLO12, YOLO11, YOLOV8, DFINE, RTDETRV2)}
 Family.register(*FAMILIES.values())
 # The order in which help texts and messages list the families: the order they appeared in.
-LISTING_ORDER = (YOLOV5, YOLOV8, YOLO11, YOLO12, YOLO26)
+LISTING_ORDER = (YOLOV5, YOLOV8, YOLO11, YOLO12, YOLO26, DFINE, RTDETRV2)
 
 # The family of exported files of this project that record none (the first exports were all YOLOv5 models).
 UNRECORDED_EXPORT_FAMILY = YOLOV5
 
 __all__ = [
+    "DFINE",
     "FAMILIES",
+    "RTDETRV2",
     "LISTING_ORDER",
     "YOLO11",
     "YOLO12",
@@ -52,6 +57,7 @@ __all__ = [
     "importer_of_source",
     "known_layouts",
     "missing_weights_message",
+    "model_config_of_name",
     "titles_by",
     "ultralytics_export_family",
 ]
@@ -74,6 +80,16 @@ def family_name(cfg: Mapping[str, Any]) -> str:
         f"{cfg.get('yaml_file', 'model config')}: no model family recognises this config "
         f"(known: {', '.join(sorted(FAMILIES))})"
     )
+
+
+def model_config_of_name(cfg: str | Path) -> dict[str, Any] | None:
+    """The model config of a ``--cfg`` name that a family resolves itself (``dfine-n.yaml``), or None: the YOLO YAML
+    reader's (models/yolo.py: load_model_config)."""
+    for family in FAMILIES.values():
+        config = family.config_of_name(cfg)
+        if config is not None:
+            return config
+    return None
 
 
 def family_of(model_or_cfg: nn.Module | Mapping[str, Any] | str | Family) -> Family:

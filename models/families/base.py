@@ -18,7 +18,6 @@ from typing import Any, ClassVar, cast
 import torch
 import torch.nn as nn
 
-from models.heads import DetectionHead
 from models.loss import DetectionLoss
 from models.yolo import build_model as build_yolo_model
 from utils.distributed import de_parallel
@@ -91,7 +90,7 @@ class Family:
 
     name: ClassVar[str]  # "yolov5", ...: the ``family:`` key of its model YAMLs, checkpoints' and exports' records
     title: ClassVar[str]  # "YOLOv5", ...: for messages and documentation
-    head: ClassVar[type[DetectionHead]]  # the head its models end with
+    head: ClassVar[type[nn.Module]]  # the head its models end with (a DetectionHead, or a DETR's whole detector)
     loss_names: ClassVar[tuple[str, ...]]  # its loss terms: results.csv columns, the log, TensorBoard
     hyp_type: ClassVar[type[HypRecord]]  # its hyper-parameter record
     default_hyp: ClassVar[str]  # its default hyper-parameter file, relative to the repository root
@@ -120,6 +119,11 @@ class Family:
     def recognizes_contents(self, cfg: Mapping[str, Any]) -> bool:
         """The rule for configs without a ``family:`` key (see ``FAMILIES``' order in models/families/__init__.py)."""
         return False
+
+    def config_of_name(self, cfg: str | Path) -> dict[str, Any] | None:
+        """The model config a ``--cfg`` name stands for, when the name is one of this family's that the YOLO YAML
+        reader does not resolve (the DETRs' ``dfine-n.yaml``); None otherwise (the default)."""
+        return None
 
     # ---- training ----
 
@@ -267,6 +271,10 @@ class Family:
             model = copy.deepcopy(model)
             self.use_end_to_end(model, getattr(model, "yaml", {}).get("yaml_file", "the model"))
         return ExportModule(model).eval()
+
+    def export_refusal(self, format_name: str) -> str | None:
+        """Why its models cannot be written in ``format_name`` (one line), or None: every format can."""
+        return None
 
     def int8_float_scope(self, model: nn.Module) -> Int8Scope:
         """What stays out of INT8: the head's decoding, and where a format asks, its logits (see :class:`Int8Scope`)."""

@@ -10,7 +10,7 @@ from typing import Any, cast
 import torch
 import torch.nn as nn
 
-from models.families import Family, family_of
+from models.families import Family, family_of, model_config_of_name
 from models.yolo import load_model_config
 from utils.amp import Precision, choose_precision
 from utils.checkpoint import load_checkpoint, model_weights, run_folder_of
@@ -181,7 +181,9 @@ def model_config(config: TrainConfig, ckpt: dict | None, source: dict | None) ->
     checkpoint's."""
     if ckpt:
         return ckpt["model_cfg"]
-    return load_model_config(config.cfg or cast(dict, source)["model_cfg"])  # without --weights the preset gave --cfg
+    if config.cfg:
+        return model_config_of_name(config.cfg) or load_model_config(config.cfg)
+    return load_model_config(cast(dict, source)["model_cfg"])  # the --weights checkpoint's own
 
 
 @dataclass(frozen=True)

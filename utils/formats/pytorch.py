@@ -4,6 +4,7 @@ running pickled code. The source of every export, and a runner like any other fo
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -53,8 +54,8 @@ def load_pytorch(path: Path, device: torch.device, fuse: bool = True) -> Pytorch
     from models.loading import load_model
     from utils.checkpoint import trained_imgsz
 
-    model, ckpt = load_model(path, device)
-    model = model.float()
+    loaded, ckpt = load_model(path, device)
+    model: Any = loaded.float()  # a Model or a DETR detector: names and stride are untyped attributes
     if fuse:
         model.fuse()
     hooks = family_of(model)
@@ -74,6 +75,13 @@ class PytorchFormat(Format):
     suffix = ".pt"
     precisions = ("fp32",)
     description = "PyTorch checkpoint (the source of exports)"
+
+    def recognizes(self, path: Path) -> bool:
+        """Ours (``.pt``), the official DETRs' ``.pth`` and Hugging Face folders (``config.json`` +
+        ``model.safetensors``): checkpoints the families' importers read."""
+        if path.is_dir():
+            return (path / "config.json").is_file() and (path / "model.safetensors").is_file()
+        return path.suffix.lower() in (".pt", ".pth")
 
     def write(self, job: ExportJob) -> str:
         raise UserError("export.py starts from a .pt checkpoint; it does not write one")

@@ -1,0 +1,94 @@
+"""D-FINE (github.com/Peterande/D-FINE, Apache-2.0): HGNetV2 backbones, the hybrid encoder, a deformable decoder
+with fine-grained distribution refinement; scales n, s, m, l, x (``models/dfine.yaml``: ``--cfg dfine-n.yaml``).
+
+The official checkpoints' names map onto transformers' by ``OFFICIAL_KEYS`` (regular expressions applied in turn;
+the self-attention's packed input projection is split in ``models/families/detr_import.py``), written from the two
+models' state dicts built with random weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from models.families.detr import DetrFamily
+
+# HGNetV2's stage layout, the same at every scale (the official arch_configs' downsample, light-block and kernel
+# columns).
+_HGNET_FIXED = {
+    "model_type": "hgnet_v2",
+    "stage_downsample": [False, True, True, True],
+    "stage_light_block": [False, False, True, True],
+    "stage_kernel_size": [3, 3, 5, 5],
+}
+
+# Official name (regular expression) -> transformers' name, applied in this order to every key.
+OFFICIAL_KEYS = (
+    (r"^backbone\.stem\.", "detr.model.backbone.model.embedder."),
+    (r"^backbone\.stages\.", "detr.model.backbone.model.encoder.stages."),
+    (r"^(detr\.model\.backbone\..*)\.conv\.", r"\1.convolution."),
+    (r"^(detr\.model\.backbone\..*)\.bn\.", r"\1.normalization."),
+    (r"^encoder\.input_proj\.(\d+)\.conv\.", r"detr.model.encoder_input_proj.\1.0."),
+    (r"^encoder\.input_proj\.(\d+)\.norm\.", r"detr.model.encoder_input_proj.\1.1."),
+    (r"^encoder\.encoder\.", "detr.model.encoder.aifi."),
+    (r"^encoder\.downsample_convs\.(\d+)\.0\.cv(\d)\.", r"detr.model.encoder.downsample_convs.\1.conv\2."),
+    (r"^encoder\.(fpn|pan)_blocks\.(\d+)\.cv1\.", r"detr.model.encoder.\1_blocks.\2.conv1."),
+    (r"^encoder\.(fpn|pan)_blocks\.(\d+)\.cv2\.0\.", r"detr.model.encoder.\1_blocks.\2.csp_rep1."),
+    (r"^encoder\.(fpn|pan)_blocks\.(\d+)\.cv2\.1\.", r"detr.model.encoder.\1_blocks.\2.conv2."),
+    (r"^encoder\.(fpn|pan)_blocks\.(\d+)\.cv3\.0\.", r"detr.model.encoder.\1_blocks.\2.csp_rep2."),
+    (r"^encoder\.(fpn|pan)_blocks\.(\d+)\.cv3\.1\.", r"detr.model.encoder.\1_blocks.\2.conv3."),
+    (r"^encoder\.(fpn|pan)_blocks\.(\d+)\.cv4\.", r"detr.model.encoder.\1_blocks.\2.conv4."),
+    (r"^encoder\.lateral_convs\.", "detr.model.encoder.lateral_convs."),
+    (r"^decoder\.input_proj\.(\d+)\.conv\.", r"detr.model.decoder_input_proj.\1.0."),  # X: 384 wide into 256
+    (r"^decoder\.input_proj\.(\d+)\.norm\.", r"detr.model.decoder_input_proj.\1.1."),
+    (r"^decoder\.decoder\.layers\.", "detr.model.decoder.layers."),
+    (r"^decoder\.decoder\.(lqe_layers|up|reg_scale)", r"detr.model.decoder.\1"),
+    (r"^decoder\.dec_bbox_head\.", "detr.model.decoder.bbox_embed."),
+    (r"^decoder\.dec_score_head\.", "detr.model.decoder.class_embed."),
+    (r"^decoder\.(pre_bbox_head|query_pos_head)\.", r"detr.model.decoder.\1."),
+    (r"^decoder\.enc_output\.proj\.", "detr.model.enc_output.0."),
+    (r"^decoder\.enc_output\.norm\.", "detr.model.enc_output.1."),
+    (r"^decoder\.(denoising_class_embed|enc_score_head|enc_bbox_head)\.", r"detr.model.\1."),
+    # inside the attention layers of the encoder and the decoder
+    (r"\.out_proj\.", ".o_proj."),
+    (r"\.linear1\.", ".mlp.layers.0."),
+    (r"\.linear2\.", ".mlp.layers.1."),
+    (r"\.norm1\.", ".self_attn_layer_norm."),
+    (r"(\.aifi\..*)\.norm2\.", r"\1.final_layer_norm."),
+    (r"(\.decoder\.layers\..*)\.norm3\.", r"\1.final_layer_norm."),
+    (r"\.cross_attn\.", ".encoder_attn."),
+)
+# Official tensors transformers computes instead: the anchors and valid mask of the 640 x 640 deploy size (made
+# for the image's own size here), and the transformer's copies of the decoder's ``up`` and ``reg_scale``.
+OFFICIAL_DROPPED = r"^decoder\.(anchors|valid_mask|up|reg_scale)$"
+# transformers keeps each decoder layer's heads twice (``class_embed.i`` and ``model.decoder.class_embed.i``, tied).
+TIED_COPIES = (
+    ("detr.model.decoder.class_embed.", "detr.class_embed."),
+    ("detr.model.decoder.bbox_embed.", "detr.bbox_embed."),
+)
+
+
+class DFineFamily(DetrFamily):
+    name = "dfine"
+    title = "D-FINE"
+    model_type = "d_fine"
+    yaml_name = "dfine.yaml"
+    loss_names = ("vfl", "box", "giou", "fgl", "ddf")  # the reference's terms (part 2 trains them)
+    official_keys = OFFICIAL_KEYS
+    official_dropped = OFFICIAL_DROPPED
+    tied_copies = TIED_COPIES
+    export_formats = ("onnx", "openvino")  # checked against PyTorch: docs/benchmarks.md
+
+    def backbone_config(self, table: Mapping[str, Any]) -> dict[str, Any]:
+        """HGNetV2Config: the table's channels and blocks; the stem's output and the stages' outputs are also what
+        transformers reads the feature widths from (``embedding_size``, ``hidden_sizes``)."""
+        return {
+            **_HGNET_FIXED,
+            **table,
+            "embedding_size": table["stem_channels"][-1],
+            "hidden_sizes": list(table["stage_out_channels"]),
+            "depths": list(table["stage_num_blocks"]),
+        }
+
+
+DFINE = DFineFamily()
