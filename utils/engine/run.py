@@ -11,6 +11,7 @@ import torch.distributed as dist
 from utils.distributed import DistInfo, collective_failure, destroy_process_group, init_process_group
 from utils.engine.config import TrainConfig
 from utils.engine.evolve import evolve
+from utils.engine.interrupt import Interrupted
 from utils.engine.resume import ResumeRequest, is_finished, resume_point
 from utils.engine.setup import check_global_batch
 from utils.engine.trainer import train
@@ -53,6 +54,10 @@ def run(launch: Launch, info: DistInfo) -> int:
             )
             return 0
         train(config, device, info, resumed, process_started=launch.process_started)
+    except Interrupted as e:
+        if info.is_main:
+            LOGGER.warning(f"Stopped by signal {e.signum} with a checkpoint; resume with: {e.resume_command}")
+        return e.exit_status
     except RuntimeError as e:  # dist.DistError and CollectiveError are RuntimeErrors
         failure = collective_failure(e, info)
         if failure is None:
