@@ -3,6 +3,7 @@ training run (new, resumed, or continued after a launcher restart); a failed col
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +59,10 @@ def run(launch: Launch, info: DistInfo) -> int:
         if info.is_main:
             LOGGER.warning(f"Stopped by signal {e.signum} with a checkpoint; resume with: {e.resume_command}")
         return e.exit_status
+    except KeyboardInterrupt:  # outside the epochs, where no checkpoint could be exact
+        if info.is_main:
+            LOGGER.warning("Interrupted (Ctrl-C) outside the training epochs: stopped at once")
+        return 128 + signal.SIGINT
     except RuntimeError as e:  # dist.DistError and CollectiveError are RuntimeErrors
         failure = collective_failure(e, info)
         if failure is None:
