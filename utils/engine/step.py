@@ -245,8 +245,8 @@ def send(stepper: Stepper, wishes: dict[str, bool]) -> None:
     host without waiting for it."""
     wish = torch.tensor([float(wishes.get(name, False)) for name in WISHES], dtype=stepper.tally.pending.dtype)
     values = all_reduce_sum(torch.cat((stepper.tally.take(), to_device(wish, stepper.device))))
-    if values.device.type != "cuda":
-        stepper.in_flight.append((values, None))  # the host's own memory: nothing to wait for
+    if values.device.type != "cuda":  # the host's own memory (or a device without events): read when asked
+        stepper.in_flight.append((values.cpu(), None))
         return
     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
     host.copy_(values, non_blocking=True)

@@ -389,6 +389,7 @@ class Trainer:
     def interrupted(self) -> Interrupted:
         """The run stopped on a signal: its checkpoint written (rank 0 waits for the writer), the command that
         resumes it."""
+        self.run.train_loader = None  # ends the training workers, as at a run's end
         last = self.run.save_dir / "weights" / "last.pt"
         if self.record is not None:
             self.record.close()
