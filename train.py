@@ -176,6 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="save last.pt inside an epoch once this many minutes passed since the last save (0: never)",
     )
     output.add_argument(
+        "--log-interval",
+        type=int,
+        default=TrainConfig.log_interval,
+        metavar="N",
+        help="read the losses back from the device every N optimizer steps (the progress line, Ctrl-C and "
+        "--save-minutes act at these steps)",
+    )
+    output.add_argument(
         "--loggers",
         nargs="*",
         default=list(DEFAULT_TRACKERS),

@@ -68,26 +68,31 @@ class HeadTargets(NamedTuple):
     score_sum: torch.Tensor  # () this rank's sum of target scores
 
 
-def pad_targets(targets: torch.Tensor, batch: int, image_hw: tuple[int, int]) -> GroundTruth:
+def pad_targets(targets: torch.Tensor, batch: int, image_hw: tuple[int, int], num: int | None = None) -> GroundTruth:
     """(N, 6) rows [image, class, x, y, w, h] (xywh normalised) -> per-image padded labels and pixel xyxy boxes.
 
+    ``num`` is the most rows of one image, counted by the caller on the host (the training step has the batch's
+    rows there before the copy); None counts it here, which makes the host wait for the device.
     A gt keeps its order among its image's rows (the order decides ties in the assignment).
     """
     device = targets.device
     image = targets[:, 0].long()
-    counts = torch.bincount(image, minlength=batch)
-    num = int(counts.max()) if targets.shape[0] else 0
+    counts = torch.zeros(batch, dtype=torch.long, device=device).index_add_(0, image, torch.ones_like(image))
+    if num is None:
+        num = int(counts.max()) if targets.shape[0] else 0
     order = torch.argsort(image, stable=True)
     image = image[order]
     starts = counts.cumsum(0) - counts
     slot = torch.arange(image.shape[0], device=device) - starts[image]
     h, w = image_hw
-    scale = torch.tensor((w, h, w, h), device=device, dtype=torch.float32)
+    xywh = targets[order, 2:6]  # a copy; scaled by Python numbers: a tensor of them would be a host copy
+    xywh[:, 0::2] *= w
+    xywh[:, 1::2] *= h
     labels = torch.zeros((batch, num), dtype=torch.long, device=device)
     boxes = torch.zeros((batch, num, 4), dtype=torch.float32, device=device)
     mask = torch.zeros((batch, num), dtype=torch.bool, device=device)
     labels[image, slot] = targets[order, 1].long()
-    boxes[image, slot] = xywh2xyxy(targets[order, 2:6] * scale)
+    boxes[image, slot] = xywh2xyxy(xywh)
     mask[image, slot] = True
     return GroundTruth(labels, boxes, mask)
 
@@ -157,7 +162,7 @@ class AnchorFreeLoss:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Loss (scalar, times the global image count) and its (box, cls, dfl|l1) items, detached."""
         levels = self._levels(preds)
-        gt = self._ground_truth(levels, targets)
+        gt = self._ground_truth(levels, targets, norm)
         head = self.assign(levels, gt, self.assigner)
         tss = global_sum(head.score_sum, reduce).clamp(min=1.0)
         items = self.terms(head, self._image_hw(levels), tss)
@@ -177,9 +182,12 @@ class AnchorFreeLoss:
         stride = self.strides[0]
         return int(levels[0].shape[2] * stride), int(levels[0].shape[3] * stride)
 
-    def _ground_truth(self, levels: list[torch.Tensor], targets: torch.Tensor) -> GroundTruth:
+    def _ground_truth(
+        self, levels: list[torch.Tensor], targets: torch.Tensor, norm: LossNorm | None = None
+    ) -> GroundTruth:
         targets = targets.to(device=levels[0].device, dtype=torch.float32)
-        return pad_targets(targets, levels[0].shape[0], self._image_hw(levels))
+        num = norm.most_per_image if norm is not None else None
+        return pad_targets(targets, levels[0].shape[0], self._image_hw(levels), num)
 
     def assign(self, levels: list[torch.Tensor], gt: GroundTruth, assigner: TaskAlignedAssigner) -> HeadTargets:
         """Decode one head's predictions and assign the gts to its anchors."""
@@ -208,35 +216,40 @@ class AnchorFreeLoss:
         return HeadTargets(box_logits, cls_logits, anchor_points, strides, assigned, assigned.target_scores.sum())
 
     def terms(self, head: HeadTargets, image_hw: tuple[int, int], tss: torch.Tensor) -> torch.Tensor:
-        """(3,) gained box, cls and dfl|l1 terms of one head, this rank's sums over the global ``tss``."""
-        assigned = head.assigned
-        image, anchor = assigned.fg_mask.nonzero(as_tuple=True)
-        labels = assigned.target_labels[image, anchor]
-        weight = assigned.target_scores[image, anchor].sum(-1)  # (P,) the positives' target scores
+        """(3,) gained box, cls and dfl|l1 terms of one head, this rank's sums over the global ``tss``.
 
-        # BCE(x, t) = softplus(x) - t * x, and t is zero but on the positives' assigned class: the t * x sum is
-        # sparse (label smoothing adds eps / 2 to every t).
-        logits = head.cls_logits
-        target_dot_logit = (weight * logits[image, labels, anchor]).sum() * self.smooth_scale
+        Over every anchor, masked: the weights are zero off the positives, which get a harmless unit box as
+        target, so no inf or nan reaches a sum. Selecting the positives would make the host wait for the device.
+        """
+        assigned = head.assigned
+        fg = assigned.fg_mask  # (B, A)
+        weight = assigned.target_scores.sum(-1)  # (B, A) the positives' target scores, zero elsewhere
+
+        # BCE(x, t) = softplus(x) - t * x, and t is zero but on the positives' assigned class (label smoothing adds
+        # eps / 2 to every t).
+        logits = head.cls_logits  # (B, nc, A)
+        target_dot_logit = (assigned.target_scores.transpose(1, 2) * logits).sum() * self.smooth_scale
         if self.smooth_offset:
             target_dot_logit = target_dot_logit + self.smooth_offset * logits.sum()
         cls = (F.softplus(logits).sum() - target_dot_logit) / tss
 
-        # Box terms on the positives only.
-        strides = head.strides[anchor]  # (P, 1)
-        box_logits = head.box_logits[image, :, anchor]  # (P, 4 * reg_max)
-        anchor_points = head.anchor_points[anchor]
-        target_boxes = assigned.target_boxes[image, anchor] / strides  # grid units
+        strides = head.strides  # (A, 1)
+        box_logits = head.box_logits.transpose(1, 2)  # (B, A, 4 * reg_max)
+        anchor_points = head.anchor_points  # (A, 2) grid units
+        unit_box = torch.cat((anchor_points - 0.5, anchor_points + 0.5), -1)
+        target_boxes = torch.where(fg[..., None], assigned.target_boxes / strides, unit_box)  # grid units
         ciou = bbox_ciou_xyxy(dist2bbox(self._distances(box_logits), anchor_points, xywh=False), target_boxes)
         box = ((1.0 - ciou) * weight).sum() / tss
 
-        target_dist = bbox2dist(anchor_points, target_boxes)  # (P, 4) strides, unclamped (DFL clamps its own)
+        target_dist = bbox2dist(anchor_points, target_boxes)  # (B, A, 4) strides, unclamped (DFL clamps its own)
         if self.reg_max > 1:
-            side = self._dfl(box_logits.reshape(-1, self.reg_max), target_dist.reshape(-1)).view(-1, 4)
+            side = self._dfl(box_logits.reshape(-1, self.reg_max), target_dist.reshape(-1)).view(*fg.shape, 4)
         else:
             h, w = image_hw
-            image_wh = torch.tensor((w, h, w, h), device=strides.device, dtype=torch.float32)
-            side = (box_logits * strides / image_wh - target_dist * strides / image_wh).abs()
+            per_side = torch.ones(4, device=strides.device)  # filled with Python numbers: no host copy
+            per_side[0::2] /= w
+            per_side[1::2] /= h
+            side = ((box_logits - target_dist) * strides * per_side).abs()
         dist = (side.mean(-1) * weight).sum() / tss
 
         box_gain, cls_gain, dist_gain = self.gains
@@ -310,7 +323,7 @@ class End2EndLoss(AnchorFreeLoss):
         if not isinstance(preds, dict) or {"one2many", "one2one"} - preds.keys():
             raise TypeError("expected YOLO26's training output: {'one2many': levels, 'one2one': levels}")
         o2m_levels, o2o_levels = self._levels(preds["one2many"]), self._levels(preds["one2one"])
-        gt = self._ground_truth(o2m_levels, targets)
+        gt = self._ground_truth(o2m_levels, targets, norm)
         o2m = self.assign(o2m_levels, gt, self.assigner)
         o2o = self.assign(o2o_levels, gt, self.o2o_assigner)
         tss = global_sum(torch.stack((o2m.score_sum, o2o.score_sum)), reduce).clamp(min=1.0)  # one collective

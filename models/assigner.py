@@ -10,7 +10,8 @@ Small objects: a gt side shorter than ``small_object_px`` is widened to it about
 only, so tiny objects still find candidate anchors (Ultralytics 8.4 does so with its second stride, 16 px; older
 releases, with which the published v8/11 weights were trained, did not: ``small_object_px=None``).
 
-Everything is batched over (image, gt, anchor); gts are padded per image to the batch's largest count.
+Everything is batched over (image, gt, anchor), dense and masked (no ``nonzero``: the host never waits for the
+device); gts are padded per image to the batch's largest count.
 """
 
 from __future__ import annotations
@@ -138,15 +139,15 @@ class TaskAlignedAssigner:
         gt_boxes: torch.Tensor,
         in_gt: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, M, A) alignment metric and CIoU (clamped at 0), computed only for the (gt, anchor) pairs ``in_gt``.
+        """(B, M, A) alignment metric and CIoU (clamped at 0), zero outside the (gt, anchor) pairs ``in_gt``.
 
-        Sparse on purpose: most pairs lie outside the gt, and CIoU over every pair would cost B * M * A.
+        Dense over every pair, masked: selecting the pairs (``nonzero``) would make the host wait for the device
+        to say how many there are, and the elementwise CIoU of a pair is the same either way.
         """
-        image, gt, anchor = in_gt.nonzero(as_tuple=True)
-        overlap = bbox_ciou_xyxy(gt_boxes[image, gt], pred_boxes[image, anchor]).clamp(min=0)
-        score = pred_logits[image, anchor, gt_labels[image, gt]].sigmoid()
-        overlaps = torch.zeros(in_gt.shape, dtype=pred_boxes.dtype, device=pred_boxes.device)
-        align = torch.zeros(in_gt.shape, dtype=score.dtype, device=score.device)
-        overlaps[image, gt, anchor] = overlap
-        align[image, gt, anchor] = score.pow(self.alpha) * overlap.pow(self.beta)
+        overlap = bbox_ciou_xyxy(gt_boxes[:, :, None], pred_boxes[:, None]).clamp(min=0)  # (B, M, A)
+        labels = gt_labels[:, None, :].expand(-1, pred_logits.shape[1], -1)  # (B, A, M)
+        score = pred_logits.gather(2, labels).transpose(1, 2).sigmoid()  # (B, M, A) the gt's class
+        zero = overlap.new_zeros(())
+        overlaps = torch.where(in_gt, overlap, zero)
+        align = torch.where(in_gt, score.pow(self.alpha) * overlap.pow(self.beta), zero.to(score.dtype))
         return align, overlaps

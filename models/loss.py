@@ -30,6 +30,7 @@ class LossNorm(NamedTuple):
 
     positives: torch.Tensor  # (nl,) target-anchor-cell assignments per level
     images: int  # images
+    most_per_image: int | None = None  # this micro-batch's most label rows of one image, counted on the host
 
 
 class DetectionLoss(Protocol):
@@ -130,10 +131,12 @@ class ComputeLoss:
         self.obj_pw = hyp.obj_pw
         self.cls_positive, self.cls_negative = smooth_bce_targets(label_smoothing)
         self.balance = LEVEL_BALANCE.get(self.nl, LEVEL_BALANCE_FALLBACK[: self.nl])
+        # Python numbers, read once: reading the device's stride tensor at every step would wait for the device.
+        self.strides = [int(s) for s in self.detect.stride.tolist()]
 
     def prepare(self, targets: torch.Tensor, image_hw: tuple[int, ...]) -> list[LevelTargets]:
         """The target assignments of a batch of images of size ``image_hw``, before any forward pass."""
-        grids = [(image_hw[0] // int(s), image_hw[1] // int(s)) for s in self.detect.stride]
+        grids = [(image_hw[0] // s, image_hw[1] // s) for s in self.strides]
         return self.build_targets(grids, targets.to(dtype=torch.float32))
 
     @staticmethod

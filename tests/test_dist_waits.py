@@ -124,3 +124,24 @@ def test_a_failed_collective_is_recognised_by_its_type_not_its_words(monkeypatch
     line = collective_failure(RuntimeError("Connection reset by peer"), info)
     assert line.startswith("rank 0: a collective failed (Connection reset by peer); rank(s) 1 stopped answering")
     assert collective_failure(RuntimeError("gloo timed out"), DistInfo(rank=-1, local_rank=-1, world_size=1)) is None
+
+
+def _waiting_quietly(rank: int, out: str) -> int:
+    os.dup2(os.open(f"{out}.{rank}", os.O_WRONLY | os.O_CREAT), 2)  # the C++ store client writes its warnings here
+    info = dist_info()
+    init_process_group(torch.device("cpu"), info, TIMEOUT_MINUTES)
+    if rank == 0:
+        time.sleep(1.0)  # rank 1 waits a second for the decision, as it waits for rank 0's validation
+    decision = rank_zero_decides(info, "go" if rank == 0 else None)
+    node_barrier(info, "end")
+    return 0 if decision == "go" else 1
+
+
+def test_a_rank_waiting_on_the_store_writes_no_warnings(tmp_path) -> None:
+    """Issue 49 item 12: store waits that time out and try again each made the store client write a
+    ``waitForInput ... likely a timeout`` warning, dozens per 2-process run."""
+    out = str(tmp_path / "stderr")
+    assert fork_ranks(_waiting_quietly, 2, out, timeout=60) == [0, 0]
+    for rank in range(2):
+        text = open(f"{out}.{rank}").read()
+        assert "waitForInput" not in text and "timeout" not in text.lower(), text[-2000:]

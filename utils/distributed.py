@@ -285,10 +285,10 @@ def wait_for_keys(info: DistInfo, keys: dict[int, str], what: str) -> dict[int, 
         progress: dict[int, float] = {}  # rank -> when it last made progress
         pause = 0.01
         while pending:
-            with contextlib.suppress(
-                dist.DistStoreError
-            ):  # not all set within the pause (a lost store: DistNetworkError)
-                store.wait(list(pending.values()), datetime.timedelta(seconds=pause))
+            # Asked without waiting, then a pause: a store wait that times out logs a C++ warning each time
+            # ("waitForInput ... likely a timeout"), which reads as a network failure (a lost store still raises).
+            if not store.check(list(pending.values())):
+                time.sleep(pause)
             pause = min(pause * 2, WAIT_PAUSE_MAX)  # a quick hand-over stays quick, a long wait looks less often
             now = time.monotonic()
             for rank, key in list(pending.items()):

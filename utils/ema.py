@@ -29,7 +29,10 @@ class ModelEMA:
         return self.decay_max * (1 - math.exp(-self.updates / self.tau))
 
     @torch.no_grad()
-    def update(self, model: nn.Module) -> None:
+    def update(self, model: nn.Module, keep: torch.Tensor | None = None) -> None:
+        """One step towards ``model``'s state; ``keep`` (a 0-d bool tensor on the device) False makes it no step,
+        decided on the device: a step whose update was skipped there (non-finite gradients) leaves the EMA as it
+        is, without the host reading the flag. The update count (the decay's ramp) counts such steps too."""
         self.updates += 1
         d = self.decay()
         source = de_parallel(model)
@@ -39,7 +42,11 @@ class ModelEMA:
             self._averaged, self._current = [a for a, _ in pairs], [m for _, m in pairs]
             self._pairs_of = source
         # One call over all tensors instead of a Python loop of small ops per tensor.
-        torch._foreach_lerp_(self._averaged, self._current, 1 - d)
+        if keep is None:
+            torch._foreach_lerp_(self._averaged, self._current, 1 - d)
+        else:  # one weight tensor per pair (a lone 0-d tensor would be read on the host as a number)
+            weight = keep.to(self._averaged[0].dtype) * (1 - d)
+            torch._foreach_lerp_(self._averaged, self._current, [weight] * len(self._averaged))
 
     def update_attributes(self, model: nn.Module, names: tuple[str, ...] = ("nc", "names", "hyp")) -> None:
         src = de_parallel(model)

@@ -75,6 +75,7 @@ class TrainConfig:
     save_period: int = -1
     save_steps: int = 0
     save_minutes: float = 10.0
+    log_interval: int = 10  # optimizer steps between read-backs of the losses (utils/engine/step.py)
     loggers: tuple[str, ...] = ("tensorboard",)  # experiment trackers (utils/trackers/)
     profile: int = 0  # optimizer steps of a torch.profiler trace (0: none)
     save_dir: str | None = None  # the run folder, once made (absolute)

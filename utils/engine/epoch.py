@@ -14,17 +14,17 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from utils.distributed import all_reduce_sum, de_parallel
+from utils.distributed import de_parallel
+from utils.engine.interrupt import STOP
 from utils.engine.step import (
+    Readout,
     SaveMidEpoch,
     SavePolicy,
     Stepper,
     Window,
     accumulation_windows,
-    forward_backward,
-    micro_batches,
-    sync,
-    update,
+    flush,
+    train_step,
 )
 from utils.engine.tally import LossTally
 from utils.engine.timing import EpochTime, RunProgress, format_duration, gather_epoch_time
@@ -50,11 +50,12 @@ class EpochHooks:
 def train_one_epoch(
     stepper: Stepper, loader: Any, epoch: int, start_batch: int, tally: LossTally, hooks: EpochHooks
 ) -> tuple[LossTally, EpochTime]:
-    """One epoch of optimizer steps, from ``start_batch`` on, with one all-reduce per step (step.py: ``sync``);
-    returns the epoch's losses and where its step time went.
+    """One epoch of optimizer steps, from ``start_batch`` on (step.py: ``train_step``); returns the epoch's losses and
+    where its step time went. The losses reach ``tally`` at the read-backs and at the epoch's end.
 
-    A checkpoint that rank 0 wished for is written at the start of a step, with the state after the previous one.
-    ``stepper.marks`` times the phases of each step (timing.py): data, forward, sync, backward, optimizer.
+    A checkpoint is written after a step, every --save-steps steps, or once the read-back brings rank 0's wish
+    (--save-minutes) or any rank's wish to stop (Ctrl-C, SIGTERM: ``stepper.stopped`` is set and the epoch ends
+    there). ``stepper.marks`` times the phases of each step (timing.py): data, forward, sync, backward, optimizer.
     """
     stepper.model.train()
     loader.set_epoch(epoch, start_batch)
@@ -65,45 +66,58 @@ def train_one_epoch(
         losses = "".join(f"{name + '_loss':>{width}}" for name, width in zip(hooks.loss_names, column_widths(hooks)))
         LOGGER.info(f"\n{'Epoch':>11}{'GPU_mem':>11}{losses}{'Instances':>11}{'Size':>11}")
         batches = tqdm(batches, total=n_batches, initial=start_batch, bar_format="{l_bar}{bar:10}{r_bar}")
-    pending = torch.zeros(stepper.n_losses + 1, device=stepper.device)  # loss items, finite micro-batches
     marks = stepper.marks
     marks.start()
     t0 = time.perf_counter()
     for window in accumulation_windows(batches, stepper.optim.accumulate, n_batches):
         marks.mark("data")
-        first = window[0][0]
         _log_batch_files(stepper, epoch, window)
-        micro, prepared, counts = micro_batches(stepper, window, epoch)
-        marks.mark("forward")
-        save_now = hooks.save_mid_epoch is not None and first > start_batch and hooks.save_policy.wants_save(stepper)
-        counts, save = sync(stepper, counts, pending, save_now, tally)
-        marks.mark("sync")
-        if save and hooks.save_mid_epoch is not None:
-            hooks.save_mid_epoch(epoch, first, tally)
-            stepper.last_save = time.monotonic()
-            marks.mark("other")
-        stepper.optim.warm_up(window[-1][0] + n_batches * epoch, epoch)
-        step_items = forward_backward(stepper, micro, counts, prepared, pending)
-        update(stepper, tally, f"epoch {epoch} batch {window[-1][0]}", step_items, hooks.loss_names)
+        last = window[-1][0]
+        readout = train_step(stepper, window, epoch, n_batches, tally, wishes(stepper, hooks))
         marks.mark("optimizer")
+        if last + 1 < n_batches and _saved_after_step(stepper, hooks, epoch, last + 1, tally, readout):
+            marks.mark("other")
+            break
         if hooks.after_step is not None:
             hooks.after_step()
         if main:
             left = (
-                hooks.progress.left(
-                    epoch, window[-1][0] + 1 - start_batch, n_batches - start_batch, time.perf_counter() - t0
-                )
+                hooks.progress.left(epoch, last + 1 - start_batch, n_batches - start_batch, time.perf_counter() - t0)
                 if hooks.progress is not None
                 else None
             )
-            _show_progress(batches, progress_line(epoch, hooks, stepper.device, tally.means(), micro), left)
+            _show_progress(batches, progress_line(epoch, hooks, stepper.device, tally.means(), window), left)
             _report_step(stepper, hooks, epoch, window)
         marks.mark("other")
-    tally.add(all_reduce_sum(pending.clone()), stepper.info.world_size)
+    else:  # the epoch's end: every rank flushes, and a wish to stop ends the run after this epoch
+        if flush(stepper, tally, wishes(stepper, hooks), f"epoch {epoch} end").stop:
+            stepper.stopped = "after"
     images = (n_batches - start_batch) * hooks.batch_size // stepper.info.world_size  # this rank's
     timing = gather_epoch_time(marks.collect(), images, stepper.info, stepper.device)
     _log_epoch_speed(stepper, epoch, timing, tally)
     return tally, timing
+
+
+def wishes(stepper: Stepper, hooks: EpochHooks) -> dict[str, bool]:
+    """This rank's wishes for the next read-back: rank 0's to save (--save-minutes), any rank's to stop."""
+    return {"save": hooks.save_mid_epoch is not None and hooks.save_policy.wants_save(stepper), "stop": STOP.requested}
+
+
+def _saved_after_step(
+    stepper: Stepper, hooks: EpochHooks, epoch: int, next_batch: int, tally: LossTally, readout: Readout | None
+) -> bool:
+    """After a step inside the epoch: a checkpoint when --save-steps says so or the read-back brought a wish to save
+    or to stop (every rank decides alike and flushes); True when the run is to stop here."""
+    readout = readout or Readout()
+    if not (hooks.save_policy.due_by_steps(stepper) or readout.save or readout.stop):
+        return False
+    readout = readout.merge(flush(stepper, tally, wishes(stepper, hooks), f"epoch {epoch} batch {next_batch - 1}"))
+    if hooks.save_mid_epoch is not None:
+        hooks.save_mid_epoch(epoch, next_batch, tally)
+        stepper.last_save = time.monotonic()
+    if readout.stop:
+        stepper.stopped = "inside"
+    return readout.stop
 
 
 def _show_progress(batches: Any, line: str, left: float | None) -> None:
@@ -155,8 +169,9 @@ def column_widths(hooks: EpochHooks) -> list[int]:
     return [max(11, len(name) + 6) for name in hooks.loss_names]
 
 
-def progress_line(epoch: int, hooks: EpochHooks, device: torch.device, mean_loss: np.ndarray, micro: list) -> str:
+def progress_line(epoch: int, hooks: EpochHooks, device: torch.device, mean_loss: np.ndarray, window: Window) -> str:
+    """The epoch's losses as read back so far, and the last batch's labels and image size (the host's own)."""
     mem = f"{torch.cuda.memory_reserved() / 1e9:.3g}G" if device.type == "cuda" else "0G"
     losses = "".join(f"{x:>{width}.4g}" for x, width in zip(mean_loss.tolist(), column_widths(hooks)))
-    imgs, targets = micro[-1]
+    imgs, targets = window[-1][1][:2]
     return f"{f'{epoch}/{hooks.epochs - 1}':>11}{mem:>11}{losses}{targets.shape[0]:>11}{imgs.shape[-1]:>11}"

@@ -67,21 +67,37 @@ class Optimization:
         for group, base_lr in zip(self.optimizer.param_groups, self.scheduler.base_lrs):  # the next epoch's
             group["lr"] = base_lr * self.schedule(self.scheduler.last_epoch)
 
-    def step(self, model: nn.Module) -> bool:
-        """Clip, step, update the EMA; False (and no step) when the gradients are not finite.
+    def step(self, model: nn.Module) -> torch.Tensor | None:
+        """Clip, step, update the EMA; returns whether the gradients were finite, as a 0-d bool tensor on the
+        device, and where they were not the optimizer and the EMA stood still.
 
-        The gradients are all-reduced, so every rank makes the same decision. With a gradient scaler (fp16) the
-        scaler skips overflowing steps itself, as it should early in training; those are not counted.
+        The decision stays on the device: a fused optimizer (utils/optimizer.py) skips its update itself when told
+        through ``found_inf``, as it does for the gradient scaler, so the host never waits for the backward pass
+        to end. Another optimizer is asked on the host (one wait). The gradients are all-reduced, so every rank
+        makes the same decision. With a gradient scaler (fp16) the scaler skips overflowing steps itself, as it
+        should early in training; those are not counted (None).
         """
         self.scaler.unscale_(self.optimizer)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=10.0)
-        finite = self.scaler.is_enabled() or bool(torch.isfinite(norm))
-        if finite:
+        if self.scaler.is_enabled():
             self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad()
-        if finite:
+            self.scaler.update()
+            self.optimizer.zero_grad()
             self.ema.update(model)
+            return None
+        finite = torch.isfinite(norm)
+        if all(group.get("fused") for group in self.optimizer.param_groups):
+            optimizer: Any = self.optimizer  # found_inf: an attribute torch's fused kernels read, untyped
+            optimizer.found_inf = (~finite).float()  # as GradScaler sets it
+            try:
+                optimizer.step()
+            finally:
+                del optimizer.found_inf
+            self.ema.update(model, keep=finite)
+        elif bool(finite):
+            self.optimizer.step()
+            self.ema.update(model)
+        self.optimizer.zero_grad()
         return finite
 
 

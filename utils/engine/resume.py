@@ -33,6 +33,7 @@ RESUME_OVERRIDABLE = frozenset(
         "save_period",
         "save_steps",
         "save_minutes",
+        "log_interval",
         "noval",
         "nosave",
         "noplots",

@@ -3,6 +3,7 @@ training run (new, resumed, or continued after a launcher restart); a failed col
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +12,7 @@ import torch.distributed as dist
 from utils.distributed import DistInfo, collective_failure, destroy_process_group, init_process_group
 from utils.engine.config import TrainConfig
 from utils.engine.evolve import evolve
+from utils.engine.interrupt import Interrupted
 from utils.engine.phases import PhaseClock
 from utils.engine.resume import ResumeRequest, is_finished, resume_point
 from utils.engine.setup import check_global_batch
@@ -59,6 +61,14 @@ def run(launch: Launch, info: DistInfo) -> int:
             )
             return 0
         train(config, device, info, resumed, process_started=launch.process_started, clock=clock)
+    except Interrupted as e:
+        if info.is_main:
+            LOGGER.warning(f"Stopped by signal {e.signum} with a checkpoint; resume with: {e.resume_command}")
+        return e.exit_status
+    except KeyboardInterrupt:  # outside the epochs, where no checkpoint could be exact
+        if info.is_main:
+            LOGGER.warning("Interrupted (Ctrl-C) outside the training epochs: stopped at once")
+        return 128 + signal.SIGINT
     except RuntimeError as e:  # dist.DistError and CollectiveError are RuntimeErrors
         failure = collective_failure(e, info)
         if failure is None:

@@ -128,6 +128,8 @@ def check_options(config: TrainConfig, info: DistInfo, resumed: bool) -> TrainCo
         raise UserError(f"--epochs {config.epochs} and --batch-size {config.batch_size} must be at least 1")
     if config.time is not None and not config.time > 0:
         raise UserError(f"--time {config.time}: give the training time in hours, more than 0 (e.g. --time 0.5)")
+    if config.log_interval < 1:
+        raise UserError(f"--log-interval {config.log_interval} must be at least 1 (optimizer steps)")
     if config.batch_size % info.world_size and resumed:
         kept = max(config.batch_size // info.world_size, 1) * info.world_size
         LOGGER.warning(

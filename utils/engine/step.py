@@ -1,10 +1,18 @@
-"""One optimizer step: a window of ``accumulate`` micro-batches, their forward and backward passes, the update.
+"""One optimizer step: a window of ``accumulate`` micro-batches, their forward and backward passes, the update;
+and the read-back, which brings what the steps tallied on the device to the host.
 
 The step does not assume a YOLO head: the forward pass is the family's ``forward_train(model, images, targets)``
-and the loss its ``make_loss``, with as many terms as the family's ``loss_names``. Before the forward
-passes, one all-reduce per step carries the loss's counts of the step's micro-batches (the loss divides by
-global counts, so a step does not depend on the number of ranks), the losses of the steps since the last one
-and rank 0's wish to save a checkpoint.
+and the loss its ``make_loss``, with as many terms as the family's ``loss_names``. The loss divides by global
+counts, so a step does not depend on the number of ranks: the counts of the step's micro-batches are all-reduced
+before the forward passes (for a loss that has any).
+
+In steady state a step never makes the host wait for the device (docs/design.md, "Where the step may and may not
+sync"): the losses, the count of finite micro-batches and of skipped updates are added up on the device, and
+every ``log_interval`` steps (the read-back) they are all-reduced with each rank's wishes (rank 0's to save, any
+rank's to stop) and copied to the host without blocking; the host reads that copy at the next read-back, one
+interval later, when it has long arrived. Every rank reads the same values at the same step, so what they decide
+(save, stop, a run of non-finite steps too long) happens at the same step everywhere. A save and the epoch's end
+flush: they wait for everything tallied so far.
 """
 
 from __future__ import annotations
@@ -32,7 +40,8 @@ from utils.engine.timing import HostMarks
 from utils.errors import UserError
 from utils.log import LOGGER
 
-MAX_NONFINITE_STEPS = 25  # in a row: training has diverged
+MAX_NONFINITE_STEPS = 25  # in a row: training has diverged (checked at each read-back)
+WISHES = ("save", "stop")  # what a rank asks of all of them through the read-back, in this order
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,48 @@ class BatchOptions:
     grid: int  # sizes are multiples of this (the largest stride, at least 32)
     multi_scale: bool
     quad: bool  # each image stands for 4 (--quad)
+
+
+class DeviceTally:
+    """What the steps add up on the device between read-backs: ``pending`` = [loss item sums, finite micro-batches]
+    of this rank; ``skips`` = [updates skipped since the last read-back, the current run of skipped updates, the
+    longest run since the last read-back] (the same on every rank: the gradients are all-reduced)."""
+
+    def __init__(self, n_losses: int, device: torch.device) -> None:
+        dtype = torch.float32 if device.type == "mps" else torch.float64  # sums of many float32 items
+        self.pending = torch.zeros(n_losses + 1, dtype=dtype, device=device)
+        self.skips = torch.zeros(3, dtype=dtype, device=device)
+
+    def add_items(self, items: torch.Tensor) -> None:
+        """A micro-batch's loss items, counted when all are finite (decided on the device)."""
+        finite = torch.isfinite(items).all()
+        self.pending += torch.where(finite, torch.cat((items, items.new_ones(1))), 0).to(self.pending.dtype)
+
+    def add_update(self, finite: torch.Tensor) -> None:
+        """An optimizer step: skipped when ``finite`` (a 0-d bool tensor) is False."""
+        bad = (~finite).to(self.skips.dtype)
+        run = (self.skips[1] + 1) * bad
+        self.skips.copy_(torch.stack((self.skips[0] + bad, run, torch.maximum(self.skips[2], run))))
+
+    def take(self) -> torch.Tensor:
+        """What was tallied since the last call, and a fresh start (the current run of skipped updates goes on)."""
+        values = torch.cat((self.pending, self.skips))
+        self.pending.zero_()
+        self.skips[0] = 0
+        self.skips[2] = self.skips[1]
+        return values
+
+
+@dataclass
+class Readout:
+    """What the host read back: the decisions of every rank's wishes, the skipped updates it brought."""
+
+    save: bool = False
+    stop: bool = False
+    skipped: int = 0
+
+    def merge(self, other: Readout) -> Readout:
+        return Readout(self.save or other.save, self.stop or other.stop, self.skipped + other.skipped)
 
 
 @dataclass
@@ -59,10 +110,16 @@ class Stepper:
     info: DistInfo
     batch: BatchOptions
     n_losses: int
+    log_interval: int = 10  # optimizer steps between read-backs (--log-interval)
     steps_done: int = 0
-    skipped_in_row: int = 0  # optimizer steps skipped for non-finite gradients, across epochs
     last_save: float = field(default_factory=time.monotonic)
     marks: Any = field(default_factory=HostMarks)  # times the phases of each step (timing.py: new_marks)
+    tally: DeviceTally = field(init=False)  # made from n_losses and device
+    in_flight: list = field(default_factory=list)  # read-backs sent, not yet read: (host tensor, CUDA event)
+    stopped: str = ""  # a wish to stop was read back "inside" an epoch (its checkpoint written) or "after" it
+
+    def __post_init__(self) -> None:
+        self.tally = DeviceTally(self.n_losses, self.device)
 
 
 Window = list  # of (batch index, batch) pairs
@@ -100,45 +157,36 @@ def gradient_sync(model: nn.Module, step_now: bool) -> contextlib.AbstractContex
     return model.no_sync() if isinstance(model, DDP) and not step_now else contextlib.nullcontext()
 
 
-def micro_batches(stepper: Stepper, window: Window, epoch: int) -> tuple[list, list, torch.Tensor]:
-    """The window's (images, targets) on the device, the loss's preparation of each and its counts (to sum over
-    ranks before the forward passes)."""
+def most_labels_per_image(targets: torch.Tensor) -> int:
+    """The most label rows of one image in a batch's ``targets`` as the loader gave them, on the host (the anchor-free
+    losses pad their targets to it); counted here, before the copy, the device is never asked."""
+    return int(torch.bincount(targets[:, 0].long()).max()) if len(targets) else 0
+
+
+def micro_batches(stepper: Stepper, window: Window, epoch: int) -> tuple[list, list, torch.Tensor, list[int]]:
+    """The window's (images, targets) on the device, the loss's preparation of each, its counts (to sum over ranks
+    before the forward passes) and each micro-batch's most labels of one image."""
+    most = [most_labels_per_image(b[1]) for _, b in window]
     micro = [
         (prepare_images(b[0], stepper.batch, stepper.device, epoch, i), b[1].to(stepper.device, non_blocking=True))
         for i, b in window
     ]
     prepared = [stepper.loss.prepare(targets, imgs.shape[2:]) for imgs, targets in micro]
-    counts = torch.stack([stepper.loss.counts(p) for p in prepared]).to(stepper.device)
-    return micro, prepared, counts
+    counts = torch.stack([stepper.loss.counts(p) for p in prepared])
+    # A loss without counts gives empty ones, made on the host: made anew on the device, nothing is copied.
+    counts = counts.to(stepper.device) if counts.numel() else torch.zeros(counts.shape, device=stepper.device)
+    return micro, prepared, counts, most
 
 
-def sync(
-    stepper: Stepper, counts: torch.Tensor, pending: torch.Tensor, save_now: bool, tally: LossTally
-) -> tuple[torch.Tensor, bool]:
-    """The step's one all-reduce: the counts of its micro-batches, the losses ``pending`` since the last sync
-    (added to ``tally``, then cleared) and rank 0's wish to save; returns the global counts and that wish."""
-    flag = torch.tensor([float(save_now)], device=stepper.device)
-    synced = all_reduce_sum(torch.cat((counts.flatten(), pending, flag)))
-    counts, done = synced[: counts.numel()].view_as(counts), synced[counts.numel() :]
-    tally.add(done, stepper.info.world_size)
-    pending.zero_()
-    return counts, bool(done[stepper.n_losses + 1] > 0)
-
-
-def forward_backward(
-    stepper: Stepper, micro: list, counts: torch.Tensor, prepared: list, pending: torch.Tensor
-) -> torch.Tensor:
-    """The forward and backward passes of the window's micro-batches; returns the step's loss items on this rank
-    and adds the finite ones (and their count) to ``pending``."""
+def forward_backward(stepper: Stepper, micro: list, counts: torch.Tensor, prepared: list, most: list[int]) -> None:
+    """The forward and backward passes of the window's micro-batches; their loss items go to the device tally."""
     world = stepper.info.world_size
-    step_items = torch.zeros(stepper.n_losses, device=stepper.device)
     reduce = all_reduce_sum if stepper.info.is_distributed else None
     for k, ((imgs, targets), positives, prep) in enumerate(zip(micro, counts, prepared)):
         with gradient_sync(stepper.model, k == len(micro) - 1), autocast(stepper.device, stepper.precision):
             outputs = stepper.family.forward_train(stepper.model, imgs, targets)
-            loss, items = stepper.loss(
-                outputs, targets, LossNorm(positives, imgs.shape[0] * world), prepared=prep, reduce=reduce
-            )
+            norm = LossNorm(positives, imgs.shape[0] * world, most[k])
+            loss, items = stepper.loss(outputs, targets, norm, prepared=prep, reduce=reduce)
         if stepper.batch.quad:  # as YOLOv5: a quad image stands for 4 images of the batch the gradient scale is set for
             loss = loss * 4
         scaled = stepper.optim.scaler.scale(loss * world)  # DDP averages gradients over ranks; the loss sums over them
@@ -146,10 +194,7 @@ def forward_backward(
         mark_when_computed(scaled, stepper.marks)
         scaled.backward()
         stepper.marks.mark("sync")  # what DDP's gradient all-reduce added after backward's own computation
-        step_items += items
-        if torch.isfinite(items).all():
-            pending += torch.cat((items, items.new_ones(1)))
-    return step_items
+        stepper.tally.add_items(items)
 
 
 def mark_when_computed(loss: torch.Tensor, marks: Any) -> None:
@@ -166,40 +211,112 @@ def mark_when_computed(loss: torch.Tensor, marks: Any) -> None:
     loss.register_hook(queue)
 
 
-def update(
-    stepper: Stepper, tally: LossTally, where: str, step_items: torch.Tensor, loss_names: tuple[str, ...]
-) -> None:
-    """The optimizer update ending a step; a step with non-finite gradients is skipped and counted, and too many
-    in a row stop the run."""
-    if stepper.optim.step(stepper.model):
-        stepper.skipped_in_row = 0
-    else:
-        tally.skipped_steps += 1
-        stepper.skipped_in_row += 1
-        LOGGER.warning(
-            f"WARNING {where}: non-finite gradients (losses {', '.join(loss_names)} "
-            f"{', '.join(f'{x:.4g}' for x in step_items.tolist())} on this rank): step skipped"
-        )
-        if stepper.skipped_in_row >= MAX_NONFINITE_STEPS:
-            raise UserError(
-                f"{where}: {stepper.skipped_in_row} optimizer steps in a row had non-finite gradients: "
-                "training diverged (lower lr0, or check the data)"
-            )
+def update(stepper: Stepper) -> None:
+    """The optimizer update ending a step; one with non-finite gradients is skipped on the device and counted there
+    (the read-back reports them, and stops the run after MAX_NONFINITE_STEPS in a row)."""
+    finite = stepper.optim.step(stepper.model)
+    if finite is not None:
+        stepper.tally.add_update(finite)
     stepper.steps_done += 1
+
+
+def train_step(
+    stepper: Stepper, window: Window, epoch: int, n_batches: int, tally: LossTally, wishes: dict[str, bool]
+) -> Readout | None:
+    """One optimizer step over ``window``; at a read-back step (every ``log_interval`` steps) also the read-back,
+    with this rank's ``wishes`` (``WISHES``), and what it read (None at other steps: nothing was read)."""
+    micro, prepared, counts, most = micro_batches(stepper, window, epoch)
+    stepper.marks.mark("forward")
+    if counts.numel() and stepper.info.is_distributed:
+        counts = all_reduce_sum(counts)  # the global counts the loss divides by
+    stepper.marks.mark("sync")
+    stepper.optim.warm_up(window[-1][0] + n_batches * epoch, epoch)
+    forward_backward(stepper, micro, counts, prepared, most)
+    update(stepper)
+    if stepper.steps_done % stepper.log_interval:
+        return None
+    send(stepper, wishes)
+    return receive(stepper, tally, f"epoch {epoch} batch {window[-1][0]}", keep=1)
+
+
+def send(stepper: Stepper, wishes: dict[str, bool]) -> None:
+    """All-reduce what the device tallied since the last send with this rank's wishes, and start its copy to the
+    host without waiting for it."""
+    wish = torch.tensor([float(wishes.get(name, False)) for name in WISHES], dtype=stepper.tally.pending.dtype)
+    values = all_reduce_sum(torch.cat((stepper.tally.take(), to_device(wish, stepper.device))))
+    if values.device.type != "cuda":  # the host's own memory (or a device without events): read when asked
+        stepper.in_flight.append((values.cpu(), None))
+        return
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    stepper.in_flight.append((host, event))
+
+
+def to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device`` without a blocking copy (one from pageable memory waits for the stream)."""
+    if device.type != "cuda":
+        return values.to(device)
+    return values.pin_memory().to(device, non_blocking=True)
+
+
+def receive(stepper: Stepper, tally: LossTally, where: str, keep: int = 0) -> Readout:
+    """Read the read-backs in flight but the newest ``keep`` (waiting for them if they have not arrived): their
+    losses into ``tally``, their skipped updates counted and reported, their wishes decided. Raises UserError
+    after MAX_NONFINITE_STEPS skipped updates in a row."""
+    readout = Readout()
+    n, world = stepper.n_losses, stepper.info.world_size
+    while len(stepper.in_flight) > keep:
+        host, event = stepper.in_flight.pop(0)
+        if event is not None:
+            event.synchronize()
+        values = host.numpy()
+        tally.add(values[: n + 1], world)
+        skipped, longest = int(values[n + 1] / world), int(values[n + 3] / world)
+        wishes = dict(zip(WISHES, (bool(v > 0) for v in values[n + 4 :])))
+        readout = readout.merge(Readout(wishes["save"], wishes["stop"], skipped))
+        check_skipped(tally, skipped, longest, where)
+    return readout
+
+
+def flush(stepper: Stepper, tally: LossTally, wishes: dict[str, bool], where: str) -> Readout:
+    """Everything tallied so far into ``tally``, waiting for it: before a checkpoint and at the epoch's end (every
+    rank flushes at the same step)."""
+    send(stepper, wishes)
+    return receive(stepper, tally, where)
+
+
+def check_skipped(tally: LossTally, skipped: int, longest: int, where: str) -> None:
+    """Count and report the updates skipped for non-finite gradients; too many in a row stop the run."""
+    if not skipped:
+        return
+    tally.skipped_steps += skipped
+    LOGGER.warning(
+        f"WARNING {where}: {skipped} optimizer steps skipped for non-finite gradients since the last read-back"
+    )
+    if longest >= MAX_NONFINITE_STEPS:
+        raise UserError(
+            f"{where}: {longest} optimizer steps in a row had non-finite gradients: "
+            "training diverged (lower lr0, or check the data)"
+        )
 
 
 @dataclass(frozen=True)
 class SavePolicy:
-    """When rank 0 wants a checkpoint inside an epoch (--save-steps, --save-minutes)."""
+    """When a checkpoint is written inside an epoch (--save-steps, --save-minutes)."""
 
     every_steps: int
     every_minutes: float
 
+    def due_by_steps(self, stepper: Stepper) -> bool:
+        """After every ``every_steps`` steps: known on every rank at the same step, without asking the others."""
+        return self.every_steps > 0 and stepper.steps_done > 0 and stepper.steps_done % self.every_steps == 0
+
     def wants_save(self, stepper: Stepper) -> bool:
-        """Every ``every_steps`` steps, or ``every_minutes`` after the last save."""
-        by_steps = self.every_steps > 0 and stepper.steps_done > 0 and stepper.steps_done % self.every_steps == 0
-        by_time = self.every_minutes > 0 and time.monotonic() - stepper.last_save >= self.every_minutes * 60
-        return by_steps or by_time
+        """Rank 0's wish, ``every_minutes`` after the last save: its clock, so it goes to the others through the
+        read-back."""
+        return self.every_minutes > 0 and time.monotonic() - stepper.last_save >= self.every_minutes * 60
 
 
 SaveMidEpoch = Callable[[int, int, LossTally], None]  # (epoch, next batch, the epoch's losses so far), rank 0

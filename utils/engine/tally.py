@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 
 @dataclass
@@ -21,9 +20,9 @@ class LossTally:
         if self.sums is None:
             self.sums = np.zeros(self.n)
 
-    def add(self, synced: torch.Tensor, world_size: int) -> None:
-        """Add the all-reduced [n loss items, finite micro-batches] of some steps."""
-        self.sums += synced[: self.n].cpu().numpy()
+    def add(self, synced: np.ndarray, world_size: int) -> None:
+        """Add the all-reduced [n loss item sums, finite micro-batches] of some steps, read back to the host."""
+        self.sums += synced[: self.n]
         self.micro_batches += float(synced[self.n]) / world_size
 
     def means(self) -> np.ndarray:

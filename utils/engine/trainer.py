@@ -8,6 +8,7 @@ import contextlib
 import itertools
 import json
 import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from utils.data.image_weights import (
 from utils.distributed import DistInfo, broadcast_object, collective, rank_zero_decides
 from utils.engine.config import CONFIG_SCHEMA, TrainConfig
 from utils.engine.epoch import EpochHooks, train_one_epoch
+from utils.engine.interrupt import STOP, Interrupted, stop_on_signals
 from utils.engine.optimization import Optimization, OptimizerInputs, build_optimization, choose, restore
 from utils.engine.parallel import compile_forward, share_buffers, wrap_ddp
 from utils.engine.phases import PhaseClock
@@ -77,10 +79,13 @@ def train(
     trainer = Trainer(run, resumed, device, info, process_started, clock)
     trainer.on_validated = on_validated
     try:
-        epoch = trainer.train_epochs()
+        with stop_on_signals():
+            epoch = trainer.train_epochs()
+            if trainer.stepper.stopped:
+                raise trainer.interrupted()
         return trainer.finish(epoch)
     except BaseException as e:
-        trainer.stop_reporting(KILLED if isinstance(e, KeyboardInterrupt) else FAILED)
+        trainer.stop_reporting(KILLED if isinstance(e, (KeyboardInterrupt, Interrupted)) else FAILED)
         raise
 
 
@@ -117,6 +122,7 @@ class Trainer:
             info,
             batch,
             len(self.loss_names),
+            log_interval=self.config.log_interval,
             marks=new_marks(device),
         )
         self.columns = (*result_columns(self.loss_names, len(self.optim.optimizer.param_groups)), *TIME_COLUMNS)
@@ -242,10 +248,15 @@ class Trainer:
                 tally, timing = train_one_epoch(self.stepper, loader, epoch, start_batch, tally, self.hooks)
                 self.clock.stamp(f"epoch {epoch} steps")
                 self.run_time.add(timing)
+                if self.stepper.stopped == "inside":  # its checkpoint is written: no validation, no row
+                    break
                 decision = self.end_epoch(epoch, tally, budget, t_epoch, timing)
                 if self.hooks.progress is not None:
                     self.hooks.progress.epoch_seconds.append(time.monotonic() - t_epoch)
                 if decision.get("stop") or epoch + 1 >= self.config.epochs:
+                    self.stepper.stopped = ""  # the run ends here anyway: it finishes as usual
+                    break
+                if self.stepper.stopped:
                     break
                 tally = LossTally(len(self.loss_names))
         end_stream = getattr(run.train_loader, "close", None)
@@ -401,6 +412,21 @@ class Trainer:
         advice = data_advice(summary.shares(), self.loader_workers, max(cores, 1))
         if advice:
             LOGGER.info(advice)
+
+    def interrupted(self) -> Interrupted:
+        """The run stopped on a signal: its checkpoint written (rank 0 waits for the writer), the command that
+        resumes it."""
+        self.run.train_loader = None  # ends the training workers, as at a run's end
+        last = self.run.save_dir / "weights" / "last.pt"
+        if self.record is not None:
+            self.record.close()
+            last = self.record.last
+        launcher = (
+            f"python -m torch.distributed.run --nproc_per_node {self.info.local_world_size} "
+            if self.info.is_distributed
+            else "python "
+        )
+        return Interrupted(STOP.signum or signal.SIGINT, f"{launcher}train.py --resume {last}")
 
     def stop_reporting(self, status: str) -> None:
         """A run ending on an error: the profile written, the tracker runs ended with ``status``."""
