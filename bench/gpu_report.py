@@ -348,25 +348,19 @@ class SyncWatch:
 
 
 def child_sync_debug(path: Path, train_argv: list[str]) -> int:
-    """train.py's main with a SyncWatch after every optimizer step (after --profile's own hook)."""
+    """train.py's main with a SyncWatch after every optimizer step (after --profile's own hook): the epoch's
+    after-step hook (the trainer's FirstStepStamp) is wrapped."""
     import train
     from utils.engine import trainer
 
     watch = SyncWatch(SYNC_FIRST_STEP, SYNC_STEPS, path)
-    start_record = trainer.Trainer.start_record
+    after_step = trainer.FirstStepStamp.__call__
 
-    def start_record_watched(self, *args, **kwargs) -> None:
-        start_record(self, *args, **kwargs)
-        before = self.hooks.after_step
+    def after_step_watched(self: trainer.FirstStepStamp) -> None:
+        after_step(self)
+        watch.step()
 
-        def after_step() -> None:
-            if before is not None:
-                before()
-            watch.step()
-
-        self.hooks.after_step = after_step
-
-    trainer.Trainer.start_record = start_record_watched
+    trainer.FirstStepStamp.__call__ = after_step_watched  # type: ignore[method-assign]
     return train.main(train_argv)
 
 
