@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import pickle
 import shutil
-import zipfile
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -29,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from utils.distributed import de_parallel
-from utils.errors import UserError
+from utils.errors import UserError, describe
 from utils.files import atomic_output
 from utils.torch_utils import cpu_fp32_state
 
@@ -70,6 +69,7 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     it, by the importer of its family (models/families/), and returned in this project's format.
     """
     from models.families import import_checkpoint, missing_weights_message
+    from models.families.records import MALFORMED_FILE_ERRORS
 
     path = Path(path)
     if not path.is_file():
@@ -80,8 +80,8 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         # Not our format: another tool's checkpoint, read by its family's allow-list importer; anything else is
         # refused with the global it named.
         return import_checkpoint(path)
-    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as e:
-        raise UserError(f"{path}: not a readable checkpoint ({e.__class__.__name__}: {str(e).splitlines()[0]})") from e
+    except MALFORMED_FILE_ERRORS as e:
+        raise UserError(f"{path}: not a readable checkpoint ({describe(e)})") from e
     if not isinstance(ckpt, dict) or "model_cfg" not in ckpt or "model" not in ckpt:
         raise UserError(f"{path}: not a checkpoint of this project (no model config and weights)")
     return ckpt

@@ -27,7 +27,7 @@ from utils.data.label_cache import CACHE_SUFFIX, cached_table, stat_digest
 from utils.data.label_table import BACKGROUND, CORRUPT, EMPTY, LABELLED, LabelTable, TableBuilder
 from utils.data.probe_pool import probe_files
 from utils.data.splits import CocoSplit
-from utils.errors import UserError
+from utils.errors import UserError, first_line
 from utils.log import LOGGER
 
 BOX_TOLERANCE = 0.02  # of the image's width/height: boxes poking out this far are clipped, farther are skipped
@@ -41,7 +41,7 @@ def read_coco_json(path: str | Path) -> dict[str, Any]:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"{path}: cannot read COCO JSON ({str(e).splitlines()[0]})") from e
+        raise UserError(f"{path}: cannot read COCO JSON ({first_line(e)})") from e
     missing = [k for k in ("images", "annotations") if not isinstance(data, dict) or not isinstance(data.get(k), list)]
     if missing:
         raise UserError(f"{path}: not a COCO JSON file (no {' or '.join(repr(k) for k in missing)} list)")

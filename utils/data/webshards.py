@@ -28,7 +28,7 @@ from utils.data.label_table import BACKGROUND, CORRUPT, EMPTY, LABELLED, LabelTa
 from utils.data.shard_cache import ShardCache, is_remote, require_fetch
 from utils.data.shard_names import ShardSet  # noqa: F401  (what the index is of; named by the data YAML)
 from utils.data.yolo_labels import LabelError, parse_label_text
-from utils.errors import UserError
+from utils.errors import UserError, describe
 from utils.log import LOGGER
 
 INDEX_VERSION = 1
@@ -175,10 +175,7 @@ def scan_shard(url: str, cache: ShardCache, nc: int | None) -> _ShardScan:
             offsets.update(_pax_offsets(local))
     except (tarfile.TarError, OSError, EOFError, ValueError, UnicodeDecodeError) as e:
         scan.bad_shard = True
-        scan.messages.append(
-            f"{url}: unreadable or truncated shard, skipped ({type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''})"
-        )
+        scan.messages.append(f"{url}: unreadable or truncated shard, skipped ({describe(e)})")
         return scan
     samples: dict[str, dict[str, tuple[str, bytes]]] = {}  # key -> ext -> (name, bytes), in tar order
     for name, data in members:
