@@ -60,8 +60,9 @@ _SCALED_NAME = re.compile(r"^(\D*\d+)([nslmx])(.*)$")
 # allocated: a config asking for 64 times the width or ten million classes is refused in one line instead of taking
 # the machine's memory. Each bound is well above every published YOLO (at most about 140 million parameters, 1280
 # channels, 12 repeats, 80 to a few thousand classes).
-MAX_PARAMETERS = 500_000_000  # 2 GB of fp32 weights
-MAX_CHANNELS = 8192  # per layer: the strides are measured by a forward pass, whose activations this bounds
+MAX_PARAMETERS = 300_000_000  # 1.2 GB of fp32 weights
+MAX_CHANNELS = 4096  # per layer: the strides are measured by a forward pass, whose activations this bounds
+MAX_ANCHORS = 20  # per level
 MAX_CLASSES = 100_000
 MAX_INPUT_CHANNELS = 64
 MAX_REPEATS = 100
@@ -93,6 +94,26 @@ def _number(value: Any, what: str, where: str, low: float, high: float) -> float
     return value
 
 
+def _anchors_ok(anchors: Any) -> bool:
+    if anchors is None:
+        return True
+    if isinstance(anchors, int) and not isinstance(anchors, bool):
+        return 1 <= anchors <= MAX_ANCHORS
+    if not isinstance(anchors, list) or not 1 <= len(anchors) <= 8 or not isinstance(anchors[0], list):
+        return False
+    pairs = len(anchors[0])
+    return (
+        2 <= pairs <= 2 * MAX_ANCHORS
+        and pairs % 2 == 0
+        and all(
+            isinstance(level, list)
+            and len(level) == pairs
+            and all(isinstance(a, (int, float)) and not isinstance(a, bool) and 0 < a < 1e5 for a in level)
+            for level in anchors
+        )
+    )
+
+
 def check_config(cfg: dict, ch: Any) -> None:
     """Refuse, in one line, a config whose sizes are out of every sane bound or whose rows are malformed, before
     anything is built (rows' own arguments are checked as each is built)."""
@@ -102,6 +123,11 @@ def check_config(cfg: dict, ch: Any) -> None:
         raise UserError(f"{where}: nc must be a whole number of classes from 1 to {MAX_CLASSES}, got {nc!r}")
     if not isinstance(ch, int) or isinstance(ch, bool) or not 1 <= ch <= MAX_INPUT_CHANNELS:
         raise UserError(f"{where}: the input channels must be from 1 to {MAX_INPUT_CHANNELS}, got {ch!r}")
+    if not _anchors_ok(cfg.get("anchors")):
+        raise UserError(
+            f"{where}: anchors must be a count per level (1 to {MAX_ANCHORS}) or one list per level of "
+            f"positive (width, height) pairs, as many on each level, got {cfg.get('anchors')!r}"[:300]
+        )
     rows = [cfg.get("backbone"), cfg.get("head")]
     if not all(isinstance(r, list) for r in rows) or not 1 <= len(rows[0]) + len(rows[1]) <= MAX_LAYERS:
         raise UserError(f"{where}: backbone and head must be lists of at most {MAX_LAYERS} layers in all")
@@ -254,7 +280,7 @@ def _build_layer(block: type[nn.Module], args: list, repeats: int, where: str, b
                     f"{n_params:,}); check its sizes (nc, width_multiple, channels)"
                 )
         module = make()
-    except (TypeError, ValueError, OverflowError, RuntimeError) as e:
+    except (TypeError, ValueError, OverflowError, RuntimeError, IndexError, KeyError, ZeroDivisionError) as e:
         raise UserError(f"{where}: cannot build it from arguments {args} ({first_line(e)})"[:400]) from e
     n_params = sum(p.numel() for p in module.parameters())
     if n_params > budget:
@@ -295,7 +321,7 @@ def load_model_config(cfg: str | Path | dict) -> dict:
     path, scale = _config_path(cfg)
     try:
         config = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
+    except (yaml.YAMLError, UnicodeDecodeError, OSError, RecursionError) as e:
         raise UserError(f"{path}: not valid YAML ({e.__class__.__name__})") from e
     # Without ``anchors`` the config describes an anchor-free model.
     missing = [k for k in ("nc", "backbone", "head") if not isinstance(config, dict) or k not in config]
@@ -326,9 +352,13 @@ class Model(nn.Module):
         self.nc = self.yaml["nc"]
         self.names = [str(i) for i in range(self.nc)]
         head = self.model[-1]
+        where = self.yaml.get("yaml_file", "model config")
         if not isinstance(head, DetectionHead):
-            raise UserError(f"{self.yaml.get('yaml_file', 'model config')}: the last layer must be Detect")
-        head.setup(self)
+            raise UserError(f"{where}: the last layer must be Detect")
+        try:
+            head.setup(self)  # a forward pass: layers whose sizes do not fit each other fail here
+        except (RuntimeError, ValueError, TypeError, IndexError, ZeroDivisionError) as e:
+            raise UserError(f"{where}: its layers do not fit together ({describe(e)})"[:400]) from e
 
     def forward(self, x: torch.Tensor):
         cache: list[torch.Tensor | None] = []

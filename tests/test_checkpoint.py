@@ -144,10 +144,12 @@ def test_model_configs_out_of_bounds_are_refused_before_building() -> None:
     for key, value in (("width_multiple", 64), ("nc", 10**7), ("depth_multiple", float("inf")), ("ch", 10**6)):
         with pytest.raises(UserError, match=key if key != "ch" else "input channels"):
             Model({**TINY_CFG, key: value})
-    wide = {**TINY_CFG, "backbone": [[-1, 1, "Conv", [8000, 3, 2]], [-1, 1, "Conv", [8000, 3, 2]]]}
-    wide["backbone"].append(TINY_CFG["backbone"][2])  # 8000 x 8000 x 9 weights: over the parameter bound
+    wide = {**TINY_CFG, "backbone": [[-1, 1, "Conv", [4000, 3, 2]], [-1, 1, "Conv", [4000, 5, 2]]]}
+    wide["backbone"].append(TINY_CFG["backbone"][2])  # 4000 x 4000 x 25 weights: over the parameter bound
     with pytest.raises(UserError, match="parameters"):
         Model(wide)
+    with pytest.raises(UserError, match="anchors"):
+        Model({**TINY_CFG, "anchors": [[]]})
     with pytest.raises(UserError, match="layer 1"):
         Model({**TINY_CFG, "backbone": [TINY_CFG["backbone"][0], [5, 1, "Conv", [8, 3, 2]], TINY_CFG["backbone"][2]]})
     assert yolo.MAX_PARAMETERS < 10**9

@@ -97,6 +97,8 @@ def read_restricted(path: str | Path) -> Any:
             f"{path}: refused: the file names {e.qualified_name}, which is neither a tensor, a plain value nor a "
             "YOLOv5 detection block (checkpoints never run code here)"
         ) from e
+    except pickle.UnpicklingError as e:
+        raise UserError(f"{path}: refused: {describe(e)}") from e
     except MALFORMED_FILE_ERRORS as e:
         raise UserError(f"{path}: not a readable checkpoint ({describe(e)})") from e
 
