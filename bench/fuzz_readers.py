@@ -485,7 +485,8 @@ def _read_meta(data: bytes, work: Path) -> str:
     (folder / METADATA_YAML).write_bytes(data)
     ModelMeta.from_yaml(folder, "openvino")
     text = data.decode("utf-8", "replace")
-    ModelMeta.from_json(text, "onnx", work / "m.onnx")
+    if text.lstrip().startswith("{"):  # YAML reads JSON too; a JSON document also goes to the ONNX reader
+        ModelMeta.from_json(text, "onnx", work / "m.onnx")
     return OK
 
 
@@ -584,14 +585,25 @@ def make_input(target: Target, seeds: tuple[bytes, ...], rng: random.Random) -> 
     return _checkpoint_input(rng, seeds) if target.name == "checkpoint" else mutate(rng, seeds)
 
 
+class _BudgetSpent(Exception):
+    """A reader's time budget ran out: the run stops with the inputs read so far."""
+
+
 def fuzz(
-    name: str, examples: int, seed: int, work: Path, time_limit_s: float = TIME_LIMIT_S, driver: str = "hypothesis"
+    name: str,
+    examples: int,
+    seed: int,
+    work: Path,
+    time_limit_s: float = TIME_LIMIT_S,
+    driver: str = "hypothesis",
+    budget_s: float = float("inf"),
 ) -> Report:
     """``examples`` inputs to one reader, drawn from ``seed``; the report of what they ended in.
 
     The inputs come from a ``random.Random`` per input: hypothesis seeds it (``driver='hypothesis'``, the bench's
     search, reproducible from ``seed``), or ``seed`` and the input's number do (``'plain'``: the same inputs on
-    every run, without hypothesis's bookkeeping per input; the suite's smoke run).
+    every run, without hypothesis's bookkeeping per input; the suite's smoke run). The run stops early once
+    ``budget_s`` seconds have passed.
     """
     from utils.log import LOGGER
 
@@ -601,10 +613,13 @@ def fuzz(
     report = Report(name)
 
     def one(rng: random.Random) -> None:
+        if time.perf_counter() - start > budget_s:
+            raise _BudgetSpent
         judge(target, make_input(target, seeds, rng), work, report, time_limit_s)
 
     level = LOGGER.level
     LOGGER.setLevel("CRITICAL")  # the readers' own warnings about each bad input are not the fuzzer's output
+    target.read(seeds[0], work)  # imports and first-use costs are not an input's time
     start = time.perf_counter()
     try:
         if driver == "plain":
@@ -618,6 +633,8 @@ def fuzz(
                 phases=[Phase.generate],
                 suppress_health_check=list(HealthCheck),
             )(hypothesis_seed(seed)(given(st.randoms(use_true_random=True))(one)))()
+    except _BudgetSpent:
+        pass
     finally:
         LOGGER.setLevel(level)
         report.seconds = time.perf_counter() - start
@@ -640,6 +657,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--examples", type=int, default=10_000, help="inputs per reader")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--time-limit", type=float, default=TIME_LIMIT_S, help="seconds per input")
+    parser.add_argument("--seconds", type=float, default=float("inf"), help="time budget per reader")
     parser.add_argument("--memory-gb", type=float, default=4.0, help="address-space bound of this process")
     parser.add_argument("--out", default="runs/fuzz", help="where each finding's first input and traceback go")
     args = parser.parse_args(argv)
@@ -648,7 +666,7 @@ def main(argv: list[str] | None = None) -> int:
     total = 0
     with tempfile.TemporaryDirectory(prefix="fuzz-", dir=WORK_ROOT) as tmp, quiet_stderr():
         for name in args.readers:
-            report = fuzz(name, args.examples, args.seed, Path(tmp) / name, args.time_limit)
+            report = fuzz(name, args.examples, args.seed, Path(tmp) / name, args.time_limit, budget_s=args.seconds)
             save_findings(report, Path(args.out))
             print(report.line(), flush=True)
             total += len(report.findings)
