@@ -9,12 +9,15 @@ traceback under ``--out``.
 
     python bench/fuzz_readers.py --examples 200000                      # every reader, 200k inputs each
     python bench/fuzz_readers.py --readers checkpoint shard_tar --examples 1000000 --seed 7
+    nice -n 19 python bench/fuzz_readers.py --examples 10000000 --seconds 600 --cpu-seconds 100   # bounded
 
 Inputs are mutations of small valid files made at start (byte flips, cuts, inserted spans and hostile tokens such
-as deep nesting, NaN, huge numbers, NUL bytes) and, for the YAML and JSON formats, valid documents with values
-replaced by hostile ones. Hypothesis only generates here (no shrinking, no example database), so a run of many
-inputs stays fast and every finding is kept rather than the first. tests/test_fuzz_smoke.py runs a few hundred
-inputs per reader with a fixed seed.
+as deep nesting, NaN, huge numbers, NUL bytes) and, for the YAML, JSON and XML formats, valid documents with values
+replaced by hostile ones. Hypothesis drives the search: it seeds one random generator per input, from which the
+mutations are drawn (drawing each byte through hypothesis costs more than most reads), generates only (no
+shrinking, no example database), so a run of millions of inputs stays fast and every finding is kept rather than
+the first. A finding is reproduced by reading its saved input with the reader (``TARGETS[name].read``).
+tests/test_fuzz_smoke.py runs a few hundred inputs per reader from a fixed seed.
 """
 
 from __future__ import annotations
@@ -371,6 +374,15 @@ TINY_ANCHOR_FREE = {
 }
 
 
+# The checkpoint reader's model: one layer and a one-level head, so a file that loads costs little to build.
+MINIMAL_MODEL = {
+    "nc": 2,
+    "anchors": [[10, 13]],
+    "backbone": [[-1, 1, "Conv", [4, 3, 2]]],
+    "head": [[[0], 1, "Detect", ["nc", "anchors"]]],
+}
+
+
 def _checkpoint_seeds(work: Path) -> tuple[bytes, ...]:
     import torch
 
@@ -378,27 +390,38 @@ def _checkpoint_seeds(work: Path) -> tuple[bytes, ...]:
     from utils.checkpoint import model_state
 
     buf = io.BytesIO()
-    torch.save({**model_state(Model(TINY_MODEL)), "epoch": 1, "names": ["cat", "dog"]}, buf)
+    torch.save({**model_state(Model(MINIMAL_MODEL)), "epoch": 1, "names": ["cat", "dog"]}, buf)
     return (buf.getvalue(),)
 
 
-def _with_pickle(zip_bytes: bytes, pickle_bytes: bytes) -> bytes:
+def _with_entry(zip_bytes: bytes, change: Callable[[str, bytes], bytes]) -> bytes:
+    """``zip_bytes`` rewritten with each entry's bytes passed through ``change(name, data)``."""
     with zipfile.ZipFile(io.BytesIO(zip_bytes)) as z:
         entries = [(i.filename, z.read(i)) for i in z.infolist()]
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w") as z:
         for name, data in entries:
-            z.writestr(name, pickle_bytes if name.endswith("data.pkl") else data)
+            z.writestr(name, change(name, data))
     return out.getvalue()
 
 
 def _checkpoint_input(rng: random.Random, seeds: tuple[bytes, ...]) -> bytes:
-    """A mutation of the whole file, or of the pickle inside an intact zip (what reaches the unpicklers)."""
-    if rng.randrange(2):
+    """A mutation of the whole file; of the pickle inside an intact zip (what reaches the unpicklers); or of one
+    tensor's bytes, its length kept (a file that opens, with other weights)."""
+    kind = rng.randrange(3)
+    if kind == 0:
         return mutate(rng, seeds)
-    with zipfile.ZipFile(io.BytesIO(seeds[0])) as z:
-        pickle_bytes = next(z.read(n) for n in z.namelist() if n.endswith("data.pkl"))
-    return _with_pickle(seeds[0], mutate(rng, (pickle_bytes,)))
+    if kind == 1:
+        return _with_entry(seeds[0], lambda name, data: mutate(rng, (data,)) if name.endswith("data.pkl") else data)
+
+    def flip(name: str, data: bytes) -> bytes:
+        if "/data/" not in name or not data or rng.randrange(4):
+            return data
+        changed = bytearray(data)
+        changed[rng.randrange(len(changed))] = rng.randrange(256)
+        return bytes(changed)
+
+    return _with_entry(seeds[0], flip)
 
 
 def _read_checkpoint(data: bytes, work: Path) -> str:
@@ -541,11 +564,17 @@ class Report:
     outcomes: Counter = field(default_factory=Counter)
     findings: dict[str, tuple[bytes, str]] = field(default_factory=dict)
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
 
     def line(self) -> str:
         parts = ", ".join(f"{self.outcomes[k]} {k}" for k in (OK, ERROR, SKIP, FINDING))
-        return f"{self.reader}: {sum(self.outcomes.values())} inputs in {self.seconds:.1f} s ({parts}); " + (
-            f"{len(self.findings)} distinct finding(s): {'; '.join(self.findings)}" if self.findings else "no findings"
+        return (
+            f"{self.reader}: {sum(self.outcomes.values())} inputs in {self.seconds:.1f} s, {self.cpu_seconds:.1f} s CPU ({parts}); "
+            + (
+                f"{len(self.findings)} distinct finding(s): {'; '.join(self.findings)}"
+                if self.findings
+                else "no findings"
+            )
         )
 
 
@@ -597,13 +626,14 @@ def fuzz(
     time_limit_s: float = TIME_LIMIT_S,
     driver: str = "hypothesis",
     budget_s: float = float("inf"),
+    cpu_budget_s: float = float("inf"),
 ) -> Report:
     """``examples`` inputs to one reader, drawn from ``seed``; the report of what they ended in.
 
     The inputs come from a ``random.Random`` per input: hypothesis seeds it (``driver='hypothesis'``, the bench's
     search, reproducible from ``seed``), or ``seed`` and the input's number do (``'plain'``: the same inputs on
     every run, without hypothesis's bookkeeping per input; the suite's smoke run). The run stops early once
-    ``budget_s`` seconds have passed.
+    ``budget_s`` seconds have passed or it has used ``cpu_budget_s`` seconds of CPU.
     """
     from utils.log import LOGGER
 
@@ -613,14 +643,14 @@ def fuzz(
     report = Report(name)
 
     def one(rng: random.Random) -> None:
-        if time.perf_counter() - start > budget_s:
+        if time.perf_counter() - start > budget_s or time.process_time() - cpu_start > cpu_budget_s:
             raise _BudgetSpent
         judge(target, make_input(target, seeds, rng), work, report, time_limit_s)
 
     level = LOGGER.level
     LOGGER.setLevel("CRITICAL")  # the readers' own warnings about each bad input are not the fuzzer's output
     target.read(seeds[0], work)  # imports and first-use costs are not an input's time
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     try:
         if driver == "plain":
             for i in range(examples):
@@ -637,7 +667,7 @@ def fuzz(
         pass
     finally:
         LOGGER.setLevel(level)
-        report.seconds = time.perf_counter() - start
+        report.seconds, report.cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     return report
 
 
@@ -658,6 +688,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--time-limit", type=float, default=TIME_LIMIT_S, help="seconds per input")
     parser.add_argument("--seconds", type=float, default=float("inf"), help="time budget per reader")
+    parser.add_argument("--cpu-seconds", type=float, default=float("inf"), help="CPU time budget per reader")
     parser.add_argument("--memory-gb", type=float, default=4.0, help="address-space bound of this process")
     parser.add_argument("--out", default="runs/fuzz", help="where each finding's first input and traceback go")
     args = parser.parse_args(argv)
