@@ -694,6 +694,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     limit = int(args.memory_gb * (1 << 30))
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    import torch
+
+    # One input at a time: worker threads only wait on each other (at a low priority on a busy machine, an
+    # OpenMP barrier between starved threads makes a tiny convolution take minutes, past the time limit's reach).
+    torch.set_num_threads(1)
     total = 0
     with tempfile.TemporaryDirectory(prefix="fuzz-", dir=WORK_ROOT) as tmp, quiet_stderr():
         for name in args.readers:

@@ -68,6 +68,7 @@ MAX_INPUT_CHANNELS = 64
 MAX_REPEATS = 100
 MAX_LAYERS = 1000
 MAX_UPSAMPLING = 16
+MAX_KERNEL = 15  # a Conv's or SPPF's kernel: the forward pass's cost grows with its square
 # A layer whose repeats times its largest size argument squared is below this is built directly (a block holds a few
 # tens of times that square in parameters at most); above it, its parameters are counted first on the meta device
 # (shapes without memory), so the bound holds before any allocation.
@@ -183,6 +184,8 @@ def _layer_args(
                 f"{where}: the first argument must be a channel count, got {args[0] if args else 'nothing'!r}"
             )
         c_in, c_out = channels[source], args[0]
+        if block in (Conv, DWConv, SPPF) and len(args) > 1 and isinstance(args[1], int) and args[1] > MAX_KERNEL:
+            raise UserError(f"{where}: kernel {args[1]} (at most {MAX_KERNEL})")
         if c_out != scaling.head_outputs:
             c_out = make_divisible(min(c_out, scaling.max_channels) * scaling.width, 8)
         built = [c_in, c_out, *args[1:]]
@@ -321,7 +324,7 @@ def load_model_config(cfg: str | Path | dict) -> dict:
     path, scale = _config_path(cfg)
     try:
         config = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError, OSError, RecursionError) as e:
+    except (yaml.YAMLError, ValueError, OSError, RecursionError) as e:  # ValueError: a 5000-digit integer, bad UTF-8
         raise UserError(f"{path}: not valid YAML ({e.__class__.__name__})") from e
     # Without ``anchors`` the config describes an anchor-free model.
     missing = [k for k in ("nc", "backbone", "head") if not isinstance(config, dict) or k not in config]

@@ -148,6 +148,8 @@ def test_model_configs_out_of_bounds_are_refused_before_building() -> None:
     wide["backbone"].append(TINY_CFG["backbone"][2])  # 4000 x 4000 x 25 weights: over the parameter bound
     with pytest.raises(UserError, match="parameters"):
         Model(wide)
+    with pytest.raises(UserError, match="kernel 64"):
+        Model({**TINY_CFG, "backbone": [[-1, 1, "Conv", [8, 64, 2]], *TINY_CFG["backbone"][1:]]})
     with pytest.raises(UserError, match="anchors"):
         Model({**TINY_CFG, "anchors": [[]]})
     with pytest.raises(UserError, match="layer 1"):
