@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from models.families import family_of
     from utils.data.config import load_data_config
+    from utils.errors import describe
     from utils.evaluation.gate import cpu_name, latency_ms, split_map
     from utils.formats import open_runner
 
@@ -251,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                     side.path = make(out / name / f"{fmt.name}_{precision}")
                     runners.append(measure(side, family, cfg, args.imgsz))
                 except Exception as e:  # one side failing is a row to print, not the end of the bench  # noqa: BLE001
-                    side.error = f"{e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                    side.error = describe(e)
                 pair.append(side)
             if len(runners) == 2:
                 pair[0].ms, pair[1].ms = paired_latency(runners, image)

@@ -408,3 +408,54 @@ def test_shards_written_by_webdataset_itself_load_and_train_also_over_pipe(tmp_p
     rows = (tmp_path / "exp" / "results.csv").read_text().strip().splitlines()
     assert len(rows) == 2 and (tmp_path / "exp" / "weights" / "last.pt").is_file()
     assert [p.read_bytes() for p in (tmp_path / "node-cache").glob("*.tar")] == [shard.read_bytes()]
+
+
+def _png_sample_tar(path: Path, keys: list[str]) -> list[int]:
+    """A shard of small labelled PNG samples; returns each member's header offset."""
+    png = cv2.imencode(".png", np.full((32, 32, 3), 90, np.uint8))[1].tobytes()
+    _write_tar(
+        path, {f"{k}.{ext}": data for k in keys for ext, data in (("png", png), ("txt", b"0 0.5 0.5 0.2 0.2\n"))}
+    )
+    with tarfile.open(path) as tar:
+        return [m.offset for m in tar.getmembers()]
+
+
+def test_shard_cut_inside_a_tar_header_is_skipped_and_named(tmp_path) -> None:
+    from utils.data.webshards import read_shard_table
+
+    _png_sample_tar(tmp_path / "c-000000.tar", ["a", "b"])
+    headers = _png_sample_tar(tmp_path / "c-000001.tar", ["c", "d", "e"])
+    cut = tmp_path / "c-000001.tar"
+    cut.write_bytes(cut.read_bytes()[: headers[3] + 100])  # an interrupted copy: the 4th header is cut short
+    shards = ShardSet((str(tmp_path / "c-000000.tar"), str(cut)), "test")
+    table, _ = read_shard_table(shards, nc=1, cache=ShardCache(tmp_path / "cache"))
+    assert table.counts["bad_shards"] == 1 and list(table.shard_counts) == [2, 0]
+    assert any(m.startswith(f"{cut}: unreadable or truncated shard") for m in table.messages)
+
+
+def test_huge_member_is_skipped_and_counted_without_being_read(tmp_path) -> None:
+    import tracemalloc
+
+    from utils.data import webshards
+
+    path = tmp_path / "h-000000.tar"
+    _png_sample_tar(path, ["a"])
+    huge = webshards.MAX_MEMBER_BYTES + (1 << 20)
+    with tarfile.open(path) as tar:
+        end = tar.getmembers()[-1].offset_data + 512  # the end of the last (small) member's block
+    info = tarfile.TarInfo("big.png")
+    info.size = huge
+    with open(path, "r+b") as f:  # a sparse member: its bytes take no disk space
+        f.seek(end)
+        f.write(info.tobuf())
+        f.truncate(end + 512 + huge + 1024)
+    shards = ShardSet((str(path),), "test")
+    tracemalloc.start()
+    try:
+        table, _ = webshards.read_shard_table(shards, nc=1, cache=ShardCache(tmp_path / "cache"))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20  # never read whole
+    assert table.counts["corrupt"] == 1 and len(table.usable()) == 1
+    assert any("big.png: member of" in m and "bound" in m for m in table.messages)

@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from utils.distributed import de_parallel
 from utils.ema import ModelEMA
-from utils.errors import UserError
+from utils.errors import UserError, describe
 from utils.files import atomic_output
 from utils.torch_utils import cpu_fp32_state
 
@@ -72,6 +72,7 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     it, by the importer of its family (models/families/), and returned in this project's format.
     """
     from models.families import import_checkpoint, missing_weights_message
+    from models.families.records import MALFORMED_FILE_ERRORS
 
     path = Path(path)
     if path.is_dir():  # a Hugging Face folder (config.json + model.safetensors)
@@ -84,8 +85,8 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         # Not our format: another tool's checkpoint, read by its family's allow-list importer; anything else is
         # refused with the global it named.
         return import_checkpoint(path)
-    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as e:
-        raise UserError(f"{path}: not a readable checkpoint ({e.__class__.__name__}: {str(e).splitlines()[0]})") from e
+    except MALFORMED_FILE_ERRORS as e:
+        raise UserError(f"{path}: not a readable checkpoint ({describe(e)})") from e
     if isinstance(ckpt, dict) and ("model" in ckpt or "ema" in ckpt) and "model_cfg" not in ckpt:
         return import_checkpoint(path)  # plain tensors of another tool (the official DETRs' .pth)
     if not isinstance(ckpt, dict) or "model_cfg" not in ckpt or "model" not in ckpt:

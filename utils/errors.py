@@ -17,6 +17,18 @@ class EveryRankError(UserError):
     rank 0 prints it, so that the user reads it once."""
 
 
+def first_line(e: BaseException) -> str:
+    """The first non-blank line of an exception's message, or its class name when it has none (``EOFError()``):
+    what an error line quotes of another library's exception, which may be empty or many lines long."""
+    return next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+
+
+def describe(e: BaseException) -> str:
+    """``ClassName: first line`` of an exception (only the class name when its message is empty)."""
+    line = first_line(e)
+    return line if line == type(e).__name__ else f"{type(e).__name__}: {line}"
+
+
 def run_reporting_errors(entry: Callable[[], int | None]) -> int:
     """Call an entry point's body; a UserError becomes one ``ERROR ...`` line and exit status 1."""
     try:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import collections
 import pickle
+import struct
+import zipfile
 from pathlib import PurePosixPath, PureWindowsPath
 from typing import Any
 
@@ -25,6 +27,28 @@ MODULE_ALIASES = {
     "numpy._core.multiarray": "numpy.core.multiarray",
     "pathlib._local": "pathlib",
 }
+# What torch.load, its weights-only unpickler and pickletools raise for a file that is not a well-formed
+# checkpoint (an empty or truncated pickle, pickle protocol 0 text, a cut zip, an opcode stream that means nothing):
+# each is the user's broken file, reported in one line, never a traceback. torch asserts on the persistent ids of a
+# pickle written with protocol 0, hence AssertionError.
+MALFORMED_FILE_ERRORS = (
+    pickle.UnpicklingError,
+    AssertionError,
+    EOFError,
+    IndexError,
+    KeyError,
+    struct.error,
+    ValueError,
+    TypeError,
+    AttributeError,
+    RuntimeError,
+    OSError,
+    OverflowError,
+    RecursionError,
+    NotImplementedError,
+    zipfile.BadZipFile,
+    MemoryError,
+)
 _NUMERIC_KINDS = "biufc"  # bool, signed, unsigned, float, complex: never objects, strings or records
 
 

@@ -22,7 +22,6 @@ are read is theirs to say (``Family.importers``); the dispatcher (models/familie
 from __future__ import annotations
 
 import re
-import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -30,9 +29,16 @@ from typing import Any, NoReturn
 import torch
 
 from models.families.base import CheckpointImporter, Family
-from models.families.records import SAFE_CALLABLES, ModuleRecord, named_records, plain, record_state_dict
+from models.families.records import (
+    MALFORMED_FILE_ERRORS,
+    SAFE_CALLABLES,
+    ModuleRecord,
+    named_records,
+    plain,
+    record_state_dict,
+)
 from models.yolo import build_model
-from utils.errors import UserError
+from utils.errors import UserError, describe
 from utils.log import LOGGER
 from utils.torch_utils import cpu_fp32_state
 
@@ -124,8 +130,8 @@ def pickled_globals(path: Path) -> list[str]:
     """Every global the checkpoint's pickle names (the ones torch does not already allow), read without unpickling."""
     try:
         return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(path))
-    except (RuntimeError, ValueError, OSError, zipfile.BadZipFile, EOFError) as e:
-        raise UserError(f"{path}: not a readable checkpoint ({e.__class__.__name__}: {str(e).splitlines()[0]})") from e
+    except MALFORMED_FILE_ERRORS as e:
+        raise UserError(f"{path}: not a readable checkpoint ({describe(e)})") from e
 
 
 def ultralytics_globals(path: Path) -> list[str] | None:
@@ -170,7 +176,7 @@ def read_ultralytics(path: str | Path, families: Sequence[Family], names: list[s
         with torch.serialization.safe_globals(stand_ins):
             raw = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # the weights_only unpickler raises several types for a malformed file  # noqa: BLE001
-        raise UserError(f"{path}: refused: {e.__class__.__name__}: {str(e).splitlines()[0]}") from e
+        raise UserError(f"{path}: refused: {describe(e)}") from e
     if not isinstance(raw, dict):
         raise UserError(f"{path}: not an Ultralytics checkpoint (the file holds a {type(raw).__name__}, not a dict)")
     return raw

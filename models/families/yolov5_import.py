@@ -26,6 +26,7 @@ import torch
 
 from models.families.base import CheckpointImporter, Family
 from models.families.records import (
+    MALFORMED_FILE_ERRORS,
     MODULE_ALIASES,
     SAFE_CALLABLES,
     ModuleRecord,
@@ -36,7 +37,7 @@ from models.families.records import (
     record_state_dict,
 )
 from models.yolo import Model
-from utils.errors import UserError
+from utils.errors import UserError, describe
 from utils.log import LOGGER
 from utils.torch_utils import cpu_fp32_state
 
@@ -97,9 +98,9 @@ def read_restricted(path: str | Path) -> Any:
             "YOLOv5 detection block (checkpoints never run code here)"
         ) from e
     except pickle.UnpicklingError as e:
-        raise UserError(f"{path}: refused: {e}") from e
-    except (RuntimeError, EOFError, OSError, ValueError, TypeError, AttributeError) as e:
-        raise UserError(f"{path}: not a readable checkpoint ({e.__class__.__name__}: {str(e).splitlines()[0]})") from e
+        raise UserError(f"{path}: refused: {describe(e)}") from e
+    except MALFORMED_FILE_ERRORS as e:
+        raise UserError(f"{path}: not a readable checkpoint ({describe(e)})") from e
 
 
 def _names_list(names: Any, nc: int, path: Path) -> list[str]:

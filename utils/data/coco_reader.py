@@ -36,7 +36,7 @@ from utils.data.label_table import (
 )
 from utils.data.probe_pool import probe_files
 from utils.data.splits import CocoSplit
-from utils.errors import UserError
+from utils.errors import UserError, first_line
 from utils.log import LOGGER
 
 BOX_TOLERANCE = 0.02  # of the image's width/height: boxes poking out this far are clipped, farther are skipped
@@ -52,7 +52,7 @@ def read_coco_json(path: str | Path) -> dict[str, Any]:
     except RecursionError as e:  # arrays or objects nested thousands deep: no COCO file is
         raise UserError(f"{path}: cannot read COCO JSON (nested too deep)") from e
     except (OSError, ValueError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError, a 5000-digit integer
-        raise UserError(f"{path}: cannot read COCO JSON ({(str(e).splitlines() or [type(e).__name__])[0]})") from e
+        raise UserError(f"{path}: cannot read COCO JSON ({first_line(e)})") from e
     missing = [k for k in ("images", "annotations") if not isinstance(data, dict) or not isinstance(data.get(k), list)]
     if missing:
         raise UserError(f"{path}: not a COCO JSON file (no {' or '.join(repr(k) for k in missing)} list)")

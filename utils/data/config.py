@@ -24,7 +24,7 @@ from utils.data.image_files import IMG_FORMATS, img2label_path, is_image_file, l
 from utils.data.shard_names import is_shard_entry, resolve_shard_split
 from utils.data.splits import CocoSplit, FractionSplit, VocSplit, user_path
 from utils.data.voc_reader import voc_class_names
-from utils.errors import UserError
+from utils.errors import UserError, first_line
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SPLITS = ("train", "val", "test")
@@ -174,7 +174,7 @@ def load_data_config(path: str | Path) -> dict[str, Any]:
         with open(yaml_file, encoding="utf-8") as f:
             raw = yaml.load(f, Loader=_DataYamlLoader)  # noqa: S506  (a SafeLoader, bounded)
     except (OSError, ValueError, yaml.YAMLError) as e:  # ValueError: UnicodeDecodeError, a 5000-digit integer
-        raise UserError(f"{yaml_file}: cannot parse YAML ({(str(e).splitlines() or [type(e).__name__])[0]})") from e
+        raise UserError(f"{yaml_file}: cannot parse YAML ({first_line(e)})") from e
     if not isinstance(raw, dict):
         raise UserError(f"{yaml_file}: expected a mapping with keys path, train, val, names")
 

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from utils.cli import ALLOW_PIPE_ENV
-from utils.errors import UserError
+from utils.errors import UserError, first_line
 from utils.files import atomic_output
 from utils.log import LOGGER
 
@@ -109,8 +109,7 @@ class ShardCache:
                 if tmp.stat().st_size == 0:
                     raise FetchError(f"{url}: empty download")
         except Exception as e:  # gopen raises whatever its transport raises (IOError, ValueError, ...)
-            why = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise FetchError(f"{url}: cannot fetch shard ({why})") from e
+            raise FetchError(f"{url}: cannot fetch shard ({first_line(e)})") from e
 
     def _evict(self, keep: Path) -> None:
         """Delete least recently used copies until the cache fits ``max_bytes``."""

@@ -4,9 +4,10 @@ A sample is the members of one tar sharing a key (WebDataset's convention, split
 image (``key.jpg|jpeg|png|webp|bmp``) and optionally its YOLO label rows (``key.txt``; none or empty means a
 background image). How a data YAML names shards is shard_names.py's.
 
-The index is built once per shard set (by local rank 0 of each node; the others wait) by streaming every shard
-with WebDataset's tar iterator, verifying each sample with the label cache's checks, and taking member offsets
-from ``wids``' memory-mapped tar index. It is the split's LabelTable (label_table.py, stored by label_cache.py)
+The index is built once per shard set (by local rank 0 of each node; the others wait) by reading every shard's tar
+headers (the standard library's reader: member names, offsets and sizes), then each sample's members one sample at
+a time, verified with the label cache's checks. A shard cut or damaged anywhere is skipped whole and named; a member
+over ``MAX_MEMBER_BYTES`` skips its sample. It is the split's LabelTable (label_table.py, stored by label_cache.py)
 with, per sample, its shard, image offset and size, and per split the shard URLs. With it an epoch's length is
 known without reading the shards, and any sample is one ``pread`` away.
 """
@@ -15,10 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tarfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -29,12 +32,17 @@ from utils.data.label_table import BACKGROUND, CORRUPT, EMPTY, LABELLED, LabelTa
 from utils.data.shard_cache import ShardCache, is_remote, require_fetch
 from utils.data.shard_names import ShardSet  # noqa: F401  (what the index is of; named by the data YAML)
 from utils.data.yolo_labels import LabelError, parse_label_text
-from utils.errors import UserError
+from utils.errors import UserError, describe
 from utils.log import LOGGER
 
 INDEX_VERSION = 1
 SHARD_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp")
 INDEX_SUFFIX = ".yolo-train.index.npz"
+# A member larger than this (an image or its labels) skips its sample at the index: no sample's bytes are ever read
+# whole into memory beyond it, whatever a shard holds.
+MAX_MEMBER_BYTES = 256 << 20
+# WebDataset's metadata members (``__key__``, ``__meta__/...``) are not samples.
+_META_NAME = re.compile(r"__[^/]*__($|/)")
 
 
 # ---- the index ----------------------------------------------------------------------------------------------
@@ -84,33 +92,34 @@ class _ShardScan:
     bad_shard: bool = False
 
 
-def _read_members(local_path: str) -> list[tuple[str, bytes]]:
-    """(name, bytes) of every regular member, streamed with WebDataset's tar iterator; raises on a damaged tar."""
-    from webdataset.tariterators import tar_file_iterator
-
-    def reraise(exn: Exception) -> bool:
-        raise exn
-
-    with open(local_path, "rb") as f:
-        return [(m["fname"], m["data"]) for m in tar_file_iterator(f, handler=reraise)]
-
-
-def _member_offsets(local_path: str) -> dict[str, tuple[int, int]]:
-    """name -> (offset of its bytes, size), from wids' memory-mapped index of the tar headers."""
-    from wids.wids_mmtar import MMIndexedTar
-
-    tar = MMIndexedTar(local_path, verbose=False)
-    try:
-        return {name: (offset + 512, size) for name, offset, size in tar.by_index}
-    finally:
-        tar.close()
-
-
-def _pax_offsets(local_path: str) -> dict[str, tuple[int, int]]:
-    """name -> (offset, size) from the standard library's reader, which follows PAX and GNU long-name headers
-    (wids reads the 100-character name field only); used only for names wids did not give."""
+def _tar_members(local_path: str) -> list[tuple[str, int, int]]:
+    """(name, offset of its bytes, size) of every regular member, in tar order, from the headers alone (PAX and GNU
+    long names followed; no member's bytes are read). Raises ``tarfile.ReadError`` for a shard cut or damaged inside
+    a header or a member."""
+    file_size = os.path.getsize(local_path)
     with tarfile.open(local_path, "r:") as tar:
-        return {m.name: (m.offset_data, m.size) for m in tar.getmembers() if m.isfile()}
+        members = [(m.name, m.offset_data, m.size) for m in tar if m.isreg() and not _META_NAME.match(m.name)]
+        end = tar.offset  # where the header after the last member starts (or the archive's end blocks)
+    cut = next((name for name, offset, size in members if offset + size > file_size), None)
+    if cut is not None:
+        raise tarfile.ReadError(f"member {cut} is cut short")
+    # tarfile takes a header cut short or garbled anywhere but first for the end of the archive: past the last
+    # member only the archive's zero blocks may follow.
+    with open(local_path, "rb") as f:
+        f.seek(end)
+        while chunk := f.read(1 << 20):
+            if chunk.strip(b"\0"):
+                raise tarfile.ReadError(f"a damaged or cut tar header at byte {end}, after {len(members)} members")
+    return members
+
+
+def _read_member(f: BinaryIO, name: str, offsets: dict[str, tuple[int, int]]) -> bytes:
+    offset, size = offsets[name]
+    f.seek(offset)
+    data = f.read(size)
+    if len(data) != size:
+        raise tarfile.ReadError(f"member {name} is cut short")
+    return data
 
 
 def _verify_sample(
@@ -139,9 +148,6 @@ def _verify_sample(
         add(CORRUPT, key, (0, 0), empty, f"{url}/{key}: no image member ({', '.join(SHARD_IMAGE_EXTS)}), skipped")
         return
     name, data = image
-    if name not in offsets:  # e.g. a name longer than the tar header holds (wids reads the plain header only)
-        add(CORRUPT, name, (0, 0), empty, f"{url}/{name}: member not indexable, skipped")
-        return
     try:
         shape, warning = probe_image_bytes(data)
     except ImageError as e:
@@ -164,34 +170,56 @@ def _verify_sample(
 
 
 def scan_shard(url: str, cache: ShardCache, nc: int | None) -> _ShardScan:
-    """Verify one shard; a shard that cannot be read to its end is skipped whole (``bad_shard``)."""
+    """Verify one shard, one sample's members in memory at a time; a shard that cannot be read to its end is skipped
+    whole (``bad_shard``), a member over ``MAX_MEMBER_BYTES`` skips its sample."""
     from webdataset.tariterators import base_plus_ext
 
     local = require_fetch(cache, url)
     scan = _ShardScan()
+    samples: dict[str, dict[str, str]] = {}  # key -> ext -> member name, in tar order
     try:
-        members = _read_members(local)
-        offsets = _member_offsets(local)
-        if any(name not in offsets for name, _ in members):
-            offsets.update(_pax_offsets(local))
+        members = _tar_members(local)
+        offsets = {name: (offset, size) for name, offset, size in members}
+        for name, _, _ in members:
+            key, ext = base_plus_ext(name)
+            if key is not None and ext is not None:
+                samples.setdefault(key, {})[ext.lower()] = name
+        with open(local, "rb") as f:
+            for key, parts in samples.items():
+                _scan_sample(url, key, parts, f, offsets, nc, scan)
     except (tarfile.TarError, OSError, EOFError, ValueError, UnicodeDecodeError) as e:
-        scan.bad_shard = True
-        scan.messages.append(
-            f"{url}: unreadable or truncated shard, skipped ({type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''})"
-        )
-        return scan
-    samples: dict[str, dict[str, tuple[str, bytes]]] = {}  # key -> ext -> (name, bytes), in tar order
-    for name, data in members:
-        key, ext = base_plus_ext(name)
-        if key is None or ext is None:
-            continue
-        samples.setdefault(key, {})[ext.lower()] = (name, data)
-    for key, parts in samples.items():
-        image = next((parts[e] for e in SHARD_IMAGE_EXTS if e in parts), None)
-        label = parts["txt"][1] if "txt" in parts else None
-        _verify_sample(url, image, label, nc, scan, offsets, key)
+        return _ShardScan(bad_shard=True, messages=[f"{url}: unreadable or truncated shard, skipped ({describe(e)})"])
     return scan
+
+
+def _scan_sample(
+    url: str,
+    key: str,
+    parts: dict[str, str],
+    f: BinaryIO,
+    offsets: dict[str, tuple[int, int]],
+    nc: int | None,
+    scan: _ShardScan,
+) -> None:
+    """Read one sample's image and label members (unless one is over the size bound) and verify them."""
+    name = next((parts[e] for e in SHARD_IMAGE_EXTS if e in parts), None)
+    wanted = [n for n in (name, parts.get("txt")) if n is not None]
+    too_big = next((n for n in wanted if offsets[n][1] > MAX_MEMBER_BYTES), None)
+    if too_big is not None:
+        scan.members.append(name or key)
+        scan.status.append(CORRUPT)
+        scan.shapes.append((0, 0))
+        scan.labels.append(np.zeros((0, 5), np.float32))
+        scan.offsets.append(-1)
+        scan.sizes.append(0)
+        scan.messages.append(
+            f"{url}/{too_big}: member of {offsets[too_big][1]:,} bytes, over the {MAX_MEMBER_BYTES:,}-byte bound; "
+            "sample skipped"
+        )
+        return
+    image = (name, _read_member(f, name, offsets)) if name is not None else None
+    label = _read_member(f, parts["txt"], offsets) if "txt" in parts else None
+    _verify_sample(url, image, label, nc, scan, offsets, key)
 
 
 def _index_hash(urls: tuple[str, ...], nc: int | None) -> str:

@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from models.families import Int8Scope
-from utils.errors import UserError
+from utils.errors import UserError, first_line
 from utils.files import atomic_output
 from utils.formats.base import ExportJob, Format, Runner, as_numpy
 from utils.formats.metadata import ModelMeta
@@ -218,7 +218,7 @@ class LiteRTRunner(Runner):
             self.interpreter = Interpreter(model_path=str(path), num_threads=torch.get_num_threads())
             self.interpreter.allocate_tensors()
         except (RuntimeError, ValueError) as e:
-            raise UserError(f"{path}: LiteRT cannot open it ({str(e).splitlines()[0]})") from e
+            raise UserError(f"{path}: LiteRT cannot open it ({first_line(e)})") from e
         first = self.interpreter.get_input_details()[0]
         self.input_index = first["index"]
         self.output_index = self.interpreter.get_output_details()[0]["index"]

@@ -25,7 +25,7 @@ import yaml
 
 from models.families import UNRECORDED_EXPORT_FAMILY, known_layouts, ultralytics_export_family
 from utils.cli import INFERENCE_IMGSZ
-from utils.errors import UserError
+from utils.errors import UserError, first_line
 from utils.log import LOGGER
 
 OWN_METADATA_KEY = "yolo_train"  # this project's record among the exported metadata
@@ -177,7 +177,7 @@ class ModelMeta:
         try:
             raw = yaml.safe_load(path.read_text(encoding="utf-8"))
         except yaml.YAMLError as e:
-            raise UserError(f"{path}: metadata unreadable ({str(e).splitlines()[0]})") from e
+            raise UserError(f"{path}: metadata unreadable ({first_line(e)})") from e
         if not isinstance(raw, dict):
             raise UserError(f"{path}: metadata unreadable (not a mapping)")
         return cls.from_mapping(raw, kind, path)

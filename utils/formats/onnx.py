@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from utils.errors import UserError
+from utils.errors import UserError, describe
 from utils.formats.base import ExportJob, ExportOptions, Format, Runner, as_numpy, missing_package
 from utils.formats.metadata import ModelMeta
 from utils.log import LOGGER
@@ -75,9 +75,7 @@ class OnnxRunner(Runner):
         try:
             self.session = ort.InferenceSession(str(path), session_options(ort), providers=providers)
         except Exception as e:  # onnxruntime raises its own exception types for bad files  # noqa: BLE001
-            raise UserError(
-                f"{path}: onnxruntime cannot open it ({e.__class__.__name__}: {str(e).splitlines()[0]})"
-            ) from None
+            raise UserError(f"{path}: onnxruntime cannot open it ({describe(e)})") from None
         first = self.session.get_inputs()[0]
         self.input_name = first.name
         self.input_dtype = torch.float16 if first.type == "tensor(float16)" else torch.float32

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from utils.errors import UserError
+from utils.errors import UserError, first_line
 from utils.formats.base import PRECISION_TAGS, ExportJob, Format, Runner, as_numpy, missing_package
 from utils.formats.int8 import ScopeMatcher, calibration_batches, openvino_owner
 from utils.formats.metadata import ModelMeta
@@ -156,7 +156,7 @@ class OpenVinoRunner(Runner):
         try:
             model = core.read_model(str(xml))
         except RuntimeError as e:
-            raise UserError(f"{xml}: OpenVINO cannot read it ({str(e).splitlines()[0]})") from e
+            raise UserError(f"{xml}: OpenVINO cannot read it ({first_line(e)})") from e
         config = {
             "INFERENCE_PRECISION_HINT": "f32",
             "INFERENCE_NUM_THREADS": torch.get_num_threads(),

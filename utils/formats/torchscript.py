@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from utils.errors import UserError
+from utils.errors import UserError, first_line
 from utils.formats.base import ExportJob, Format, Runner
 from utils.formats.metadata import ModelMeta
 
@@ -25,7 +25,7 @@ class TorchScriptRunner(Runner):
                 warnings.simplefilter("ignore", FutureWarning)
                 self.module = torch.jit.load(str(path), map_location=device, _extra_files=extra)
         except (RuntimeError, ValueError) as e:
-            raise UserError(f"{path}: not a readable TorchScript file ({str(e).splitlines()[0]})") from e
+            raise UserError(f"{path}: not a readable TorchScript file ({first_line(e)})") from e
         if not extra[METADATA_FILE]:
             raise UserError(f"{path}: no metadata ({METADATA_FILE}) in it; export it with export.py")
         self.meta = ModelMeta.from_json(extra[METADATA_FILE], "torchscript", path)
