@@ -72,7 +72,7 @@ class Sizes:
     @classmethod
     def for_run(cls, dry_run: bool, ultralytics_python: str) -> Sizes:
         if dry_run:
-            return cls(Settings(64, 4, 0, 4, "cpu", ultralytics_python), 8, 4, (64, 2))
+            return cls(Settings(64, 4, 0, 4, "cpu", ultralytics_python, save_burst_s=0.05), 32, 4, (64, 2))
         return cls(Settings(640, 64, 16, 4, "0", ultralytics_python), 2048, 500, (640, 64))
 
 

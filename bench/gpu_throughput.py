@@ -71,7 +71,13 @@ def make_dataset(out: Path, images: int, imgsz: int, parts: int, val: int = 64) 
 
 
 def watch_saves(
-    cmd: list[str], cwd: Path, checkpoint: Path, log: Path, env: dict[str, str], timeout: float | None = None
+    cmd: list[str],
+    cwd: Path,
+    checkpoint: Path,
+    log: Path,
+    env: dict[str, str],
+    timeout: float | None = None,
+    burst_s: float = SAVE_BURST_S,
 ) -> tuple[int, list[float]]:
     """Run ``cmd``; return its exit code (-9 when killed after ``timeout`` s) and the times (s since start) at which
     ``checkpoint`` was written anew."""
@@ -90,7 +96,7 @@ def watch_saves(
             if stamp is not None and stamp != last:
                 now = time.perf_counter() - t0
                 # A save written in place changes the file several times within a moment: one save, timed at its end.
-                if seen and now - seen[-1] < SAVE_BURST_S:
+                if seen and now - seen[-1] < burst_s:
                     seen[-1] = now
                 else:
                     seen.append(now)
@@ -147,6 +153,9 @@ class Settings:
     epochs: int
     device: str
     ultralytics_python: str = ""  # '' : ours only
+    # Changes to the checkpoint closer together than this are one save (a file written in place changes several
+    # times); a toy run's tiny checkpoints and sub-second epochs need a shorter window.
+    save_burst_s: float = SAVE_BURST_S
 
 
 @dataclass
@@ -234,7 +243,7 @@ def train_both(
         (folder / "weights/last.pt").unlink(missing_ok=True)
         t = time.perf_counter()
         log = out / f"{label}_{name}.log"
-        code, saves = watch_saves(cmd, cwd, folder / "weights/last.pt", log, env, timeout)
+        code, saves = watch_saves(cmd, cwd, folder / "weights/last.pt", log, env, timeout, settings.save_burst_s)
         rate, intervals = images_per_s(saves, n_images, settings.epochs)
         run = Trained(rate, intervals, len(saves), time.perf_counter() - t, code, log, folder)
         if label == "ours" and (folder / "results.csv").exists():

@@ -33,10 +33,6 @@ EXAMPLES = {
 # Readers whose smoke inputs still find something, each owned by another item of issue 49: strict, so the case fails
 # once the finding is fixed and the mark must go.
 OPEN = {
-    "data_yaml": "issue 49 item 6: paths with ~nosuchuser, a NUL byte or a 300-byte component raise "
-    "RuntimeError/ValueError/OSError",
-    "coco_json": "issue 49 item 7: 'categories: 1' or a list as image_id raises TypeError",
-    "hyp_yaml": "issue 49 item 10: an empty hyp file or a YAML list raises TypeError/ValueError in read_hyp",
     "results_csv": "issue 49 item 10: a non-UTF-8 byte, a text cell or an epoch of 1.0 raise "
     "UnicodeDecodeError/ValueError",
     "export_metadata": "issue 49 item 10: metadata.yaml with a non-UTF-8 byte or stride .inf raises "

@@ -33,6 +33,7 @@ from utils.errors import UserError
 
 HEARTBEAT_SECONDS = 2.0  # at most; a shorter --dist-timeout beats faster (four beats per timeout)
 WAIT_PAUSE_MAX = 0.5  # a store wait looks at the heartbeats of the ranks it waits for at least this often
+WAIT_PAUSE_FAST, WAIT_FAST_WINDOW_S = 0.005, 10.0  # a store wait's first seconds: polled every 5 ms
 DEFAULT_TIMEOUT_MINUTES = 10.0
 PR_SET_PDEATHSIG = 1  # prctl option number (linux/prctl.h)
 
@@ -283,14 +284,16 @@ def wait_for_keys(info: DistInfo, keys: dict[int, str], what: str) -> dict[int, 
         pending = dict(keys)
         beats: dict[int, int] = {}
         progress: dict[int, float] = {}  # rank -> when it last made progress
-        pause = 0.01
+        pause, started = WAIT_PAUSE_FAST, time.monotonic()
         while pending:
             # Asked without waiting, then a pause: a store wait that times out logs a C++ warning each time
             # ("waitForInput ... likely a timeout"), which reads as a network failure (a lost store still raises).
             if not store.check(list(pending.values())):
                 time.sleep(pause)
-            pause = min(pause * 2, WAIT_PAUSE_MAX)  # a quick hand-over stays quick, a long wait looks less often
             now = time.monotonic()
+            # Looked at often at first: the rank that hosts the store may exit soon after setting the key (a store
+            # wait woke at once; a poll must not sleep past it). A long wait then looks less often.
+            pause = WAIT_PAUSE_FAST if now - started < WAIT_FAST_WINDOW_S else min(pause * 2, WAIT_PAUSE_MAX)
             for rank, key in list(pending.items()):
                 if store.check([key]):
                     values[rank] = store.get(key)

@@ -23,6 +23,7 @@ class StopRequest:
     def __init__(self) -> None:
         self.signum: int | None = None
         self.at = 0.0
+        self.parent = 0  # the process that started this one (a launcher), when the handlers were installed
 
     @property
     def requested(self) -> bool:
@@ -30,6 +31,10 @@ class StopRequest:
 
     def handle(self, signum: int, frame: FrameType | None) -> None:
         now = time.monotonic()
+        if os.getppid() != self.parent:
+            # The launcher is gone (the kernel's parent-death SIGTERM, utils/distributed.py): no rank trains on
+            # unsupervised, and the other ranks' collectives fail at once and name this one.
+            os._exit(128 + signum)
         if self.signum is None:
             self.signum, self.at = signum, now
         elif signum == signal.SIGINT and now - self.at > SAME_SIGNAL_SECONDS:
@@ -64,6 +69,7 @@ def stop_on_signals() -> Iterator[StopRequest]:
         yield STOP
         return
     STOP.clear()
+    STOP.parent = os.getppid()
     before = {s: signal.signal(s, STOP.handle) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield STOP
