@@ -32,12 +32,7 @@ EXAMPLES = {
 }
 # Readers whose smoke inputs still find something, each owned by another item of issue 49: strict, so the case fails
 # once the finding is fixed and the mark must go.
-OPEN = {
-    "results_csv": "issue 49 item 10: a non-UTF-8 byte, a text cell or an epoch of 1.0 raise "
-    "UnicodeDecodeError/ValueError",
-    "export_metadata": "issue 49 item 10: metadata.yaml with a non-UTF-8 byte or stride .inf raises "
-    "UnicodeDecodeError/OverflowError",
-}
+OPEN: dict[str, str] = {}  # none open now
 
 
 def test_every_reader_has_a_smoke_run() -> None:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from utils.errors import UserError
 from utils.metrics import CONF_POINTS, RECALL_POINTS
 from utils.plots import (
     output_to_target,
@@ -84,7 +85,10 @@ def test_plot_labels_and_results(tmp_path):
     cut = tmp_path / "cut" / "results.csv"  # a row cut short (a full disk, an editor): one error naming the file
     cut.parent.mkdir()
     cut.write_text(csv_file.read_text().rsplit(",", 3)[0] + "\n")
-    with pytest.raises(ValueError, match=rf"^{re.escape(str(cut))}: a row that is not {len(columns)} numbers"):
+    with pytest.raises(UserError, match=rf"^{re.escape(str(cut))}: a row that is not {len(columns)} numbers"):
+        plot_results(cut)
+    cut.write_bytes(b"epoch,\xff\n")  # not UTF-8
+    with pytest.raises(UserError, match=rf"^{re.escape(str(cut))}: not a results.csv \(.*\)$"):
         plot_results(cut)
 
 

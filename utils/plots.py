@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from utils.boxes import xywh2xyxy, xyxy2xywh
+from utils.errors import UserError, first_line
 from utils.log import LOGGER
 
 if TYPE_CHECKING:  # matplotlib is imported only when a plot is drawn
@@ -317,16 +318,20 @@ def _rectangle(xy: tuple[float, float], w: float, h: float, colour: np.ndarray) 
 
 
 def read_results_csv(csv_file: str | Path) -> tuple[list[str], np.ndarray]:
-    """Column names (stripped) and a float array (rows, columns) of a results.csv."""
-    with open(csv_file, newline="", encoding="utf-8") as f:
-        rows = [row for row in csv.reader(f) if row]
+    """Column names (stripped) and a float array (rows, columns) of a results.csv; a file that is not text or has a
+    row that is not numbers is a one-line UserError (nothing to plot from; the file itself is left as it is)."""
+    try:
+        with open(csv_file, newline="", encoding="utf-8") as f:
+            rows = [row for row in csv.reader(f) if row]
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise UserError(f"{csv_file}: not a results.csv ({first_line(e)})") from e
     if not rows:
         return [], np.zeros((0, 0))
     header = [c.strip() for c in rows[0]]
     try:
         values = np.array([[float(v) for v in row] for row in rows[1:]], dtype=np.float64).reshape(-1, len(header))
-    except ValueError as e:  # a row edited or cut short: nothing to plot from, the file itself left as it is
-        raise ValueError(f"{csv_file}: a row that is not {len(header)} numbers ({e})") from e
+    except ValueError as e:  # a row edited or cut short
+        raise UserError(f"{csv_file}: a row that is not {len(header)} numbers ({first_line(e)})") from e
     return header, values
 
 

@@ -40,6 +40,7 @@ from utils.engine.step import BatchOptions, SavePolicy, Stepper
 from utils.engine.tally import LossTally
 from utils.engine.time_budget import TimeBudget, fit_to_time, time_budget
 from utils.engine.timing import TIME_COLUMNS, EpochTime, RunProgress, RunTime, StepProfiler, data_advice, new_marks
+from utils.errors import UserError
 from utils.hyp import HypRecord, OptimisationHyp
 from utils.log import LOGGER, colorstr
 from utils.metrics import RECALL_POINTS
@@ -387,7 +388,7 @@ class Trainer:
 
                 try:
                     plot_results(run.save_dir / "results.csv")
-                except ValueError as e:  # a chart is not worth the end of the run: its checkpoints are written
+                except UserError as e:  # a chart is not worth the end of the run: its checkpoints are written
                     LOGGER.warning(f"WARNING results.png not drawn: {e}")
             logger = self.hooks.logger
             logger.log_images(plot_files(run.save_dir), epoch)

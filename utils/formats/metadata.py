@@ -176,7 +176,7 @@ class ModelMeta:
             raise UserError(f"{folder}: no {METADATA_YAML} in it; export it with export.py")
         try:
             raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except yaml.YAMLError as e:
+        except (yaml.YAMLError, UnicodeDecodeError, ValueError) as e:  # ValueError: a 5000-digit integer too
             raise UserError(f"{path}: metadata unreadable ({first_line(e)})") from e
         if not isinstance(raw, dict):
             raise UserError(f"{path}: metadata unreadable (not a mapping)")
@@ -211,7 +211,10 @@ class ModelMeta:
             raise UserError(f"{path}: an Ultralytics {task} model; only detection models are supported")
         names = values.get("names")
         if isinstance(names, dict):  # {0: 'person', ...}; JSON makes the keys strings
-            names = [names[k] for k in sorted(names, key=int)]
+            try:
+                names = [names[k] for k in sorted(names, key=int)]
+            except (TypeError, ValueError) as e:
+                raise UserError(f"{path}: metadata names keyed by other than class indices ({first_line(e)})") from e
         args: dict[str, Any] = values["args"] if isinstance(values.get("args"), dict) else {}
         family = ultralytics_export_family(str(values.get("description", ""))).name
         end2end = values.get("end2end") in (True, "True") or args.get("nms") in (True, "True")
