@@ -83,6 +83,7 @@ class CheckpointWriter:
         self.clock = clock or PhaseClock()
         self.on_written: list[Callable[[Written], None]] = []
         self.newest_complete: Written | None = None  # the newest snapshot written in full to a file
+        self._ended: list[threading.Thread] = []  # writer threads started, joined once they have nothing left
 
     def submit(self, state: dict[str, Any], paths: list[Path], label: str = "") -> None:
         """Queue ``state`` (a host snapshot, not touched again by the caller) for ``paths``; returns at once.
@@ -96,6 +97,7 @@ class CheckpointWriter:
             if q.thread is None:
                 q.thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
                 q.thread.start()
+                self._ended.append(q.thread)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` seconds (None: as long as it takes) until every snapshot is written; True when
@@ -103,6 +105,12 @@ class CheckpointWriter:
         q = self._q
         with q.lock:
             done = q.lock.wait_for(lambda: not q.pending and not q.busy, timeout)
+            ended = [t for t in self._ended if t is not q.thread] if done else []
+        # A thread with nothing left is on its way out: joined, so that none is still ending when the process
+        # exits (a thread that used torch, torn down during the interpreter's exit, can abort the process).
+        for thread in ended:
+            thread.join()
+            self._ended.remove(thread)
         self._raise_error()
         return done
 
