@@ -17,8 +17,9 @@ is left of ``--budget`` is skipped, and every command is killed when the budget 
 4. validation: val.py and Ultralytics' validator side by side on the same weights (Ultralytics' trained ones,
    which val.py reads too; ours' when there is no Ultralytics);
 5. cuda-tests: ``pytest tests/test_cuda.py``;
-6. cudnn: cuDNN's benchmark off and on (bench/cudnn_benchmark.py);
-7. throughput of yolo11s, if time is left.
+6. compile: ours on yolo11n again with ``--compile`` (inductor), beside part 1's run of ours;
+7. cudnn: cuDNN's benchmark off and on (bench/cudnn_benchmark.py);
+8. throughput of yolo11s, if time is left.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import time
 import traceback
 import warnings
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -47,7 +48,8 @@ from bench.ultralytics_side_by_side import final_map, ultralytics_env  # noqa: E
 PROFILE_STEPS, SYNC_STEPS = 5, 3
 SYNC_FIRST_STEP = 2 + PROFILE_STEPS + 2  # after the profiler's skipped, warm-up and traced steps, and one more
 PROGRESS_MARKS = ("it/s", "s/it", "%|")  # a progress bar's line: not a phase stamp
-# The dry run's model in place of every part's: the anchor-free family's head on three convolutions.
+# The dry run's model in place of every part's: the anchor-free family's head on P3-P5 of five convolutions (three
+# levels, as val.py reads Ultralytics' checkpoints).
 TOY_CFG = """\
 family: yolo11
 nc: 80
@@ -55,8 +57,10 @@ backbone:
   - [-1, 1, Conv, [8, 3, 2]]
   - [-1, 1, Conv, [16, 3, 2]]
   - [-1, 1, Conv, [16, 3, 2]]
+  - [-1, 1, Conv, [16, 3, 2]]
+  - [-1, 1, Conv, [16, 3, 2]]
 head:
-  - [[2], 1, Detect, [nc]]
+  - [[2, 3, 4], 1, Detect, [nc]]
 """
 
 
@@ -246,6 +250,31 @@ def part_validation(report: Report, cfg: str) -> tuple[dict, str]:
     return result, "\n".join(lines)
 
 
+def part_compile(report: Report, cfg: str) -> tuple[dict, str]:
+    """Ours with --compile (inductor) beside ours without it (the throughput part's run): images/s between saves,
+    the whole process, and the compile's own stamps."""
+    s = report.sizes.settings
+    settings = replace(s, ultralytics_python="", our_extra=("--compile",))
+    run = train_both(cfg, settings, report.dataset(), report.work / "compile", {}, timeout=max(report.left(), 1))[
+        "ours"
+    ]
+    report.add_log(f"ours {cfg} --compile (each line: seconds since its start)", run.log)
+    result = {
+        "status": "done" if run.exit_code == 0 else "failed",
+        "compiled": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(run).items()},
+    }
+    text = (
+        f"- ours --compile: {run.images_per_s:.0f} images/s between saves (epochs {run.intervals}), whole process "
+        f"{run.whole_s:.1f} s, exit {run.exit_code}"
+    )
+    plain = report.results.get("throughput-yolo11n", {}).get("ours")
+    if plain and plain.get("images_per_s"):
+        result["ratio"] = run.images_per_s / plain["images_per_s"]
+        text += f"\n- compiled / not compiled (the throughput part's run): {result['ratio']:.2f}x"
+    stamps = [line for line in phase_stamps(run.log) if "compil" in line.lower() or "phase" in line]
+    return result, text + "\n\nStamps:\n\n```\n" + "\n".join(stamps) + "\n```"
+
+
 def part_cuda_tests(report: Report, cfg: str) -> tuple[dict, str]:
     log = report.work / "cuda_tests.log"
     cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "tests/test_cuda.py"]
@@ -272,6 +301,7 @@ PARTS = (
     ("profile-and-sync-debug", part_profile_and_sync, "yolo11n.yaml", 35),
     ("validation", part_validation, "yolo11n.yaml", 25),
     ("cuda-tests", part_cuda_tests, "", 40),
+    ("compile", part_compile, "yolo11n.yaml", 150),
     ("cudnn", part_cudnn, "yolo11n.yaml", 30),
     ("throughput-yolo11s", part_throughput, "yolo11s.yaml", 100),
 )

@@ -156,6 +156,7 @@ class Settings:
     # Changes to the checkpoint closer together than this are one save (a file written in place changes several
     # times); a toy run's tiny checkpoints and sub-second epochs need a shorter window.
     save_burst_s: float = SAVE_BURST_S
+    our_extra: tuple[str, ...] = ()  # more train.py options for ours alone (the GPU report's --compile part)
 
 
 @dataclass
@@ -201,6 +202,7 @@ def our_cmd(cfg: str, settings: Settings, data_yaml: Path, project: Path) -> lis
         "--name",
         Path(cfg).stem,
         "--exist-ok",
+        *settings.our_extra,
     ]
 
 
@@ -239,6 +241,7 @@ def train_both(
         theirs = their_cmd(cfg, settings, data_yaml, out / "ultralytics")
         runs.append(("Ultralytics", theirs, out / "ultralytics" / name, out, env_ul))
     measured = {}
+    out.mkdir(parents=True, exist_ok=True)
     for label, cmd, folder, cwd, env in runs:
         (folder / "weights/last.pt").unlink(missing_ok=True)
         t = time.perf_counter()
