@@ -46,7 +46,7 @@ from utils.engine.resume import ResumeRequest
 from utils.engine.run import Launch, run
 from utils.errors import run_reporting_errors
 from utils.log import LOGGER, setup_logging
-from utils.process import setup_process
+from utils.process import setup_process, watch_exit
 from utils.search.options import add_search_options
 from utils.trackers import DEFAULT_TRACKERS, TRACKER_NAMES
 
@@ -353,4 +353,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    watch_exit()
+    sys.exit(status)

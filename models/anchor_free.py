@@ -56,9 +56,13 @@ def make_anchors(
         ys = torch.arange(ny, device=device, dtype=torch.float32).to(dtype) + offset
         grid_y, grid_x = torch.meshgrid(ys, xs, indexing="ij")
         points.append(torch.stack((grid_x, grid_y), -1).view(-1, 2))
-        # A tensor stride stays a tensor (no host sync on a GPU).
-        stride = torch.as_tensor(stride, device=device, dtype=dtype)
-        point_strides.append(stride.reshape(1, 1).expand(ny * nx, 1))
+        # A tensor stride stays a tensor and a number is filled in on the device: a tensor made of a host number
+        # would be copied from pageable memory, which makes a GPU's host wait.
+        if isinstance(stride, torch.Tensor):
+            level_stride = stride.to(device=device, dtype=dtype).reshape(1, 1)
+        else:
+            level_stride = torch.full((1, 1), float(stride), device=device, dtype=dtype)
+        point_strides.append(level_stride.expand(ny * nx, 1))
     return torch.cat(points), torch.cat(point_strides)
 
 

@@ -93,7 +93,7 @@ def pad_targets(targets: torch.Tensor, batch: int, image_hw: tuple[int, int], nu
     mask = torch.zeros((batch, num), dtype=torch.bool, device=device)
     labels[image, slot] = targets[order, 1].long()
     boxes[image, slot] = xywh2xyxy(xywh)
-    mask[image, slot] = True
+    mask[image, slot] = torch.ones((), dtype=torch.bool, device=device)  # not True: a host number is a copy
     return GroundTruth(labels, boxes, mask)
 
 

@@ -3,7 +3,7 @@
 Counted on the CPU across real training steps (train.py in this process, tiny models at 32 px): the operations that
 would synchronise a CUDA device, seen two ways, as neither sees all of them on CPU tensors: the dispatched operators
 whose result the host must read or whose size depends on the data (``_local_scalar_dense``, ``nonzero``, boolean
-indexing, ...), and the Tensor methods that hand a value to Python (``.item()``, ``.cpu()``, ``bool()``, ...),
+indexing, ...) or that make a tensor of host numbers, which CUDA copies from pageable memory (``lift_fresh``), and the Tensor methods that hand a value to Python (``.item()``, ``.cpu()``, ``bool()``, ...),
 patched on torch.Tensor while a step runs. Only the read-back steps (every ``--log-interval`` steps) may have any.
 
 The one host reading a step makes on purpose is of the batch's label rows as the loader gave them, before their copy
@@ -35,6 +35,9 @@ SYNCING_OPS = {
     aten._unique2.default,
     aten.unique_dim.default,
     aten.unique_consecutive.default,
+    # A tensor made from host numbers (``torch.as_tensor(8.0, device=...)``, ``t[i] = 0``, ``mask[i, j] = True``): on
+    # CUDA its copy from pageable host memory waits for the device.
+    aten.lift_fresh.default,
 }
 INDEXING_OPS = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default}
 TENSOR_METHODS = ("item", "cpu", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__")

@@ -19,9 +19,11 @@ at exit; moved out of its reach, collections and the exit take less time.
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import gc
 import os
 import platform
+import sys
 
 import torch
 
@@ -87,6 +89,16 @@ def kernel_choice(deterministic: bool) -> str:
         _set_env("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         line += "; CUBLAS_WORKSPACE_CONFIG=:4096:8 for repeatable cuBLAS results"
     return line
+
+
+EXIT_WATCH_S = 20.0  # a process's teardown (workers, threads, CUDA) that takes longer than this names where it waits
+
+
+def watch_exit(seconds: float = EXIT_WATCH_S) -> None:
+    """Called when an entry point's work is done, before the interpreter's teardown (loader workers, threads, the
+    CUDA context): if the process is still running ``seconds`` later, every thread's Python stack goes to stderr,
+    so that a slow exit says where it waits instead of passing unexplained."""
+    faulthandler.dump_traceback_later(seconds, exit=False, file=sys.stderr)
 
 
 def freeze_imported_objects() -> None:

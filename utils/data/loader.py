@@ -182,6 +182,19 @@ class EpochStreamLoader:
             thread.join()
 
 
+def end_workers(loader: DataLoader | EpochStreamLoader | None) -> None:
+    """End a loader's worker processes now (a persistent DataLoader keeps them until it is garbage collected, which
+    may be at the interpreter's exit, where torch leaves them to be terminated one by one)."""
+    if isinstance(loader, EpochStreamLoader):
+        loader.close()
+        return
+    iterator = getattr(loader, "_iterator", None)  # torch's persistent-workers iterator
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+        loader._iterator = None  # type: ignore[union-attr]  # a fresh iteration starts new workers
+
+
 @dataclass(frozen=True)
 class _Failed:
     error: BaseException

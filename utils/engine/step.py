@@ -80,7 +80,7 @@ class DeviceTally:
         """What was tallied since the last call, and a fresh start (the current run of skipped updates goes on)."""
         values = torch.cat((self.pending, self.skips))
         self.pending.zero_()
-        self.skips[0] = 0
+        self.skips[:1].zero_()  # not ``= 0``: a host number is a copy from pageable memory on CUDA
         self.skips[2] = self.skips[1]
         return values
 

@@ -26,6 +26,7 @@ from utils.data.image_weights import (
     labels_to_class_weights,
     labels_to_image_weights,
 )
+from utils.data.loader import end_workers
 from utils.distributed import DistInfo, broadcast_object, collective, rank_zero_decides
 from utils.engine.config import CONFIG_SCHEMA, TrainConfig
 from utils.engine.epoch import EpochHooks, train_one_epoch
@@ -398,6 +399,8 @@ class Trainer:
             logger.close()
             self.clock.stamp("tracker close")
             LOGGER.info(f"Results saved to {colorstr(str(run.save_dir))}")
+        end_workers(run.val_loader)
+        self.clock.stamp("validation workers ended")
         return TrainResult(run.save_dir, self.results)
 
     def report_time(self) -> None:
