@@ -107,6 +107,8 @@ def _start(folder: Path) -> S3Server:
         "-s3",
         f"-s3.port={ports[3]}",
         f"-s3.config={folder / 's3.json'}",
+        "-s3.port.iceberg=0",  # its catalogs' fixed ports (8181, 9101) would clash with another server's: off
+        "-s3.port.lance=0",
         "-master.telemetry=false",  # the test machine reaches no outside address
     ]
     log = open(folder / "weed.log", "ab")
