@@ -507,40 +507,50 @@ def random_flips(
 
 # ---- the DETR recipes' augmentations (torchvision v2's semantics, drawn from the sample's own generator) ----------
 
-_GREY_WEIGHTS_BGR = np.array([0.114, 0.587, 0.2989], dtype=np.float32)  # torchvision's rgb_to_grayscale, as BGR
+_LEVELS = np.arange(256, dtype=np.float32)
 
 
 def photometric_distort(img: np.ndarray, rng: np.random.Generator, p: float = 0.5) -> np.ndarray:
     """torchvision v2's RandomPhotometricDistort: brightness in [0.875, 1.125], contrast in [0.5, 1.5] (before or
     after the colour changes, even odds), saturation in [0.5, 1.5], hue shifted by up to 0.05 of the circle and the
-    channels permuted, each with probability ``p``. BGR uint8 in, a new BGR uint8 array out (``img`` is not
-    changed); the draws are the same whatever ``p``."""
+    channels permuted, each with probability ``p``; on uint8 pixels, each change rounded as torchvision's on uint8
+    images (lookup tables and OpenCV's 8-bit HSV, hue in steps of 2 degrees). BGR uint8 in; a new array out, or
+    ``img`` itself when nothing changes. The draws are the same whatever ``p``."""
     gates = rng.random(6)  # brightness, contrast, contrast first, saturation, hue, permutation
     brightness, contrast, saturation = (float(rng.uniform(a, b)) for a, b in ((0.875, 1.125), (0.5, 1.5), (0.5, 1.5)))
     hue, order = float(rng.uniform(-0.05, 0.05)), rng.permutation(3)
     on = gates < p
-    if not (on[[0, 1, 3, 4, 5]]).any():
+    if not on[[0, 1, 3, 4, 5]].any():
         return img
-    x: np.ndarray = img.astype(np.float32)
+    out = img
     if on[0]:
-        x = np.clip(x * brightness, 0, 255)
+        out = cv2.LUT(out, _table(_LEVELS * brightness))
     if on[1] and gates[2] < 0.5:
-        x = _blend(x, float((x @ _GREY_WEIGHTS_BGR).mean()), contrast)
+        out = _contrast(out, contrast)
     if on[3]:
-        x = _blend(x, (x @ _GREY_WEIGHTS_BGR)[..., None], saturation)
+        grey = cv2.cvtColor(cv2.cvtColor(out, cv2.COLOR_BGR2GRAY), cv2.COLOR_GRAY2BGR)
+        out = cv2.addWeighted(out, saturation, grey, 1.0 - saturation, 0.0)
     if on[4]:
-        hsv = cv2.cvtColor(x / 255, cv2.COLOR_BGR2HSV)  # float: hue in degrees
-        hsv[..., 0] = (hsv[..., 0] + hue * 360) % 360
-        x = cv2.cvtColor(hsv, cv2.COLOR_HSV2BGR) * 255
+        h, sat, val = cv2.split(cv2.cvtColor(out, cv2.COLOR_BGR2HSV))  # OpenCV's 8-bit hue lives in [0, 180)
+        h = cv2.LUT(h, ((_LEVELS + round(hue * 180)) % 180).astype(np.uint8))
+        out = cv2.cvtColor(cv2.merge((h, sat, val)), cv2.COLOR_HSV2BGR)
     if on[1] and gates[2] >= 0.5:
-        x = _blend(x, float((x @ _GREY_WEIGHTS_BGR).mean()), contrast)
+        out = _contrast(out, contrast)
     if on[5]:
-        x = x[..., order]
-    return np.ascontiguousarray(np.clip(np.rint(x), 0, 255).astype(np.uint8))
+        permuted = np.empty_like(out)
+        cv2.mixChannels([out], [permuted], [int(v) for k in range(3) for v in (order[k], k)])
+        out = permuted
+    return out if out is not img else img.copy()
 
 
-def _blend(x: np.ndarray, other: np.ndarray | float, factor: float) -> np.ndarray:
-    return np.clip(x * factor + other * (1 - factor), 0, 255)
+def _table(values: np.ndarray) -> np.ndarray:
+    return np.clip(np.rint(values), 0, 255).astype(np.uint8)
+
+
+def _contrast(img: np.ndarray, factor: float) -> np.ndarray:
+    """Blend with the image's mean grey level (torchvision's adjust_contrast)."""
+    mean = float(cv2.mean(cv2.cvtColor(img, cv2.COLOR_BGR2GRAY))[0])
+    return cv2.LUT(img, _table(_LEVELS * factor + mean * (1.0 - factor)))
 
 
 @dataclass(frozen=True)
