@@ -23,11 +23,12 @@ from test_train_family_contract import PRESET, ToyFamily, ToyGains
 import models.families as families
 from models.families import DFINE, family_of
 from models.families.detr import DetrFamily
-from utils.checkpoint import load_checkpoint
+from utils.checkpoint import host_snapshot, load_checkpoint, save_checkpoint
 from utils.data.augmentations import ZoomCrop, iou_crop_window, photometric_distort, zoom_out_crop
 from utils.data.dataset import YoloDataset
 from utils.data.shapes import generate_shapes
 from utils.engine.lr_schedule import FlatCosine
+from utils.engine.trainer import Trainer
 from utils.hyp import OptimisationHyp, StepScheduleHyp, ZoomCropHyp
 from utils.optimizer import build_optimizer
 
@@ -198,8 +199,9 @@ class RecipeToyFamily(ToyFamily):
 def test_the_stage_stops_augmentation_restarts_the_ema_and_resumes_bit_exactly(
     train_here, rectangles_yaml, tmp_path, monkeypatch
 ) -> None:
-    """2 epochs of 2 steps: the stage is the last epoch. A run killed after the first resumes across the stage's
-    start to the uninterrupted run's weights and EMA, bit for bit."""
+    """2 epochs of 2 steps: the stage is the last epoch. A run killed after the first epoch (resumed across the
+    stage's start) and one killed inside the stage (its mid-epoch checkpoint, --save-steps 1) end with the
+    uninterrupted run's weights and EMA, bit for bit."""
     hyp_file = tmp_path / "hyp.recipe-toy.yaml"
     values = {**RecipeToyHyp().to_dict(), **PRESET, "warmup_steps": 2.0, "flat_share": 0.5, "fliplr": 0.5}
     hyp_file.write_text(yaml.safe_dump(values))
@@ -207,7 +209,17 @@ def test_the_stage_stops_augmentation_restarts_the_ema_and_resumes_bit_exactly(
     cfg = tmp_path / "toy.yaml"
     cfg.write_text(yaml.safe_dump({"family": "toy", "nc": 2, "backbone": [], "head": []}))
     args = ["--data", rectangles_yaml, "--cfg", cfg, "--epochs", "2", "--save-period", "1", "--noval"]
-    status, log = train_here(*args, "--project", tmp_path / "runs", "--name", "straight")
+    inside: list[dict] = []  # the checkpoint written after the stage's first step
+    checkpoint = Trainer.checkpoint
+
+    def keep_inside_the_stage(self, epoch: int, mid_epoch: dict | None) -> dict:
+        ckpt = checkpoint(self, epoch, mid_epoch)
+        if mid_epoch and mid_epoch["epoch"] == 1:
+            inside.append(host_snapshot(ckpt))
+        return ckpt
+
+    monkeypatch.setattr(Trainer, "checkpoint", keep_inside_the_stage)
+    status, log = train_here(*args, "--save-steps", "1", "--project", tmp_path / "runs", "--name", "straight")
     assert status == 0, log
     straight = tmp_path / "runs/straight"
     assert log.count("the no-augmentation stage begins") == 1 and "epoch 1: the no-augmentation stage" in log
@@ -216,12 +228,17 @@ def test_the_stage_stops_augmentation_restarts_the_ema_and_resumes_bit_exactly(
     assert last["updates"] == 2  # 16 images, batch 8: the EMA counts the stage's 2 steps only
     # Each epoch's last step's rate: warmup over 2 steps (step 1: lr0), lrf from the stage's first step (2) on.
     assert [float(r["x/lr0"]) for r in results_rows(straight)] == pytest.approx([0.003, 0.003 * 0.5])
-    copy = tmp_path / "killed"
-    shutil.copytree(straight, copy)
-    shutil.copyfile(straight / "weights/epoch0.pt", copy / "weights/last.pt")
-    status, log = train_here("--resume", copy / "weights/last.pt")
-    assert status == 0, log
-    resumed = load_checkpoint(copy / "weights/last.pt")
-    assert resumed["updates"] == last["updates"]
-    for key in ("model", "ema"):
-        assert all(torch.equal(resumed[key][k], last[key][k]) for k in last[key]), key
+    assert len(inside) == 1 and inside[0]["mid_epoch"]["batch"] == 1 and inside[0]["updates"] == 1
+    for name, source in (("after-stage-1", straight / "weights/epoch0.pt"), ("inside-stage-2", None)):
+        copy = tmp_path / name
+        shutil.copytree(straight, copy)
+        if source is None:
+            save_checkpoint(inside[0], copy / "weights/last.pt")
+        else:
+            shutil.copyfile(source, copy / "weights/last.pt")
+        status, log = train_here("--resume", copy / "weights/last.pt")
+        assert status == 0, log
+        resumed = load_checkpoint(copy / "weights/last.pt")
+        assert resumed["updates"] == last["updates"]
+        for key in ("model", "ema"):
+            assert all(torch.equal(resumed[key][k], last[key][k]) for k in last[key]), (name, key)
