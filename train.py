@@ -124,7 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     augmentation = p.add_argument_group("augmentation (the rates are in --hyp)")
     augmentation.add_argument("--multi-scale", action="store_true", help="vary the image size by +/- 50%% per batch")
     augmentation.add_argument(
-        "--close-mosaic", type=int, default=10, help="train the last N epochs without mosaic and mixup"
+        "--close-mosaic",
+        type=int,
+        default=10,
+        help="train the last N epochs without mosaic and mixup (a family whose hyp sets no_aug_share: that stage instead)",
     )
     augmentation.add_argument(
         "--image-weights",

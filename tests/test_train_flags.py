@@ -287,7 +287,8 @@ def _training_batches(data: Path, epochs: int, **options):
         load_labels(data_config[split], nc=data_config["nc"], workers=0, verbose=False) for split in ("train", "val")
     ]
     hyp = YOLOV5.read_hyp(YOLOV5.default_hyp_path)
-    loader, _, _ = make_loaders(config, DistInfo(rank=-1, local_rank=-1, world_size=1), hyp, 32, labels)
+    stage = YOLOV5.stage_epoch(epochs, config.close_mosaic, hyp)  # --close-mosaic's
+    loader, _, _ = make_loaders(config, DistInfo(rank=-1, local_rank=-1, world_size=1), hyp, 32, labels, stage)
     for epoch in range(epochs):
         loader.set_epoch(epoch, 0)
         for batch in loader:

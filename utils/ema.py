@@ -48,6 +48,15 @@ class ModelEMA:
             weight = keep.to(self._averaged[0].dtype) * (1 - d)
             torch._foreach_lerp_(self._averaged, self._current, [weight] * len(self._averaged))
 
+    @torch.no_grad()
+    def restart(self, model: nn.Module) -> None:
+        """Start again from ``model``'s weights, the decay's ramp from its beginning (the DETR recipes do this where
+        their no-augmentation stage begins)."""
+        current = de_parallel(model).state_dict()
+        for key, averaged in self.ema.state_dict().items():
+            averaged.copy_(current[key])
+        self.updates = 0
+
     def update_attributes(self, model: nn.Module, names: tuple[str, ...] = ("nc", "names", "hyp")) -> None:
         src = de_parallel(model)
         for name in names:

@@ -2,9 +2,11 @@
 
 Every record is a frozen dataclass built from groups: :class:`OptimisationHyp` (learning rate, momentum, decay,
 warmup) and :class:`AugmentationHyp` (what the data loader draws), shared by every family, with a family's loss
-gains between them (each family's record is in its module under models/families/). :class:`Hyp` holds every key
-any family here reads (YOLOv5's published defaults, and the anchor-free families' ``dfl`` gain), for code that
-reads a hyp file without asking a family for its record.
+gains between them (each family's record is in its module under models/families/); a recipe adds its own groups
+(:class:`StepScheduleHyp`, :class:`ZoomCropHyp`: the DETR families'), which the engine and the dataset read
+wherever a record holds them. :class:`Hyp` holds every key the YOLO families read (YOLOv5's published defaults,
+and the anchor-free families' ``dfl`` gain), for code that reads a YOLO hyp file without asking a family for its
+record.
 
 A YOLOv5 hyp file loads unchanged. Keys YOLOv5 writes but nothing here uses (``iou_t``, read by no YOLOv5
 code either; ``copy_paste``, which needs segment labels) are accepted and dropped with a log line; any other
@@ -65,6 +67,31 @@ VALID_RANGES: dict[str, tuple[float, float]] = {
     "fliplr": _PROBABILITY,
     "mosaic": _PROBABILITY,
     "mixup": _PROBABILITY,
+    # the DETR recipes' groups (StepScheduleHyp, ZoomCropHyp) and gains
+    "warmup_steps": (0.0, 1e7),
+    "warmup_power": (1.0, 4.0),
+    "flat_share": (0.0, 1.0),
+    "backbone_lr": (0.0, 10.0),
+    "clip_norm": (0.0, 1e6),
+    "ema_decay": (0.0, 1.0),
+    "ema_tau": (1.0, 1e7),
+    "no_aug_share": (0.0, 1.0),
+    "photometric": _PROBABILITY,
+    "zoom_out": _PROBABILITY,
+    "zoom_out_max": (1.0, 8.0),
+    "iou_crop": _PROBABILITY,
+    "vfl": (0.0, 1000.0),
+    "bbox": (0.0, 1000.0),
+    "giou": (0.0, 1000.0),
+    "fgl": (0.0, 1000.0),
+    "ddf": (0.0, 1000.0),
+    "focal_alpha": (0.0, 1.0),
+    "focal_gamma": (0.0, 10.0),
+    "cost_class": (0.0, 1000.0),
+    "cost_bbox": (0.0, 1000.0),
+    "cost_giou": (0.0, 1000.0),
+    "matcher_alpha": (0.0, 1.0),
+    "matcher_gamma": (0.0, 10.0),
 }
 
 R = TypeVar("R", bound="HypRecord")
@@ -173,6 +200,35 @@ class AugmentationHyp(HypRecord):
     fliplr: float = 0.5  # probability of a horizontal flip
     mosaic: float = 1.0  # probability of a 4-image mosaic
     mixup: float = 0.0  # probability of mixup
+
+
+@dataclass(frozen=True)
+class StepScheduleHyp(HypRecord):
+    """A recipe's optimisation beyond YOLO's (the DETR families'), read by the engine wherever a record holds it:
+    the learning rate set at every step (``utils/engine/lr_schedule.py: FlatCosine``) instead of YOLO's per-epoch
+    schedule and warmup, gradient clipping, the EMA's settings, and the no-augmentation stage at the end of a run,
+    where the EMA starts again from the model's weights. The defaults are D-FINE's (github.com/Peterande/D-FINE,
+    configs/dfine/include/optimizer.yml and dfine_hgnetv2_n_coco.yml)."""
+
+    warmup_steps: float = 500.0  # every group's lr rises from 0 to its own over this many optimizer steps
+    warmup_power: float = 1.0  # the rise's shape: (step / warmup_steps) ** power (1: linear; DEIM's is 2)
+    flat_share: float = 1.0  # share of the steps before the stage held at lr0, then cosine to lr0 * lrf (1: flat)
+    backbone_lr: float = 0.5  # the backbone's learning rate as a multiple of lr0
+    clip_norm: float = 0.1  # gradients clipped to this total norm
+    ema_decay: float = 0.9999  # the EMA's decay, reached through 1 - exp(-updates / ema_tau)
+    ema_tau: float = 1000.0
+    no_aug_share: float = 0.075  # the run's last share of epochs without augmentation (12 of 160; at least 1)
+
+
+@dataclass(frozen=True)
+class ZoomCropHyp(AugmentationHyp):
+    """The DETR recipes' augmentations besides the shared ones (torchvision v2's, as the references use them:
+    ``utils/data/augmentations.py``), each a probability per sample; all augmentation stops at the stage epoch."""
+
+    photometric: float = 0.5  # probability of each of RandomPhotometricDistort's changes
+    zoom_out: float = 0.5  # probability of placing the image on a canvas up to zoom_out_max times its size
+    zoom_out_max: float = 4.0  # the canvas's largest side ratio
+    iou_crop: float = 0.8  # probability of torchvision's RandomIoUCrop (SSD's crop)
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,8 @@ class OptimizerChoice:
     # The hyp keys this choice sets itself, whatever the hyp says (auto's AdamW: lr0 and momentum): --evolve does
     # not search them.
     hyp_keys_ignored: tuple[str, ...] = ()
+    # The hyp file's weight decay scaled to the nominal batch (YOLOv5's); a family's recipe takes it as it is.
+    scale_decay: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values, for the checkpoint."""
@@ -71,12 +73,20 @@ def choose_optimizer(
     nc: int,
     hyp: OptimisationHyp,
     lr_per_class_term: float = ADAMW_LR_PER_CLASS_TERM,
+    recipe: str | None = None,
 ) -> OptimizerChoice:
     """The explicit --optimizer with the hyp file's lr0/momentum and YOLOv5's accumulation, or the automatic
     choice for ``auto``: the length of the run at the nominal batch decides. A short run's AdamW takes
-    lr0 = ``lr_per_class_term`` / (4 + nc) (the model family's: ``Family.adamw_lr_per_class_term``)."""
+    lr0 = ``lr_per_class_term`` / (4 + nc) (the model family's: ``Family.adamw_lr_per_class_term``).
+
+    A family with a ``recipe`` optimizer (the DETRs' AdamW) gets it for ``auto`` whatever the run's length, at the
+    hyp file's lr0 and momentum, a step every batch and the hyp file's weight decay unscaled, as its reference
+    trains."""
     accumulate = max(round(NOMINAL_BATCH / batch_size), 1)
     steps = optimizer_steps(epochs, n_images, batch_size, accumulate)
+    if requested == "auto" and recipe is not None:
+        reason = f"auto: the model family's recipe: {recipe} at the hyp file's lr0, a step every batch"
+        return OptimizerChoice(recipe, hyp.lr0, hyp.momentum, 1, reason, scale_decay=False)
     if requested != "auto":
         return OptimizerChoice(requested, hyp.lr0, hyp.momentum, accumulate, f"--optimizer {requested}")
     if steps > SHORT_RUN_STEPS:
@@ -162,6 +172,7 @@ def build_optimizer(
         ]
     # One fused kernel per step instead of a dozen small ops per tensor.
     fused = all(p.device.type in ("cpu", "cuda") for p in model.parameters())
+    groups = [{**g, "lr": lr * g["lr_scale"]} if "lr_scale" in g else g for g in groups]
     first, rest = groups[0], groups[1:]
     optimizer: torch.optim.Optimizer
     if name == "Adam":

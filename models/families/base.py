@@ -104,6 +104,9 @@ class Family:
     # The automatic optimizer's AdamW learning rate for short runs is this / (4 + nc) (see utils/optimizer.py). Every
     # family keeps the value measured for YOLOv5; Ultralytics' own rule (0.01 / (4 + nc)) is not measured against it.
     adamw_lr_per_class_term: ClassVar[float] = 0.05
+    # The optimizer ``--optimizer auto`` gives its runs whatever their length, at the hyp file's lr0 (the DETRs'
+    # AdamW); None: the run's length decides (utils/optimizer.py: choose_optimizer).
+    recipe_optimizer: ClassVar[str | None] = None
 
     def __repr__(self) -> str:
         return f"<family {self.name}>"
@@ -161,16 +164,24 @@ class Family:
         """The training forward pass; a family whose model needs the targets (denoising queries) overrides it."""
         return model(images)
 
-    def parameter_groups(self, model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    def parameter_groups(self, model: nn.Module, weight_decay: float, hyp: Any = None) -> list[dict[str, Any]]:
         """The optimizer's parameter groups. The first group's learning rate warms up from ``warmup_bias_lr``; YOLO's
         three: biases (no decay), weights of convolutions and linear layers (``weight_decay``), norm weights (no
-        decay). Settings a group leaves out take the optimizer's defaults."""
+        decay). Settings a group leaves out take the optimizer's defaults; ``lr_scale`` sets a group's learning rate
+        as a multiple of lr0. ``hyp``: the run's record (a family's multipliers)."""
         weights, norm_weights, biases = yolo_parameter_groups(model)
         return [
             {"params": biases},
             {"params": weights, "weight_decay": weight_decay},
             {"params": norm_weights, "weight_decay": 0.0},
         ]
+
+    def stage_epoch(self, epochs: int, close_mosaic: int, hyp: Any) -> int | None:
+        """The epoch from which a run of ``epochs`` trains without its strongest augmentation, or None. YOLO's:
+        ``--close-mosaic``'s last epochs without mosaic and mixup. The engine hands it to the dataset, which stops
+        what the hyp's record says (utils/data/dataset.py), and where the record asks (the DETR recipes'
+        ``StepScheduleHyp``) restarts the EMA there."""
+        return max(epochs - close_mosaic, 0) if close_mosaic > 0 else None
 
     @property
     def default_hyp_path(self) -> Path:

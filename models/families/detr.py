@@ -6,7 +6,13 @@ transformers' backbone config; the official checkpoints' key names come with its
 (``models/families/detr_import.py`` reads the files).
 
 Output layout ``"end2end"``: (B, 300, 6) = x1 y1 x2 y2 score class in input pixels, the top 300 over queries x
-classes (no NMS). Training (denoising queries, Hungarian matching, the DETR losses) is part 2 of the work: until
+classes (no NMS).
+
+The recipe (:class:`DetrHyp`, ``data/hyps/hyp.dfine.yaml`` and ``hyp.rtdetrv2.yaml``, numbers from the official
+configs): AdamW at the hyp file's lr0 whatever the run's length, the backbone at ``backbone_lr`` times it, no
+weight decay on norms and biases (``parameter_groups``), gradients clipped to 0.1, the step schedule and EMA of
+``utils/hyp.py: StepScheduleHyp``, the augmentations of ``ZoomCropHyp``, and the no-augmentation stage over the
+run's last ``no_aug_share`` of epochs (``stage_epoch``), where the EMA starts again. Training (denoising queries, Hungarian matching, the DETR losses) is part 2 of the work: until
 then ``make_loss`` says in one line that the family cannot train yet.
 """
 
@@ -15,6 +21,7 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -25,9 +32,9 @@ import yaml
 from models.detr import DetrDetector
 from models.families.base import ExportModule, Family, Int8Scope
 from models.families.detr_import import HuggingFaceImporter, OfficialDetrImporter
-from models.families.yolov8 import AnchorFreeFamily, AnchorFreeHyp
 from models.loss import DetectionLoss
 from utils.errors import UserError
+from utils.hyp import HypRecord, Limit, OptimisationHyp, StepScheduleHyp, ZoomCropHyp, evolve_limits_of
 from utils.log import LOGGER
 from utils.nms import end_to_end_detections
 
@@ -37,6 +44,52 @@ OFFICIAL_IMPORTER = OfficialDetrImporter()
 _SCALED = re.compile(r"^(?P<base>.+)-(?P<scale>[a-z0-9]+)$")  # dfine-n, rtdetrv2-r18
 
 
+@dataclass(frozen=True)
+class DetrLossGains(HypRecord):
+    """The DETR losses' gains and the matcher's costs (the official criteria's ``weight_dict``s); the loss reads
+    them as ``hyp.<name>``."""
+
+    vfl: float = 1.0  # classification: varifocal loss (DEIM's MAL in its recipe)
+    bbox: float = 5.0  # L1 box loss
+    giou: float = 2.0  # GIoU box loss
+    focal_alpha: float = 0.75  # the classification loss's alpha
+    focal_gamma: float = 2.0  # and gamma (DEIM's MAL: 1.5)
+    cost_class: float = 2.0  # Hungarian matching: the class cost (focal, alpha and gamma below)
+    cost_bbox: float = 5.0  # the L1 cost
+    cost_giou: float = 2.0  # the GIoU cost
+    matcher_alpha: float = 0.25
+    matcher_gamma: float = 2.0
+
+
+@dataclass(frozen=True)
+class DetrHyp(ZoomCropHyp, DetrLossGains, StepScheduleHyp, OptimisationHyp):
+    """RT-DETRv2's hyper-parameters (``data/hyps/hyp.rtdetrv2.yaml``); D-FINE's record adds its two terms. A file
+    must set ``giou``: that is what tells it from a YOLO family's."""
+
+    REQUIRED_KEYS: ClassVar[tuple[str, ...]] = ("giou",)
+
+
+# --evolve: YOLOv5's table for the shared keys; the gains on their own scale. The step schedule, EMA, stage and the
+# matcher's costs are the recipe's and are not mutated.
+DETR_LIMITS = {
+    "lr0": Limit(1, 1e-5, 1e-3),
+    "weight_decay": Limit(1, 0.0, 1e-3),
+    "momentum": Limit(0, 0.6, 0.98),
+    "warmup_epochs": Limit(0, 0.0, 5.0),  # YOLO's warmup: unused by the step schedule
+    "warmup_momentum": Limit(0, 0.0, 0.95),
+    "warmup_bias_lr": Limit(0, 0.0, 0.2),
+    "backbone_lr": Limit(1, 0.01, 1.0),
+    "vfl": Limit(1, 0.2, 4.0),
+    "bbox": Limit(1, 1.0, 10.0),
+    "giou": Limit(1, 0.5, 5.0),
+    "fgl": Limit(1, 0.02, 1.0),
+    "ddf": Limit(1, 0.2, 5.0),
+    "photometric": Limit(1, 0.0, 1.0),
+    "zoom_out": Limit(1, 0.0, 1.0),
+    "iou_crop": Limit(1, 0.0, 1.0),
+}
+
+
 class DetrFamily(Family):
     """A DETR family: set ``name``, ``title``, ``model_type``, ``yaml_name``, ``official_keys`` and
     ``backbone_config``."""
@@ -44,11 +97,10 @@ class DetrFamily(Family):
     model_type: ClassVar[str]  # transformers' model type: "d_fine", "rt_detr_v2"
     yaml_name: ClassVar[str]  # its config file in models/, holding its scales
     head = DetrDetector  # the whole detector: transformers' decoder is its head
-    # Until part 2 brings the DETR recipe: the anchor-free record, file and limits, which the engine and --evolve
-    # read before make_loss stops the run in one line.
-    hyp_type = AnchorFreeHyp
-    default_hyp = AnchorFreeFamily.default_hyp
-    evolve_limits = AnchorFreeFamily.evolve_limits
+    hyp_type: ClassVar[type[HypRecord]] = DetrHyp
+    default_hyp = "data/hyps/hyp.rtdetrv2.yaml"
+    evolve_limits = evolve_limits_of(DetrHyp, **DETR_LIMITS)
+    recipe_optimizer = "AdamW"  # the references' optimizer, at the hyp file's lr0 whatever the run's length
     layouts = ("end2end",)
     end_to_end = True
     val_iou = 0.7  # unused: the output is final; kept for the predictor's interface
@@ -143,6 +195,39 @@ class DetrFamily(Family):
         self, dataset: Any, model: nn.Module, hyp: Any = None, *, thr: float | None = None, imgsz: int
     ) -> None:
         LOGGER.info(f"AutoAnchor does not apply: {self.title} has no anchors")
+
+    def parameter_groups(self, model: nn.Module, weight_decay: float, hyp: Any = None) -> list[dict[str, Any]]:
+        """Four groups, as the official configs split them: norms and biases outside the backbone (no decay), the
+        other weights (``weight_decay``), the backbone's norms and biases (no decay) and weights (decay), both at
+        ``backbone_lr`` times lr0. A parameter is listed once: transformers ties each decoder layer's heads under
+        two names (``class_embed.i`` and ``model.decoder.class_embed.i``), one Parameter object."""
+        scale = float(getattr(hyp, "backbone_lr", 1.0))
+        norm_types = tuple(v for k, v in vars(nn).items() if "Norm" in k and isinstance(v, type))
+        groups: dict[tuple[bool, bool], list[nn.Parameter]] = {(b, d): [] for b in (False, True) for d in (False, True)}
+        seen: set[int] = set()
+        for module_name, module in model.named_modules():
+            for name, p in module.named_parameters(recurse=False):
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                backbone = ".backbone." in f".{module_name}."
+                decayed = name != "bias" and not isinstance(module, norm_types)
+                groups[backbone, decayed].append(p)
+        return [
+            {"params": groups[False, False], "weight_decay": 0.0},
+            {"params": groups[False, True], "weight_decay": weight_decay},
+            {"params": groups[True, False], "weight_decay": 0.0, "lr_scale": scale},
+            {"params": groups[True, True], "weight_decay": weight_decay, "lr_scale": scale},
+        ]
+
+    def stage_epoch(self, epochs: int, close_mosaic: int, hyp: Any) -> int | None:
+        """The recipes' no-augmentation stage: the run's last ``no_aug_share`` of epochs (D-FINE-N: 12 of 160,
+        from epoch 148), at least the last epoch of a run of 2 or more; none when the share is 0 (``--close-mosaic``
+        does not apply)."""
+        share = float(getattr(hyp, "no_aug_share", 0.0))
+        if share <= 0 or epochs < 2:
+            return None
+        return epochs - min(max(round(epochs * share), 1), epochs - 1)
 
     # ---- inference and export ----
 

@@ -9,9 +9,11 @@ models' state dicts built with random weights.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
-from models.families.detr import DetrFamily
+from models.families.detr import DETR_LIMITS, DetrFamily, DetrLossGains
+from utils.hyp import HypRecord, OptimisationHyp, StepScheduleHyp, ZoomCropHyp, evolve_limits_of
 
 # HGNetV2's stage layout, the same at every scale (the official arch_configs' downsample, light-block and kernel
 # columns).
@@ -68,6 +70,20 @@ TIED_COPIES = (
 )
 
 
+@dataclass(frozen=True)
+class DFineLossGains(DetrLossGains):
+    fgl: float = 0.15  # fine-grained localization loss
+    ddf: float = 1.5  # decoupled distillation focal loss
+
+
+@dataclass(frozen=True)
+class DFineHyp(ZoomCropHyp, DFineLossGains, StepScheduleHyp, OptimisationHyp):
+    """D-FINE's hyper-parameters (``data/hyps/hyp.dfine.yaml``): RT-DETRv2's (``DetrHyp``) and the gains of its
+    fine-grained localization (FGL) and decoupled distillation focal (DDF) losses."""
+
+    REQUIRED_KEYS: ClassVar[tuple[str, ...]] = ("giou", "fgl")
+
+
 class DFineFamily(DetrFamily):
     name = "dfine"
     title = "D-FINE"
@@ -78,6 +94,9 @@ class DFineFamily(DetrFamily):
     official_dropped = OFFICIAL_DROPPED
     tied_copies = TIED_COPIES
     export_formats = ("onnx", "openvino")  # checked against PyTorch: docs/benchmarks.md
+    hyp_type: ClassVar[type[HypRecord]] = DFineHyp
+    default_hyp = "data/hyps/hyp.dfine.yaml"
+    evolve_limits = evolve_limits_of(DFineHyp, **DETR_LIMITS)
 
     def backbone_config(self, table: Mapping[str, Any]) -> dict[str, Any]:
         """HGNetV2Config: the table's channels and blocks; the stem's output and the stages' outputs are also what

@@ -503,3 +503,166 @@ def random_flips(
         # cv2 flip codes: 0 = around the x axis, 1 = around the y axis, -1 = both in one pass
         img = cv2.flip(img, -1 if (up_down and left_right) else int(left_right))
     return img, labels
+
+
+# ---- the DETR recipes' augmentations (torchvision v2's semantics, drawn from the sample's own generator) ----------
+
+_LEVELS = np.arange(256, dtype=np.float32)
+
+
+def photometric_distort(img: np.ndarray, rng: np.random.Generator, p: float = 0.5) -> np.ndarray:
+    """torchvision v2's RandomPhotometricDistort: brightness in [0.875, 1.125], contrast in [0.5, 1.5] (before or
+    after the colour changes, even odds), saturation in [0.5, 1.5], hue shifted by up to 0.05 of the circle and the
+    channels permuted, each with probability ``p``; on uint8 pixels, each change rounded as torchvision's on uint8
+    images (lookup tables and OpenCV's 8-bit HSV, hue in steps of 2 degrees). BGR uint8 in; a new array out, or
+    ``img`` itself when nothing changes. The draws are the same whatever ``p``."""
+    gates = rng.random(6)  # brightness, contrast, contrast first, saturation, hue, permutation
+    brightness, contrast, saturation = (float(rng.uniform(a, b)) for a, b in ((0.875, 1.125), (0.5, 1.5), (0.5, 1.5)))
+    hue, order = float(rng.uniform(-0.05, 0.05)), rng.permutation(3)
+    on = gates < p
+    if not on[[0, 1, 3, 4, 5]].any():
+        return img
+    out = img
+    if on[0]:
+        out = cv2.LUT(out, _table(_LEVELS * brightness))
+    if on[1] and gates[2] < 0.5:
+        out = _contrast(out, contrast)
+    if on[3]:
+        grey = cv2.cvtColor(cv2.cvtColor(out, cv2.COLOR_BGR2GRAY), cv2.COLOR_GRAY2BGR)
+        out = cv2.addWeighted(out, saturation, grey, 1.0 - saturation, 0.0)
+    if on[4]:
+        h, sat, val = cv2.split(cv2.cvtColor(out, cv2.COLOR_BGR2HSV))  # OpenCV's 8-bit hue lives in [0, 180)
+        h = cv2.LUT(h, ((_LEVELS + round(hue * 180)) % 180).astype(np.uint8))
+        out = cv2.cvtColor(cv2.merge((h, sat, val)), cv2.COLOR_HSV2BGR)
+    if on[1] and gates[2] >= 0.5:
+        out = _contrast(out, contrast)
+    if on[5]:
+        permuted = np.empty_like(out)
+        cv2.mixChannels([out], [permuted], [int(v) for k in range(3) for v in (order[k], k)])
+        out = permuted
+    return out if out is not img else img.copy()
+
+
+def _table(values: np.ndarray) -> np.ndarray:
+    return np.clip(np.rint(values), 0, 255).astype(np.uint8)
+
+
+def _contrast(img: np.ndarray, factor: float) -> np.ndarray:
+    """Blend with the image's mean grey level (torchvision's adjust_contrast)."""
+    mean = float(cv2.mean(cv2.cvtColor(img, cv2.COLOR_BGR2GRAY))[0])
+    return cv2.LUT(img, _table(_LEVELS * factor + mean * (1.0 - factor)))
+
+
+@dataclass(frozen=True)
+class ZoomCrop:
+    """The rates of ``zoom_out_crop``: RandomZoomOut's probability and largest side ratio, RandomIoUCrop's
+    probability, and the zoom-out canvas's fill (the recipes' 0, black)."""
+
+    zoom_out: float = 0.5
+    zoom_out_max: float = 4.0
+    iou_crop: float = 0.8
+    fill: int = 0
+
+
+IOU_CROP_OPTIONS = (0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0)  # the least IoU with some box a crop must reach (1: no crop)
+IOU_CROP_TRIALS = 40  # crops tried per drawn least IoU
+IOU_CROP_ROUNDS = 50  # least IoUs drawn before giving up (torchvision draws until one fits)
+
+
+def iou_crop_window(
+    boxes: np.ndarray, wh: tuple[int, int], rng: np.random.Generator
+) -> tuple[int, int, int, int] | None:
+    """torchvision v2's RandomIoUCrop choice (SSD's): a crop (x1, y1, x2, y2) of a ``wh`` image of 0.3 to 1 of each
+    side, aspect ratio 0.5 to 2, holding some box's centre and reaching the least IoU with some box drawn from
+    ``IOU_CROP_OPTIONS``; None for no crop (the option 1, no boxes, or no crop found in ``IOU_CROP_ROUNDS``)."""
+    if not len(boxes):
+        return None
+    w, h = wh
+    centres = (boxes[:, :2] + boxes[:, 2:]) / 2
+    areas = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])
+    for _ in range(IOU_CROP_ROUNDS):
+        least = IOU_CROP_OPTIONS[int(rng.integers(len(IOU_CROP_OPTIONS)))]
+        if least >= 1.0:
+            return None
+        for _ in range(IOU_CROP_TRIALS):
+            sw, sh = 0.3 + 0.7 * rng.random(2)
+            new_w, new_h = int(w * sw), int(h * sh)
+            if not (new_h and 0.5 <= new_w / new_h <= 2.0):
+                continue
+            fx, fy = rng.random(2)
+            x1, y1 = int((w - new_w) * fx), int((h - new_h) * fy)
+            x2, y2 = x1 + new_w, y1 + new_h
+            if x1 == x2 or y1 == y2:
+                continue
+            inside = (x1 < centres[:, 0]) & (centres[:, 0] < x2) & (y1 < centres[:, 1]) & (centres[:, 1] < y2)
+            if not inside.any():
+                continue
+            iw = (np.minimum(boxes[:, 2], x2) - np.maximum(boxes[:, 0], x1)).clip(0)
+            ih = (np.minimum(boxes[:, 3], y2) - np.maximum(boxes[:, 1], y1)).clip(0)
+            iou = iw * ih / (areas + new_w * new_h - iw * ih + 1e-12)
+            if iou.max() >= least:
+                return x1, y1, x2, y2
+    return None
+
+
+def zoom_out_crop(
+    img: np.ndarray, labels: np.ndarray, rng: np.random.Generator, rates: ZoomCrop, max_side: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """RandomZoomOut then RandomIoUCrop (torchvision v2's, as the DETR recipes chain them) on a BGR image and its
+    (n, 5) [cls, x1, y1, x2, y2] pixel labels.
+
+    Zoom-out places the image at a random spot of a canvas 1 to ``zoom_out_max`` times its size filled with
+    ``fill``; the crop keeps the boxes whose centre it holds, clipped to it, and drops the others and those under a
+    pixel. Only the crop is made, at most ``max_side`` on its longer side (the training size: the letterbox after
+    this would shrink it anyway), so a 4x canvas is never built in full. Returns new arrays; the draws are the same
+    whatever the rates."""
+    h, w = img.shape[:2]
+    zoom_gate, ratio, fx, fy, crop_gate = rng.random(), rng.uniform(1.0, rates.zoom_out_max), *rng.random(3)
+    left = top = 0
+    canvas_w, canvas_h = w, h
+    if zoom_gate < rates.zoom_out:
+        canvas_w, canvas_h = int(w * ratio), int(h * ratio)
+        left, top = int((canvas_w - w) * fx), int((canvas_h - h) * fy)
+    boxes = labels[:, 1:5] + np.array([left, top, left, top], dtype=labels.dtype)
+    window = iou_crop_window(boxes, (canvas_w, canvas_h), rng) if crop_gate < rates.iou_crop else None
+    x1, y1, x2, y2 = window or (0, 0, canvas_w, canvas_h)
+    if window is not None:
+        centres = (boxes[:, :2] + boxes[:, 2:]) / 2
+        kept = (x1 < centres[:, 0]) & (centres[:, 0] < x2) & (y1 < centres[:, 1]) & (centres[:, 1] < y2)
+        labels, boxes = labels[kept], boxes[kept]
+    boxes = boxes.astype(np.float64)
+    boxes[:, [0, 2]] = boxes[:, [0, 2]].clip(x1, x2)
+    boxes[:, [1, 3]] = boxes[:, [1, 3]].clip(y1, y2)
+    out, boxes = _render_window(img, (left, top), (x1, y1, x2, y2), boxes, rates.fill, max_side)
+    out_labels = np.concatenate((labels[:, :1], boxes), 1).astype(labels.dtype)
+    big_enough = ((boxes[:, 2] - boxes[:, 0]) >= 1) & ((boxes[:, 3] - boxes[:, 1]) >= 1)
+    return out, out_labels[big_enough]
+
+
+def _render_window(
+    img: np.ndarray,
+    origin: tuple[int, int],
+    window: tuple[int, int, int, int],
+    boxes: np.ndarray,
+    fill: int,
+    max_side: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The ``window`` (x1, y1, x2, y2) of a canvas filled with ``fill`` that holds ``img`` at ``origin``, shrunk to
+    at most ``max_side`` on its longer side, and ``boxes`` (canvas pixels, on the image) moved onto it exactly as
+    the image's pixels are."""
+    x1, y1, x2, y2 = window
+    h, w = img.shape[:2]
+    gain = min(1.0, max_side / max(x2 - x1, y2 - y1))
+    out = np.full((max(1, round((y2 - y1) * gain)), max(1, round((x2 - x1) * gain)), img.shape[2]), fill, np.uint8)
+    ix1, iy1 = max(origin[0], x1), max(origin[1], y1)
+    ix2, iy2 = min(origin[0] + w, x2), min(origin[1] + h, y2)
+    px1, py1, px2, py2 = (round((v - o) * gain) for v, o in ((ix1, x1), (iy1, y1), (ix2, x1), (iy2, y1)))
+    if ix2 <= ix1 or iy2 <= iy1 or px2 <= px1 or py2 <= py1:  # no pixel of the image shows: no box either
+        return out, np.zeros((len(boxes), 4))
+    part = img[iy1 - origin[1] : iy2 - origin[1], ix1 - origin[0] : ix2 - origin[0]]
+    size = (px2 - px1, py2 - py1)
+    out[py1:py2, px1:px2] = (
+        part if part.shape[1::-1] == size else cv2.resize(part, size, interpolation=cv2.INTER_LINEAR)
+    )
+    scale = np.array([size[0] / (ix2 - ix1), size[1] / (iy2 - iy1)] * 2)
+    return out, (boxes - np.array([ix1, iy1, ix1, iy1])) * scale + np.array([px1, py1, px1, py1])

@@ -23,16 +23,19 @@ from torch.utils.data import Dataset, default_collate
 from utils.boxes import xywhn2xyxy, xyxy2xywhn
 from utils.data.augmentations import (
     Warp,
+    ZoomCrop,
     augment_hsv,
     letterbox,
     linear_resize_source_span,
     long_side_shape,
     mixup,
     paste_region,
+    photometric_distort,
     random_flips,
     random_perspective,
     resize_to_long_side,
     warped_mosaic4,
+    zoom_out_crop,
 )
 from utils.data.batch_ring import BatchRing, RingSlot
 from utils.data.image_source import ImageSource, open_source
@@ -41,7 +44,7 @@ from utils.data.label_table import LabelRows, LabelTable, PathList
 from utils.data.labels import load_labels
 from utils.errors import UserError
 from utils.files import atomic_output
-from utils.hyp import AugmentationHyp
+from utils.hyp import AugmentationHyp, ZoomCropHyp
 from utils.log import LOGGER
 
 if TYPE_CHECKING:
@@ -99,7 +102,7 @@ class DatasetOptions:
     pad: float = 0.0  # rectangles padded by this many strides
     nc: int | None = None  # class count the labels are checked against
     seed: int = 0  # augmentation draws are functions of (seed, epoch, index)
-    close_mosaic_epoch: int | None = None  # from this epoch on: no mosaic, no mixup
+    close_mosaic_epoch: int | None = None  # from this epoch on: no mosaic, no mixup (a ZoomCropHyp: no augmentation)
     workers: int = 8  # threads that read labels and fill caches
     decode_threads: int = 1  # threads that decode a mosaic's tiles in this process
     prefix: str = ""  # before every log line
@@ -111,9 +114,11 @@ class YoloDataset(Dataset):
 
     ``__getitem__`` takes an ``(epoch, index)`` pair (what ShardedSampler yields) or a plain index
     (epoch 0). Training (``augment``) uses mosaic with probability ``hyp.mosaic`` then
-    random_perspective, mixup, HSV and flips; other training samples are letterboxed then warped.
-    Without ``augment`` images are only letterboxed, to per-batch rectangles when ``rect``.
-    From ``close_mosaic_epoch`` on, no mosaic and no mixup.
+    random_perspective, mixup, HSV and flips; other training samples are letterboxed then warped, or with the
+    DETR recipes' record (``ZoomCropHyp``) photometrically distorted, zoomed out and IoU-cropped
+    (``augmentations.py: photometric_distort, zoom_out_crop``) before their letterbox. Without ``augment`` images
+    are only letterboxed, to per-batch rectangles when ``rect``. From ``close_mosaic_epoch`` on, no mosaic and no
+    mixup; with a ``ZoomCropHyp``, no augmentation at all (the recipes' no-augmentation stage).
 
     Pixels come from ``source`` (image_source.py: the split's files or tar shards). ``cache='ram'`` keeps the
     decoded, resized images in memory; ``cache='disk'`` saves decoded images as ``.npy`` beside the originals.
@@ -387,7 +392,30 @@ class YoloDataset(Dataset):
             self._decode_pool = ThreadPoolExecutor(self.decode_threads, thread_name_prefix="decode")
         return self._decode_pool.map
 
-    def _letterboxed(self, index: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, tuple]:
+    def augments(self, epoch: int) -> bool:
+        """Whether samples of ``epoch`` are augmented: training ones, except in the recipes' no-augmentation stage
+        (a ``ZoomCropHyp`` record from ``close_mosaic_epoch`` on)."""
+        return self.augment and (self.mosaic_enabled(epoch) or not isinstance(self.hyp, ZoomCropHyp))
+
+    def _zoom_cropped(self, index: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """The DETR recipes' sample: photometric distortion, zoom-out and IoU crop of the image at its training
+        size, then letterboxed to imgsz x imgsz; labels [cls, x1, y1, x2, y2] in its pixels."""
+        hy = cast(ZoomCropHyp, self.hyp)
+        img, _, (h, w) = self.load_image(index)
+        labels = self.labels[index].copy()
+        if len(labels):
+            labels[:, 1:] = xywhn2xyxy(labels[:, 1:], w, h)
+        img = photometric_distort(img, rng, hy.photometric)
+        rates = ZoomCrop(hy.zoom_out, hy.zoom_out_max, hy.iou_crop)
+        img, labels = zoom_out_crop(img, labels, rng, rates, self.imgsz)
+        img, (rw, rh), (pw, ph) = letterbox(img, (self.imgsz, self.imgsz), auto=False, scaleup=True)
+        labels[:, [1, 3]] = labels[:, [1, 3]] * rw + pw
+        labels[:, [2, 4]] = labels[:, [2, 4]] * rh + ph
+        return img, labels
+
+    def _letterboxed(
+        self, index: int, rng: np.random.Generator, augment: bool = True
+    ) -> tuple[np.ndarray, np.ndarray, tuple]:
         img, (h0, w0), (h, w) = self.load_image(index)
         shape = (
             tuple(cast(np.ndarray, self.batch_shapes)[self.batch_index[index]])
@@ -398,7 +426,7 @@ class YoloDataset(Dataset):
         labels = self.labels[index].copy()
         if len(labels):
             labels[:, 1:] = xywhn2xyxy(labels[:, 1:], rw * w, rh * h, pw, ph)
-        if self.augment:
+        if self.augment and augment:
             hy = self.hyp
             img, labels = random_perspective(
                 img, labels, rng, hy.degrees, hy.translate, hy.scale, hy.shear, hy.perspective
@@ -411,15 +439,18 @@ class YoloDataset(Dataset):
         index = int(index)
         rng = np.random.default_rng([self.seed, int(epoch), index])
         hy = self.hyp
-        mosaic_on = self.augment and not self.rect and self.mosaic_enabled(epoch)  # rect batches need letterboxes
+        augment = self.augments(epoch)
+        mosaic_on = augment and not self.rect and self.mosaic_enabled(epoch)  # rect batches need letterboxes
         shapes: tuple | None = None
         if mosaic_on and rng.random() < hy.mosaic:
             img, labels = self._mosaic(index, rng, epoch)
             if rng.random() < hy.mixup:
                 img2, labels2 = self._mosaic(self.partners(epoch, index, 1, rng)[0], rng, epoch)
                 img, labels = mixup(img, labels, img2, labels2, rng)
+        elif augment and not self.rect and isinstance(hy, ZoomCropHyp):
+            img, labels = self._zoom_cropped(index, rng)
         else:
-            img, labels, shapes = self._letterboxed(index, rng)
+            img, labels, shapes = self._letterboxed(index, rng, augment)
 
         h, w = img.shape[:2]
         labels = labels.astype(np.float32).reshape(-1, 5)
@@ -427,7 +458,7 @@ class YoloDataset(Dataset):
             labels[:, 1:] = xyxy2xywhn(labels[:, 1:], w, h, clip=True, eps=1e-3)
             min_size = 1.0 if self.augment else 0.0  # a box under a pixel is not a learnable target
             labels = labels[(labels[:, 3] * w > min_size) & (labels[:, 4] * h > min_size)]
-        if self.augment:
+        if augment:
             if self.ram_images[index] is not None and np.shares_memory(img, self.ram_images[index]):
                 img = img.copy()  # augment_hsv works in place: never touch the cached image
             img = augment_hsv(img, rng, hy.hsv_h, hy.hsv_s, hy.hsv_v)

@@ -1,4 +1,5 @@
-"""Learning-rate schedule: a warmup of learning rate and momentum, then linear or cosine decay to lr0 * lrf."""
+"""Learning-rate schedules: YOLO's (a warmup of learning rate and momentum, then linear or cosine decay to lr0 * lrf,
+per epoch) and the DETR recipes' flat-cosine, set at every step (``FlatCosine``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 import numpy as np
 import torch
 
-from utils.hyp import OptimisationHyp
+from utils.hyp import OptimisationHyp, StepScheduleHyp
 
 
 class LrSchedule:
@@ -65,3 +66,43 @@ def apply_warmup(
         elif "betas" in group:
             beta1 = float(np.interp(iteration, ramp, [hyp.warmup_momentum, momentum]))
             group["betas"] = (beta1, group["betas"][1])
+
+
+class FlatCosine:
+    """The DETR recipes' learning rate, set at every step: a warmup from 0, a flat stretch at lr0, a cosine down to
+    lr0 * ``lrf`` ending where the no-augmentation stage begins, and ``lrf`` through the stage (DEIM's
+    flat-cosine; with ``flat_share`` 1, D-FINE's and RT-DETRv2's warmup then constant rate).
+
+    The multiplier is a function of the step (batch index over the run) and the run's shape alone, so a resumed
+    run, inside an epoch or at its start, gets the rates the uninterrupted run had.
+    """
+
+    def __init__(self, hyp: StepScheduleHyp, lrf: float, epochs: int, batches_per_epoch: int, stage: int | None):
+        self.hyp, self.lrf, self.batches_per_epoch = hyp, lrf, max(batches_per_epoch, 1)
+        self.refit(epochs, stage)
+
+    def refit(self, epochs: int, stage: int | None) -> None:
+        """Another run length (a time budget) or stage epoch."""
+        self.epochs, self.stage = epochs, stage
+        self.decay_end = (stage if stage is not None else epochs) * self.batches_per_epoch
+        warm = self.hyp.warmup_steps
+        self.flat_end = warm + self.hyp.flat_share * max(self.decay_end - warm, 0.0)
+
+    def __call__(self, step: float) -> float:
+        """lr0's multiplier at ``step`` (0 is the run's first batch)."""
+        warm = self.hyp.warmup_steps
+        if step < warm:
+            return min(1.0, (step + 1) / warm) ** self.hyp.warmup_power
+        if step < self.flat_end:
+            return 1.0
+        if step >= self.decay_end:
+            return self.lrf
+        t = (step - self.flat_end) / (self.decay_end - self.flat_end)
+        return self.lrf + (1.0 - self.lrf) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+    def apply(self, optimizer: torch.optim.Optimizer, step: int) -> None:
+        """Every group at its own rate (``initial_lr``: the backbone's multiple of lr0 included) times the
+        multiplier of ``step``."""
+        factor = self(step)
+        for group in optimizer.param_groups:
+            group["lr"] = group["initial_lr"] * factor

@@ -13,8 +13,8 @@ from models.families import Family
 from utils.checkpoint import restore_training_state
 from utils.ema import ModelEMA
 from utils.engine.config import TrainConfig, stored_config
-from utils.engine.lr_schedule import LrSchedule, apply_warmup, warmup_iterations
-from utils.hyp import OptimisationHyp
+from utils.engine.lr_schedule import FlatCosine, LrSchedule, apply_warmup, warmup_iterations
+from utils.hyp import OptimisationHyp, StepScheduleHyp
 from utils.log import LOGGER
 from utils.optimizer import (
     NOMINAL_BATCH,
@@ -38,30 +38,51 @@ class Optimization:
     hyp: OptimisationHyp
     scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
     n_warmup: int = 0  # warmup iterations (batches)
+    clip_norm: float = 10.0  # gradients clipped to this total norm
+    step_schedule: FlatCosine | None = None  # a recipe's rate at every step (StepScheduleHyp), made at the start
+
+    @property
+    def recipe(self) -> StepScheduleHyp | None:
+        """The hyp's step schedule, clipping, EMA and stage settings, where its record has them."""
+        return self.hyp if isinstance(self.hyp, StepScheduleHyp) else None
 
     @property
     def accumulate(self) -> int:
         return self.choice.accumulate
 
-    def start_schedule(self, start_epoch: int, batches_per_epoch: int) -> None:
+    def start_schedule(
+        self, start_epoch: int, batches_per_epoch: int, epochs: int = 0, stage: int | None = None
+    ) -> None:
         """The scheduler, made at ``start_epoch - 1`` and stepped once on creation, sets this epoch's rates (a fresh
-        LambdaLR would restart a resumed run at lr0 * schedule(0)); the warmup length in batches."""
+        LambdaLR would restart a resumed run at lr0 * schedule(0)); the warmup length in batches. A recipe's step
+        schedule (``recipe``) is made for the run's ``epochs`` and ``stage`` epoch, and sets the rates itself."""
+        if self.recipe is not None:  # its rate is set at every step: the per-epoch schedule stays at 1
+            self.schedule = LrSchedule.for_run(max(epochs, 1), 1.0, self.schedule.cosine)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda=self.schedule, last_epoch=start_epoch - 1
         )
         self.n_warmup = warmup_iterations(self.hyp.warmup_epochs, batches_per_epoch)
+        if self.recipe is not None:
+            self.step_schedule = FlatCosine(self.recipe, self.hyp.lrf, epochs, batches_per_epoch, stage)
+            self.n_warmup = 0
 
     def warm_up(self, iteration: int, epoch: int) -> None:
-        """During warmup, ramp the learning rates and the momentum for the step ending at batch ``iteration``."""
-        if iteration <= self.n_warmup:
+        """The rates of the step ending at batch ``iteration`` (of the run): a recipe's step schedule at every step;
+        else during warmup, ramp the learning rates and the momentum."""
+        if self.step_schedule is not None:
+            self.step_schedule.apply(self.optimizer, iteration)
+        elif iteration <= self.n_warmup:
             apply_warmup(self.optimizer, iteration, self.n_warmup, self.schedule(epoch), self.hyp, self.choice.momentum)
 
     def learning_rates(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
 
-    def refit(self, epochs: int) -> None:
+    def refit(self, epochs: int, stage: int | None = None) -> None:
         """A new run length (a time budget): the schedule from epoch 0 to ``epochs``, the next epoch's rates set."""
-        self.schedule = LrSchedule.for_run(epochs, self.hyp.lrf, self.schedule.cosine)
+        if self.step_schedule is not None:
+            self.step_schedule.refit(epochs, stage)
+        lrf = 1.0 if self.step_schedule is not None else self.hyp.lrf
+        self.schedule = LrSchedule.for_run(epochs, lrf, self.schedule.cosine)
         assert self.scheduler is not None, "refit before start_schedule"
         self.scheduler.lr_lambdas = [self.schedule] * len(self.scheduler.lr_lambdas)
         for group, base_lr in zip(self.optimizer.param_groups, self.scheduler.base_lrs):  # the next epoch's
@@ -78,7 +99,7 @@ class Optimization:
         should early in training; those are not counted (None).
         """
         self.scaler.unscale_(self.optimizer)
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=10.0)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=self.clip_norm)
         if self.scaler.is_enabled():
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -109,6 +130,7 @@ class OptimizerInputs:
     nc: int
     hyp: OptimisationHyp
     adamw_lr_per_class_term: float  # the family's (utils/optimizer.py)
+    recipe_optimizer: str | None = None  # the family's optimizer whatever the run's length (utils/optimizer.py)
 
 
 def choose(config: TrainConfig, inputs: OptimizerInputs, ckpt: dict[str, Any] | None) -> OptimizerChoice:
@@ -131,6 +153,7 @@ def choose(config: TrainConfig, inputs: OptimizerInputs, ckpt: dict[str, Any] | 
             inputs.nc,
             inputs.hyp,
             inputs.adamw_lr_per_class_term,
+            inputs.recipe_optimizer,
         )
     LOGGER.info(
         f"optimizer: {choice.name} lr0={choice.lr0} momentum={choice.momentum} accumulate={choice.accumulate} "
@@ -151,14 +174,19 @@ def build_optimization(
 ) -> Optimization:
     """The optimizer over the family's parameter groups of ``model``, the run's schedule, the EMA and the gradient
     scaler."""
-    decay = hyp.weight_decay * config.batch_size * choice.accumulate / NOMINAL_BATCH
-    optimizer = build_optimizer(
-        model, choice.name, choice.lr0, choice.momentum, decay, groups=family.parameter_groups(model, decay)
-    )
-    schedule = LrSchedule.for_run(config.epochs, hyp.lrf, config.cos_lr)
-    ema = ModelEMA(model)  # on every rank: each validates its part with the same EMA weights
+    decay = hyp.weight_decay
+    if choice.scale_decay:  # YOLOv5's: the decay per nominal batch of 64 images
+        decay *= config.batch_size * choice.accumulate / NOMINAL_BATCH
+    groups = family.parameter_groups(model, decay, hyp=hyp)
+    optimizer = build_optimizer(model, choice.name, choice.lr0, choice.momentum, decay, groups=groups)
+    recipe = hyp if isinstance(hyp, StepScheduleHyp) else None
+    # A recipe's rate is set at every step (FlatCosine): the per-epoch schedule stays at 1.
+    schedule = LrSchedule.for_run(config.epochs, 1.0 if recipe else hyp.lrf, config.cos_lr)
+    # On every rank: each validates its part with the same EMA weights.
+    ema = ModelEMA(model, recipe.ema_decay, recipe.ema_tau) if recipe else ModelEMA(model)
     scaler = torch.amp.GradScaler(next(model.parameters()).device.type, enabled=needs_scaler)
-    return Optimization(optimizer, scaler, ema, schedule, choice, hyp)
+    clip = recipe.clip_norm if recipe else 10.0
+    return Optimization(optimizer, scaler, ema, schedule, choice, hyp, clip_norm=clip)
 
 
 def restore(optim: Optimization, ckpt: dict[str, Any]) -> None:

@@ -97,7 +97,8 @@ def set_up(
     precision = choose_precision(device, config.amp)
     LOGGER.info(f"precision: {precision.reason}")
     clock.stamp("model")
-    train_loader, dataset, val_loader = make_loaders(config, info, hyp, grid, labels)
+    stage = family.stage_epoch(config.epochs, config.close_mosaic, hyp)
+    train_loader, dataset, val_loader = make_loaders(config, info, hyp, grid, labels, stage)
     choose_kernels(config, device, (train_loader, val_loader), grid)
     if not ckpt and not config.noautoanchor:
         family.fit_anchors(dataset, model, hyp, imgsz=config.imgsz)
@@ -234,8 +235,11 @@ def freeze_layers(model: nn.Module, freeze: list[int]) -> None:
             LOGGER.debug(f"freezing {name}")
 
 
-def make_loaders(config: TrainConfig, info: DistInfo, hyp: HypRecord, grid: int, labels: list) -> tuple[Any, Any, Any]:
-    """The training loader (and its dataset), and the validation loader over this rank's part of the split."""
+def make_loaders(
+    config: TrainConfig, info: DistInfo, hyp: HypRecord, grid: int, labels: list, stage: int | None
+) -> tuple[Any, Any, Any]:
+    """The training loader (and its dataset), and the validation loader over this rank's part of the split;
+    ``stage``: the epoch from which the training set stops its strongest augmentation (the family's rule)."""
     batch_per_rank = config.batch_size // info.world_size
     cache = None if config.cache == "off" else config.cache
     train_loader, dataset = create_dataloader(
@@ -255,7 +259,7 @@ def make_loaders(config: TrainConfig, info: DistInfo, hyp: HypRecord, grid: int,
         single_cls=config.single_cls,
         prefix=colorstr("train: "),
         label_set=labels[0],
-        close_mosaic_epoch=close_mosaic_epoch(config.epochs, config.close_mosaic),
+        close_mosaic_epoch=stage,
         image_weights=config.image_weights,
         quad=config.quad,
         shard_window=config.shard_window,
@@ -301,10 +305,6 @@ def input_shapes(config: TrainConfig, grid: int, train_loader: Any) -> int:
     dataset = getattr(train_loader, "dataset", None)
     shapes = getattr(dataset, "batch_shapes", None)
     return len({tuple(s) for s in shapes}) if getattr(dataset, "rect", False) and shapes is not None else 1
-
-
-def close_mosaic_epoch(epochs: int, close_mosaic: int) -> int | None:
-    return max(epochs - close_mosaic, 0) if close_mosaic > 0 else None
 
 
 def run_folder(config: TrainConfig, info: DistInfo, hyp: HypRecord, resumed: bool) -> Path:

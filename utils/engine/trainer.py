@@ -36,7 +36,7 @@ from utils.engine.parallel import compile_forward, share_buffers, wrap_ddp
 from utils.engine.phases import PhaseClock
 from utils.engine.resume import Resumed, ResumePosition, resumed_position
 from utils.engine.run_record import RunRecord
-from utils.engine.setup import RunSetup, close_mosaic_epoch, set_up
+from utils.engine.setup import RunSetup, set_up
 from utils.engine.step import BatchOptions, SavePolicy, Stepper
 from utils.engine.tally import LossTally
 from utils.engine.time_budget import TimeBudget, fit_to_time, time_budget
@@ -246,6 +246,7 @@ class Trainer:
                     run.save_dir if epoch == start and self.info.is_main and not config.noplots else None
                 )
                 start_batch = self.position.start_batch if epoch == start else 0
+                self.start_stage(epoch, start_batch)
                 loader = FirstBatchStamp(run.train_loader, self.clock) if epoch == start else run.train_loader
                 tally, timing = train_one_epoch(self.stepper, loader, epoch, start_batch, tally, self.hooks)
                 self.clock.stamp(f"epoch {epoch} steps")
@@ -325,10 +326,22 @@ class Trainer:
         return decision
 
     def refit(self, epochs: int) -> None:
-        """A time budget's run length: the schedule and the close-mosaic epoch follow it."""
+        """A time budget's run length: the schedule and the stage (close-mosaic) epoch follow it."""
         self.config = self.config.replace(epochs=epochs)
-        self.optim.refit(epochs)
-        self.run.train_loader.update_dataset(close_mosaic_epoch=close_mosaic_epoch(epochs, self.config.close_mosaic))
+        stage = self.stage_epoch()
+        self.optim.refit(epochs, stage)
+        self.run.train_loader.update_dataset(close_mosaic_epoch=stage)
+
+    def stage_epoch(self) -> int | None:
+        """The epoch from which the run trains without its strongest augmentation (the family's rule)."""
+        return self.run.family.stage_epoch(self.config.epochs, self.config.close_mosaic, self.run.hyp)
+
+    def start_stage(self, epoch: int, start_batch: int) -> None:
+        """At the stage epoch's first batch, the EMA starts again from the model's weights where the recipe asks
+        (``Optimization.recipe``); a run resumed inside the stage has the restarted EMA in its checkpoint."""
+        if self.optim.recipe is not None and start_batch == 0 and epoch == self.stage_epoch():
+            self.optim.ema.restart(self.stepper.model)
+            LOGGER.info(f"epoch {epoch}: the no-augmentation stage begins; the EMA starts again from the model")
 
     def validate(self, model: torch.nn.Module, plots: bool, verbose: bool) -> Any:
         """Every rank validates its part of the split; the results are gathered, so every rank has the figures."""
@@ -480,7 +493,8 @@ def start_optimization(
 ) -> tuple[Optimization, ResumePosition, tuple[float, int]]:
     """The run's optimizer, EMA and schedule, a resumed run's restored; where the run starts; its best so far."""
     hyp = cast(OptimisationHyp, run.hyp)  # every family's record holds the shared optimisation group
-    inputs = OptimizerInputs(len(run.dataset), run.nc, hyp, run.family.adamw_lr_per_class_term)
+    family = run.family
+    inputs = OptimizerInputs(len(run.dataset), run.nc, hyp, family.adamw_lr_per_class_term, family.recipe_optimizer)
     optim = build_optimization(
         run.model, run.family, run.config, choose(run.config, inputs, ckpt), hyp, run.precision.needs_scaler
     )
@@ -490,7 +504,8 @@ def start_optimization(
         position = resumed_position(ckpt, run.config, hyp, n_losses)
         optim.schedule = position.schedule
         best = float(ckpt["best_fitness"]), int(ckpt.get("best_epoch", -1))
-    optim.start_schedule(position.start_epoch, len(run.train_loader))
+    stage = family.stage_epoch(run.config.epochs, run.config.close_mosaic, run.hyp)
+    optim.start_schedule(position.start_epoch, len(run.train_loader), run.config.epochs, stage)
     return optim, position, best
 
 
