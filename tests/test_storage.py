@@ -4,16 +4,24 @@ unreachable endpoint and a missing backend are one line each, with no secret in 
 
 from __future__ import annotations
 
+import json
+import shutil
 import sys
+import tempfile
 import time
 import uuid
+from pathlib import Path
 
 import pytest
-from conftest import free_port
+import torch
+import yaml
+from conftest import TINY_IN_PROCESS, _main_writing_to, free_port, main_on_ranks, rank_jobs, start_forked
 from s3_server import SECRET_KEY, shared_s3_server
 
+import train
+from utils.checkpoint import load_checkpoint
 from utils.errors import UserError
-from utils.storage import Storage, is_url, open_storage, protocol_of
+from utils.storage import Storage, is_url, local_copy, open_storage, protocol_of
 
 
 @pytest.fixture(scope="session")
@@ -109,3 +117,114 @@ def test_a_backend_without_atomic_uploads_writes_beside_and_moves() -> None:
     assert storage.read_bytes("weights/last.pt") == b"x" * 1000 and storage.listdir("weights") == ["last.pt"]
     ((tmp, target),) = moves
     assert target.endswith("/weights/last.pt") and tmp.rpartition("/")[2].startswith(".last.pt.")
+
+
+# ---- a training run whose folder is in a bucket --------------------------------------------------------------
+
+# 2 ranks, global batch 32 over 96 images: 3 batches an epoch, an optimizer step every 2 (AdamW accumulates up to the
+# nominal batch of 64), so --save-steps 1 writes a checkpoint inside each epoch, after its second batch.
+DDP_RUN = [
+    *TINY_IN_PROCESS,
+    "--batch-size",
+    "32",
+    "--epochs",
+    "2",
+    "--noval",
+    "--save-steps",
+    "1",
+    "--optimizer",
+    "AdamW",
+    "--loggers",
+    "tensorboard",
+]
+GATE_AFTER = 32  # a rank's samples of epoch 1 before the gated run stops for good: its first two batches
+
+
+def _gated_rank(rank: int, argv: list[str], log: str) -> int:
+    """train.py's main on one forked rank whose data stops for good at epoch 1's third batch: the run hangs right
+    after it has handed the checkpoint inside that epoch to the writer, for the test to kill it there."""
+    from utils.data.dataset import YoloDataset
+
+    load, taken = YoloDataset.__getitem__, []
+
+    def gated(self, item):
+        if isinstance(item, tuple) and item[0] == 1:
+            taken.append(item)
+            while len(taken) > GATE_AFTER:
+                time.sleep(1)
+        return load(self, item)
+
+    YoloDataset.__getitem__ = gated
+    return _main_writing_to(train.main, argv, log)
+
+
+def _staged(folder: Path) -> list[Path]:
+    return [p for p in folder.iterdir() if p.name.startswith("yolo-")]
+
+
+def _run_state(url: str) -> dict:
+    try:
+        return json.loads(open_storage(url).read_bytes("run.json"))
+    except FileNotFoundError:
+        return {}
+
+
+@pytest.mark.slow
+def test_a_2_rank_run_in_a_bucket_killed_inside_an_epoch_resumes_from_the_bucket_alone_bit_identical(
+    bucket, rectangles96_yaml, tmp_path, monkeypatch
+) -> None:
+    """Every file of a 2-rank run with --project s3://... lands in the bucket and no local file stays; the same run
+    killed inside its last epoch, its local folders deleted, resumed in a fresh folder from the bucket's URL alone,
+    ends with the uninterrupted run's weights bit for bit."""
+    local = tmp_path / "local"  # every rank's staging folder goes under it (forked ranks inherit tempfile's folder)
+    local.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(local))
+    data = ["--data", str(rectangles96_yaml), "--name", "exp"]
+    codes, outputs = main_on_ranks(
+        train.main, [*DDP_RUN, *data, "--project", f"s3://{bucket}/straight"], 2, tmp_path / "logs"
+    )
+    assert codes == [0, 0], outputs[0][-3000:]
+    straight = open_storage(f"s3://{bucket}/straight/exp")
+    files = straight.files()
+    for name in ("weights/last.pt", "weights/best.pt", "results.csv", "run.json", "opt.yaml", "hyp.yaml"):
+        assert name in files, files
+    assert any(f.startswith("events.out.tfevents") for f in files), files  # TensorBoard's
+    assert open_storage(f"s3://{bucket}/straight").listdir() == ["exp"]  # rank 1 made no exp2
+    state = _run_state(f"s3://{bucket}/straight/exp")
+    assert state["status"] == "finished" and state["newest_checkpoint"] == "weights/last.pt"
+    assert yaml.safe_load(straight.read_bytes("opt.yaml"))["save_dir"] == f"s3://{bucket}/straight/exp"
+    assert _staged(local) == []  # the staging folders are removed at the end
+    assert f"Results saved to s3://{bucket}/straight/exp" in outputs[0]
+
+    cut_url = f"s3://{bucket}/cut/exp"
+    logs = [str(tmp_path / f"cut{rank}.log") for rank in range(2)]
+    argv = [*DDP_RUN, *data, "--project", f"s3://{bucket}/cut"]
+    procs = [start_forked(*job) for job in rank_jobs(lambda rank: _gated_rank(rank, argv, logs[rank]), 2)]
+    try:
+        deadline = time.monotonic() + 120
+        while _run_state(cut_url).get("checkpoint") != "epoch 1 batch 2":  # uploaded, then named in run.json
+            assert all(p.exitcode is None for p in procs), Path(logs[0]).read_text()[-3000:]
+            assert time.monotonic() < deadline, Path(logs[0]).read_text()[-3000:]
+            time.sleep(0.1)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.join()
+    assert _run_state(cut_url)["status"] == "running"
+    shutil.rmtree(local)  # the machine is lost: nothing local is left
+    local.mkdir()
+    monkeypatch.chdir(local)
+    codes, outputs = main_on_ranks(train.main, ["--resume", f"{cut_url}/weights/last.pt"], 2, tmp_path / "logs_resumed")
+    assert codes == [0, 0], outputs[0][-3000:]
+    assert "Resuming training at batch 2 of epoch 1" in outputs[0]
+    assert [
+        int(float(r.split(",")[0])) for r in open_storage(cut_url).read_bytes("results.csv").decode().splitlines()[1:]
+    ] == [0, 1]
+    with (
+        local_copy(f"{cut_url}/weights/last.pt") as resumed,
+        local_copy(f"{straight.location}/weights/last.pt") as whole,
+    ):
+        a, b = load_checkpoint(resumed), load_checkpoint(whole)
+        assert all(torch.equal(a["model"][k], b["model"][k]) for k in b["model"])
+        assert all(torch.equal(a["ema"][k], b["ema"][k]) for k in b["ema"])
+    assert _staged(local) == []
