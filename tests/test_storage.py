@@ -4,6 +4,7 @@ unreachable endpoint and a missing backend are one line each, with no secret in 
 
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 import sys
@@ -20,6 +21,8 @@ from s3_server import SECRET_KEY, shared_s3_server
 
 import train
 from utils.checkpoint import load_checkpoint
+from utils.engine.resume import latest_checkpoint
+from utils.engine.run_upload import RunUpload
 from utils.errors import UserError
 from utils.storage import Storage, is_url, local_copy, open_storage, protocol_of
 
@@ -122,13 +125,15 @@ def test_a_backend_without_atomic_uploads_writes_beside_and_moves() -> None:
 # ---- a training run whose folder is in a bucket --------------------------------------------------------------
 
 # 2 ranks, global batch 32 over 96 images: 3 batches an epoch, an optimizer step every 2 (AdamW accumulates up to the
-# nominal batch of 64), so --save-steps 1 writes a checkpoint inside each epoch, after its second batch.
+# nominal batch of 64), so --save-steps 1 writes a checkpoint inside the epoch, after its second batch. At 32 px.
 DDP_RUN = [
     *TINY_IN_PROCESS,
+    "--imgsz",
+    "32",
     "--batch-size",
     "32",
     "--epochs",
-    "2",
+    "1",
     "--noval",
     "--save-steps",
     "1",
@@ -137,18 +142,18 @@ DDP_RUN = [
     "--loggers",
     "tensorboard",
 ]
-GATE_AFTER = 32  # a rank's samples of epoch 1 before the gated run stops for good: its first two batches
+GATE_AFTER = 32  # a rank's samples before the gated run stops for good: its first two batches
 
 
 def _gated_rank(rank: int, argv: list[str], log: str) -> int:
-    """train.py's main on one forked rank whose data stops for good at epoch 1's third batch: the run hangs right
-    after it has handed the checkpoint inside that epoch to the writer, for the test to kill it there."""
+    """train.py's main on one forked rank whose data stops for good at the third batch: the run hangs right after it
+    has handed the checkpoint inside the epoch to the writer, for the test to kill it there."""
     from utils.data.dataset import YoloDataset
 
     load, taken = YoloDataset.__getitem__, []
 
     def gated(self, item):
-        if isinstance(item, tuple) and item[0] == 1:
+        if isinstance(item, tuple):
             taken.append(item)
             while len(taken) > GATE_AFTER:
                 time.sleep(1)
@@ -174,8 +179,13 @@ def test_a_2_rank_run_in_a_bucket_killed_inside_an_epoch_resumes_from_the_bucket
     bucket, rectangles96_yaml, tmp_path, monkeypatch
 ) -> None:
     """Every file of a 2-rank run with --project s3://... lands in the bucket and no local file stays; the same run
-    killed inside its last epoch, its local folders deleted, resumed in a fresh folder from the bucket's URL alone,
+    killed inside its epoch, its local folders deleted, resumed in a fresh folder from the bucket's URL alone,
     ends with the uninterrupted run's weights bit for bit."""
+    # Imported once here, before the forks, so that each rank starts with them: TensorBoard's writer, and the
+    # module the optimizer's constructor imports (seconds per process).
+    for module in ("tensorboard", "torch._dynamo"):
+        importlib.import_module(module)
+
     local = tmp_path / "local"  # every rank's staging folder goes under it (forked ranks inherit tempfile's folder)
     local.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(local))
@@ -202,7 +212,7 @@ def test_a_2_rank_run_in_a_bucket_killed_inside_an_epoch_resumes_from_the_bucket
     procs = [start_forked(*job) for job in rank_jobs(lambda rank: _gated_rank(rank, argv, logs[rank]), 2)]
     try:
         deadline = time.monotonic() + 120
-        while _run_state(cut_url).get("checkpoint") != "epoch 1 batch 2":  # uploaded, then named in run.json
+        while _run_state(cut_url).get("checkpoint") != "epoch 0 batch 2":  # uploaded, then named in run.json
             assert all(p.exitcode is None for p in procs), Path(logs[0]).read_text()[-3000:]
             assert time.monotonic() < deadline, Path(logs[0]).read_text()[-3000:]
             time.sleep(0.1)
@@ -216,10 +226,10 @@ def test_a_2_rank_run_in_a_bucket_killed_inside_an_epoch_resumes_from_the_bucket
     monkeypatch.chdir(local)
     codes, outputs = main_on_ranks(train.main, ["--resume", f"{cut_url}/weights/last.pt"], 2, tmp_path / "logs_resumed")
     assert codes == [0, 0], outputs[0][-3000:]
-    assert "Resuming training at batch 2 of epoch 1" in outputs[0]
+    assert "Resuming training at batch 2 of epoch 0" in outputs[0]
     assert [
         int(float(r.split(",")[0])) for r in open_storage(cut_url).read_bytes("results.csv").decode().splitlines()[1:]
-    ] == [0, 1]
+    ] == [0]
     with (
         local_copy(f"{cut_url}/weights/last.pt") as resumed,
         local_copy(f"{straight.location}/weights/last.pt") as whole,
@@ -228,3 +238,73 @@ def test_a_2_rank_run_in_a_bucket_killed_inside_an_epoch_resumes_from_the_bucket
         assert all(torch.equal(a["model"][k], b["model"][k]) for k in b["model"])
         assert all(torch.equal(a["ema"][k], b["ema"][k]) for k in b["ema"])
     assert _staged(local) == []
+
+
+def test_wrong_credentials_stop_a_run_in_one_line_before_any_training(
+    bucket, train_here, monkeypatch, tmp_path
+) -> None:
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret-at-all")
+    status, log = train_here("--data", str(tmp_path / "never-read.yaml"), "--project", f"s3://{bucket}/runs")
+    errors = [line for line in log.splitlines() if line.startswith("ERROR")]
+    assert status == 1 and len(errors) == 1, log
+    assert errors[0].startswith(f"ERROR opening s3://{bucket}/runs: ") and "not-the-secret-at-all" not in log
+    assert "Starting training" not in log and "hyperparameters" not in log
+
+
+def _record(storage: Storage, run: str, status: str, age_s: float, checkpoint: str | None = "weights/last.pt") -> None:
+    state = {"status": status, "newest_checkpoint": checkpoint, "checkpoint": "epoch 0", "updated": time.time() - age_s}
+    storage.write_bytes(f"{run}/run.json", json.dumps(state).encode())
+
+
+def test_resume_alone_takes_the_newest_interrupted_run_of_a_bucket_and_never_one_alive(bucket) -> None:
+    """--resume with --project s3://...: the run whose record is not finished and whose heartbeat is older than
+    twice --dist-timeout, the newest of them; a run beating within that window is alive elsewhere and never taken."""
+    project = f"s3://{bucket}/runs"
+    storage = open_storage(project)
+    with pytest.raises(UserError, match=r"no interrupted run to resume \(train first"):
+        latest_checkpoint((project,), dist_timeout=10)
+    _record(storage, "exp", "running", age_s=3600)
+    _record(storage, "exp2", "running", age_s=1300)  # newer, and stale: 1300 s > 2 x 10 min
+    _record(storage, "exp3", "finished", age_s=10)
+    _record(storage, "exp4", "running", age_s=60)  # alive elsewhere
+    _record(storage, "exp5", "running", age_s=7200, checkpoint=None)  # nothing complete to resume from
+    storage.write_bytes("notes.txt", b"not a run")
+    assert latest_checkpoint((project,), dist_timeout=10) == f"{project}/exp2/weights/last.pt"
+    assert latest_checkpoint((project,), dist_timeout=30) == f"{project}/exp/weights/last.pt"  # exp2 within 60 min
+    with pytest.raises(
+        UserError,
+        match=r"the records of exp \(\d+ s ago\), exp2 \(\d+ s ago\), exp4 \(\d+ s ago\) were updated less than",
+    ):
+        latest_checkpoint((project,), dist_timeout=100)
+
+
+def test_a_failed_upload_is_retried_and_reported_in_one_line_and_training_goes_on(tmp_path, caplog) -> None:
+    """The storage fails twice, then takes the file: one warning naming the tries; a storage that never takes it:
+    one warning, False, and the next upload of the file tries again."""
+    fails = {"n": 2}
+
+    class Flaky(Storage):
+        def upload(self, local, relative):
+            if fails["n"] > 0:
+                fails["n"] -= 1
+                raise UserError(f"writing {self.full(relative)}: ConnectTimeoutError (check the endpoint)")
+            super().upload(local, relative)
+
+    (tmp_path / "run/weights").mkdir(parents=True)
+    (tmp_path / "run/weights/last.pt").write_bytes(b"checkpoint")
+    (tmp_path / "run/results.csv").write_text("epoch\n0\n")
+    upload = RunUpload(Flaky(str(tmp_path / "bucket")), tmp_path / "run", retry_delays=(0.01, 0.01, 0.01))
+    with caplog.at_level("WARNING"):
+        assert upload.upload("weights/last.pt")
+    (line,) = caplog.messages
+    assert line.startswith(f"WARNING {tmp_path}/bucket/weights/last.pt: uploaded on try 3 (2 failed, the last: ")
+    assert (tmp_path / "bucket/weights/last.pt").read_bytes() == b"checkpoint"
+    assert upload.changed(with_checkpoints=True) == ["results.csv"]  # last.pt is sent as it is
+    caplog.clear()
+    fails["n"] = 10
+    with caplog.at_level("WARNING"):
+        assert not upload.sync()
+    (line,) = caplog.messages
+    assert line.endswith("training goes on and the next upload tries again") and "not uploaded after 4 tries" in line
+    fails["n"] = 0
+    assert upload.changed(with_checkpoints=False) == ["results.csv"] and upload.sync() and not upload.changed(True)
