@@ -20,7 +20,8 @@ from conftest import TINY_IN_PROCESS, _main_writing_to, free_port, main_on_ranks
 from s3_server import SECRET_KEY, shared_s3_server
 
 import train
-from utils.checkpoint import load_checkpoint
+from models.yolo import Model
+from utils.checkpoint import load_checkpoint, model_state, save_checkpoint
 from utils.engine.resume import latest_checkpoint
 from utils.engine.run_upload import RunUpload
 from utils.errors import UserError
@@ -308,3 +309,26 @@ def test_a_failed_upload_is_retried_and_reported_in_one_line_and_training_goes_o
     assert line.endswith("training goes on and the next upload tries again") and "not uploaded after 4 tries" in line
     fails["n"] = 0
     assert upload.changed(with_checkpoints=False) == ["results.csv"] and upload.sync() and not upload.changed(True)
+
+
+@pytest.mark.slow
+def test_detect_takes_weights_from_a_bucket_and_a_missing_object_is_one_line(
+    bucket, rectangles_yaml, tmp_path, monkeypatch
+) -> None:
+    """--weights s3://... (val.py, detect.py and export.py download it through utils/storage.py: local_copy)."""
+    import detect
+
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+
+    torch.manual_seed(0)
+    model = Model("models/yolov5n.yaml", nc=2)
+    model.names = ["red", "blue"]
+    save_checkpoint({**model_state(model), "opt": {"imgsz": 64}}, tmp_path / "w.pt")
+    open_storage(f"s3://{bucket}/models").upload(tmp_path / "w.pt", "w.pt")
+    image = rectangles_yaml.parent / "images/val/0000.jpg"
+    common = ["--source", str(image), "--imgsz", "64", "--device", "cpu", "--project", str(tmp_path / "out")]
+    assert detect.main([*common, "--weights", f"s3://{bucket}/models/w.pt", "--save-txt"]) == 0
+    assert (tmp_path / "out/exp/0000.jpg").is_file()
+    assert not list((tmp_path / "tmp").iterdir())  # the download is removed
+    assert detect.main([*common, "--weights", f"s3://{bucket}/models/none.pt"]) == 1

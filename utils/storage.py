@@ -102,6 +102,15 @@ class Storage:
             return
         self._remote(lambda: self._put(target, lambda path: self.fs.put_file(str(local), path)), f"writing {target}")
 
+    def upload_tree(self, local: str | Path, relative: str) -> None:
+        """The local file or folder ``local`` as ``relative`` (a folder's files each whole, one by one)."""
+        local = Path(local)
+        if not local.is_dir():
+            self.upload(local, relative)
+            return
+        for path in sorted(p for p in local.rglob("*") if p.is_file()):
+            self.upload(path, f"{relative}/{path.relative_to(local).as_posix()}")
+
     def _put(self, target: str, put: Any) -> None:
         if self.protocol in ATOMIC_UPLOAD:
             put(target)

@@ -182,11 +182,9 @@ class RunRecord:
         best_epoch: int = -1,
         start_epoch: int = 0,
         clock: PhaseClock | None = None,
-        upload: RunUpload | None = None,
     ):
         self.save_dir = save_dir
-        # A run folder on object storage: save_dir is the local staging folder, uploaded through ``upload``.
-        self.upload = upload
+        self.upload: RunUpload | None = None  # a run folder on object storage (``upload_to``)
         self.columns = columns  # results.csv's (utils/results_log.py)
         self.weights_dir = save_dir / "weights"
         self.last, self.best = self.weights_dir / "last.pt", self.weights_dir / "best.pt"
@@ -212,8 +210,14 @@ class RunRecord:
         }
         self._write_state()
         self.writer.on_written.append(self._written)
-        if upload is not None:
-            upload.beat = self.beat
+
+    def upload_to(self, upload: RunUpload) -> None:
+        """The run folder is at a URL: ``save_dir`` is the local staging folder that ``upload`` sends there. From
+        here on each checkpoint is uploaded once written, and run.json (uploaded now) names the newest in the bucket
+        and beats with ``upload``'s thread."""
+        self.upload = upload
+        upload.beat = self.beat
+        self._write_state()
 
     def end_epoch(
         self,

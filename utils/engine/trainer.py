@@ -184,9 +184,9 @@ class Trainer:
             best_epoch=best[1],
             start_epoch=self.position.start_epoch,
             clock=self.clock,
-            upload=run.upload,
         )
         if run.upload is not None:
+            self.record.upload_to(run.upload)
             run.upload.start()
         tracked = TrackerRun(
             run.save_dir,
