@@ -22,8 +22,9 @@ from s3_server import SECRET_KEY, shared_s3_server
 import train
 from models.yolo import Model
 from utils.checkpoint import load_checkpoint, model_state, save_checkpoint
+from utils.distributed import DistInfo
 from utils.engine.resume import latest_checkpoint
-from utils.engine.run_upload import RunUpload
+from utils.engine.run_upload import RunUpload, job_run_folder
 from utils.errors import UserError
 from utils.storage import Storage, is_url, local_copy, open_storage, protocol_of
 
@@ -277,6 +278,12 @@ def test_resume_alone_takes_the_newest_interrupted_run_of_a_bucket_and_never_one
         match=r"the records of exp \(\d+ s ago\), exp2 \(\d+ s ago\), exp4 \(\d+ s ago\) were updated less than",
     ):
         latest_checkpoint((project,), dist_timeout=100)
+    # A launcher restart finds the folder its job made: marked with its run id since its launcher started.
+    storage.write_bytes("exp4/run_id", b"job-7")
+    started = time.time() - 30
+    assert job_run_folder(project, DistInfo(0, 0, 2, 2, 1, "job-7", started)) == f"{project}/exp4"
+    assert job_run_folder(project, DistInfo(0, 0, 2, 2, 1, "job-8", started)) is None
+    assert job_run_folder(project, DistInfo(0, 0, 2, 2, 1, "job-7", time.time() + 30)) is None  # an older job's
 
 
 def test_a_failed_upload_is_retried_and_reported_in_one_line_and_training_goes_on(tmp_path, caplog) -> None:
