@@ -339,3 +339,31 @@ def test_detect_takes_weights_from_a_bucket_and_a_missing_object_is_one_line(
     assert (tmp_path / "out/exp/0000.jpg").is_file()
     assert not list((tmp_path / "tmp").iterdir())  # the download is removed
     assert detect.main([*common, "--weights", f"s3://{bucket}/models/none.pt"]) == 1
+
+
+@pytest.mark.slow
+def test_tar_shards_in_a_bucket_read_like_local_ones_through_the_node_cache(
+    bucket, rectangles_yaml, tmp_path, monkeypatch
+) -> None:
+    from shards import main as convert
+    from utils.data.config import load_data_config
+    from utils.data.loader import load_labels
+    from utils.data.webshards import ShardSet
+
+    monkeypatch.setenv("YOLO_TRAIN_SHARD_CACHE", str(tmp_path / "node-cache"))
+    assert convert(["--data", str(rectangles_yaml), "--out", str(tmp_path / "sh"), "--max-count", "8"]) == 0
+    tars = sorted(p.name for p in (tmp_path / "sh").glob("train-*.tar"))
+    assert len(tars) == 2
+    for name in tars:
+        open_storage(f"s3://{bucket}/sh").upload(tmp_path / "sh" / name, name)
+    remote = tmp_path / "remote.yaml"
+    remote.write_text(
+        f"path: {tmp_path}\ntrain: s3://{bucket}/sh/train-{{000000..000001}}.tar\nval: {tmp_path}/sh/val-000000.tar\n"
+        "names: [red, blue]\n"
+    )
+    got = load_labels(load_data_config(remote)["train"], nc=2, verbose=False)
+    want = load_labels(load_data_config(tmp_path / "sh/data.yaml")["train"], nc=2, verbose=False)
+    assert [Path(f).name for f in got.im_files] == [Path(f).name for f in want.im_files] and len(want.im_files) == 16
+    assert len(list((tmp_path / "node-cache").glob("*.tar"))) == 2  # fetched once into the node's cache
+    with pytest.raises(UserError, match=rf"s3://{bucket}/sh/nothere-000000.tar: cannot fetch shard"):
+        load_labels(ShardSet((f"s3://{bucket}/sh/nothere-000000.tar",), "test"), nc=2)
