@@ -5,7 +5,9 @@ tests/s3_server.py starts it): identical weights, and the wall time of each.
 
 Each pair runs train.py as a fresh process twice on generated data (yolov5n, --save-steps 1 so that a checkpoint
 is uploaded after every optimizer step): --project on local disk, then --project s3://.... Prints each run's wall
-time, the ratio (bucket / local) and whether last.pt's weights are equal bit for bit. ``--freeze-s N`` stops the
+time, the ratio (bucket / local), whether last.pt's weights are equal bit for bit, and each phase of the run
+(utils/engine/phases.py) as local / bucket seconds: on a busy machine the wall times drift, the phases show where
+the bucket's time goes. ``--freeze-s N`` stops the
 server (SIGSTOP) for N seconds during the bucket run's first epoch: training goes on, uploads are retried, and
 the weights in the bucket are still the local run's.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,14 +26,15 @@ import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+PHASE = re.compile(r"phase (.+?): ([0-9.]+) s \(at")
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 
 def train(
     data: Path, project: str, args: argparse.Namespace, env: dict[str, str], freeze_pid: int | None = None
-) -> tuple[float, list[str]]:
-    """Wall seconds of one train.py process, and its lines about uploads and the training's phases. With
+) -> tuple[float, str]:
+    """Wall seconds of one train.py process, and its output. With
     ``freeze_pid``, that process group is stopped for --freeze-s seconds once the run's first step is logged."""
     cmd = [
         sys.executable,
@@ -66,8 +70,15 @@ def train(
         output = Path(log.name).read_text(errors="replace")
     if code:
         raise SystemExit(f"train.py failed ({project}):\n{output[-3000:]}")
-    keep = ("upload", "phase epoch", "phase run folder", "phase checkpoints written")
-    return seconds, [line.strip() for line in output.splitlines() if any(k in line for k in keep)]
+    return seconds, output
+
+
+def phases(output: str) -> dict[str, float]:
+    """The log's phase stamps (utils/engine/phases.py): each phase's seconds, by name."""
+    found: dict[str, float] = {}
+    for name, seconds in PHASE.findall(output):
+        found[name] = found.get(name, 0.0) + float(seconds)
+    return found
 
 
 def freeze(pid: int, log: Path, seconds: float) -> None:
@@ -106,9 +117,9 @@ def main() -> None:
                 local = folder / f"local{pair}"
                 bucket = f"bench{uuid.uuid4().hex[:10]}"
                 open_storage(f"s3://{bucket}").fs.mkdir(bucket)
-                t_local, _ = train(data, str(local), args, env)
+                t_local, out_local = train(data, str(local), args, env)
                 frozen = server.pid if args.freeze_s > 0 else None
-                t_bucket, lines = train(data, f"s3://{bucket}/runs", args, env, frozen)
+                t_bucket, out_bucket = train(data, f"s3://{bucket}/runs", args, env, frozen)
                 with local_copy(f"s3://{bucket}/runs/exp/weights/last.pt") as uploaded:
                     a, b = load_checkpoint(local / "exp/weights/last.pt"), load_checkpoint(uploaded)
                 equal = all(a["model"][k].equal(b["model"][k]) for k in a["model"])
@@ -117,8 +128,13 @@ def main() -> None:
                     f"{t_bucket / t_local:.3f}; last.pt weights {'equal' if equal else 'DIFFER'}",
                     flush=True,
                 )
-                for line in lines:
-                    print(f"  {line}")
+                a_phases, b_phases = phases(out_local), phases(out_bucket)
+                for name in dict.fromkeys([*a_phases, *b_phases]):
+                    if name != "imports and process set-up":  # counted from the process start: not comparable
+                        print(f"  {name}: {a_phases.get(name, 0.0):.2f} s / {b_phases.get(name, 0.0):.2f} s")
+                for line in out_bucket.splitlines():
+                    if "WARNING" in line and "upload" in line:
+                        print(f"  {line.strip()}")
         finally:
             next(servers, None)
 

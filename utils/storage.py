@@ -190,6 +190,12 @@ class Storage:
             raise UserError(f"{doing}: {_first_line(e)} (check the credentials and the endpoint)") from None
 
 
+def local_path(location: str | Path) -> Path:
+    """A local location as a path (a ``file://`` URL without its scheme)."""
+    text = str(location)
+    return Path(text[len("file://") :] if text.lower().startswith("file://") else text)
+
+
 def join(location: str, *parts: str) -> str:
     """``location`` (a URL or a local path) with ``parts`` appended, ``/``-separated for a URL."""
     if not is_url(location):
@@ -210,7 +216,7 @@ def local_copy(location: str | Path) -> Iterator[Path]:
     """A local path of the file ``location``: itself when local; for a URL, a download into a temporary folder
     (the file keeps its name, whose suffix says its format), removed when the block ends."""
     if not is_url(location):
-        yield Path(str(location)[len("file://") :] if str(location).lower().startswith("file://") else location)
+        yield local_path(location)
         return
     folder, name = split(str(location))
     storage = open_storage(folder)
@@ -229,8 +235,7 @@ def open_storage(location: str | Path) -> Storage:
     """The storage of ``location``: a local folder, or a URL through fsspec and the protocol's backend."""
     protocol = protocol_of(location)
     if protocol is None:
-        text = str(location)
-        return Storage(text[len("file://") :] if text.lower().startswith("file://") else text)
+        return Storage(str(local_path(location)))
     try:
         import fsspec
     except ImportError:

@@ -23,7 +23,7 @@ from utils.engine.tally import LossTally
 from utils.errors import UserError
 from utils.hyp import OptimisationHyp
 from utils.log import LOGGER
-from utils.storage import is_url, join, local_copy, open_storage, split
+from utils.storage import is_url, join, local_copy, local_path, open_storage, split
 
 # Fields a resumed run may take anew; any other field given with --resume must equal the run's own.
 RESUME_OVERRIDABLE = frozenset(
@@ -92,7 +92,7 @@ def resume_point(config: TrainConfig, request: ResumeRequest, info: DistInfo) ->
     path: Path | str | None = None
     if request.path is not None:
         # Every node reads the same file, whatever its working directory; a URL is read through the storage seam.
-        path = request.path if is_url(request.path) else Path(request.path).resolve()
+        path = request.path if is_url(request.path) else local_path(request.path).resolve()
     elif request.latest_under and info.is_main:  # the newest run rank 0 sees; the other nodes need not see it
         path = latest_checkpoint(request.latest_under, config.dist_timeout)  # under their own working directory
     elif not request.asked and info.restart_count > 0 and info.is_main:

@@ -101,7 +101,7 @@ def check_storage(launch: Launch) -> None:
     urls = [u for u in (config.project, resume.path, *resume.latest_under, config.weights) if u and is_url(u)]
     if not urls:
         return
-    if config.evolve is not None or config.resume_evolve:
+    if (config.evolve is not None or config.resume_evolve) and is_url(config.project):
         raise EveryRankError(f"--project {config.project}: an evolution keeps its study and runs in a local folder")
     for url in dict.fromkeys(urls):
         try:

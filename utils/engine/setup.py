@@ -27,7 +27,7 @@ from utils.hyp import HypRecord
 from utils.log import LOGGER, colorstr
 from utils.process import kernel_choice
 from utils.run_dir import increment_path
-from utils.storage import Storage, is_url, join, local_copy, open_storage, split
+from utils.storage import Storage, is_url, join, local_copy, local_path, open_storage, split
 from utils.sync_bn import convert_sync_batchnorm
 from utils.torch_utils import init_torch_seeds, torch_distributed_zero_first
 
@@ -342,7 +342,7 @@ def run_folder(config: TrainConfig, info: DistInfo, hyp: HypRecord, resumed: boo
     elif restarted is not None:  # the launcher restarted the group before the run's first checkpoint
         save_dir = restarted
     else:
-        save_dir = increment_path(Path(config.project) / config.name, config.exist_ok)
+        save_dir = increment_path(local_path(config.project) / config.name, config.exist_ok)
     # Rank 0's absolute path: every node (and a later resume) finds the folder whatever its working directory.
     save_dir = Path(broadcast_object(str(save_dir.resolve()), info))
     if info.is_main:
