@@ -9,10 +9,12 @@ import json
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -24,8 +26,10 @@ from models.yolo import Model
 from utils.checkpoint import load_checkpoint, model_state, save_checkpoint
 from utils.distributed import DistInfo
 from utils.engine.resume import latest_checkpoint
+from utils.engine.run_record import RunRecord
 from utils.engine.run_upload import RunUpload, job_run_folder
 from utils.errors import UserError
+from utils.results_log import result_columns
 from utils.storage import Storage, is_url, local_copy, open_storage, protocol_of
 
 
@@ -367,3 +371,34 @@ def test_tar_shards_in_a_bucket_read_like_local_ones_through_the_node_cache(
     assert len(list((tmp_path / "node-cache").glob("*.tar"))) == 2  # fetched once into the node's cache
     with pytest.raises(UserError, match=rf"s3://{bucket}/sh/nothere-000000.tar: cannot fetch shard"):
         load_labels(ShardSet((f"s3://{bucket}/sh/nothere-000000.tar",), "test"), nc=2)
+
+
+def test_a_stalled_store_holds_up_no_epoch_and_run_json_names_only_what_the_bucket_holds(tmp_path) -> None:
+    """A store that stops answering (a frozen server): every epoch's checkpoint is handed over at once; run.json in
+    the bucket names a checkpoint only once it is there, and the newest one once the store answers again."""
+    release, entered = threading.Event(), threading.Event()
+
+    class Stalled(Storage):
+        def upload(self, local, relative):
+            if relative.startswith("weights/"):
+                entered.set()
+                assert release.wait(30)
+            super().upload(local, relative)
+
+    bucket = Stalled(str(tmp_path / "bucket"))
+    record = RunRecord(
+        tmp_path / "stage", result_columns(("box", "obj", "cls")), patience=0, noval=False, nosave=False, save_period=-1
+    )
+    record.upload_to(RunUpload(bucket, tmp_path / "stage"))
+    t0 = time.monotonic()
+    for epoch in range(3):
+        ckpt = {"model_cfg": {}, "model": {"w": torch.full((4,), float(epoch))}, "ema": None, "epoch": epoch}
+        record.end_epoch(epoch, np.zeros(3), (0.0, 0.0, 0.0, 0.1 * epoch, 0.0, 0.0, 0.0), [0.01] * 3, ckpt, False)
+        assert entered.wait(30)
+        assert json.loads(bucket.read_bytes("run.json"))["newest_checkpoint"] is None  # nothing complete there
+    assert time.monotonic() - t0 < 10 and not release.is_set()
+    release.set()
+    assert record.close()
+    state = json.loads(bucket.read_bytes("run.json"))
+    assert (state["newest_checkpoint"], state["checkpoint"]) == ("weights/last.pt", "epoch 2")
+    assert torch.equal(load_checkpoint(tmp_path / "bucket/weights/last.pt")["model"]["w"], torch.full((4,), 2.0))
