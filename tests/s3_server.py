@@ -107,6 +107,8 @@ def _start(folder: Path) -> S3Server:
         "-s3",
         f"-s3.port={ports[3]}",
         f"-s3.config={folder / 's3.json'}",
+        "-s3.port.iceberg=0",  # its Iceberg and Lance listeners take fixed ports: a second server (another test
+        "-s3.port.lance=0",  # run on this machine) would die on them
         "-master.telemetry=false",  # the test machine reaches no outside address
     ]
     log = open(folder / "weed.log", "ab")

@@ -81,6 +81,8 @@ def test_an_s3_bucket_holds_a_runs_files(bucket, tmp_path) -> None:
     assert storage.read_bytes("weights/last.pt") == b"second"
     assert storage.read_bytes("results.csv") == b"epoch\n0\n"
     assert storage.listdir() == ["results.csv", "weights"] and storage.listdir("weights") == ["last.pt"]
+    with pytest.raises(UserError, match=rf"^opening s3://{bucket}x/runs: the bucket {bucket}x does not exist$"):
+        open_storage(f"s3://{bucket}x/runs").check_access()
 
 
 @pytest.mark.slow

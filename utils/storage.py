@@ -179,7 +179,10 @@ class Storage:
         if self.fs is None:
             return
         bucket = self.location.split("://", 1)[1].split("/", 1)[0]
-        self._remote(lambda: self.fs.ls(f"{self.protocol}://{bucket}", detail=False), f"opening {self.location}")
+        try:
+            self._remote(lambda: self.fs.ls(f"{self.protocol}://{bucket}", detail=False), f"opening {self.location}")
+        except FileNotFoundError:
+            raise UserError(f"opening {self.location}: the bucket {bucket} does not exist") from None
 
     def _remote(self, call: Any, doing: str) -> Any:
         try:
