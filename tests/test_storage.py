@@ -19,7 +19,7 @@ import pytest
 import torch
 import yaml
 from conftest import TINY_IN_PROCESS, _main_writing_to, free_port, main_on_ranks, rank_jobs, start_forked
-from s3_server import SECRET_KEY, shared_s3_server
+from s3_server import ACCESS_KEY, SECRET_KEY, shared_s3_server
 
 import train
 from models.yolo import Model
@@ -211,6 +211,10 @@ def test_a_2_rank_run_in_a_bucket_killed_inside_an_epoch_resumes_from_the_bucket
     state = _run_state(f"s3://{bucket}/straight/exp")
     assert state["status"] == "finished" and state["newest_checkpoint"] == "weights/last.pt"
     assert yaml.safe_load(straight.read_bytes("opt.yaml"))["save_dir"] == f"s3://{bucket}/straight/exp"
+    for name in ("opt.yaml", "run.json", "weights/last.pt"):  # the credentials are written nowhere
+        assert SECRET_KEY.encode() not in straight.read_bytes(name) and ACCESS_KEY.encode() not in straight.read_bytes(
+            name
+        )
     assert _staged(local) == []  # the staging folders are removed at the end
     assert f"Results saved to s3://{bucket}/straight/exp" in outputs[0]
 
