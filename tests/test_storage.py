@@ -268,13 +268,13 @@ def _record(storage: Storage, run: str, status: str, age_s: float, checkpoint: s
     storage.write_bytes(f"{run}/run.json", json.dumps(state).encode())
 
 
-def test_resume_alone_takes_the_newest_interrupted_run_of_a_bucket_and_never_one_alive(bucket) -> None:
+def test_resume_alone_takes_the_newest_interrupted_run_of_a_bucket_and_never_one_alive(bucket, train_here) -> None:
     """--resume with --project s3://...: the run whose record is not finished and whose heartbeat is older than
     twice --dist-timeout, the newest of them; a run beating within that window is alive elsewhere and never taken."""
     project = f"s3://{bucket}/runs"
     storage = open_storage(project)
-    with pytest.raises(UserError, match=r"no interrupted run to resume \(train first"):
-        latest_checkpoint((project,), dist_timeout=10)
+    status, log = train_here("--resume", "--project", project)  # train.py looks in the bucket
+    assert status == 1 and f"ERROR {project}: no interrupted run to resume (train first" in log, log
     _record(storage, "exp", "running", age_s=3600)
     _record(storage, "exp2", "running", age_s=1300)  # newer, and stale: 1300 s > 2 x 10 min
     _record(storage, "exp3", "finished", age_s=10)
