@@ -52,6 +52,7 @@ from utils.log import LOGGER, colorstr, setup_logging
 from utils.process import setup_process
 from utils.run_dir import increment_path
 from utils.safe_paths import PathParts, inside
+from utils.storage import is_url, local_copy
 from utils.torch_utils import select_device
 
 
@@ -178,7 +179,8 @@ def _predictor(opt: argparse.Namespace, device: torch.device) -> tuple[Any, tupl
     from utils.evaluation.predictor import PredictOptions, Predictor, open_for_prediction
     from utils.formats.metadata import inference_imgsz
 
-    runner = open_for_prediction(opt.weights, device, end2end=opt.end2end, augment=opt.augment, half=opt.half)
+    with local_copy(opt.weights) as weights:  # a URL (s3://, gs://) is downloaded through the storage seam
+        runner = open_for_prediction(weights, device, end2end=opt.end2end, augment=opt.augment, half=opt.half)
     meta = runner.meta
     options = PredictOptions(
         conf_thres=opt.conf_thres,
@@ -205,6 +207,8 @@ def run_options(opt: argparse.Namespace) -> DetectResults:
     view = opt.view_img and _display_available()
     if opt.view_img and not view:
         LOGGER.warning("WARNING --view-img: no display available, images are not shown")
+    if is_url(opt.project):  # only train.py's run folder may be a URL
+        raise UserError(f"--project {opt.project}: detect.py writes its outputs to a local folder")
     save_dir = increment_path(Path(opt.project) / opt.name, exist_ok=opt.exist_ok, mkdir=True)
     if opt.save_txt:
         (save_dir / "labels").mkdir(exist_ok=True)

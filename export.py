@@ -48,6 +48,7 @@ from utils.cli import (
 from utils.errors import UserError, run_reporting_errors
 from utils.log import LOGGER, colorstr, setup_logging
 from utils.process import setup_process
+from utils.storage import is_url, local_copy, open_storage, split
 from utils.torch_utils import select_device
 
 DEFAULT_INCLUDE = ("onnx", "torchscript")
@@ -264,6 +265,19 @@ def export_one(fmt: Any, source: Source, weights: Path) -> tuple[Path, str]:
 
 def run_options(opt: argparse.Namespace) -> list[Path]:
     apply_data_limits(opt)
+    if is_url(opt.weights):  # exported from a download, and each file uploaded beside the URL
+        url = opt.weights
+        with local_copy(url) as local:
+            kept = export_files(argparse.Namespace(**{**vars(opt), "weights": str(local)}))
+            folder = open_storage(split(url)[0])
+            for path in kept:
+                folder.upload_tree(path, path.name)
+                LOGGER.info(f"{path.name} uploaded to {folder.full(path.name)}")
+        return kept
+    return export_files(opt)
+
+
+def export_files(opt: argparse.Namespace) -> list[Path]:
     source, formats = prepare(opt)
     weights = Path(opt.weights)
     LOGGER.info(

@@ -48,6 +48,7 @@ from utils.errors import run_reporting_errors
 from utils.log import LOGGER, setup_logging
 from utils.process import setup_process, watch_exit
 from utils.search.options import add_search_options
+from utils.storage import is_url
 from utils.trackers import DEFAULT_TRACKERS, TRACKER_NAMES
 
 ROOT = Path(__file__).resolve().parent
@@ -328,11 +329,11 @@ def make_launch(opt: argparse.Namespace, explicit: set[str]) -> Launch:
     return Launch(TrainConfig(**values), resume, PROCESS_STARTED)
 
 
-def resume_search(opt: argparse.Namespace, explicit: set[str]) -> list[Path]:
+def resume_search(opt: argparse.Namespace, explicit: set[str]) -> list[Path | str]:
     """Where ``--resume`` without a path looks for the newest interrupted run: --project, and by default also the folder
     beside train.py where runs were written before they went under the current directory."""
     if "project" in explicit:
-        return [Path(opt.project)]
+        return [opt.project if is_url(opt.project) else Path(opt.project)]  # a URL: a project on object storage
     return [Path(opt.project), ROOT / "runs/train"]
 
 

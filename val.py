@@ -37,6 +37,7 @@ from utils.errors import UserError, run_reporting_errors
 from utils.log import LOGGER, colorstr, setup_logging
 from utils.process import setup_process
 from utils.run_dir import increment_path
+from utils.storage import is_url, local_copy
 from utils.torch_utils import local_ranks_share_a_gpu, select_device
 from utils.validation import CONF_THRES, MAX_DET, ValResults, tta_comparison
 
@@ -122,7 +123,8 @@ def run_options(opt: argparse.Namespace) -> ValResults:
     split = "test" if opt.task == "test" else "val"
     if not data_cfg.get(split):
         raise UserError(f"{data_cfg.get('yaml_file', opt.data)}: no '{split}' split to validate on")
-    runner = open_for_prediction(opt.weights, device, end2end=opt.end2end, augment=opt.augment, half=opt.half)
+    with local_copy(opt.weights) as weights:  # a URL (s3://, gs://) is downloaded through the storage seam
+        runner = open_for_prediction(weights, device, end2end=opt.end2end, augment=opt.augment, half=opt.half)
     nc = int(data_cfg["nc"])
     if not opt.single_cls and runner.meta.nc != nc:
         raise UserError(
@@ -199,6 +201,8 @@ def _loader_and_folder(
     from utils.torch_utils import torch_distributed_zero_first
 
     imgsz, batch_size, rect = shape
+    if is_url(opt.project):  # only train.py's run folder may be a URL
+        raise UserError(f"--project {opt.project}: val.py writes its outputs to a local folder")
     save_dir = increment_path(Path(opt.project) / opt.name, exist_ok=opt.exist_ok, mkdir=True) if info.is_main else None
     save_dir = Path(broadcast_object(str(save_dir), info))  # one run folder, named by rank 0
     nc = int(data_cfg["nc"])

@@ -112,7 +112,9 @@ def _start(folder: Path) -> S3Server:
         "-master.telemetry=false",  # the test machine reaches no outside address
     ]
     log = open(folder / "weed.log", "ab")
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # One volume per new collection (a bucket is one) instead of 7: -volume.max holds 32 buckets, not 4.
+    env = dict(os.environ, WEED_MASTER_VOLUME_GROWTH_COPY_1="1")
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     endpoint = f"http://127.0.0.1:{ports[3]}"
     deadline = time.monotonic() + START_TIMEOUT_S
     while not _answers(endpoint):

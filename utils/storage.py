@@ -11,10 +11,13 @@ in a message of this module (``redact``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
+import tempfile
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,6 +102,15 @@ class Storage:
             return
         self._remote(lambda: self._put(target, lambda path: self.fs.put_file(str(local), path)), f"writing {target}")
 
+    def upload_tree(self, local: str | Path, relative: str) -> None:
+        """The local file or folder ``local`` as ``relative`` (a folder's files each whole, one by one)."""
+        local = Path(local)
+        if not local.is_dir():
+            self.upload(local, relative)
+            return
+        for path in sorted(p for p in local.rglob("*") if p.is_file()):
+            self.upload(path, f"{relative}/{path.relative_to(local).as_posix()}")
+
     def _put(self, target: str, put: Any) -> None:
         if self.protocol in ATOMIC_UPLOAD:
             put(target)
@@ -107,6 +119,37 @@ class Storage:
         tmp = f"{head}/.{name}.{uuid.uuid4().hex}.tmp"
         put(tmp)
         self.fs.mv(tmp, target)
+
+    def download(self, relative: str, local: str | Path) -> None:
+        """The file ``relative`` as the local file ``local``, whole (written beside it and renamed)."""
+        target = self.full(relative)
+        with atomic_output(local) as tmp:
+            if self.fs is None:
+                shutil.copyfile(target, tmp)
+            else:
+                self._remote(lambda: self.fs.get_file(target, str(tmp)), f"reading {target}")
+
+    def files(self, relative: str = "") -> list[str]:
+        """Every file under ``relative``, as paths relative to it (``weights/last.pt``), sorted."""
+        target = self.full(relative)
+        if self.fs is None:
+            root = Path(target)
+            return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+        found: Iterable[str] = self._remote(lambda: self.fs.find(target), f"listing {target}")
+        prefix = target.split("://", 1)[-1].rstrip("/") + "/"
+        return sorted(f.split("://", 1)[-1][len(prefix) :] for f in found if f.split("://", 1)[-1].startswith(prefix))
+
+    def modified(self, relative: str) -> float | None:
+        """When the file ``relative`` was last written (seconds since the epoch); None where it does not exist."""
+        target = self.full(relative)
+        if self.fs is None:
+            return Path(target).stat().st_mtime if Path(target).is_file() else None
+        try:
+            info = self._remote(lambda: self.fs.info(target), f"looking for {target}")
+        except FileNotFoundError:
+            return None
+        stamp = info.get("LastModified") or info.get("mtime") or info.get("updated")
+        return stamp.timestamp() if hasattr(stamp, "timestamp") else None
 
     def read_bytes(self, relative: str) -> bytes:
         target = self.full(relative)
@@ -136,7 +179,10 @@ class Storage:
         if self.fs is None:
             return
         bucket = self.location.split("://", 1)[1].split("/", 1)[0]
-        self._remote(lambda: self.fs.ls(f"{self.protocol}://{bucket}", detail=False), f"opening {self.location}")
+        try:
+            self._remote(lambda: self.fs.ls(f"{self.protocol}://{bucket}", detail=False), f"opening {self.location}")
+        except FileNotFoundError:
+            raise UserError(f"opening {self.location}: the bucket {bucket} does not exist") from None
 
     def _remote(self, call: Any, doing: str) -> Any:
         try:
@@ -147,12 +193,52 @@ class Storage:
             raise UserError(f"{doing}: {_first_line(e)} (check the credentials and the endpoint)") from None
 
 
+def local_path(location: str | Path) -> Path:
+    """A local location as a path (a ``file://`` URL without its scheme)."""
+    text = str(location)
+    return Path(text[len("file://") :] if text.lower().startswith("file://") else text)
+
+
+def join(location: str, *parts: str) -> str:
+    """``location`` (a URL or a local path) with ``parts`` appended, ``/``-separated for a URL."""
+    if not is_url(location):
+        return str(Path(location, *parts))
+    return "/".join([location.rstrip("/"), *(p.strip("/") for p in parts)])
+
+
+def split(location: str) -> tuple[str, str]:
+    """``location``'s folder and its last part (``s3://b/runs/exp`` -> ``s3://b/runs``, ``exp``)."""
+    if not is_url(location):
+        return str(Path(location).parent), Path(location).name
+    head, _, name = location.rstrip("/").rpartition("/")
+    return head, name
+
+
+@contextlib.contextmanager
+def local_copy(location: str | Path) -> Iterator[Path]:
+    """A local path of the file ``location``: itself when local; for a URL, a download into a temporary folder
+    (the file keeps its name, whose suffix says its format), removed when the block ends."""
+    if not is_url(location):
+        yield local_path(location)
+        return
+    folder, name = split(str(location))
+    storage = open_storage(folder)
+    tmp = Path(tempfile.mkdtemp(prefix="yolo-download-"))
+    try:
+        try:
+            storage.download(name, tmp / name)
+        except FileNotFoundError:
+            raise UserError(f"{location}: no such file") from None
+        yield tmp / name
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def open_storage(location: str | Path) -> Storage:
     """The storage of ``location``: a local folder, or a URL through fsspec and the protocol's backend."""
     protocol = protocol_of(location)
     if protocol is None:
-        text = str(location)
-        return Storage(text[len("file://") :] if text.lower().startswith("file://") else text)
+        return Storage(str(local_path(location)))
     try:
         import fsspec
     except ImportError:

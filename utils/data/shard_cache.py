@@ -1,7 +1,9 @@
 """A per-node cache of remote tar shards: fetched once per node, size-limited, least recently used evicted.
 
 Remote URLs (``http(s)://``, and ``pipe:COMMAND`` with the user's opt-in only) are streamed with WebDataset's
-``gopen`` into a temporary file and renamed into place, so a reader never sees half a shard. Ranks of one node
+``gopen`` into a temporary file and renamed into place, so a reader never sees half a shard; object-storage URLs
+(``s3://``, ``gs://``) are downloaded the same way through the storage seam (utils/storage.py), with the
+credentials of the environment. Ranks of one node
 share the directory: a per-shard ``flock`` makes the first one fetch while the others wait and then reuse the
 file. Evicting a shard another process still has open is safe on POSIX (the open file lives on until closed).
 """
@@ -22,7 +24,8 @@ from utils.errors import UserError, first_line
 from utils.files import atomic_output
 from utils.log import LOGGER
 
-REMOTE_PREFIXES = ("http://", "https://", "pipe:")
+OBJECT_STORE_PREFIXES = ("s3://", "gs://", "gcs://")
+REMOTE_PREFIXES = ("http://", "https://", "pipe:", *OBJECT_STORE_PREFIXES)
 DEFAULT_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "yolo-train" / "shards"
 DEFAULT_CACHE_GB = 50.0
 CHUNK = 1 << 20
@@ -97,6 +100,9 @@ class ShardCache:
         return str(dest)
 
     def _fetch(self, url: str, dest: Path) -> None:
+        if url.startswith(OBJECT_STORE_PREFIXES):
+            self._download(url, dest)
+            return
         import webdataset  # imported here: only remote shards need it at this point
 
         try:
@@ -110,6 +116,19 @@ class ShardCache:
                     raise FetchError(f"{url}: empty download")
         except Exception as e:  # gopen raises whatever its transport raises (IOError, ValueError, ...)
             raise FetchError(f"{url}: cannot fetch shard ({first_line(e)})") from e
+
+    def _download(self, url: str, dest: Path) -> None:
+        """An object's bytes at ``dest``, whole (a missing backend or wrong credentials: the seam's one line)."""
+        from utils.storage import open_storage, split
+
+        folder, name = split(url)
+        try:
+            open_storage(folder).download(name, dest)
+        except OSError as e:
+            raise FetchError(f"{url}: cannot fetch shard ({first_line(e) if str(e) else 'no such object'})") from e
+        if dest.stat().st_size == 0:
+            dest.unlink()
+            raise FetchError(f"{url}: empty download")
 
     def _evict(self, keep: Path) -> None:
         """Delete least recently used copies until the cache fits ``max_bytes``."""

@@ -18,10 +18,12 @@ from utils.checkpoint import has_training_state, latest_last_checkpoint, load_ch
 from utils.distributed import DistInfo, broadcast_object
 from utils.engine.config import TrainConfig, field_names, stored_config
 from utils.engine.lr_schedule import LrSchedule
+from utils.engine.run_upload import job_run_folder, newest_interrupted_run
 from utils.engine.tally import LossTally
 from utils.errors import UserError
 from utils.hyp import OptimisationHyp
 from utils.log import LOGGER
+from utils.storage import is_url, join, local_copy, local_path, open_storage, split
 
 # Fields a resumed run may take anew; any other field given with --resume must equal the run's own.
 RESUME_OVERRIDABLE = frozenset(
@@ -69,7 +71,7 @@ class ResumeRequest:
 class Resumed:
     """The checkpoint a run continues from."""
 
-    path: Path
+    path: Path | str  # a local file, or a URL (a run folder on object storage)
     ckpt: dict[str, Any]
 
 
@@ -89,24 +91,48 @@ def resume_point(config: TrainConfig, request: ResumeRequest, info: DistInfo) ->
     shared)."""
     path: Path | str | None = None
     if request.path is not None:
-        path = Path(request.path).resolve()  # every node reads the same file, whatever its working directory
+        # Every node reads the same file, whatever its working directory; a URL is read through the storage seam.
+        path = request.path if is_url(request.path) else local_path(request.path).resolve()
     elif request.latest_under and info.is_main:  # the newest run rank 0 sees; the other nodes need not see it
-        path = latest_last_checkpoint(*request.latest_under)  # under their own working directory
+        path = latest_checkpoint(request.latest_under, config.dist_timeout)  # under their own working directory
     elif not request.asked and info.restart_count > 0 and info.is_main:
-        folder = run_folder_of(info.run_id, config.project, info.launcher_started)
-        if folder is not None and (folder / "weights/last.pt").is_file():
-            path = folder / "weights/last.pt"
-            LOGGER.info(f"restart {info.restart_count} of launcher run {info.run_id}: continuing {folder}")
+        path = restarted_checkpoint(config, info)
     path = broadcast_object(None if path is None else str(path), info)
     if path is None:
         return config, None
-    ckpt = load_checkpoint(path)
+    with local_copy(path) as local:  # every rank downloads a URL's checkpoint itself (no shared disk needed)
+        ckpt = load_checkpoint(local)
+    location: Path | str = path if is_url(path) else Path(path)
     explicit = request.explicit if request.asked else frozenset()  # a restart: the run's own command line
-    return resumed_config(config, explicit, Path(path), ckpt), Resumed(Path(path), ckpt)
+    return resumed_config(config, explicit, location, ckpt), Resumed(location, ckpt)
+
+
+def latest_checkpoint(folders: tuple[str, ...], dist_timeout: float) -> Path | str:
+    """--resume alone: the newest interrupted run's last.pt under local folders, or its newest complete checkpoint
+    in a project at a URL (whose heartbeat is older than twice --dist-timeout, in minutes)."""
+    urls = [folder for folder in folders if is_url(folder)]
+    if urls:
+        return newest_interrupted_run(urls[0], stale_after_s=2 * dist_timeout * 60)
+    return latest_last_checkpoint(*folders)
+
+
+def restarted_checkpoint(config: TrainConfig, info: DistInfo) -> Path | str | None:
+    """A launcher restart: the last.pt of the run folder this launcher job made, when it has one."""
+    if is_url(config.project):
+        url = job_run_folder(config.project, info)
+        if url is None or not open_storage(url).exists("weights/last.pt"):
+            return None
+        LOGGER.info(f"restart {info.restart_count} of launcher run {info.run_id}: continuing {url}")
+        return join(url, "weights/last.pt")
+    folder = run_folder_of(info.run_id, config.project, info.launcher_started)
+    if folder is None or not (folder / "weights/last.pt").is_file():
+        return None
+    LOGGER.info(f"restart {info.restart_count} of launcher run {info.run_id}: continuing {folder}")
+    return folder / "weights/last.pt"
 
 
 def resumed_config(
-    given: TrainConfig, explicit: frozenset[str] | set[str], path: Path, ckpt: dict[str, Any]
+    given: TrainConfig, explicit: frozenset[str] | set[str], path: Path | str, ckpt: dict[str, Any]
 ) -> TrainConfig:
     """The run's own configuration with the fields given now applied: overridable ones replace, others must agree.
 
@@ -115,7 +141,7 @@ def resumed_config(
     checkpoint does not hold (added after it was written) take the values given now.
     """
     if not has_training_state(ckpt):
-        raise not_resumable(path, ckpt)
+        raise not_resumable(Path(path), ckpt)
     saved = stored_config(ckpt, path)
     restored = given.replace(**{k: v for k, v in saved.items() if k in field_names()})
     changes = {}
@@ -129,8 +155,11 @@ def resumed_config(
                 f"{flag} {_shown(given_value)} cannot change when resuming {path} (the run has "
                 f"{_shown(saved_value)}); start a new run with --weights {path} instead"
             )
-    if path.parent.name == "weights":  # the run folder is where its checkpoint lies now (moved, or mounted elsewhere)
-        changes["save_dir"] = str(path.parent.parent.resolve())
+    folder = split(str(path))[0]
+    if is_url(path) and split(folder)[1] == "weights":  # a run folder on object storage
+        changes["save_dir"] = split(folder)[0]
+    elif Path(path).parent.name == "weights":  # the run folder is where its checkpoint lies now (moved, mounted ...)
+        changes["save_dir"] = str(Path(path).parent.parent.resolve())
     return restored.replace(**changes)
 
 

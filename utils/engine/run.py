@@ -17,8 +17,9 @@ from utils.engine.phases import PhaseClock
 from utils.engine.resume import ResumeRequest, is_finished, resume_point
 from utils.engine.setup import check_global_batch
 from utils.engine.trainer import train
-from utils.errors import UserError
+from utils.errors import EveryRankError, UserError
 from utils.log import LOGGER
+from utils.storage import is_url, open_storage
 from utils.torch_utils import local_ranks_share_a_gpu, select_device
 from utils.trackers import check_trackers
 
@@ -38,6 +39,7 @@ def run(launch: Launch, info: DistInfo) -> int:
     clock = PhaseClock(launch.process_started)
     clock.stamp("imports and process set-up")
     check_trackers(config.loggers)  # before joining the process group: every rank stops at once, in one line
+    check_storage(launch)  # wrong credentials or an unreachable endpoint: one line, before any training
     if not launch.resume.asked:  # before joining the process group, so that every rank says so at once
         check_global_batch(config.batch_size, info.world_size)
     device = setup_device(config, info)
@@ -90,3 +92,19 @@ def setup_device(config: TrainConfig, info: DistInfo) -> torch.device:
         )
         LOGGER.info(f"DDP: world size {info.world_size}, backend {dist.get_backend()}, rank {info.rank} on {device}")
     return device
+
+
+def check_storage(launch: Launch) -> None:
+    """Every URL the run reads or writes, opened with the credentials at hand on every rank before the process group
+    is joined: a problem is one line (from rank 0) and every rank stops at once."""
+    config, resume = launch.config, launch.resume
+    urls = [u for u in (config.project, resume.path, *resume.latest_under, config.weights) if u and is_url(u)]
+    if not urls:
+        return
+    if (config.evolve is not None or config.resume_evolve) and is_url(config.project):
+        raise EveryRankError(f"--project {config.project}: an evolution keeps its study and runs in a local folder")
+    for url in dict.fromkeys(urls):
+        try:
+            open_storage(url).check_access()
+        except UserError as e:
+            raise EveryRankError(str(e)) from None

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from utils.checkpoint import (
+    RUN_STATE,
     checkpoint_label,
     copy_checkpoint,
     host_snapshot,
@@ -30,6 +31,7 @@ from utils.checkpoint import (
     write_run_state,
 )
 from utils.engine.phases import PhaseClock
+from utils.engine.run_upload import RunUpload
 from utils.log import LOGGER
 from utils.metrics import fitness
 from utils.results_log import append_results_row, extend_results_columns, truncate_results
@@ -182,6 +184,7 @@ class RunRecord:
         clock: PhaseClock | None = None,
     ):
         self.save_dir = save_dir
+        self.upload: RunUpload | None = None  # a run folder on object storage (``upload_to``)
         self.columns = columns  # results.csv's (utils/results_log.py)
         self.weights_dir = save_dir / "weights"
         self.last, self.best = self.weights_dir / "last.pt", self.weights_dir / "best.pt"
@@ -207,6 +210,14 @@ class RunRecord:
         }
         self._write_state()
         self.writer.on_written.append(self._written)
+
+    def upload_to(self, upload: RunUpload) -> None:
+        """The run folder is at a URL: ``save_dir`` is the local staging folder that ``upload`` sends there. From
+        here on each checkpoint is uploaded once written, and run.json (uploaded now) names the newest in the bucket
+        and beats with ``upload``'s thread."""
+        self.upload = upload
+        upload.beat = self.beat
+        self._write_state()
 
     def end_epoch(
         self,
@@ -261,7 +272,10 @@ class RunRecord:
         self.writer.submit(host_snapshot(ckpt), paths)
 
     def _written(self, written: Written) -> None:
-        """The writer's thread: a file is complete; last.pt's newest becomes the run's newest checkpoint."""
+        """The writer's thread: a file is complete; last.pt's newest becomes the run's newest checkpoint (on object
+        storage once it is uploaded: the record names the newest checkpoint complete in the bucket)."""
+        if self.upload is not None and not self.upload.upload(written.path.relative_to(self.save_dir).as_posix()):
+            return
         if written.path == self.last:
             self._write_state(newest_checkpoint=str(written.path.relative_to(self.save_dir)), checkpoint=written.label)
 
@@ -269,6 +283,12 @@ class RunRecord:
         with self._state_lock:  # the training thread and the writer's both update it
             self.state.update(changes, updated=time.time())
             write_run_state(self.save_dir, self.state)
+            if self.upload is not None:
+                self.upload.upload(RUN_STATE)
+
+    def beat(self) -> None:
+        """The record's heartbeat (``updated``), so that a resume elsewhere never takes a run that is alive."""
+        self._write_state()
 
     def mark_finished(self) -> None:
         """The run trained all its epochs (or stopped early, or its time budget ended it): nothing to resume."""
@@ -281,7 +301,10 @@ class RunRecord:
         newest = self.writer.newest_complete
         if not done:
             LOGGER.warning(f"WARNING a checkpoint is still being written after {timeout:.0f} s; not waiting longer")
-        if newest is not None:
+        if self.upload is not None and self.state.get("newest_checkpoint"):
+            where = self.upload.storage.full(self.state["newest_checkpoint"])
+            LOGGER.info(f"newest complete checkpoint: {where} ({self.state.get('checkpoint')})")
+        elif newest is not None:
             LOGGER.info(f"newest complete checkpoint: {newest.path} ({newest.label})")
         return done
 

@@ -21,11 +21,13 @@ from utils.distributed import DistInfo, broadcast_object
 from utils.engine.config import TrainConfig
 from utils.engine.phases import PhaseClock, benchmark_choice
 from utils.engine.resume import Resumed
+from utils.engine.run_upload import RunUpload, job_run_folder, staging_folder
 from utils.errors import EveryRankError, UserError
 from utils.hyp import HypRecord
 from utils.log import LOGGER, colorstr
 from utils.process import kernel_choice
 from utils.run_dir import increment_path
+from utils.storage import Storage, is_url, join, local_copy, local_path, open_storage, split
 from utils.sync_bn import convert_sync_batchnorm
 from utils.torch_utils import init_torch_seeds, torch_distributed_zero_first
 
@@ -45,7 +47,9 @@ class RunSetup:
     train_loader: Any
     dataset: Any  # the training set
     val_loader: Any
-    save_dir: Path
+    save_dir: Path  # where the run writes its files: the run folder, or the local staging folder of a URL's
+    upload: RunUpload | None = None  # a run folder on object storage: global rank 0's uploads of save_dir
+    staging: bool = False  # save_dir is a temporary staging folder, removed at the end
 
 
 def set_up(
@@ -61,7 +65,10 @@ def set_up(
     clock = clock or PhaseClock()
     config = check_options(config, info, resumed=resumed is not None)
     ckpt = resumed.ckpt if resumed else None
-    source = load_checkpoint(config.weights) if config.weights and not ckpt else None  # --weights to start from
+    source = None
+    if config.weights and not ckpt:  # --weights to start from (a URL is downloaded through the storage seam)
+        with local_copy(config.weights) as weights:
+            source = load_checkpoint(weights)
     family = family_of(model_config(config, ckpt, source))
     hyp = run_hyp(config, family, resumed, hyp)
     if ckpt and config.deterministic != torch.backends.cudnn.deterministic:  # the resumed run's own, or given now
@@ -103,9 +110,10 @@ def set_up(
     if not ckpt and not config.noautoanchor:
         family.fit_anchors(dataset, model, hyp, imgsz=config.imgsz)
     clock.stamp("loaders")
-    save_dir = run_folder(config, info, hyp, resumed is not None)  # only now that every check has passed
+    # Only now that every check has passed.
+    folder = run_folder(config, info, hyp, resumed is not None)
     return RunSetup(
-        config.replace(save_dir=str(save_dir)),
+        config.replace(save_dir=folder.location),
         family,
         hyp,
         nc,
@@ -116,7 +124,9 @@ def set_up(
         train_loader,
         dataset,
         val_loader,
-        save_dir,
+        folder.local,
+        folder.upload,
+        folder.location != str(folder.local),
     )
 
 
@@ -307,8 +317,20 @@ def input_shapes(config: TrainConfig, grid: int, train_loader: Any) -> int:
     return len({tuple(s) for s in shapes}) if getattr(dataset, "rect", False) and shapes is not None else 1
 
 
-def run_folder(config: TrainConfig, info: DistInfo, hyp: HypRecord, resumed: bool) -> Path:
+@dataclass(frozen=True)
+class RunFolder:
+    """Where a run's files go (``location``: a local folder or a URL) and where the run writes them (``local``: the
+    folder itself, or a staging folder that ``upload`` sends to the URL, on global rank 0)."""
+
+    location: str
+    local: Path
+    upload: RunUpload | None = None
+
+
+def run_folder(config: TrainConfig, info: DistInfo, hyp: HypRecord, resumed: bool) -> RunFolder:
     """The run's folder: a resumed run keeps its own; rank 0 makes a new one and writes the options into it."""
+    if is_url(config.save_dir if resumed and config.save_dir else config.project):
+        return remote_run_folder(config, info, hyp, resumed)
     restarted = (
         run_folder_of(info.run_id, config.project, info.launcher_started)
         if info.restart_count > 0 and info.is_main
@@ -320,17 +342,70 @@ def run_folder(config: TrainConfig, info: DistInfo, hyp: HypRecord, resumed: boo
     elif restarted is not None:  # the launcher restarted the group before the run's first checkpoint
         save_dir = restarted
     else:
-        save_dir = increment_path(Path(config.project) / config.name, config.exist_ok)
+        save_dir = increment_path(local_path(config.project) / config.name, config.exist_ok)
     # Rank 0's absolute path: every node (and a later resume) finds the folder whatever its working directory.
     save_dir = Path(broadcast_object(str(save_dir.resolve()), info))
     if info.is_main:
-        (save_dir / "weights").mkdir(parents=True, exist_ok=True)
-        import yaml
+        write_run_options(config.replace(save_dir=str(save_dir)), hyp, save_dir, info)
+    return RunFolder(str(save_dir), save_dir)
 
-        options = config.replace(save_dir=str(save_dir)).to_dict()
-        (save_dir / "opt.yaml").write_text(yaml.safe_dump(options, sort_keys=False))
-        hyp.to_yaml(save_dir / "hyp.yaml")
-        if info.run_id:  # launcher restarts find the folder by it
-            (save_dir / "run_id").write_text(info.run_id)
-        LOGGER.info(colorstr("hyperparameters: ") + ", ".join(f"{k}={v}" for k, v in hyp.to_dict().items()))
-    return save_dir
+
+def write_run_options(config: TrainConfig, hyp: HypRecord, folder: Path, info: DistInfo) -> None:
+    """opt.yaml, hyp.yaml and the launcher's run id in the run folder (global rank 0)."""
+    import yaml
+
+    (folder / "weights").mkdir(parents=True, exist_ok=True)
+    (folder / "opt.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    hyp.to_yaml(folder / "hyp.yaml")
+    if info.run_id:  # launcher restarts find the folder by it
+        (folder / "run_id").write_text(info.run_id)
+    LOGGER.info(colorstr("hyperparameters: ") + ", ".join(f"{k}={v}" for k, v in hyp.to_dict().items()))
+
+
+def remote_run_folder(config: TrainConfig, info: DistInfo, hyp: HypRecord, resumed: bool) -> RunFolder:
+    """A run folder at a URL: global rank 0 chooses it once (exp, exp2, ... by what the storage holds) and every
+    rank is told; each rank works in a local staging folder, and rank 0's is uploaded (a resumed run's files are
+    first downloaded into it)."""
+    location = None
+    if info.is_main:
+        if resumed:
+            location = config.save_dir
+        else:
+            restarted = job_run_folder(config.project, info) if info.restart_count > 0 else None
+            location = restarted or join(config.project, free_run_name(open_storage(config.project), config))
+    location = broadcast_object(location, info)
+    assert location is not None, "rank 0 names the run folder"
+    local = staging_folder(split(location)[1])
+    if not info.is_main:
+        return RunFolder(location, local)
+    storage = open_storage(location)
+    upload = RunUpload(storage, local, heartbeat_s=min(60.0, config.dist_timeout * 30))
+    upload.mark_sent(pull_run_files(storage, local))
+    write_run_options(config.replace(save_dir=location), hyp, local, info)
+    upload.sync()  # the folder's name is taken before the first step
+    LOGGER.info(f"run folder {location} (written in {local}, uploaded as the run goes)")
+    return RunFolder(location, local, upload)
+
+
+def free_run_name(storage: Storage, config: TrainConfig) -> str:
+    """``--name``, or ``name2``, ``name3``, ... : the first that ``storage`` (the project) does not hold."""
+    taken = set(storage.listdir())
+    if config.name not in taken or config.exist_ok:
+        return config.name
+    n = 2
+    while f"{config.name}{n}" in taken:
+        n += 1
+    return f"{config.name}{n}"
+
+
+def pull_run_files(storage: Storage, local: Path) -> list[str]:
+    """The files of a run folder at a URL that a resumed run goes on writing (results.csv, run.json, best.pt, the
+    trackers' files ...) downloaded into ``local``; not last.pt (read already, and written anew) nor epochN.pt."""
+    pulled = []
+    for relative in storage.files():
+        name = relative.rpartition("/")[2]
+        if relative.startswith("weights/") and (name == "last.pt" or name.startswith("epoch")):
+            continue
+        storage.download(relative, local / relative)
+        pulled.append(relative)
+    return pulled

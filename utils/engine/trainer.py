@@ -36,6 +36,7 @@ from utils.engine.parallel import compile_forward, share_buffers, wrap_ddp
 from utils.engine.phases import PhaseClock
 from utils.engine.resume import Resumed, ResumePosition, resumed_position
 from utils.engine.run_record import RunRecord
+from utils.engine.run_upload import remove_staging
 from utils.engine.setup import RunSetup, set_up
 from utils.engine.step import BatchOptions, SavePolicy, Stepper
 from utils.engine.tally import LossTally
@@ -46,6 +47,7 @@ from utils.hyp import HypRecord, OptimisationHyp
 from utils.log import LOGGER, colorstr
 from utils.metrics import RECALL_POINTS
 from utils.results_log import result_columns
+from utils.storage import join
 from utils.trackers import FAILED, KILLED, TrackerRun, check_trackers, open_trackers, plot_files, run_params
 from utils.trackers import preload as preload_trackers
 from utils.validation import ValResults, validate
@@ -78,17 +80,29 @@ def train(
     if info.is_main:
         preload_trackers(config.loggers)  # their packages load while the data and the model are made
     run = set_up(config, device, info, resumed, hyp, clock)
-    trainer = Trainer(run, resumed, device, info, process_started, clock)
-    trainer.on_validated = on_validated
     try:
-        with stop_on_signals():
-            epoch = trainer.train_epochs()
-            if trainer.stepper.stopped:
-                raise trainer.interrupted()
-        return trainer.finish(epoch)
-    except BaseException as e:
-        trainer.stop_reporting(KILLED if isinstance(e, (KeyboardInterrupt, Interrupted)) else FAILED)
-        raise
+        trainer = Trainer(run, resumed, device, info, process_started, clock)
+        trainer.on_validated = on_validated
+        try:
+            with stop_on_signals():
+                epoch = trainer.train_epochs()
+                if trainer.stepper.stopped:
+                    raise trainer.interrupted()
+            return trainer.finish(epoch)
+        except BaseException as e:
+            trainer.stop_reporting(KILLED if isinstance(e, (KeyboardInterrupt, Interrupted)) else FAILED)
+            raise
+    finally:
+        end_staging(run)
+
+
+def end_staging(run: RunSetup) -> None:
+    """A run folder on object storage: what is not uploaded yet is tried once more (a run that finished has sent
+    everything already), then the local staging folder is removed."""
+    if run.upload is not None:
+        run.upload.close(finished=False)
+    if run.staging:
+        remove_staging(run.save_dir)
 
 
 class Trainer:
@@ -172,6 +186,9 @@ class Trainer:
             start_epoch=self.position.start_epoch,
             clock=self.clock,
         )
+        if run.upload is not None:
+            self.record.upload_to(run.upload)
+            run.upload.start()
         tracked = TrackerRun(
             run.save_dir,
             config.loggers,
@@ -310,6 +327,8 @@ class Trainer:
             self.clock.stamp(f"epoch {epoch} record (checkpoint handed to the writer)")
             decision["stop"] = self.record.should_stop()
             self.hooks.logger.log_epoch(epoch, dict(zip(self.columns[1:], row[1:])))
+            if self.run.upload is not None:  # results.csv and the rest, in the upload's thread
+                self.run.upload.request()
             if validated and self.on_validated is not None and self.on_validated(epoch, self.results):
                 decision["stop"] = True
             if budget is not None:
@@ -411,7 +430,10 @@ class Trainer:
             self.clock.stamp("plots and artifacts")
             logger.close()
             self.clock.stamp("tracker close")
-            LOGGER.info(f"Results saved to {colorstr(str(run.save_dir))}")
+            if run.upload is not None:  # every file the run wrote, as it is now (best.pt stripped)
+                run.upload.close(finished=True)
+                self.clock.stamp("run folder uploaded")
+            LOGGER.info(f"Results saved to {colorstr(str(self.config.save_dir))}")
         end_workers(run.val_loader)
         self.clock.stamp("validation workers ended")
         return TrainResult(run.save_dir, self.results)
@@ -434,10 +456,12 @@ class Trainer:
         """The run stopped on a signal: its checkpoint written (rank 0 waits for the writer), the command that
         resumes it."""
         self.run.train_loader = None  # ends the training workers, as at a run's end
-        last = self.run.save_dir / "weights" / "last.pt"
+        last: Path | str = self.run.save_dir / "weights" / "last.pt"
         if self.record is not None:
             self.record.close()
             last = self.record.last
+        if self.run.staging:  # the run folder is a URL; the local staging folder is removed at the end
+            last = join(str(self.config.save_dir), "weights/last.pt")
         launcher = (
             f"python -m torch.distributed.run --nproc_per_node {self.info.local_world_size} "
             if self.info.is_distributed
