@@ -6,8 +6,8 @@ transformers' backbone config; the official checkpoints' key names come with its
 (``models/families/detr_import.py`` reads the files).
 
 Output layout ``"end2end"``: (B, 300, 6) = x1 y1 x2 y2 score class in input pixels, the top 300 over queries x
-classes (no NMS). Training (denoising queries, Hungarian matching, the DETR losses) is part 2 of the work: until
-then ``make_loss`` says in one line that the family cannot train yet.
+classes (no NMS). Training: the targets go into the forward pass (denoising queries), the loss is
+``models/detr_loss.py: DetrLoss`` (Hungarian matching: ``models/detr_matcher.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch.nn as nn
 import yaml
 
 from models.detr import DetrDetector
+from models.detr_loss import DetrLoss
 from models.families.base import ExportModule, Family, Int8Scope
 from models.families.detr_import import HuggingFaceImporter, OfficialDetrImporter
 from models.families.yolov8 import AnchorFreeFamily, AnchorFreeHyp
@@ -43,9 +44,10 @@ class DetrFamily(Family):
 
     model_type: ClassVar[str]  # transformers' model type: "d_fine", "rt_detr_v2"
     yaml_name: ClassVar[str]  # its config file in models/, holding its scales
+    distributions: ClassVar[bool] = False  # D-FINE's edge distributions: its fgl and ddf loss terms
     head = DetrDetector  # the whole detector: transformers' decoder is its head
-    # Until part 2 brings the DETR recipe: the anchor-free record, file and limits, which the engine and --evolve
-    # read before make_loss stops the run in one line.
+    # Until the DETR recipe has its own: the anchor-free record, file and limits (the loss takes its gains from the
+    # model's transformers config, not from the hyp).
     hyp_type = AnchorFreeHyp
     default_hyp = AnchorFreeFamily.default_hyp
     evolve_limits = AnchorFreeFamily.evolve_limits
@@ -134,10 +136,14 @@ class DetrFamily(Family):
         return model
 
     def make_loss(self, model: nn.Module, hyp: Any, *, imgsz: int, label_smoothing: float = 0.0) -> DetectionLoss:
-        raise UserError(
-            f"{self.title} cannot train here yet (its matcher and losses come with part 2 of the DETR work): use "
-            "val.py, detect.py and export.py with its weights"
-        )
+        """``models/detr_loss.py: DetrLoss``: Hungarian matching, varifocal, L1 and GIoU terms on every decoder layer,
+        the encoder's top-k and the denoising groups (D-FINE: its fgl and ddf terms too); gains from the model's
+        transformers config."""
+        return DetrLoss(model, distributions=self.distributions)
+
+    def forward_train(self, model: nn.Module, images: torch.Tensor, targets: torch.Tensor) -> Any:
+        """The model with the targets: transformers builds its denoising queries from them."""
+        return model(images, targets)
 
     def fit_anchors(
         self, dataset: Any, model: nn.Module, hyp: Any = None, *, thr: float | None = None, imgsz: int
