@@ -1,33 +1,41 @@
 """The loss of the real-time DETRs (RT-DETRv2, D-FINE), a ``models/loss.py: DetectionLoss``.
 
-Output sets: every decoder layer's queries, the encoder's top-k (its proposals) and, in training, every decoder
-layer's denoising queries. Each layer and the encoder's set are matched to the boxes by the Hungarian matcher
-(``models/detr_matcher.py``); a denoising query is matched by construction to the box it was made from (group g's
-positive j to box j of its image). On each set, with P its matched pairs:
+Output sets: every decoder layer's queries, D-FINE's pre-head (its boxes before the first layer's refinement), the
+encoder's top-k (its proposals) and, in training, the same layers' denoising queries. Each matched set (layers,
+pre-head, encoder) is matched to the boxes by the Hungarian matcher (``models/detr_matcher.py``); a denoising query
+is matched by construction to the box it was made from (group g's positive j to box j of its image). On each set:
 
 - vfl: varifocal BCE of every logit against the target score (the IoU of the matched query's box with its box, at
   the box's class; 0 elsewhere), weighted ``alpha p^gamma`` off the targets and by the target score on them
-  (alpha 0.75, gamma 2), summed;
+  (alpha 0.75, gamma 2), summed over the set's own matches;
 - box, giou: L1 of the matched boxes (centre and size in [0, 1]) and 1 - GIoU, summed;
-- fgl (D-FINE): fine-grained localisation: each matched query's 4 edge distributions (max_num_bins + 1 bins)
-  against its box's edge distances from the query's reference point through D-FINE's weighting function W(n), the
-  two bins around the distance weighted by proximity, cross-entropy weighted by the pair's IoU, summed;
-- ddf (D-FINE, every layer but the last): decoupled distillation of the last layer's edge distributions into the
-  layer's, KL at temperature 5 times T^2, weighted by the pair's IoU on matched queries and by the teacher's best
-  score elsewhere; the mean over matched edges and the mean over the others, weighted by the square roots of their
-  counts per image.
+- fgl (D-FINE, every decoder layer): fine-grained localisation: each matched query's 4 edge distributions
+  (max_num_bins + 1 bins) against its box's edge distances from the query's reference point through D-FINE's
+  weighting function W(n), the two bins around the distance weighted by proximity, cross-entropy weighted by the
+  pair's IoU, summed;
+- ddf (D-FINE, every decoder layer but the last): decoupled distillation of the last layer's edge distributions
+  into the layer's, KL at temperature 5 times T^2, weighted by the pair's IoU on matched queries and by the
+  teacher's best score elsewhere; the mean over matched edges and the mean over the others, weighted by the square
+  roots of their counts.
 
-Normalisation: vfl, box, giou and fgl divide by the number of boxes of the global micro-batch (every rank's; the
-denoising sets by the number of their positive queries), ddf's means by the global counts of their edges: the sums
-are this rank's, the counts global (one all-reduce of a few numbers through ``reduce``), so the ranks' losses and
-gradients add up to those of the global micro-batch on one process. The gains are transformers' config fields
-(``weight_loss_vfl`` 1, ``weight_loss_bbox`` 5, ``weight_loss_giou`` 2, ``weight_loss_fgl`` 0.15, ``weight_loss_ddf``
-1.5); an item is a term summed over the sets, times its gain; the loss is the items' sum times the global image count
-(the contract's scale). A batch without boxes has a loss (every query a negative) and gradients for every parameter.
+D-FINE's box terms (box, giou, fgl, ddf) of the matched sets take the union of every matched set's matches (each
+query matched anywhere, with the box it is matched to most often: the official criterion's "go" indices), divided
+by the union's size; RT-DETRv2's take each set's own matches.
 
-As transformers' ``DFineLoss`` and ``RTDetrLoss`` compute each term (the suite checks it term by term), except:
-D-FINE's last decoder layer also has its fgl term, as the official criterion has (transformers leaves it out), and
-the counts are global.
+Normalisation: the terms divide by global counts (every rank's): vfl by the boxes, the box terms by their pairs,
+the denoising sets' by their positive queries, ddf's means by their edges. The sums are this rank's, the counts
+global (one all-reduce of a few numbers through ``reduce``), so the ranks' losses and gradients add up to those of
+the global micro-batch on one process. The gains are transformers' config fields (``weight_loss_vfl`` 1,
+``weight_loss_bbox`` 5, ``weight_loss_giou`` 2, ``weight_loss_fgl`` 0.15, ``weight_loss_ddf`` 1.5); an item is a term
+summed over the sets, times its gain; the loss is the items' sum times the global image count (the contract's
+scale). A batch without boxes has a loss (every query a negative) and a gradient for every parameter.
+
+Each term of a set, given the same pairs, is transformers' (``DFineLoss``, ``RTDetrLoss``: the suite checks it term
+by term). Where the sets differ from transformers' criterion (5.24), the official ones are followed: transformers
+pairs D-FINE's auxiliary logits and boxes with the edge distributions of the layer after (the pre-head's with the
+first layer's), so the second-to-last layer's logits and boxes and the last denoising layer go without a loss and the
+last layer without fgl, and it uses each set's own matches for the box terms. As transformers (and unlike the official criterion, which reuses the matched layers' counts), ddf weighs a
+denoising layer's two means by that layer's own counts.
 """
 
 from __future__ import annotations
@@ -42,11 +50,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.detr_matcher import MatchCosts, Matches, cxcywh_to_xyxy, hungarian
+from models.detr_matcher import HostMatches, MatchCosts, cxcywh_to_xyxy, hungarian, union_of_matches
 from models.loss import LossNorm
 from utils.distributed import de_parallel
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
+Pairs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (image, query, box row) on the device
 
 DDF_TEMPERATURE = 5.0
 FGL_EDGE_MARGIN = 0.1  # an edge's bin position stops this far below the last bin (the references' eps)
@@ -69,6 +78,7 @@ class DetrLossConfig:
     reg_scale: float = 4.0
     up: float = 0.5
     clamp_boxes: bool = False  # D-FINE's loss takes the boxes clamped to [0, 1]
+    union: bool = False  # D-FINE's box terms take the union of the sets' matches
     costs: MatchCosts = field(default_factory=MatchCosts)
 
     @classmethod
@@ -93,6 +103,7 @@ class DetrLossConfig:
             reg_scale=float(getattr(config, "reg_scale", 4.0)),
             up=float(getattr(config, "up", 0.5)),
             clamp_boxes=distributions,
+            union=distributions,
             costs=costs,
         )
 
@@ -236,10 +247,11 @@ def pair_iou(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 class SetNorm(NamedTuple):
-    """The global counts one set's terms divide by."""
+    """The global counts one kind of set's terms divide by."""
 
-    boxes: torch.Tensor  # () matched pairs of this kind of set, at least 1
-    matched_edges: torch.Tensor  # () 4 x matched pairs
+    boxes: torch.Tensor  # () matched pairs (vfl), at least 1
+    box_pairs: torch.Tensor  # () pairs of the box terms (D-FINE: the union of the matches), at least 1
+    matched_edges: torch.Tensor  # () 4 x pairs of the box terms
     other_edges: torch.Tensor  # () 4 x queries - matched edges
     images: float
 
@@ -293,42 +305,42 @@ class DetrLoss:
         norm: LossNorm | None = None,
         reduce: Reduce | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Each set's gained terms ((len(item_names),) each), keyed ``layer{i}``, ``encoder``, ``dn{i}``."""
+        """Each set's gained terms ((len(item_names),) each), keyed ``layer{i}``, ``pre``, ``encoder``, ``dn_...``."""
         out = split_outputs(preds, self.cfg.clamp_boxes)
         targets = targets.to(device=out.matched[0].logits.device, dtype=torch.float32)
         self._batch = out.matched[0].logits.shape[0]
         self._zero = out.zero
         logits = torch.stack([s.logits for s in out.matched])
         boxes = torch.stack([s.boxes for s in out.matched])
+        union_size = [0]
 
-        def dn_pairs(per_image: list[int]) -> list[np.ndarray]:
-            return denoising_pairs(per_image, out.dn_groups, out.dn_slots)
+        def fixed_pairs(per_image: list[int], found: list[HostMatches]) -> list[np.ndarray]:
+            union = list(union_of_matches(found)) if self.cfg.union else []
+            union_size[0] = len(union[0]) if union else 0
+            return denoising_pairs(per_image, out.dn_groups, out.dn_slots) + union
 
-        matches, per_image, dn = hungarian(logits, boxes, targets, self.cfg.costs, out.per_image, dn_pairs)
-        counts = self.global_counts(out, per_image, matches, norm, reduce)
+        matches, per_image, fixed = hungarian(logits, boxes, targets, self.cfg.costs, out.per_image, fixed_pairs)
+        dn: Pairs = (fixed[0], fixed[1], fixed[2])
+        union: Pairs | None = (fixed[3], fixed[4], fixed[5]) if self.cfg.union else None
+        counts = self.global_counts(out, per_image, union_size[0] if union else None, norm, reduce)
         names, dn_names = set_names(out)
         terms = {}
         for k, (name, s) in enumerate(zip(names, out.matched)):
-            pairs = (matches.image[k], matches.query[k], matches.box[k])
-            terms[name] = self.terms(s, pairs, targets, counts[0])
+            own = (matches.image[k], matches.query[k], matches.box[k])
+            terms[name] = self.terms(s, own, union or own, targets, counts[0])
         for name, s in zip(dn_names, out.denoising):
-            terms[name] = self.terms(s, (dn[0], dn[1], dn[2]), targets, counts[1])
+            terms[name] = self.terms(s, dn, dn, targets, counts[1])
         return terms
 
     def global_counts(
-        self,
-        out: DetrOutputs,
-        per_image: list[int],
-        matches: Matches,
-        norm: LossNorm | None,
-        reduce: Reduce | None,
+        self, out: DetrOutputs, per_image: list[int], union: int | None, norm: LossNorm | None, reduce: Reduce | None
     ) -> tuple[SetNorm, SetNorm]:
         """The counts of the matched sets and of the denoising sets, summed over ranks in one all-reduce."""
         batch, queries = out.matched[0].logits.shape[:2]
         matched = sum(min(n, queries) for n in per_image)
         dn_pairs = sum(per_image) * out.dn_groups
         dn_queries = 2 * out.dn_slots * out.dn_groups
-        local = (matched, batch * queries, dn_pairs, batch * dn_queries)
+        local = (matched, matched if union is None else union, batch * queries, dn_pairs, batch * dn_queries)
         stats = torch.zeros(len(local), device=out.matched[0].logits.device)
         for i, v in enumerate(local):
             stats[i] = float(v)  # a fill from a Python number: nothing is copied to the device
@@ -336,35 +348,43 @@ class DetrLoss:
             stats = reduce(stats)
         images = float(norm.images if norm is not None else batch)
 
-        def set_norm(pairs: torch.Tensor, slots: torch.Tensor) -> SetNorm:
-            return SetNorm(pairs.clamp(min=1.0), 4 * pairs, 4 * (slots - pairs), images)
+        def set_norm(pairs: torch.Tensor, box_pairs: torch.Tensor, slots: torch.Tensor) -> SetNorm:
+            return SetNorm(
+                pairs.clamp(min=1.0), box_pairs.clamp(min=1.0), 4 * box_pairs, 4 * (slots - box_pairs), images
+            )
 
-        return set_norm(stats[0], stats[1]), set_norm(stats[2], stats[3])
+        return set_norm(stats[0], stats[1], stats[2]), set_norm(stats[3], stats[3], stats[4])
 
-    def terms(
-        self, s: OutputSet, pairs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], targets: torch.Tensor, n: SetNorm
-    ) -> torch.Tensor:
-        """(len(item_names),) gained terms of one set, this rank's sums over the global counts."""
-        image, query, row = pairs
+    def terms(self, s: OutputSet, own: Pairs, boxed: Pairs, targets: torch.Tensor, n: SetNorm) -> torch.Tensor:
+        """(len(item_names),) gained terms of one set, this rank's sums over the global counts: vfl on the set's
+        own matches, the box terms on ``boxed`` (D-FINE: the union of the matches; otherwise the same)."""
         cfg = self.cfg
-        gt = targets[row, 2:6]
-        gt_xyxy = cxcywh_to_xyxy(gt)
-        pred = s.boxes[image, query].float()
-        iou, giou = pair_iou(cxcywh_to_xyxy(pred), gt_xyxy)
-        vfl = self.varifocal(s.logits, pairs, targets[row, 1].long(), iou.detach()) / n.boxes
-        box = (pred - gt).abs().sum() / n.boxes
-        giou_term = (1 - giou).sum() / n.boxes
+        iou = self.matched_boxes(s, own, targets)[2]
+        vfl = self.varifocal(s.logits, own, targets[own[2], 1].long(), iou.detach()) / n.boxes
+        pred, gt, iou, giou = self.matched_boxes(s, boxed, targets)
+        box = (pred - gt).abs().sum() / n.box_pairs
+        giou_term = (1 - giou).sum() / n.box_pairs
         found = [vfl * cfg.vfl, box * cfg.bbox, giou_term * cfg.giou]
         if cfg.bins:
             zero = s.logits.new_zeros(()).float()
-            fgl = self.fine_grained(s, pairs, gt_xyxy, iou.detach()) / n.boxes if s.corners is not None else zero
-            ddf = self.distillation(s, pairs, iou.detach(), n) if s.teacher_corners is not None else zero
+            gt_xyxy = cxcywh_to_xyxy(gt)
+            fgl = self.fine_grained(s, boxed, gt_xyxy, iou.detach()) / n.box_pairs if s.corners is not None else zero
+            ddf = self.distillation(s, boxed, iou.detach(), n) if s.teacher_corners is not None else zero
             found += [fgl * cfg.fgl, ddf * cfg.ddf]
         return torch.stack(found)
 
-    def varifocal(
-        self, logits: torch.Tensor, pairs: tuple[torch.Tensor, ...], labels: torch.Tensor, iou: torch.Tensor
-    ) -> torch.Tensor:
+    @staticmethod
+    def matched_boxes(
+        s: OutputSet, pairs: Pairs, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The pairs' predicted and target boxes (cxcywh), their IoU and GIoU."""
+        image, query, row = pairs
+        pred = s.boxes[image, query].float()
+        gt = targets[row, 2:6]
+        iou, giou = pair_iou(cxcywh_to_xyxy(pred), cxcywh_to_xyxy(gt))
+        return pred, gt, iou, giou
+
+    def varifocal(self, logits: torch.Tensor, pairs: Pairs, labels: torch.Tensor, iou: torch.Tensor) -> torch.Tensor:
         """The varifocal BCE summed over every query and class of the set."""
         image, query, _ = pairs
         logits = logits.float()
@@ -380,9 +400,7 @@ class DetrLoss:
             self._values[device] = weighting_function(self.cfg.bins, self.cfg.up, self.cfg.reg_scale, device)
         return self._values[device]
 
-    def fine_grained(
-        self, s: OutputSet, pairs: tuple[torch.Tensor, ...], gt_xyxy: torch.Tensor, iou: torch.Tensor
-    ) -> torch.Tensor:
+    def fine_grained(self, s: OutputSet, pairs: Pairs, gt_xyxy: torch.Tensor, iou: torch.Tensor) -> torch.Tensor:
         """fgl summed over the matched queries' edges."""
         image, query, _ = pairs
         assert s.corners is not None and s.refs is not None

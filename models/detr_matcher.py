@@ -47,6 +47,25 @@ class Matches(NamedTuple):
     box: list[torch.Tensor]  # (P,) long: the box's row in the batch's targets
 
 
+HostMatches = tuple[np.ndarray, np.ndarray, np.ndarray]  # (image, query, box row) of one set's pairs, on the host
+
+
+def union_of_matches(found: list[HostMatches]) -> HostMatches:
+    """D-FINE's union of the sets' matches (its "go" indices): each query matched to a box in any set, with the box
+    it is matched to in the most sets (on a tie the box of the lowest row: the references leave ties to an unstable
+    sort)."""
+    if not found or not sum(len(m[0]) for m in found):
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    pairs = np.concatenate([np.stack(m, 1) for m in found])
+    unique, counts = np.unique(pairs, axis=0, return_counts=True)
+    order = np.lexsort((unique[:, 2], -counts, unique[:, 1], unique[:, 0]))
+    ranked = unique[order]
+    first = np.ones(len(ranked), dtype=bool)
+    first[1:] = (ranked[1:, 0] != ranked[:-1, 0]) | (ranked[1:, 1] != ranked[:-1, 1])
+    kept = ranked[first]
+    return kept[:, 0].copy(), kept[:, 1].copy(), kept[:, 2].copy()
+
+
 def linear_sum_assignment() -> Any:
     """scipy's solver (scipy comes with transformers), or one line naming the package."""
     try:
@@ -94,7 +113,7 @@ def joined(parts: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
-def solve(cost: np.ndarray, per_image: list[int]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def solve(cost: np.ndarray, per_image: list[int]) -> list[HostMatches]:
     """Each set's matches (image, query, box row) from the host costs (S, B, Q, N) and the boxes per image."""
     assign = linear_sum_assignment()
     starts = np.concatenate(([0], np.cumsum(per_image)))
@@ -139,18 +158,19 @@ def hungarian(
     targets: torch.Tensor,
     costs: MatchCosts,
     per_image: list[int] | None = None,
-    extra: Callable[[list[int]], list[np.ndarray]] | None = None,
+    extra: Callable[[list[int], list[HostMatches]], list[np.ndarray]] | None = None,
 ) -> tuple[Matches, list[int], list[torch.Tensor]]:
     """Match every set of queries (``logits`` (S, B, Q, nc), ``boxes`` (S, B, Q, 4)) to the batch's ``targets``
     (N, 6: image, class, cx, cy, w, h; rows grouped by image, as the loader gives them).
 
     Returns the matches of each set, the boxes per image, and the host index arrays ``extra`` makes of the boxes per
-    image (the denoising groups' fixed pairs) on the device, copied with the matches."""
+    image and the host matches (the denoising groups' fixed pairs, D-FINE's union of the matches) on the device,
+    copied with the matches."""
     with torch.no_grad():
         cost = cost_matrices(logits.detach(), boxes.detach(), targets[:, 1].long(), targets[:, 2:6].float(), costs)
         host, per_image = host_costs(cost, targets[:, 0], per_image)
     found = solve(host, per_image)
-    flat = [a for triple in found for a in triple] + (extra(per_image) if extra is not None else [])
+    flat = [a for triple in found for a in triple] + (extra(per_image, found) if extra is not None else [])
     on_device = to_device(flat, logits.device)
     n = len(found)
     matches = Matches(on_device[0 : 3 * n : 3], on_device[1 : 3 * n : 3], on_device[2 : 3 * n : 3])

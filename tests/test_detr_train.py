@@ -20,7 +20,7 @@ import yaml
 pytest.importorskip("transformers", reason="the DETR families need transformers (requirements-test.txt)")
 
 from models.detr_loss import DetrLoss, split_outputs  # noqa: E402
-from models.detr_matcher import MatchCosts, hungarian  # noqa: E402
+from models.detr_matcher import MatchCosts, hungarian, union_of_matches  # noqa: E402
 from models.families import DFINE, RTDETRV2  # noqa: E402
 from tests.conftest import write_rectangles_dataset  # noqa: E402
 
@@ -109,7 +109,8 @@ def test_matching_and_every_loss_term_equal_transformers(tiny, name) -> None:
     """On a seeded batch (an image without boxes among them), in training mode with denoising queries: our matches
     of every set equal transformers' matcher's, and with them every term of every set (each decoder layer, D-FINE's
     pre-head, the encoder's top-k, each denoising layer) equals transformers' loss method's, times its weight,
-    within 1e-5."""
+    within 1e-5; D-FINE's box terms (L1, GIoU, fgl, ddf) given the union of the sets' matches, as the official
+    criterion gives them (transformers' own criterion uses each set's matches)."""
     from transformers.loss.loss_d_fine import DFineLoss
     from transformers.loss.loss_rt_detr import RTDetrHungarianMatcher, RTDetrLoss
 
@@ -140,17 +141,25 @@ def test_matching_and_every_loss_term_equal_transformers(tiny, name) -> None:
     names = list(terms)
     dn_names = [n for n in names if n.startswith("dn_")]
     assert names[: len(matched)] == [n for n in names if not n.startswith("dn_")] and len(dn_names) == len(denoising)
+    own = [per_image(matches.image[k], matches.query[k], matches.box[k], counts) for k in range(len(matched))]
+    if family.distributions:  # D-FINE's box terms take the union of the matches
+        host = [tuple(t.numpy() for t in (matches.image[k], matches.query[k], matches.box[k])) for k in range(len(own))]
+        union = per_image(*(torch.from_numpy(a) for a in union_of_matches(host)), counts)
     for k, (set_name, theirs) in enumerate(zip(names, matched + denoising)):
         if k < len(matched):
-            indices = per_image(matches.image[k], matches.query[k], matches.box[k], counts)
-            for (q, g), (tq, tg) in zip(indices, RTDetrHungarianMatcher(config)(theirs, labels)):
+            for (q, g), (tq, tg) in zip(own[k], RTDetrHungarianMatcher(config)(theirs, labels)):
                 assert q.tolist() == tq.tolist() and g.tolist() == tg.tolist(), set_name
-            num_boxes = float(len(TARGETS))
+            indices, num_boxes = own[k], float(len(TARGETS))
+            boxed, box_count = (
+                (union, float(sum(len(q) for q, _ in union))) if family.distributions else (indices, num_boxes)
+            )
         else:
             indices, num_boxes = dn_indices, float(len(TARGETS) * dn_groups)
+            boxed, box_count = indices, num_boxes
         expected = {}
         for loss in ("vfl", "boxes", "local") if family.distributions else ("vfl", "boxes"):
-            for key, value in criterion.get_loss(loss, theirs, labels, indices, num_boxes).items():
+            chosen = (indices, num_boxes) if loss == "vfl" else (boxed, box_count)
+            for key, value in criterion.get_loss(loss, theirs, labels, *chosen).items():
                 expected[key] = value * criterion.weight_dict[key]
         want = [expected["loss_vfl"], expected["loss_bbox"], expected["loss_giou"]]
         if family.distributions:
@@ -158,6 +167,16 @@ def test_matching_and_every_loss_term_equal_transformers(tiny, name) -> None:
         torch.testing.assert_close(terms[set_name], torch.stack(want).float(), atol=1e-5, rtol=1e-5, msg=set_name)
     if family.distributions:  # the terms the reference gives D-FINE's layers are there
         assert terms["layer0"][4] > 0 and terms["layer1"][3] > 0 and terms["layer1"][4] == 0
+
+
+def test_the_union_of_matches_takes_each_querys_most_matched_box() -> None:
+    """D-FINE's union of the sets' matches: every query matched anywhere, with the box it is matched to in the most
+    sets, the lower row on a tie."""
+    a = (np.array([0, 0, 1]), np.array([3, 5, 2]), np.array([0, 1, 4]))
+    b = (np.array([0, 0, 1]), np.array([3, 5, 2]), np.array([1, 1, 3]))
+    c = (np.array([0]), np.array([3]), np.array([1]))
+    image, query, row = union_of_matches([a, b, c])
+    assert list(zip(image, query, row)) == [(0, 3, 1), (0, 5, 1), (1, 2, 3)]
 
 
 def test_matcher_is_deterministic_on_ties() -> None:
