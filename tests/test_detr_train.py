@@ -223,3 +223,41 @@ def test_train_py_trains_a_detr(tiny, name, train_here, tmp_path) -> None:
     total = [sum(r[f"train/{n}_loss"] for n in names) for r in rows]
     assert total[1] < total[0], total
     assert all(0 <= r["metrics/mAP_0.5:0.95"] <= 1 for r in rows)
+
+
+@pytest.mark.slow
+def test_a_step_on_two_ranks_equals_one_process(tiny, tmp_path, monkeypatch) -> None:
+    """One optimizer step of 8 images (4 on each rank, --sync-bn) gives the weights and losses of one process: the
+    matching, the global counts (boxes, the union's pairs, ddf's edges) and the loss's scale do not depend on the
+    world size. Without denoising queries: transformers draws their noise from each process's generator and sizes
+    their groups by the rank's own batch, so with them the two runs differ."""
+    import train
+    from tests.conftest import main_on_ranks, run_forked
+    from utils.checkpoint import load_checkpoint
+
+    table = {**DFINE_TINY, "config": {**DFINE_TINY["config"], "num_denoising": 0}}
+    monkeypatch.setattr(DFINE, "scales", lambda: table)
+    data = write_rectangles_dataset(tmp_path / "data", n_train=8, n_val=4, size=64)
+    common = [
+        "--data", str(data), "--cfg", "dfine-tiny.yaml", "--epochs", "1", "--noval", "--deterministic", "--no-amp",
+        "--optimizer", "SGD", "--seed", "3", "--sync-bn", "--name", "exp", "--imgsz", "64", "--batch-size", "8", "--workers", "0",
+        "--device", "cpu", "--noplots", "--loggers",
+    ]  # fmt: skip
+    assert run_forked([(train.main, ([*common, "--project", str(tmp_path / "single")],), {})], timeout=240) == [0]
+    codes, outputs = main_on_ranks(train.main, [*common, "--project", str(tmp_path / "ranks")], 2, tmp_path)
+    assert codes == [0, 0], "".join(outputs)[-3000:]
+    single = load_checkpoint(tmp_path / "single/exp/weights/last.pt")
+    ranks = load_checkpoint(tmp_path / "ranks/exp/weights/last.pt")
+    names = [k for k, v in single["model"].items() if v.is_floating_point() and not k.endswith("running_var")]
+    diff = torch.cat([(ranks["model"][k].double() - single["model"][k].double()).flatten() for k in names])
+    norm = torch.cat([single["model"][k].double().flatten() for k in names]).norm()
+    assert float(diff.norm() / norm) <= 2e-5
+    losses = [last_losses(tmp_path / run / "exp" / "results.csv", DFINE.loss_names) for run in ("single", "ranks")]
+    assert losses[0] == losses[1] and all(v > 0 for v in losses[0][:4]), losses
+
+
+def last_losses(results_csv: Path, names: tuple[str, ...]) -> list[float]:
+    """The last row's training losses, to 4 digits."""
+    with open(results_csv, newline="") as f:
+        rows = [{k.strip(): v.strip() for k, v in row.items() if k} for row in csv.DictReader(f)]
+    return [float(f"{float(rows[-1][f'train/{n}_loss']):.4g}") for n in names]
