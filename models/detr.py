@@ -10,9 +10,10 @@ queries x classes of the sigmoid scores, as the references' post-processors take
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -88,6 +89,7 @@ class DetrDetector(nn.Module):
         self.strides = [int(s) for s in config.feat_strides]
         self.queries = int(config.num_queries)
         self.register_buffer("stride", torch.tensor([float(max(self.strides))]), persistent=False)
+        self.training_passes = 0  # the denoising noise's seed: see denoising_generator
 
     def check_size(self, h: int, w: int) -> None:
         """One line for an image whose encoder holds fewer tokens than the decoder has queries."""
@@ -131,7 +133,8 @@ class DetrDetector(nn.Module):
                 {"class_labels": targets[s : s + n, 1].long(), "boxes": targets[s : s + n, 2:6].float()}
                 for s, n in zip(starts, per_image)
             ]
-        out = self.detr.model(pixel_values=images, labels=labels)
+        with self.denoising_generator(images.device):
+            out = self.detr.model(pixel_values=images, labels=labels)
         meta = out.denoising_meta_values
         dn_queries = int(meta["dn_num_split"][0]) if meta is not None else 0
         zero = None
@@ -150,6 +153,31 @@ class DetrDetector(nn.Module):
             "per_image": per_image,
             "zero": zero,
         }
+
+    @contextlib.contextmanager
+    def denoising_generator(self, device: torch.device) -> Iterator[None]:
+        """transformers draws the denoising queries' noise from the global generator: here it is seeded for each
+        training pass from the process's seed, the rank and the count of training passes (which checkpoints keep:
+        ``get_extra_state``), so the noise does not depend on what else draws from the generator (a resumed run's
+        fresh loader does) and a resumed run draws what the run it continues would have. The global generator is
+        left as it was."""
+        rank = (
+            torch.distributed.get_rank()
+            if torch.distributed.is_available() and torch.distributed.is_initialized()
+            else 0
+        )
+        seed = (torch.initial_seed() * 1_000_003 + rank * 7_919 + self.training_passes) % 2**63
+        self.training_passes += 1
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+            torch.manual_seed(seed)
+            yield
+
+    def get_extra_state(self) -> torch.Tensor:
+        """The count of training passes (the denoising noise's seed), kept by checkpoints."""
+        return torch.tensor(self.training_passes, dtype=torch.int64)
+
+    def set_extra_state(self, state: Any) -> None:
+        self.training_passes = int(state)
 
     def inference_pass(self, images: torch.Tensor) -> Any:
         """transformers' forward pass, through the first ``eval_layers`` decoder layers where the config asks (the

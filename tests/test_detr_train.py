@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,7 @@ from models.detr_loss import DetrLoss, split_outputs  # noqa: E402
 from models.detr_matcher import MatchCosts, hungarian, union_of_matches  # noqa: E402
 from models.families import DFINE, RTDETRV2  # noqa: E402
 from tests.conftest import write_rectangles_dataset  # noqa: E402
+from utils.checkpoint import load_checkpoint  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "detr"
 SMALL = {"num_queries": 30, "num_denoising": 10}
@@ -206,23 +208,37 @@ def test_a_batch_without_boxes_has_a_loss_and_a_gradient_for_every_parameter(tin
     assert [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None] == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_train_py_trains_a_detr(tiny, name, train_here, tmp_path) -> None:
-    """train.py trains a narrowed model for 2 epochs on the rectangles: its loss falls, it is validated (mAP and
-    the val/ loss columns) each epoch."""
+def test_train_py_trains_a_detr_and_resumes_bit_exactly(tiny, name, train_here, tmp_path) -> None:
+    """train.py trains a narrowed model for 2 epochs on the rectangles: its loss falls, it is validated (mAP and the
+    val/ loss columns) each epoch; resumed from its first epoch's checkpoint it ends with the same weights, EMA and
+    results (the denoising queries' noise comes from the generator the checkpoint restores)."""
     data = write_rectangles_dataset(tmp_path / "data", n_train=8, n_val=4, size=64)
     status, log = train_here(
-        "--cfg", f"{name}-tiny.yaml", "--data", data, "--epochs", "2", "--batch-size", "4",
-        "--project", tmp_path, "--name", "run", "--loggers",
+        "--cfg", f"{name}-tiny.yaml", "--data", data, "--epochs", "2", "--batch-size", "4", "--save-period", "1",
+        "--deterministic", "--seed", "1", "--project", tmp_path, "--name", "run", "--loggers",
     )  # fmt: skip
     assert status == 0, log
-    with open(tmp_path / "run" / "results.csv", newline="") as f:
+    run = tmp_path / "run"
+    with open(run / "results.csv", newline="") as f:
         rows = [{k.strip(): float(v) for k, v in row.items() if k and v.strip()} for row in csv.DictReader(f)]
     names = FAMILIES[name][0].loss_names
     assert len(rows) == 2 and all(f"val/{n}_loss" in rows[0] for n in names)
     total = [sum(r[f"train/{n}_loss"] for n in names) for r in rows]
     assert total[1] < total[0], total
     assert all(0 <= r["metrics/mAP_0.5:0.95"] <= 1 for r in rows)
+
+    again = tmp_path / "again"
+    shutil.copytree(run, again)
+    shutil.copyfile(run / "weights" / "epoch0.pt", again / "weights" / "last.pt")
+    status, log = train_here("--resume", again / "weights" / "last.pt", "--batch-size", "4")
+    assert status == 0, log
+    resumed, straight = (load_checkpoint(r / "weights" / "last.pt") for r in (again, run))
+    assert resumed["epoch"] == straight["epoch"] == 1
+    for key in ("model", "ema"):
+        assert all(torch.equal(resumed[key][k], straight[key][k]) for k in straight[key]), key
+    assert last_losses(again / "results.csv", names) == last_losses(run / "results.csv", names)
 
 
 @pytest.mark.slow
@@ -233,7 +249,6 @@ def test_a_step_on_two_ranks_equals_one_process(tiny, tmp_path, monkeypatch) -> 
     their groups by the rank's own batch, so with them the two runs differ."""
     import train
     from tests.conftest import main_on_ranks, run_forked
-    from utils.checkpoint import load_checkpoint
 
     table = {**DFINE_TINY, "config": {**DFINE_TINY["config"], "num_denoising": 0}}
     monkeypatch.setattr(DFINE, "scales", lambda: table)

@@ -208,7 +208,7 @@ def load_weights(model: DetrDetector, weights: Mapping[str, torch.Tensor], trans
         LOGGER.info(f"Transferred {len(fitting)}/{len(own)} items from {source}")
         model.load_state_dict(fitting, strict=False)
         return
-    missing = sorted(k for k in own if k not in weights and not k.endswith("num_batches_tracked"))
+    missing = sorted(k for k in own if k not in weights and not k.endswith(("num_batches_tracked", "_extra_state")))
     unexpected = sorted(k for k in weights if k not in own)
     wrong = sorted(k for k in weights if k in own and own[k].shape != weights[k].shape)
     if missing or unexpected or wrong:
