@@ -212,8 +212,9 @@ def test_a_batch_without_boxes_has_a_loss_and_a_gradient_for_every_parameter(tin
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_train_py_trains_a_detr_and_resumes_bit_exactly(tiny, name, train_here, tmp_path) -> None:
     """train.py trains a narrowed model for 2 epochs on the rectangles: its loss falls, it is validated (mAP and the
-    val/ loss columns) each epoch; resumed from its first epoch's checkpoint it ends with the same weights, EMA and
-    results (the denoising queries' noise comes from the generator the checkpoint restores)."""
+    val/ loss columns) each epoch. D-FINE, resumed from its first epoch's checkpoint, ends with the same weights, EMA
+    and results (the denoising queries' noise is seeded by the count of training passes the checkpoint keeps);
+    RT-DETRv2 shares that code and is not resumed here."""
     data = write_rectangles_dataset(tmp_path / "data", n_train=8, n_val=4, size=64)
     status, log = train_here(
         "--cfg", f"{name}-tiny.yaml", "--data", data, "--epochs", "2", "--batch-size", "4", "--save-period", "1",
@@ -229,6 +230,8 @@ def test_train_py_trains_a_detr_and_resumes_bit_exactly(tiny, name, train_here, 
     assert total[1] < total[0], total
     assert all(0 <= r["metrics/mAP_0.5:0.95"] <= 1 for r in rows)
 
+    if name != "dfine":
+        return
     again = tmp_path / "again"
     shutil.copytree(run, again)
     shutil.copyfile(run / "weights" / "epoch0.pt", again / "weights" / "last.pt")
