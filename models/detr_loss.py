@@ -7,7 +7,8 @@ is matched by construction to the box it was made from (group g's positive j to 
 
 - vfl: varifocal BCE of every logit against the target score (the IoU of the matched query's box with its box, at
   the box's class; 0 elsewhere), weighted ``alpha p^gamma`` off the targets and by the target score on them
-  (alpha 0.75, gamma 2), summed over the set's own matches;
+  (alpha 0.75, gamma 2), summed over the set's own matches; or, with ``class_loss="mal"``, DEIM's matchability-aware
+  loss (item ``mal``): BCE against IoU^1.5 at the box's class, weighted ``p^1.5`` off the targets and 1 on them;
 - box, giou: L1 of the matched boxes (centre and size in [0, 1]) and 1 - GIoU, summed;
 - fgl (D-FINE, every decoder layer): fine-grained localisation: each matched query's 4 edge distributions
   (max_num_bins + 1 bins) against its box's edge distances from the query's reference point through D-FINE's
@@ -58,6 +59,7 @@ Reduce = Callable[[torch.Tensor], torch.Tensor]
 Pairs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (image, query, box row) on the device
 
 DDF_TEMPERATURE = 5.0
+MAL_GAMMA = 1.5  # DEIM's (its configs/base/deim.yml)
 FGL_EDGE_MARGIN = 0.1  # an edge's bin position stops this far below the last bin (the references' eps)
 BOX_EPS = 1e-16  # the reference point's width in the edge distance's divisor, as the references
 
@@ -262,12 +264,13 @@ class DetrLoss:
     ``distributions``: D-FINE's edge distributions (fgl and ddf terms; boxes clamped to [0, 1]) or not
     (RT-DETRv2). ``targets`` (N, 6) = image, class, cx, cy, w, h normalised, rows grouped by image."""
 
-    def __init__(self, model: nn.Module, distributions: bool) -> None:
+    def __init__(self, model: nn.Module, distributions: bool, class_loss: str = "vfl") -> None:
+        if class_loss not in ("vfl", "mal"):
+            raise ValueError(f"class_loss {class_loss!r}: 'vfl' (the references') or 'mal' (DEIM's)")
         net: Any = de_parallel(model)
         self.cfg = DetrLossConfig.of(net.detr.config, distributions)
-        self.item_names: tuple[str, ...] = (
-            ("vfl", "box", "giou", "fgl", "ddf") if distributions else ("vfl", "box", "giou")
-        )
+        self.class_loss = class_loss
+        self.item_names: tuple[str, ...] = (class_loss, "box", "giou", "fgl", "ddf")[: 5 if distributions else 3]
         self._values: dict[torch.device, torch.Tensor] = {}
         self._batch = 0  # the last call's images and unused parameters' zero term
         self._zero: torch.Tensor | None = None
@@ -360,7 +363,8 @@ class DetrLoss:
         own matches, the box terms on ``boxed`` (D-FINE: the union of the matches; otherwise the same)."""
         cfg = self.cfg
         iou = self.matched_boxes(s, own, targets)[2]
-        vfl = self.varifocal(s.logits, own, targets[own[2], 1].long(), iou.detach()) / n.boxes
+        classify = self.varifocal if self.class_loss == "vfl" else self.matchability
+        vfl = classify(s.logits, own, targets[own[2], 1].long(), iou.detach()) / n.boxes
         pred, gt, iou, giou = self.matched_boxes(s, boxed, targets)
         box = (pred - gt).abs().sum() / n.box_pairs
         giou_term = (1 - giou).sum() / n.box_pairs
@@ -393,6 +397,18 @@ class DetrLoss:
         score = torch.zeros_like(logits)
         score[image, query, labels] = iou
         weight = self.cfg.alpha * logits.detach().sigmoid().pow(self.cfg.gamma) * (1 - onehot) + score
+        return F.binary_cross_entropy_with_logits(logits, score, weight=weight, reduction="sum")
+
+    def matchability(self, logits: torch.Tensor, pairs: Pairs, labels: torch.Tensor, iou: torch.Tensor) -> torch.Tensor:
+        """DEIM's matchability-aware loss, summed: BCE against IoU^gamma at the matched class (gamma 1.5), weighted
+        ``p^gamma`` off the targets and 1 on them."""
+        image, query, _ = pairs
+        logits = logits.float()
+        onehot = torch.zeros_like(logits)
+        onehot[image, query, labels] = 1.0
+        score = torch.zeros_like(logits)
+        score[image, query, labels] = iou.pow(MAL_GAMMA)
+        weight = logits.detach().sigmoid().pow(MAL_GAMMA) * (1 - onehot) + onehot
         return F.binary_cross_entropy_with_logits(logits, score, weight=weight, reduction="sum")
 
     def edge_values(self, device: torch.device) -> torch.Tensor:

@@ -112,7 +112,8 @@ def test_matching_and_every_loss_term_equal_transformers(tiny, name) -> None:
     of every set equal transformers' matcher's, and with them every term of every set (each decoder layer, D-FINE's
     pre-head, the encoder's top-k, each denoising layer) equals transformers' loss method's, times its weight,
     within 1e-5; D-FINE's box terms (L1, GIoU, fgl, ddf) given the union of the sets' matches, as the official
-    criterion gives them (transformers' own criterion uses each set's matches)."""
+    criterion gives them (transformers' own criterion uses each set's matches). DEIM's class term (mal) in place of
+    vfl equals transformers' DEIMv2 one."""
     from transformers.loss.loss_d_fine import DFineLoss
     from transformers.loss.loss_rt_detr import RTDetrHungarianMatcher, RTDetrLoss
 
@@ -147,6 +148,7 @@ def test_matching_and_every_loss_term_equal_transformers(tiny, name) -> None:
     if family.distributions:  # D-FINE's box terms take the union of the matches
         host = [tuple(t.numpy() for t in (matches.image[k], matches.query[k], matches.box[k])) for k in range(len(own))]
         union = per_image(*(torch.from_numpy(a) for a in union_of_matches(host)), counts)
+    by_class = {}
     for k, (set_name, theirs) in enumerate(zip(names, matched + denoising)):
         if k < len(matched):
             for (q, g), (tq, tg) in zip(own[k], RTDetrHungarianMatcher(config)(theirs, labels)):
@@ -158,6 +160,7 @@ def test_matching_and_every_loss_term_equal_transformers(tiny, name) -> None:
         else:
             indices, num_boxes = dn_indices, float(len(TARGETS) * dn_groups)
             boxed, box_count = indices, num_boxes
+        by_class[set_name] = (theirs, indices, num_boxes)
         expected = {}
         for loss in ("vfl", "boxes", "local") if family.distributions else ("vfl", "boxes"):
             chosen = (indices, num_boxes) if loss == "vfl" else (boxed, box_count)
@@ -169,6 +172,17 @@ def test_matching_and_every_loss_term_equal_transformers(tiny, name) -> None:
         torch.testing.assert_close(terms[set_name], torch.stack(want).float(), atol=1e-5, rtol=1e-5, msg=set_name)
     if family.distributions:  # the terms the reference gives D-FINE's layers are there
         assert terms["layer0"][4] > 0 and terms["layer1"][3] > 0 and terms["layer1"][4] == 0
+    # DEIM's matchability-aware class term in place of vfl: transformers' DEIMv2 loss method (gamma 1.5, no alpha)
+    from transformers.loss.loss_deimv2 import Deimv2Loss
+
+    criterion.gamma, criterion.mal_alpha = 1.5, None
+    mal = DetrLoss(model, distributions=family.distributions, class_loss="mal")
+    assert mal.item_names[0] == "mal"
+    for set_name, mal_terms in mal.set_terms(raw, TARGETS).items():
+        theirs, indices, num_boxes = by_class[set_name]
+        expected_mal = Deimv2Loss.loss_labels_mal(criterion, theirs, labels, indices, num_boxes)["loss_mal"]
+        torch.testing.assert_close(mal_terms[0], expected_mal.float() * config.weight_loss_vfl, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(mal_terms[1:], terms[set_name][1:])
 
 
 def test_the_union_of_matches_takes_each_querys_most_matched_box() -> None:
