@@ -251,7 +251,7 @@ def pair_iou(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 class SetNorm(NamedTuple):
     """The global counts one kind of set's terms divide by."""
 
-    boxes: torch.Tensor  # () matched pairs (vfl), at least 1
+    boxes: torch.Tensor  # () boxes (vfl), at least 1
     box_pairs: torch.Tensor  # () pairs of the box terms (D-FINE: the union of the matches), at least 1
     matched_edges: torch.Tensor  # () 4 x pairs of the box terms
     other_edges: torch.Tensor  # () 4 x queries - matched edges
@@ -340,10 +340,10 @@ class DetrLoss:
     ) -> tuple[SetNorm, SetNorm]:
         """The counts of the matched sets and of the denoising sets, summed over ranks in one all-reduce."""
         batch, queries = out.matched[0].logits.shape[:2]
-        matched = sum(min(n, queries) for n in per_image)
-        dn_pairs = sum(per_image) * out.dn_groups
+        boxes = sum(per_image)  # the references' count (an image with more boxes than queries has some unmatched)
+        dn_pairs = boxes * out.dn_groups
         dn_queries = 2 * out.dn_slots * out.dn_groups
-        local = (matched, matched if union is None else union, batch * queries, dn_pairs, batch * dn_queries)
+        local = (boxes, boxes if union is None else union, batch * queries, dn_pairs, batch * dn_queries)
         stats = torch.zeros(len(local), device=out.matched[0].logits.device)
         for i, v in enumerate(local):
             stats[i] = float(v)  # a fill from a Python number: nothing is copied to the device
