@@ -4,10 +4,11 @@ The cost of query q for box g is the references' (RT-DETR, D-FINE): ``class * fo
 - giou * GIoU(q, g)``, boxes as centre and size in [0, 1], the focal class cost ``alpha (1 - p)^gamma (-log p) -
 (1 - alpha) p^gamma (-log(1 - p))`` of the sigmoid score p of g's class (weights 2, 5, 2; alpha 0.25, gamma 2).
 
-Every set that needs matching (each decoder layer's queries, the encoder's top-k) is costed against every box of the
-batch in one (S, B, Q, N) tensor on the device, and that tensor is copied to the host once (with the boxes' image
-column, so the host learns how many boxes each image holds from the same copy): this is the step's one wait for the
-device (docs/design.md, "Where the step may and may not sync"). scipy's ``linear_sum_assignment`` then solves each
+Every set that needs matching (each decoder layer's queries, D-FINE's pre-head, the encoder's top-k) is costed
+against its image's boxes, padded to the most boxes of one image, in one (S, B, Q, M) tensor on the device, and that
+tensor is copied to the host once: the step's one wait for the matching (docs/design.md, "Where the step may and may
+not sync"). Where the boxes per image are not known on the host yet (validation), M is the batch's box count and the
+boxes' image column comes in the same copy. scipy's ``linear_sum_assignment`` then solves each
 (set, image) block; it is a deterministic function of the block, so equal costs (ties) resolve the same way in every
 run, on every rank and at every world size. A non-finite cost becomes the largest float: that query is matched only
 where nothing else can be.
@@ -80,29 +81,41 @@ def cxcywh_to_xyxy(boxes: torch.Tensor) -> torch.Tensor:
 
 
 def pairwise_giou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """(..., Q, N) generalised IoU of xyxy boxes ``a`` (..., Q, 4) and ``b`` (N, 4)."""
+    """(S, B, Q, M) generalised IoU of xyxy boxes ``a`` (S, B, Q, 4) and each image's ``b`` (B, M, 4)."""
+    a, b = a[..., :, None, :], b[:, None, :, :]
     area_a = (a[..., 2] - a[..., 0]) * (a[..., 3] - a[..., 1])
-    area_b = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
-    lt = torch.maximum(a[..., :, None, :2], b[:, :2])
-    rb = torch.minimum(a[..., :, None, 2:], b[:, 2:])
-    inter = (rb - lt).clamp(min=0).prod(-1)
-    union = area_a[..., :, None] + area_b - inter
-    iou = inter / union
-    hull = (torch.maximum(a[..., :, None, 2:], b[:, 2:]) - torch.minimum(a[..., :, None, :2], b[:, :2])).clamp(min=0)
-    hull_area = hull.prod(-1)
-    return iou - (hull_area - union) / hull_area
+    area_b = (b[..., 2] - b[..., 0]) * (b[..., 3] - b[..., 1])
+    inter = (torch.minimum(a[..., 2:], b[..., 2:]) - torch.maximum(a[..., :2], b[..., :2])).clamp(min=0).prod(-1)
+    union = area_a + area_b - inter
+    hull = (torch.maximum(a[..., 2:], b[..., 2:]) - torch.minimum(a[..., :2], b[..., :2])).clamp(min=0).prod(-1)
+    return inter / union - (hull - union) / hull
+
+
+def padded_boxes(targets: torch.Tensor, batch: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each image's classes (B, M) and boxes (B, M, 4) from ``targets`` (rows grouped by image), padded to ``slots``
+    with class 0 and a unit box; placed on the device by indices made there (nothing is read on the host)."""
+    image = targets[:, 0].long()
+    counts = torch.zeros(batch, dtype=torch.long, device=targets.device).index_add_(0, image, torch.ones_like(image))
+    slot = torch.arange(len(image), device=targets.device) - (counts.cumsum(0) - counts)[image]
+    labels = torch.zeros((batch, slots), dtype=torch.long, device=targets.device)
+    boxes = torch.full((batch, slots, 4), 0.5, device=targets.device)
+    labels[image, slot] = targets[:, 1].long()
+    boxes[image, slot] = targets[:, 2:6].float()
+    return labels, boxes
 
 
 def cost_matrices(
     logits: torch.Tensor, boxes: torch.Tensor, labels: torch.Tensor, gt_boxes: torch.Tensor, costs: MatchCosts
 ) -> torch.Tensor:
-    """(S, B, Q, N) cost of each set's queries (``logits`` (S, B, Q, nc), ``boxes`` (S, B, Q, 4) cxcywh) for every
-    box of the batch (``labels`` (N,), ``gt_boxes`` (N, 4) cxcywh), finite."""
-    prob = logits.float().sigmoid().index_select(-1, labels)  # (S, B, Q, N)
+    """(S, B, Q, M) cost of each set's queries (``logits`` (S, B, Q, nc), ``boxes`` (S, B, Q, 4) cxcywh) for each
+    of their image's boxes (``labels`` (B, M), ``gt_boxes`` (B, M, 4) cxcywh, padded), finite."""
+    sets, batch, queries, _ = logits.shape
+    index = labels[None, :, None, :].expand(sets, batch, queries, -1)
+    prob = logits.float().gather(-1, index).sigmoid()
     positive = costs.alpha * (1 - prob) ** costs.gamma * -(prob + FOCAL_EPS).log()
     negative = (1 - costs.alpha) * prob**costs.gamma * -(1 - prob + FOCAL_EPS).log()
     boxes = boxes.float()
-    l1 = (boxes[..., :, None, :] - gt_boxes).abs().sum(-1)
+    l1 = (boxes[..., :, None, :] - gt_boxes[:, None, :, :]).abs().sum(-1)
     giou = pairwise_giou(cxcywh_to_xyxy(boxes), cxcywh_to_xyxy(gt_boxes))
     cost = costs.class_weight * (positive - negative) + costs.bbox_weight * l1 - costs.giou_weight * giou
     largest = torch.finfo(cost.dtype).max
@@ -114,7 +127,7 @@ def joined(parts: list[np.ndarray]) -> np.ndarray:
 
 
 def solve(cost: np.ndarray, per_image: list[int]) -> list[HostMatches]:
-    """Each set's matches (image, query, box row) from the host costs (S, B, Q, N) and the boxes per image."""
+    """Each set's matches (image, query, box row) from the host costs (S, B, Q, M) and the boxes per image."""
     assign = linear_sum_assignment()
     starts = np.concatenate(([0], np.cumsum(per_image)))
     found = []
@@ -123,7 +136,7 @@ def solve(cost: np.ndarray, per_image: list[int]) -> list[HostMatches]:
         for b, (start, end) in enumerate(zip(starts[:-1], starts[1:])):
             if end == start:
                 continue
-            q, g = assign(per_set[b, :, start:end])
+            q, g = assign(per_set[b, :, : end - start])
             images.append(np.full(len(q), b, dtype=np.int64))
             queries.append(q.astype(np.int64))
             rows.append(g.astype(np.int64) + start)
@@ -167,7 +180,11 @@ def hungarian(
     image and the host matches (the denoising groups' fixed pairs, D-FINE's union of the matches) on the device,
     copied with the matches."""
     with torch.no_grad():
-        cost = cost_matrices(logits.detach(), boxes.detach(), targets[:, 1].long(), targets[:, 2:6].float(), costs)
+        batch = logits.shape[1]
+        # each image's boxes padded to the most of one image (the whole batch's count where that is not known yet)
+        slots = max(per_image, default=0) if per_image is not None else targets.shape[0]
+        labels, gt_boxes = padded_boxes(targets, batch, slots)
+        cost = cost_matrices(logits.detach(), boxes.detach(), labels, gt_boxes, costs)
         host, per_image = host_costs(cost, targets[:, 0], per_image)
     found = solve(host, per_image)
     flat = [a for triple in found for a in triple] + (extra(per_image, found) if extra is not None else [])
