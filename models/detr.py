@@ -10,9 +10,10 @@ queries x classes of the sigmoid scores, as the references' post-processors take
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -88,6 +89,7 @@ class DetrDetector(nn.Module):
         self.strides = [int(s) for s in config.feat_strides]
         self.queries = int(config.num_queries)
         self.register_buffer("stride", torch.tensor([float(max(self.strides))]), persistent=False)
+        self.training_passes = 0  # the denoising noise's seed: see denoising_generator
 
     def check_size(self, h: int, w: int) -> None:
         """One line for an image whose encoder holds fewer tokens than the decoder has queries."""
@@ -99,17 +101,83 @@ class DetrDetector(nn.Module):
                 f"tokens, fewer than its {self.queries} queries; the smallest size that works is {smallest}"
             )
 
-    def forward(self, images: torch.Tensor, targets: list[dict[str, torch.Tensor]] | None = None) -> Any:
-        """Training: transformers' output (with ``targets``, its losses and denoising queries). Eval:
-        ``(output0, raw)``, output0 (B, 300, 6) in input pixels, raw the logits and boxes of the last layer."""
+    def forward(self, images: torch.Tensor, targets: torch.Tensor | None = None) -> Any:
+        """Training: what ``models/detr_loss.py: DetrLoss`` takes, with ``targets`` (N, 6: image, class, cx, cy, w, h
+        normalised, rows grouped by image) making the denoising queries. Eval: ``(output0, raw)``, output0 (B, 300, 6)
+        in input pixels, raw the logits and boxes of the last layer (and D-FINE's edge distributions)."""
         h, w = images.shape[2:]
         if not torch.jit.is_tracing() and not torch.compiler.is_compiling():
             self.check_size(int(h), int(w))
         if self.training:
-            return self.detr(pixel_values=images, labels=targets)
+            return self.training_pass(images, targets)
         out = self.inference_pass(images)
         raw = {"logits": out.logits, "pred_boxes": out.pred_boxes}
+        if out.intermediate_predicted_corners is not None:
+            raw["pred_corners"] = out.intermediate_predicted_corners[:, -1]
+            raw["ref_points"] = out.initial_reference_points[:, -1]
         return top_detections(out.logits, out.pred_boxes, (h, w), self.queries), raw
+
+    def training_pass(self, images: torch.Tensor, targets: torch.Tensor | None) -> dict[str, Any]:
+        """transformers' model with the targets as its ``labels`` (one dict per image: its denoising queries), every
+        decoder layer's logits, boxes (and D-FINE's edge distributions and reference points), the encoder's top-k,
+        and the denoising layout. The boxes per image are read on the host here (transformers takes one tensor per
+        image): one of the step's waits for the device (docs/design.md)."""
+        batch = images.shape[0]
+        labels, per_image = None, None
+        if targets is not None:
+            image = targets[:, 0].long()
+            counts = torch.zeros(batch, dtype=torch.long, device=targets.device)
+            per_image = counts.index_add_(0, image, torch.ones_like(image)).tolist()
+            starts = [sum(per_image[:i]) for i in range(batch)]
+            labels = [
+                {"class_labels": targets[s : s + n, 1].long(), "boxes": targets[s : s + n, 2:6].float()}
+                for s, n in zip(starts, per_image)
+            ]
+        with self.denoising_generator(images.device):
+            out = self.detr.model(pixel_values=images, labels=labels)
+        meta = out.denoising_meta_values
+        dn_queries = int(meta["dn_num_split"][0]) if meta is not None else 0
+        zero = None
+        embed = getattr(self.detr.model, "denoising_class_embed", None)
+        if meta is None and embed is not None:  # no denoising queries: the embedding still needs its (zero) gradient
+            zero = embed.weight.sum() * 0.0
+        return {
+            "logits": out.intermediate_logits,
+            "boxes": out.intermediate_reference_points,
+            "corners": out.intermediate_predicted_corners,
+            "refs": out.initial_reference_points,
+            "enc_logits": out.enc_topk_logits,
+            "enc_boxes": out.enc_topk_bboxes,
+            "dn_queries": dn_queries,
+            "dn_groups": int(meta["dn_num_group"]) if meta is not None else 0,
+            "per_image": per_image,
+            "zero": zero,
+        }
+
+    @contextlib.contextmanager
+    def denoising_generator(self, device: torch.device) -> Iterator[None]:
+        """transformers draws the denoising queries' noise from the global generator: here it is seeded for each
+        training pass from the process's seed, the rank and the count of training passes (which checkpoints keep:
+        ``get_extra_state``), so the noise does not depend on what else draws from the generator (a resumed run's
+        fresh loader does) and a resumed run draws what the run it continues would have. The global generator is
+        left as it was."""
+        rank = (
+            torch.distributed.get_rank()
+            if torch.distributed.is_available() and torch.distributed.is_initialized()
+            else 0
+        )
+        seed = (torch.initial_seed() * 1_000_003 + rank * 7_919 + self.training_passes) % 2**63
+        self.training_passes += 1
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+            torch.manual_seed(seed)
+            yield
+
+    def get_extra_state(self) -> torch.Tensor:
+        """The count of training passes (the denoising noise's seed), kept by checkpoints."""
+        return torch.tensor(self.training_passes, dtype=torch.int64)
+
+    def set_extra_state(self, state: Any) -> None:
+        self.training_passes = int(state)
 
     def inference_pass(self, images: torch.Tensor) -> Any:
         """transformers' forward pass, through the first ``eval_layers`` decoder layers where the config asks (the

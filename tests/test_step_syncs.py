@@ -159,3 +159,37 @@ def test_no_step_waits_for_the_device_but_the_read_back_steps(
             assert events == [], f"{cfg} step {k + 1} waits for the device: {events}"
     # The counter sees the read-back's copy to the host (on a CPU, ``.cpu()``): it would see any other host reading.
     assert any("Tensor.cpu" in e for e in counted_steps[LOG_INTERVAL - 1][0]), counted_steps
+
+
+# The DETR families' waits, each named in docs/design.md ("Where the step may and may not sync"): ours, the boxes per
+# image read for transformers' per-image labels and the matcher's one copy of every set's costs; transformers' own,
+# in its training forward pass (its encoder layer's finite check, its denoising group's nonzero, each decoder layer's
+# check of the deformable attention's shapes).
+DETR_WAITS = {
+    "Tensor.tolist at detr.py": 1,
+    "Tensor.cpu at detr_matcher.py": 1,
+    "Tensor.numpy at detr_matcher.py": 1,
+}
+TRANSFORMERS_FILES = ("modeling_d_fine.py", "modeling_rt_detr_v2.py", "import_utils.py")
+
+
+@pytest.mark.parametrize("name", ["dfine", "rtdetrv2"])
+def test_a_detr_step_waits_only_where_named(name, counted_steps, train_here, rectangles_yaml, tmp_path, monkeypatch):
+    """A DETR family's steady-state step waits for the device only at the named places: once for the boxes per
+    image, once for the matcher's costs (every decoder layer's and the encoder's, all images, in one copy), and
+    inside transformers' forward pass."""
+    pytest.importorskip("transformers", reason="the DETR families need transformers (requirements-test.txt)")
+    from tests.test_detr_train import FAMILIES
+
+    family, table = FAMILIES[name]
+    monkeypatch.setattr(family, "scales", lambda: table)
+    with pytest.raises(Enough):
+        train_here(
+            "--data", rectangles_yaml, "--cfg", f"{name}-tiny.yaml", "--imgsz", "64", "--batch-size", "2",
+            "--epochs", "1", "--noval", "--log-interval", LOG_INTERVAL, "--loggers", "--project", tmp_path,
+        )  # fmt: skip
+    for k, (events, read) in enumerate(counted_steps):
+        if read:
+            continue
+        ours = [e.split(":")[0] for e in events if not e.rsplit(" at ", 1)[1].startswith(TRANSFORMERS_FILES)]
+        assert {e: ours.count(e) for e in ours} == DETR_WAITS, f"{name} step {k + 1}: {events}"

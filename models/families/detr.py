@@ -12,8 +12,8 @@ The recipe (:class:`DetrHyp`, ``data/hyps/hyp.dfine.yaml`` and ``hyp.rtdetrv2.ya
 configs): AdamW at the hyp file's lr0 whatever the run's length, the backbone at ``backbone_lr`` times it, no
 weight decay on norms and biases (``parameter_groups``), gradients clipped to 0.1, the step schedule and EMA of
 ``utils/hyp.py: StepScheduleHyp``, the augmentations of ``ZoomCropHyp``, and the no-augmentation stage over the
-run's last ``no_aug_share`` of epochs (``stage_epoch``), where the EMA starts again. Training (denoising queries, Hungarian matching, the DETR losses) is part 2 of the work: until
-then ``make_loss`` says in one line that the family cannot train yet.
+run's last ``no_aug_share`` of epochs (``stage_epoch``), where the EMA starts again. Training: the targets go into the forward pass (denoising queries), the loss is
+``models/detr_loss.py: DetrLoss`` (Hungarian matching: ``models/detr_matcher.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import torch.nn as nn
 import yaml
 
 from models.detr import DetrDetector
+from models.detr_loss import DetrLoss
 from models.families.base import ExportModule, Family, Int8Scope
 from models.families.detr_import import HuggingFaceImporter, OfficialDetrImporter
 from models.loss import DetectionLoss
@@ -96,6 +97,7 @@ class DetrFamily(Family):
 
     model_type: ClassVar[str]  # transformers' model type: "d_fine", "rt_detr_v2"
     yaml_name: ClassVar[str]  # its config file in models/, holding its scales
+    distributions: ClassVar[bool] = False  # D-FINE's edge distributions: its fgl and ddf loss terms
     head = DetrDetector  # the whole detector: transformers' decoder is its head
     hyp_type: ClassVar[type[HypRecord]] = DetrHyp
     default_hyp = "data/hyps/hyp.rtdetrv2.yaml"
@@ -186,10 +188,14 @@ class DetrFamily(Family):
         return model
 
     def make_loss(self, model: nn.Module, hyp: Any, *, imgsz: int, label_smoothing: float = 0.0) -> DetectionLoss:
-        raise UserError(
-            f"{self.title} cannot train here yet (its matcher and losses come with part 2 of the DETR work): use "
-            "val.py, detect.py and export.py with its weights"
-        )
+        """``models/detr_loss.py: DetrLoss``: Hungarian matching, varifocal, L1 and GIoU terms on every decoder layer,
+        the encoder's top-k and the denoising groups (D-FINE: its fgl and ddf terms too); gains from the model's
+        transformers config, replaced by the run's hyper-parameters (the family's record) where it has them."""
+        return DetrLoss(model, distributions=self.distributions, hyp=hyp)
+
+    def forward_train(self, model: nn.Module, images: torch.Tensor, targets: torch.Tensor) -> Any:
+        """The model with the targets: transformers builds its denoising queries from them."""
+        return model(images, targets)
 
     def fit_anchors(
         self, dataset: Any, model: nn.Module, hyp: Any = None, *, thr: float | None = None, imgsz: int
@@ -287,7 +293,7 @@ def load_weights(model: DetrDetector, weights: Mapping[str, torch.Tensor], trans
         LOGGER.info(f"Transferred {len(fitting)}/{len(own)} items from {source}")
         model.load_state_dict(fitting, strict=False)
         return
-    missing = sorted(k for k in own if k not in weights and not k.endswith("num_batches_tracked"))
+    missing = sorted(k for k in own if k not in weights and not k.endswith(("num_batches_tracked", "_extra_state")))
     unexpected = sorted(k for k in weights if k not in own)
     wrong = sorted(k for k in weights if k in own and own[k].shape != weights[k].shape)
     if missing or unexpected or wrong:

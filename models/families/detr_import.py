@@ -182,7 +182,7 @@ def map_official(state: Mapping[str, torch.Tensor], family: Any) -> dict[str, to
 def _fit(model_state: Mapping[str, Any], mapped: Mapping[str, torch.Tensor]) -> tuple[int, list[str]]:
     """How ``mapped`` fails to fill ``model_state`` (names and shapes): the count of tensors in error and a line for
     each kind; (0, []) when it fills it exactly."""
-    missing = [k for k in model_state if k not in mapped and not k.endswith("num_batches_tracked")]
+    missing = [k for k in model_state if k not in mapped and not k.endswith(("num_batches_tracked", "_extra_state"))]
     extra = [k for k in mapped if k not in model_state]
     shapes = [k for k in mapped if k in model_state and model_state[k].shape != mapped[k].shape]
     kinds = (("missing", missing), ("unknown", extra), ("of another shape", shapes))

@@ -89,7 +89,8 @@ class DFineFamily(DetrFamily):
     title = "D-FINE"
     model_type = "d_fine"
     yaml_name = "dfine.yaml"
-    loss_names = ("vfl", "box", "giou", "fgl", "ddf")  # the reference's terms (part 2 trains them)
+    loss_names = ("vfl", "box", "giou", "fgl", "ddf")  # models/detr_loss.py
+    distributions = True
     official_keys = OFFICIAL_KEYS
     official_dropped = OFFICIAL_DROPPED
     tied_copies = TIED_COPIES

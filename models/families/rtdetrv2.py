@@ -60,7 +60,7 @@ class RTDetrV2Family(DetrFamily):
     title = "RT-DETRv2"
     model_type = "rt_detr_v2"
     yaml_name = "rtdetrv2.yaml"
-    loss_names = ("vfl", "box", "giou")  # the reference's terms (part 2 trains them)
+    loss_names = ("vfl", "box", "giou")  # models/detr_loss.py
     official_keys = OFFICIAL_KEYS
     official_dropped = OFFICIAL_DROPPED
     tied_copies = TIED_COPIES

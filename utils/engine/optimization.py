@@ -185,7 +185,9 @@ def build_optimization(
     # On every rank: each validates its part with the same EMA weights.
     ema = ModelEMA(model, recipe.ema_decay, recipe.ema_tau) if recipe else ModelEMA(model)
     scaler = torch.amp.GradScaler(next(model.parameters()).device.type, enabled=needs_scaler)
-    clip = recipe.clip_norm if recipe else 10.0
+    # The losses are summed over the global batch's images (the contract's scale), a recipe's clip norm is for the
+    # references' loss, a mean over them: it scales with the images of an optimizer step.
+    clip = recipe.clip_norm * config.batch_size * choice.accumulate if recipe else 10.0
     return Optimization(optimizer, scaler, ema, schedule, choice, hyp, clip_norm=clip)
 
 

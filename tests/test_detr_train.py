@@ -1,0 +1,295 @@
+"""Training the DETR families (D-FINE, RT-DETRv2): the matcher and every loss term against transformers' own
+(``RTDetrHungarianMatcher``, ``DFineLoss``, ``RTDetrLoss``: the oracle), ties, a batch without boxes, and train.py
+training both families.
+
+Narrowed models keep them cheap: D-FINE's tests/fixtures/detr/dfine_tiny.yaml and a small RT-DETRv2, each with 30
+queries (a 64 px image's encoder holds 84 tokens) and 10 denoising queries.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+pytest.importorskip("transformers", reason="the DETR families need transformers (requirements-test.txt)")
+
+from models.detr_loss import DetrLoss, split_outputs  # noqa: E402
+from models.detr_matcher import MatchCosts, hungarian, union_of_matches  # noqa: E402
+from models.families import DFINE, RTDETRV2  # noqa: E402
+from tests.conftest import write_rectangles_dataset  # noqa: E402
+from utils.checkpoint import load_checkpoint  # noqa: E402
+
+FIXTURES = Path(__file__).parent / "fixtures" / "detr"
+SMALL = {"num_queries": 30, "num_denoising": 10}
+DFINE_TINY = yaml.safe_load((FIXTURES / "dfine_tiny.yaml").read_text())
+DFINE_TINY["config"].update(SMALL)
+RTDETRV2_TINY = {
+    "family": "rtdetrv2",
+    "nc": 3,
+    "config": {
+        **copy.deepcopy(DFINE_TINY["config"]),
+        "decoder_n_points": 4,
+        "encoder_in_channels": [16, 32, 64],
+    },
+    "backbones": {"T": {"layer_type": "basic", "depths": [1, 1, 1, 1], "hidden_sizes": [8, 16, 32, 64]}},
+    "scales": {"tiny": {"params": 0, "backbone": {"name": "T", "embedding_size": 8}, "config": {}}},
+}
+for _key in ("max_num_bins", "reg_scale"):
+    RTDETRV2_TINY["config"].pop(_key)
+FAMILIES = {"dfine": (DFINE, DFINE_TINY), "rtdetrv2": (RTDETRV2, RTDETRV2_TINY)}
+# image, class, cx, cy, w, h: image 1 holds no box, image 3 the most (the denoising groups' size)
+TARGETS = torch.tensor(
+    [
+        [0, 1, 0.50, 0.50, 0.30, 0.30],
+        [0, 2, 0.30, 0.30, 0.20, 0.20],
+        [2, 0, 0.60, 0.60, 0.40, 0.20],
+        [3, 1, 0.25, 0.70, 0.30, 0.20],
+        [3, 0, 0.70, 0.30, 0.25, 0.35],
+        [3, 2, 0.50, 0.50, 0.10, 0.10],
+    ]
+)
+
+
+@pytest.fixture
+def tiny(monkeypatch):
+    """Both families' scales with their narrowed one alone (``dfine-tiny.yaml``, ``rtdetrv2-tiny.yaml``)."""
+    for family, table in FAMILIES.values():
+        monkeypatch.setattr(family, "scales", lambda table=table: table)
+
+
+def trained_model(name: str, seed: int = 0):
+    """A narrowed model in training mode, its weights moved off their initialisation (D-FINE's edge heads start at
+    zero, where ddf vanishes)."""
+    family = FAMILIES[name][0]
+    torch.manual_seed(seed)
+    model = family.build_model(f"{name}-tiny.yaml")
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dtype.is_floating_point:
+                p.add_(torch.randn_like(p) * 0.05)
+    return family, model.train()
+
+
+def their_sets(raw: dict, clamp: bool) -> tuple[list[dict], list[dict]]:
+    """Our split of the outputs as transformers' loss methods take them (``logits``, ``pred_boxes``, ...), the
+    teacher of a D-FINE layer being the last layer (itself for the last)."""
+    out = split_outputs(raw, clamp)
+
+    def theirs(s) -> dict:
+        d = {"logits": s.logits, "pred_boxes": s.boxes}
+        if s.corners is not None:
+            last = s.teacher_corners is None
+            d.update(
+                pred_corners=s.corners,
+                ref_points=s.refs,
+                teacher_corners=s.corners if last else s.teacher_corners,
+                teacher_logits=s.logits if last else s.teacher_logits,
+            )
+        return d
+
+    return [theirs(s) for s in out.matched], [theirs(s) for s in out.denoising]
+
+
+def per_image(matches_image, matches_query, matches_box, counts: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    starts = np.concatenate(([0], np.cumsum(counts)))
+    found = []
+    for b in range(len(counts)):
+        keep = matches_image == b
+        found.append((matches_query[keep], matches_box[keep] - int(starts[b])))
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_matching_and_every_loss_term_equal_transformers(tiny, name) -> None:
+    """On a seeded batch (an image without boxes among them), in training mode with denoising queries: our matches
+    of every set equal transformers' matcher's, and with them every term of every set (each decoder layer, D-FINE's
+    pre-head, the encoder's top-k, each denoising layer) equals transformers' loss method's, times its weight,
+    within 1e-5; D-FINE's box terms (L1, GIoU, fgl, ddf) given the union of the sets' matches, as the official
+    criterion gives them (transformers' own criterion uses each set's matches). DEIM's class term (mal) in place of
+    vfl equals transformers' DEIMv2 one."""
+    from transformers.loss.loss_d_fine import DFineLoss
+    from transformers.loss.loss_rt_detr import RTDetrHungarianMatcher, RTDetrLoss
+
+    family, model = trained_model(name)
+    config = model.detr.config
+    images = torch.rand(4, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    raw = family.forward_train(model, images, TARGETS)
+    ours = DetrLoss(model, distributions=family.distributions)
+    terms = ours.set_terms(raw, TARGETS)
+    criterion = (DFineLoss if family.distributions else RTDetrLoss)(config)
+    labels = [
+        {"class_labels": TARGETS[TARGETS[:, 0] == b, 1].long(), "boxes": TARGETS[TARGETS[:, 0] == b, 2:6]}
+        for b in range(4)
+    ]
+    counts = [len(t["boxes"]) for t in labels]
+    matched, denoising = their_sets(raw, family.distributions)
+    costs = MatchCosts(config.matcher_class_cost, config.matcher_bbox_cost, config.matcher_giou_cost)
+    logits = torch.stack([s["logits"] for s in matched])
+    boxes = torch.stack([s["pred_boxes"] for s in matched])
+    matches, _, _ = hungarian(logits, boxes, TARGETS, costs)
+    dn_groups = raw["dn_groups"]
+    assert dn_groups == 10 // 3 and raw["dn_queries"] == 2 * 3 * dn_groups
+    dn_indices = criterion.get_cdn_matched_indices(
+        {"dn_positive_idx": [torch.cat([g * 6 + torch.arange(n) for g in range(dn_groups)]) for n in counts],
+         "dn_num_group": dn_groups},
+        labels,
+    )  # fmt: skip
+    names = list(terms)
+    dn_names = [n for n in names if n.startswith("dn_")]
+    assert names[: len(matched)] == [n for n in names if not n.startswith("dn_")] and len(dn_names) == len(denoising)
+    own = [per_image(matches.image[k], matches.query[k], matches.box[k], counts) for k in range(len(matched))]
+    if family.distributions:  # D-FINE's box terms take the union of the matches
+        host = [tuple(t.numpy() for t in (matches.image[k], matches.query[k], matches.box[k])) for k in range(len(own))]
+        union = per_image(*(torch.from_numpy(a) for a in union_of_matches(host)), counts)
+    by_class = {}
+    for k, (set_name, theirs) in enumerate(zip(names, matched + denoising)):
+        if k < len(matched):
+            for (q, g), (tq, tg) in zip(own[k], RTDetrHungarianMatcher(config)(theirs, labels)):
+                assert q.tolist() == tq.tolist() and g.tolist() == tg.tolist(), set_name
+            indices, num_boxes = own[k], float(len(TARGETS))
+            boxed, box_count = (
+                (union, float(sum(len(q) for q, _ in union))) if family.distributions else (indices, num_boxes)
+            )
+        else:
+            indices, num_boxes = dn_indices, float(len(TARGETS) * dn_groups)
+            boxed, box_count = indices, num_boxes
+        by_class[set_name] = (theirs, indices, num_boxes)
+        expected = {}
+        for loss in ("vfl", "boxes", "local") if family.distributions else ("vfl", "boxes"):
+            chosen = (indices, num_boxes) if loss == "vfl" else (boxed, box_count)
+            for key, value in criterion.get_loss(loss, theirs, labels, *chosen).items():
+                expected[key] = value * criterion.weight_dict[key]
+        want = [expected["loss_vfl"], expected["loss_bbox"], expected["loss_giou"]]
+        if family.distributions:
+            want += [expected.get("loss_fgl", torch.tensor(0.0)), expected.get("loss_ddf", torch.tensor(0.0))]
+        torch.testing.assert_close(terms[set_name], torch.stack(want).float(), atol=1e-5, rtol=1e-5, msg=set_name)
+    if family.distributions:  # the terms the reference gives D-FINE's layers are there
+        assert terms["layer0"][4] > 0 and terms["layer1"][3] > 0 and terms["layer1"][4] == 0
+    # DEIM's matchability-aware class term in place of vfl: transformers' DEIMv2 loss method (gamma 1.5, no alpha)
+    from transformers.loss.loss_deimv2 import Deimv2Loss
+
+    criterion.gamma, criterion.mal_alpha = 1.5, None
+    mal = DetrLoss(model, distributions=family.distributions, class_loss="mal")
+    assert mal.item_names[0] == "mal"
+    for set_name, mal_terms in mal.set_terms(raw, TARGETS).items():
+        theirs, indices, num_boxes = by_class[set_name]
+        expected_mal = Deimv2Loss.loss_labels_mal(criterion, theirs, labels, indices, num_boxes)["loss_mal"]
+        torch.testing.assert_close(mal_terms[0], expected_mal.float() * config.weight_loss_vfl, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(mal_terms[1:], terms[set_name][1:])
+
+
+def test_the_union_of_matches_takes_each_querys_most_matched_box() -> None:
+    """D-FINE's union of the sets' matches: every query matched anywhere, with the box it is matched to in the most
+    sets, the lower row on a tie."""
+    a = (np.array([0, 0, 1]), np.array([3, 5, 2]), np.array([0, 1, 4]))
+    b = (np.array([0, 0, 1]), np.array([3, 5, 2]), np.array([1, 1, 3]))
+    c = (np.array([0]), np.array([3]), np.array([1]))
+    image, query, row = union_of_matches([a, b, c])
+    assert list(zip(image, query, row)) == [(0, 3, 1), (0, 5, 1), (1, 2, 3)]
+
+
+def test_matcher_is_deterministic_on_ties() -> None:
+    """Queries with equal costs (the same logits and boxes) are matched the same way every time, and an image's
+    matches do not depend on the other images of the batch."""
+    logits = torch.zeros(1, 2, 6, 3)
+    boxes = torch.tensor([0.5, 0.5, 0.2, 0.2]).expand(1, 2, 6, 4).clone()
+    targets = torch.tensor([[0, 1, 0.5, 0.5, 0.2, 0.2], [0, 1, 0.5, 0.5, 0.2, 0.2], [1, 2, 0.4, 0.4, 0.2, 0.2]])
+    runs = [hungarian(logits, boxes, targets, MatchCosts())[0] for _ in range(3)]
+    for m in runs[1:]:
+        assert all(torch.equal(a, b) for field, first in zip(m, runs[0]) for a, b in zip(field, first))
+    alone = hungarian(logits[:, :1], boxes[:, :1], targets[:2], MatchCosts())[0]
+    first = runs[0].image[0] == 0
+    assert runs[0].query[0][first].tolist() == alone.query[0].tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_a_batch_without_boxes_has_a_loss_and_a_gradient_for_every_parameter(tiny, name) -> None:
+    """No boxes on this rank: the loss is finite (every query a negative), and every trainable parameter, the
+    denoising embedding included, gets a gradient (zero where unused), so DDP's all-reduce of them never waits."""
+    family, model = trained_model(name)
+    loss = family.make_loss(model, None, imgsz=64)
+    raw = family.forward_train(model, torch.rand(2, 3, 64, 64), TARGETS[:0])
+    value, items = loss(raw, TARGETS[:0])
+    assert torch.isfinite(value) and items[0] > 0 and items[1] == items[2] == 0  # vfl on the negatives, no box
+    value.backward()
+    assert [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None] == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_train_py_trains_a_detr_and_resumes_bit_exactly(tiny, name, train_here, tmp_path) -> None:
+    """train.py trains a narrowed model for 2 epochs on the rectangles: its loss falls, it is validated (mAP and the
+    val/ loss columns) each epoch. D-FINE, resumed from its first epoch's checkpoint, ends with the same weights, EMA
+    and results (the denoising queries' noise is seeded by the count of training passes the checkpoint keeps);
+    RT-DETRv2 shares that code and is not resumed here."""
+    data = write_rectangles_dataset(tmp_path / "data", n_train=8, n_val=4, size=64)
+    status, log = train_here(
+        "--cfg", f"{name}-tiny.yaml", "--data", data, "--epochs", "2", "--batch-size", "4", "--save-period", "1",
+        "--deterministic", "--seed", "1", "--project", tmp_path, "--name", "run", "--loggers",
+    )  # fmt: skip
+    assert status == 0, log
+    run = tmp_path / "run"
+    with open(run / "results.csv", newline="") as f:
+        rows = [{k.strip(): float(v) for k, v in row.items() if k and v.strip()} for row in csv.DictReader(f)]
+    names = FAMILIES[name][0].loss_names
+    assert len(rows) == 2 and all(f"val/{n}_loss" in rows[0] for n in names)
+    total = [sum(r[f"train/{n}_loss"] for n in names) for r in rows]
+    assert total[1] < total[0], total
+    assert all(0 <= r["metrics/mAP_0.5:0.95"] <= 1 for r in rows)
+
+    if name != "dfine":
+        return
+    again = tmp_path / "again"
+    shutil.copytree(run, again)
+    shutil.copyfile(run / "weights" / "epoch0.pt", again / "weights" / "last.pt")
+    status, log = train_here("--resume", again / "weights" / "last.pt", "--batch-size", "4")
+    assert status == 0, log
+    resumed, straight = (load_checkpoint(r / "weights" / "last.pt") for r in (again, run))
+    assert resumed["epoch"] == straight["epoch"] == 1
+    for key in ("model", "ema"):
+        assert all(torch.equal(resumed[key][k], straight[key][k]) for k in straight[key]), key
+    assert last_losses(again / "results.csv", names) == last_losses(run / "results.csv", names)
+
+
+@pytest.mark.slow
+def test_a_step_on_two_ranks_equals_one_process(tiny, tmp_path, monkeypatch) -> None:
+    """One optimizer step of 8 images (4 on each rank, --sync-bn) gives the weights and losses of one process: the
+    matching, the global counts (boxes, the union's pairs, ddf's edges) and the loss's scale do not depend on the
+    world size. Without denoising queries: transformers draws their noise from each process's generator and sizes
+    their groups by the rank's own batch, so with them the two runs differ."""
+    import train
+    from tests.conftest import main_on_ranks, run_forked
+
+    table = {**DFINE_TINY, "config": {**DFINE_TINY["config"], "num_denoising": 0}}
+    monkeypatch.setattr(DFINE, "scales", lambda: table)
+    data = write_rectangles_dataset(tmp_path / "data", n_train=8, n_val=4, size=64)
+    common = [
+        "--data", str(data), "--cfg", "dfine-tiny.yaml", "--epochs", "1", "--noval", "--deterministic", "--no-amp",
+        "--optimizer", "SGD", "--seed", "3", "--sync-bn", "--name", "exp", "--imgsz", "64", "--batch-size", "8", "--workers", "0",
+        "--device", "cpu", "--noplots", "--loggers",
+    ]  # fmt: skip
+    assert run_forked([(train.main, ([*common, "--project", str(tmp_path / "single")],), {})], timeout=240) == [0]
+    codes, outputs = main_on_ranks(train.main, [*common, "--project", str(tmp_path / "ranks")], 2, tmp_path)
+    assert codes == [0, 0], "".join(outputs)[-3000:]
+    single = load_checkpoint(tmp_path / "single/exp/weights/last.pt")
+    ranks = load_checkpoint(tmp_path / "ranks/exp/weights/last.pt")
+    names = [k for k, v in single["model"].items() if v.is_floating_point() and not k.endswith("running_var")]
+    diff = torch.cat([(ranks["model"][k].double() - single["model"][k].double()).flatten() for k in names])
+    norm = torch.cat([single["model"][k].double().flatten() for k in names]).norm()
+    assert float(diff.norm() / norm) <= 2e-5
+    losses = [last_losses(tmp_path / run / "exp" / "results.csv", DFINE.loss_names) for run in ("single", "ranks")]
+    assert losses[0] == losses[1] and all(v > 0 for v in losses[0][:4]), losses
+
+
+def last_losses(results_csv: Path, names: tuple[str, ...]) -> list[float]:
+    """The last row's training losses, to 4 digits."""
+    with open(results_csv, newline="") as f:
+        rows = [{k.strip(): v.strip() for k, v in row.items() if k} for row in csv.DictReader(f)]
+    return [float(f"{float(rows[-1][f'train/{n}_loss']):.4g}") for n in names]
