@@ -174,7 +174,7 @@ class DetrDetector(nn.Module):
 
     def get_extra_state(self) -> torch.Tensor:
         """The count of training passes (the denoising noise's seed), kept by checkpoints."""
-        return torch.tensor(self.training_passes, dtype=torch.int64)
+        return torch.full((), self.training_passes, dtype=torch.int64)
 
     def set_extra_state(self, state: Any) -> None:
         self.training_passes = int(state)

@@ -373,7 +373,7 @@ class DetrLoss:
         local = (boxes, boxes if union is None else union, batch * queries, dn_pairs, batch * dn_queries)
         stats = torch.zeros(len(local), device=out.matched[0].logits.device)
         for i, v in enumerate(local):
-            stats[i] = float(v)  # a fill from a Python number: nothing is copied to the device
+            stats[i].fill_(float(v))  # a fill from a Python number (``stats[i] = v`` would copy a host tensor)
         if reduce is not None:
             stats = reduce(stats)
         images = float(norm.images if norm is not None else batch)
@@ -420,7 +420,7 @@ class DetrLoss:
         image, query, _ = pairs
         logits = logits.float()
         onehot = torch.zeros_like(logits)
-        onehot[image, query, labels] = 1.0
+        onehot[image, query, labels] = onehot.new_ones(())  # not 1.0: a host number is a copy to the device
         score = torch.zeros_like(logits)
         score[image, query, labels] = iou
         weight = self.cfg.alpha * logits.detach().sigmoid().pow(self.cfg.gamma) * (1 - onehot) + score
@@ -432,7 +432,7 @@ class DetrLoss:
         image, query, _ = pairs
         logits = logits.float()
         onehot = torch.zeros_like(logits)
-        onehot[image, query, labels] = 1.0
+        onehot[image, query, labels] = onehot.new_ones(())  # not 1.0: a host number is a copy to the device
         score = torch.zeros_like(logits)
         score[image, query, labels] = iou.pow(MAL_GAMMA)
         weight = logits.detach().sigmoid().pow(MAL_GAMMA) * (1 - onehot) + onehot
@@ -473,7 +473,7 @@ class DetrLoss:
             weight = s.teacher_logits.float().sigmoid().amax(-1)  # (B, Q)
             weight[image, query] = iou
             matched = torch.zeros_like(weight)
-            matched[image, query] = 1.0
+            matched[image, query] = matched.new_ones(())
         student = F.log_softmax(s.corners.float().reshape(-1, bins) / t, -1)
         teacher = F.softmax(s.teacher_corners.float().reshape(-1, bins) / t, -1)
         kl = F.kl_div(student, teacher, reduction="none").sum(-1).view(*weight.shape, 4)

@@ -26,6 +26,7 @@ from models.families import DFINE, RTDETRV2  # noqa: E402
 from tests.conftest import write_rectangles_dataset  # noqa: E402
 from utils.checkpoint import load_checkpoint  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures" / "detr"
 SMALL = {"num_queries": 30, "num_denoising": 10}
 DFINE_TINY = yaml.safe_load((FIXTURES / "dfine_tiny.yaml").read_text())
@@ -230,8 +231,13 @@ def test_train_py_trains_a_detr_and_resumes_bit_exactly(tiny, name, train_here, 
     and results (the denoising queries' noise is seeded by the count of training passes the checkpoint keeps);
     RT-DETRv2 shares that code and is not resumed here."""
     data = write_rectangles_dataset(tmp_path / "data", n_train=8, n_val=4, size=64)
+    # The family's recipe without its 500 warmup steps (4 steps here): the rate is lr0 from the first step.
+    recipe = yaml.safe_load((ROOT / FAMILIES[name][0].default_hyp).read_text())
+    hyp = tmp_path / "hyp.yaml"
+    hyp.write_text(yaml.safe_dump({**recipe, "warmup_steps": 0}))
     status, log = train_here(
         "--cfg", f"{name}-tiny.yaml", "--data", data, "--epochs", "2", "--batch-size", "4", "--save-period", "1",
+        "--hyp", hyp,
         "--deterministic", "--seed", "1", "--project", tmp_path, "--name", "run", "--loggers",
     )  # fmt: skip
     assert status == 0, log
