@@ -347,7 +347,13 @@ def _read_voc(data: bytes, work: Path) -> str:
 
 
 def _image_seeds(work: Path) -> tuple[bytes, ...]:
-    return (_png(), _jpeg(), _png(13, 11))
+    """One small image of every format the readers take (utils/data/image_io.py reads each one's header)."""
+    import cv2
+
+    image = np.full((24, 32, 3), 90, np.uint8)
+    others = tuple(cv2.imencode(ext, image)[1].tobytes() for ext in (".webp", ".tiff", ".bmp"))
+    lossy = cv2.imencode(".webp", image, [cv2.IMWRITE_WEBP_QUALITY, 80])[1].tobytes()
+    return (_png(), _jpeg(), _png(13, 11), *others, lossy)
 
 
 def _read_image(data: bytes, work: Path) -> str:

@@ -272,3 +272,23 @@ def test_every_format_read_has_its_size_read_from_its_header_before_decoding(tmp
         with pytest.raises(image_io.ImageError, match=why):
             image_io.check_image_size(str(tmp_path / name))  # detect.py's check before it reads a file
         assert image_io.decode_image(np.frombuffer(data, np.uint8)) is None, name  # at every read: nothing decoded
+
+
+def test_a_png_chunk_claiming_gigabytes_is_refused_without_decoding(monkeypatch) -> None:
+    """The fuzzer's slow PNG: a chunk length field claiming 3 GB in a 98-byte file, which OpenCV's reader allocates
+    and zeroes (seconds and gigabytes at every read) before finding the bytes missing. Refused from the lengths."""
+    from utils.data import image_io
+
+    good = cv2.imencode(".png", np.full((24, 32, 3), 90, np.uint8))[1].tobytes()
+    at = good.index(b"IDAT") - 4
+    data = good[:at] + struct.pack(">I", 0xBE000048) + good[at + 4 : at + 60]
+    assert len(data) < 120
+
+    def no_decoding(*args: object) -> None:
+        raise AssertionError("decoded")
+
+    monkeypatch.setattr(image_io.cv2, "imdecode", no_decoding)
+    with pytest.raises(image_io.ImageError, match="PNG chunk 'IDAT' claims 3,187,671,112 bytes, past the end"):
+        image_io.probe_image_bytes(data)
+    assert image_io.decode_image(np.frombuffer(data, np.uint8)) is None
+    assert image_io.header_size(good) == (32, 24)  # a whole file's chunks all fit

@@ -187,6 +187,27 @@ def _png_header_size(head: bytes) -> tuple[int, int]:
     return width, height
 
 
+def _check_png_chunk_lengths(f: BinaryIO) -> None:
+    """An ImageError when a PNG chunk's length field runs past the end of the file.
+
+    OpenCV's PNG reader allocates and zeroes a buffer of the size a chunk claims before reading it, so a 98-byte
+    file claiming a 3 GB chunk costs 3 GB of memory and seconds at every decode; such a file never decodes (its
+    data is not there), so it is refused from the lengths alone, 8 bytes read per chunk."""
+    size = f.seek(0, 2)
+    pos = len(PNG_SIGNATURE)
+    while pos + 8 <= size:
+        f.seek(pos)
+        length, kind = struct.unpack(">I4s", f.read(8))
+        if pos + 12 + length > size:
+            raise ImageError(
+                f"PNG chunk {kind.decode('latin-1')!r} claims {length:,} bytes, past the end of the file "
+                f"({size:,} bytes): not decoded"
+            )
+        if kind == b"IEND":
+            return
+        pos += 12 + length
+
+
 def _tail(f: BinaryIO) -> bytes:
     f.seek(0, 2)
     size = f.tell()
@@ -281,6 +302,7 @@ def _header_size(f: BinaryIO, head: bytes) -> tuple[str, int, int, bool]:
         return "jpeg", width, height, JPEG_EOI in _tail(f)
     if head[:8] == PNG_SIGNATURE:
         width, height = _png_header_size(head)
+        _check_png_chunk_lengths(f)
         return "png", width, height, b"IEND" in _tail(f)
     if head[:2] == b"BM" and len(head) >= 26:
         (info_size,) = struct.unpack("<I", head[14:18])
