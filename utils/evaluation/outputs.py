@@ -199,7 +199,7 @@ def coco_evaluation(
             LOGGER.warning(f"WARNING {e}; not scored against it")
             return stats
         LOGGER.info(f"COCOeval against {annotations_json}:\n{format_coco_stats(official)}")
-        print(
+        LOGGER.info(  # a result line, at the level of the table's "all" row
             f"mAP50-95: {our_map:.4f} (this project) | {official[0]:.4f} (pycocotools, {Path(annotations_json).name})"
             f"   mAP50: {official[1]:.4f} (pycocotools)"
         )
