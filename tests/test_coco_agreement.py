@@ -227,6 +227,10 @@ def test_malformed_ground_truth_or_results_are_one_line_naming_the_file(tmp_path
             "NaN is not a JSON number",
         ),
         "crowd_text": ({**base, "annotations": [{**ann, "iscrowd": "0"}]}, "iscrowd '0' is not 0 or 1"),
+        "no_ann_id": (
+            {**base, "annotations": [{**ann, "id": {}}]},
+            r"annotation #0: id \{\} is not a non-zero integer",
+        ),
         "bool_image": ({**base, "annotations": [{**ann, "image_id": True}]}, "image_id True .* is not an id"),
         "huge_box": ({**base, "annotations": [{**ann, "bbox": [0, 0, 10**400, 1]}]}, "bbox .* is not 4 finite numbers"),
         "list_id": ({**base, "images": [{"id": [1]}]}, r"image entry \{'id': \[1\]\} needs an integer 'id'"),

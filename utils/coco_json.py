@@ -230,6 +230,11 @@ def detections_to_results(
 ID_RANGE = (-(2**63), 2**63 - 1)  # the int64 range pycocotools' arrays hold ids in
 
 
+def _shown(value: Any, n: int) -> str:
+    """A value as a message quotes it: its repr, cut to ``n`` characters (no line break gets through)."""
+    return repr(value)[:n]
+
+
 def _is_id(value: Any, text_too: bool = False) -> bool:
     """An integer id in the int64 range (a boolean is not: ``true`` is not image 1); with ``text_too`` a string
     as well (image ids taken from file stems)."""
@@ -251,9 +256,9 @@ def _finite(value: Any) -> bool:
 def _box_problem(box: Any) -> str:
     """Why a COCO ``bbox`` is not four finite numbers with a width and height of at least 0, or ''."""
     if not isinstance(box, list) or len(box) != 4 or not all(_finite(v) for v in box):
-        return f"bbox {str(box)[:60]} is not 4 finite numbers"
+        return f"bbox {_shown(box, 60)} is not 4 finite numbers"
     if box[2] < 0 or box[3] < 0:
-        return f"bbox {str(box)[:60]} has a negative width or height"
+        return f"bbox {_shown(box, 60)} has a negative width or height"
     return ""
 
 
@@ -283,11 +288,11 @@ def _ground_truth_problem(data: Any) -> str:
     ids = set()
     for im in data["images"]:
         if not isinstance(im, dict) or not _is_id(im.get("id"), text_too=True) or im["id"] in ids:
-            return f"image entry {str(im)[:80]} needs an integer 'id' of its own"
+            return f"image entry {_shown(im, 80)} needs an integer 'id' of its own"
         ids.add(im["id"])
     for c in data["categories"]:
         if not isinstance(c, dict) or not _is_id(c.get("id")):
-            return f"category {str(c)[:80]} needs an integer 'id'"
+            return f"category {_shown(c, 80)} needs an integer 'id'"
     for k, ann in enumerate(data["annotations"]):
         if not isinstance(ann, dict):
             return f"annotation #{k} is not an object"
@@ -298,15 +303,15 @@ def _ground_truth_problem(data: Any) -> str:
 
 
 def _annotation_problem(ann: dict) -> str:
+    if not _is_id(ann.get("id")) or ann["id"] == 0:
+        return f"id {_shown(ann.get('id'), 40)} is not a non-zero integer (COCOeval reads 0 as no match)"
     if not _is_id(ann.get("image_id"), text_too=True) or not _is_id(ann.get("category_id")):
-        return (
-            f"image_id {str(ann.get('image_id'))[:40]} or category_id {str(ann.get('category_id'))[:40]} is not an id"
-        )
+        return f"image_id {_shown(ann.get('image_id'), 40)} or category_id {_shown(ann.get('category_id'), 40)} is not an id"
     crowd = ann.get("iscrowd")
     if isinstance(crowd, bool) or not isinstance(crowd, int) or crowd not in (0, 1):
-        return f"iscrowd {str(crowd)[:40]!r} is not 0 or 1"
+        return f"iscrowd {_shown(crowd, 40)} is not 0 or 1"
     if not _finite(ann.get("area")) or ann["area"] < 0:
-        return f"area {str(ann.get('area'))[:40]} is not a finite number of at least 0"
+        return f"area {_shown(ann.get('area'), 40)} is not a finite number of at least 0"
     return _box_problem(ann.get("bbox"))
 
 
@@ -320,7 +325,7 @@ def _results_problem(results: Any) -> str:
         if not _is_id(r.get("image_id"), text_too=True) or not _is_id(r.get("category_id")):
             return f"detection #{k}: image_id or category_id is not an id"
         if not _finite(r.get("score")):
-            return f"detection #{k}: score {str(r.get('score'))[:40]!r} is not a finite number"
+            return f"detection #{k}: score {_shown(r.get('score'), 40)} is not a finite number"
         why = _box_problem(r.get("bbox"))
         if why:
             return f"detection #{k}: {why}"
@@ -370,7 +375,7 @@ def coco_eval(
     held = {im["id"] for im in data["images"]}
     absent = [r["image_id"] for r in detections if r["image_id"] not in held]
     if absent:
-        raise UserError(f"{gt_json}: holds no image of id {absent[0]!r} (that {source} has detections of)")
+        raise UserError(f"{gt_json}: holds no image of id {_shown(absent[0], 60)} (that {source} has detections of)")
     captured = io.StringIO()
     with contextlib.redirect_stdout(captured):
         gt = COCO()
