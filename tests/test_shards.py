@@ -505,3 +505,20 @@ def test_shards_py_and_the_shard_index_keep_the_data_limits(tmp_path, caplog) ->
     finally:
         LOGGER.removeHandler(caplog.handler)
     assert not marker.exists()
+
+
+def test_a_pax_length_past_any_offset_is_a_bad_shard_not_a_traceback(tmp_path) -> None:
+    """The fuzzer's shard: a PAX record whose length (10**20) the standard library's tar reader cannot seek to
+    (OverflowError) is skipped and named as any damaged shard is."""
+    from utils.data.webshards import read_shard_table
+
+    _png_sample_tar(tmp_path / "p-000000.tar", ["a"])
+    record = b"99999999999999999999 path=x\n"
+    header = tarfile.TarInfo("PaxHeader")
+    header.type, header.size = tarfile.XHDTYPE, len(record)
+    bad = tmp_path / "p-000001.tar"
+    bad.write_bytes(header.tobuf(format=tarfile.USTAR_FORMAT) + record.ljust(512, b"\0") + bytes(1024))
+    shards = ShardSet((str(tmp_path / "p-000000.tar"), str(bad)), "test")
+    table, _ = read_shard_table(shards, nc=1, cache=ShardCache(tmp_path / "cache"))
+    assert table.counts["bad_shards"] == 1 and list(table.shard_counts) == [1, 0]
+    assert any(m.startswith(f"{bad}: unreadable or truncated shard, skipped (OverflowError") for m in table.messages)

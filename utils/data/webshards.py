@@ -187,7 +187,8 @@ def scan_shard(url: str, cache: ShardCache, nc: int | None) -> _ShardScan:
         with open(local, "rb") as f:
             for key, parts in samples.items():
                 _scan_sample(url, key, parts, f, offsets, nc, scan)
-    except (tarfile.TarError, OSError, EOFError, ValueError, UnicodeDecodeError) as e:
+    # OverflowError: a PAX record's length past ssize_t, which the standard library's reader cannot seek to
+    except (tarfile.TarError, OSError, EOFError, ValueError, OverflowError) as e:
         return _ShardScan(bad_shard=True, messages=[f"{url}: unreadable or truncated shard, skipped ({describe(e)})"])
     return scan
 
