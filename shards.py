@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from utils.cli import WORKERS, add_workers, make_parser
+from utils.cli import WORKERS, add_allow_pipe, add_max_pixels, add_workers, apply_data_limits, make_parser
 from utils.data.config import SPLITS, load_data_config
 from utils.data.label_table import LabelTable
 from utils.data.labels import load_labels
@@ -129,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     data = p.add_argument_group("data")
     data.add_argument("--data", required=True, help="dataset YAML of loose files")
     add_workers(data)
+    add_allow_pipe(data)
+    add_max_pixels(data)
     output = p.add_argument_group("output")
     output.add_argument("--out", required=True, help="output folder for the shards, their index and data.yaml")
     output.add_argument("--max-size", type=float, default=1000.0, help="shard size limit in MB")
@@ -139,7 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     opt = build_parser().parse_args(argv)
     setup_logging()
-    return run_reporting_errors(lambda: convert(opt.data, opt.out, opt.max_size, opt.max_count, opt.workers) and None)
+
+    def run() -> None:
+        apply_data_limits(opt)  # the pixel cap of every probe below, and whether a pipe: source may run
+        convert(opt.data, opt.out, opt.max_size, opt.max_count, opt.workers)
+
+    return run_reporting_errors(run)
 
 
 if __name__ == "__main__":

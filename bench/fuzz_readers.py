@@ -299,6 +299,16 @@ def _read_coco(data: bytes, work: Path) -> str:
     return SKIP if table.counts.get("corrupt") or len(table.usable()) < len(table) else OK
 
 
+def _read_coco_eval(data: bytes, work: Path) -> str:
+    """The data YAML's ``annotations`` as val.py scores against it: the file checked, then COCOeval."""
+    from utils.coco_json import coco_eval
+
+    path = work / "ground_truth.json"
+    path.write_bytes(data)
+    coco_eval(path, [{"image_id": 1, "category_id": 3, "bbox": [2, 2, 10, 8], "score": 0.9}])
+    return OK
+
+
 VOC = {
     "annotation": {
         "size": {"width": 32, "height": 24, "depth": 3},
@@ -347,7 +357,13 @@ def _read_voc(data: bytes, work: Path) -> str:
 
 
 def _image_seeds(work: Path) -> tuple[bytes, ...]:
-    return (_png(), _jpeg(), _png(13, 11))
+    """One small image of every format the readers take (utils/data/image_io.py reads each one's header)."""
+    import cv2
+
+    image = np.full((24, 32, 3), 90, np.uint8)
+    others = tuple(cv2.imencode(ext, image)[1].tobytes() for ext in (".webp", ".tiff", ".bmp"))
+    lossy = cv2.imencode(".webp", image, [cv2.IMWRITE_WEBP_QUALITY, 80])[1].tobytes()
+    return (_png(), _jpeg(), _png(13, 11), *others, lossy)
 
 
 def _read_image(data: bytes, work: Path) -> str:
@@ -473,12 +489,14 @@ def _results_seeds(work: Path) -> tuple[bytes, ...]:
 def _read_results(data: bytes, work: Path) -> str:
     from utils.plots import read_results_csv
     from utils.results_log import extend_results_columns, result_columns, truncate_results
+    from utils.trackers.composite import read_results
 
     path = work / "results.csv"
     path.write_bytes(data)
     read_results_csv(path)
     truncate_results(path, keep_below_epoch=2)
     extend_results_columns(path, result_columns(("box", "obj", "cls", "extra")))
+    read_results(path)  # the trackers' reconciliation
     return OK
 
 
@@ -541,6 +559,7 @@ TARGETS = {
         Target("data_yaml", _data_yaml_seeds, _read_data_yaml, lambda: [(DATA_YAML, _yaml)]),
         Target("yolo_labels", _label_seeds, _read_labels),
         Target("coco_json", _coco_seeds, _read_coco, lambda: [(COCO, _json)]),
+        Target("coco_eval", _coco_seeds, _read_coco_eval, lambda: [(COCO, _json)]),
         Target("voc_xml", _voc_seeds, _read_voc, lambda: [(VOC, _xml)]),
         Target("image", _image_seeds, _read_image),
         Target("checkpoint", _checkpoint_seeds, _read_checkpoint),

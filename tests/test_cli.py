@@ -404,3 +404,30 @@ def test_bad_flags_are_argparse_error_lines_with_a_suggestion(script, argv, mess
 def test_weights_help_names_ultralytics_checkpoints() -> None:
     for script in (train, val, detect, export):
         assert "Ultralytics'" in _actions(f"{script.__name__}.py")["weights"].help, script.__name__
+
+
+def test_device_has_one_parser_that_the_scripts_and_the_device_code_read(capsys) -> None:
+    """--device is read by utils/cli.py: parse_device alone: argparse gives its one written form (or its error line)
+    and select_device, CUDA_VISIBLE_DEVICES, the shared-GPU check and the one-process check read the same form."""
+    from utils.cli import DeviceRequest, device_option, parse_device
+    from utils.distributed import DistInfo, check_one_process_per_gpu
+    from utils.errors import UserError
+    from utils.torch_utils import local_ranks_share_a_gpu
+
+    assert parse_device(" CUDA:0, 1 ") == DeviceRequest(gpus=(0, 1)) and str(parse_device("2,2")) == "2,2"
+    assert parse_device("CPU") == DeviceRequest(cpu=True) and parse_device("") == DeviceRequest()
+    assert parse_device("1,0,1").distinct == (1, 0)
+    for bad in ("gpu", "0,", "-1", "\u0663", "0;1"):
+        with pytest.raises(UserError, match="not valid"):
+            parse_device(bad)
+    for script in SHARED["device"]:
+        assert _actions(script)["device"].type is device_option, script
+    assert train.build_parser().parse_args(["--device", "Cuda:1, 2"]).device == "1,2"
+    with pytest.raises(SystemExit):
+        train.build_parser().parse_args(["--device", "gpu"])
+    assert "argument --device: 'gpu' is not valid" in capsys.readouterr().err
+    one_process = DistInfo(rank=-1, local_rank=-1, world_size=1)
+    with pytest.raises(UserError, match="names 2 GPUs but this is one process"):
+        check_one_process_per_gpu("CUDA:0, CUDA:1", one_process, "train.py")
+    check_one_process_per_gpu("CPU", one_process, "train.py")
+    assert local_ranks_share_a_gpu("cuda:0,cuda:0", 2) and not local_ranks_share_a_gpu("CPU", 2)

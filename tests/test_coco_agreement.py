@@ -207,3 +207,50 @@ def test_yolo_labels_to_coco_ground_truth_and_results(tmp_path):
     assert results[0] == {"image_id": 0, "category_id": 0, "bbox": [80.0, 30.0, 40.0, 40.0], "score": 0.9}
     stats, evaluation = coco_eval(write_json(gt, tmp_path / "gt.json"), results)
     assert stats[0] == pytest.approx(1.0) and coco_map(evaluation) == pytest.approx((1.0, 1.0))
+
+
+def test_malformed_ground_truth_or_results_are_one_line_naming_the_file(tmp_path) -> None:
+    """A ground truth val.py scores against (the data YAML's ``annotations``) or a results file that COCOeval would
+    misread or crash on: one UserError line naming the file and the problem, before pycocotools sees it."""
+    import json
+
+    from utils.errors import UserError
+
+    ann = {"id": 1, "image_id": 1, "category_id": 0, "bbox": [2, 2, 10, 8], "area": 80, "iscrowd": 0}
+    base = {"images": [{"id": 1, "width": 32, "height": 24}], "annotations": [ann], "categories": [{"id": 0}]}
+    detection = {"image_id": 1, "category_id": 0, "bbox": [2, 2, 10, 8], "score": 0.9}
+    assert coco_eval(write_json(base, tmp_path / "ok.json"), [detection])[0][0] == pytest.approx(1.0)
+    broken = {
+        "nan_area": (
+            '{"images": [{"id": 1}], "annotations": [{"id": 1, "image_id": 1, "category_id": 0, '
+            '"bbox": [2, 2, 10, 8], "area": NaN, "iscrowd": 0}], "categories": [{"id": 0}]}',
+            "NaN is not a JSON number",
+        ),
+        "crowd_text": ({**base, "annotations": [{**ann, "iscrowd": "0"}]}, "iscrowd '0' is not 0 or 1"),
+        "no_ann_id": (
+            {**base, "annotations": [{**ann, "id": {}}]},
+            r"annotation #0: id \{\} is not a non-zero integer",
+        ),
+        "bool_image": ({**base, "annotations": [{**ann, "image_id": True}]}, "image_id True .* is not an id"),
+        "huge_box": ({**base, "annotations": [{**ann, "bbox": [0, 0, 10**400, 1]}]}, "bbox .* is not 4 finite numbers"),
+        "list_id": ({**base, "images": [{"id": [1]}]}, r"image entry \{'id': \[1\]\} needs an integer 'id'"),
+        "big_id": ({**base, "images": [{"id": 2**63}]}, "needs an integer 'id'"),
+        "categories": ({**base, "categories": 1.5}, "no 'categories' list"),
+        "deep": ("[" * 100000 + "]" * 100000, "nested too deep"),
+        "not_utf8": (b"\xff\xfe{}", "cannot read COCO ground truth"),
+    }
+    for name, (content, why) in broken.items():
+        path = tmp_path / f"{name}.json"
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content if isinstance(content, str) else json.dumps(content))
+        with pytest.raises(UserError, match=why) as e:
+            coco_eval(path, [detection])
+        assert str(e.value).startswith(f"{path}: ") and "\n" not in str(e.value), name
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps([{**detection, "score": "high"}]))
+    with pytest.raises(UserError, match=f"{results}: .*detection #0: score 'high' is not a finite number"):
+        coco_eval(tmp_path / "ok.json", results)
+    with pytest.raises(UserError, match=f"{tmp_path / 'ok.json'}: holds no image of id 7"):
+        coco_eval(tmp_path / "ok.json", [{**detection, "image_id": 7}])

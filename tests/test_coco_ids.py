@@ -41,6 +41,10 @@ def test_coco_names_map_to_coco_category_ids() -> None:
 def test_predictions_json_scores_against_the_dataset_annotations(tmp_path, capsys) -> None:
     import pycocotools  # noqa: F401  (a test requirement: missing, the test fails rather than skips)
 
+    from utils.log import setup_logging
+
+    setup_logging()  # the result lines go to stdout, as in val.py
+
     yaml_file = make_dataset(tmp_path / "data")
     root = yaml_file.parent
     stems = {}

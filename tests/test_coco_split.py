@@ -242,6 +242,10 @@ def test_save_json_scores_against_the_val_json_with_its_ids(coco_root: Path, tmp
     import pycocotools  # noqa: F401  (a test requirement: missing, the test fails rather than skips)
     from test_val import ColourOracle
 
+    from utils.log import setup_logging
+
+    setup_logging()  # the result lines go to stdout, as in val.py
+
     from models.families import YOLOV5
     from utils.data.loader import create_dataloader
     from utils.validation import validate

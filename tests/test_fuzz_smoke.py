@@ -21,6 +21,7 @@ EXAMPLES = {
     "data_yaml": 100,
     "yolo_labels": 300,
     "coco_json": 60,
+    "coco_eval": 60,
     "voc_xml": 40,
     "image": 150,
     "checkpoint": 25,

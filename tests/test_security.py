@@ -209,3 +209,86 @@ def test_an_image_broken_after_its_check_is_grey_at_the_training_size_and_warned
     # What is allocated for it: an image at the training size (long side 32), not at the 64x48 its header claimed.
     assert [dataset._read_original(broken).shape for _ in range(3)] == [(24, 32, 3)] * 3
     assert caplog.text.count("good0.jpg: cannot decode image") == 1
+
+
+def _tiff(width: int, height: int, big: bool = False, endian: str = "<", tile: int = 0) -> bytes:
+    """A TIFF (classic or BigTIFF) whose only data is its first IFD, placed after 64 bytes of padding as writers
+    that put the IFD after the pixels do: ImageWidth and ImageLength as LONG, and square tiles when ``tile``."""
+    tags = [(256, width), (257, height)] + ([(322, tile), (323, tile)] if tile else [])
+    order = b"II" if endian == "<" else b"MM"
+    if big:
+        head = order + struct.pack(endian + "HHHQ", 43, 8, 0, 80)
+        entries = b"".join(struct.pack(endian + "HHQQ", t, 16, 1, v) for t, v in tags)
+        ifd = struct.pack(endian + "Q", len(tags)) + entries + bytes(8)
+    else:
+        head = order + struct.pack(endian + "HI", 42, 72)
+        entries = b"".join(struct.pack(endian + "HHII", t, 4, 1, v) for t, v in tags)
+        ifd = struct.pack(endian + "H", len(tags)) + entries + bytes(4)
+    return head + bytes(72 + 8 * big - len(head)) + ifd
+
+
+def _webp_canvas(width: int, height: int) -> bytes:
+    """An extended WebP's header (VP8X) claiming a canvas of width x height, and nothing after it."""
+    vp8x = bytes(4) + (width - 1).to_bytes(3, "little") + (height - 1).to_bytes(3, "little")
+    return b"RIFF" + struct.pack("<I", 4 + 8 + len(vp8x)) + b"WEBP" + b"VP8X" + struct.pack("<I", len(vp8x)) + vp8x
+
+
+def test_every_format_read_has_its_size_read_from_its_header_before_decoding(tmp_path, monkeypatch) -> None:
+    """WebP and TIFF (with BMP, JPEG and PNG) give their size from the header before anything is decoded; a claim
+    over --max-pixels is refused undecoded, at probe time and at every decode; any other format is not decoded."""
+    from utils.data import image_io
+
+    image = np.random.default_rng(0).integers(0, 255, (24, 32, 3), np.uint8)
+    encoded = {
+        "webp lossless": cv2.imencode(".webp", image)[1].tobytes(),
+        "webp lossy": cv2.imencode(".webp", image, [cv2.IMWRITE_WEBP_QUALITY, 80])[1].tobytes(),
+        "tiff": cv2.imencode(".tiff", image)[1].tobytes(),
+        "bmp": cv2.imencode(".bmp", image)[1].tobytes(),
+    }
+    assert encoded["webp lossy"][12:16] == b"VP8 " and encoded["webp lossless"][12:16] == b"VP8L"
+    for kind, data in encoded.items():
+        assert image_io.header_size(data) == (32, 24), kind
+        assert image_io.probe_image_bytes(data) == ((32, 24), ""), kind
+    assert image_io.header_size(_tiff(30, 20, big=True, endian=">")) == (30, 20)
+    assert image_io.header_size(_webp_canvas(3000, 2000)) == (3000, 2000)
+
+    def no_decoding(*args: object) -> None:
+        raise AssertionError("decoded")
+
+    monkeypatch.setattr(image_io.cv2, "imdecode", no_decoding)
+    hostile = {
+        "tiff.tif": (_tiff(65535, 65535), "image size 65535x65535 is over --max-pixels"),
+        "bigtiff.tif": (_tiff(100000, 100000, big=True, endian=">"), "image size 100000x100000 is over --max-pixels"),
+        "tiles.tif": (_tiff(16, 16, tile=65536), "TIFF tiles of 65536x65536 are over --max-pixels"),
+        "canvas.webp": (_webp_canvas(1 << 24, 1 << 24), "image size 16777216x16777216 is over --max-pixels"),
+        "cut.tif": (_tiff(16, 16)[:80], "TIFF's first IFD is cut short"),
+        "pnm.jpg": (b"P5 60000 60000 255\n" + bytes(64), "not a JPEG, PNG, BMP, TIFF or WebP image"),
+        "gif.png": (b"GIF89a" + struct.pack("<HH", 60000, 60000) + bytes(64), "not a JPEG, PNG, BMP, TIFF or WebP"),
+    }
+    for name, (data, why) in hostile.items():
+        with pytest.raises(image_io.ImageError, match=why):
+            image_io.probe_image_bytes(data)
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(image_io.ImageError, match=why):
+            image_io.check_image_size(str(tmp_path / name))  # detect.py's check before it reads a file
+        assert image_io.decode_image(np.frombuffer(data, np.uint8)) is None, name  # at every read: nothing decoded
+
+
+def test_a_png_chunk_claiming_gigabytes_is_refused_without_decoding(monkeypatch) -> None:
+    """The fuzzer's slow PNG: a chunk length field claiming 3 GB in a 98-byte file, which OpenCV's reader allocates
+    and zeroes (seconds and gigabytes at every read) before finding the bytes missing. Refused from the lengths."""
+    from utils.data import image_io
+
+    good = cv2.imencode(".png", np.full((24, 32, 3), 90, np.uint8))[1].tobytes()
+    at = good.index(b"IDAT") - 4
+    data = good[:at] + struct.pack(">I", 0xBE000048) + good[at + 4 : at + 60]
+    assert len(data) < 120
+
+    def no_decoding(*args: object) -> None:
+        raise AssertionError("decoded")
+
+    monkeypatch.setattr(image_io.cv2, "imdecode", no_decoding)
+    with pytest.raises(image_io.ImageError, match="PNG chunk 'IDAT' claims 3,187,671,112 bytes, past the end"):
+        image_io.probe_image_bytes(data)
+    assert image_io.decode_image(np.frombuffer(data, np.uint8)) is None
+    assert image_io.header_size(good) == (32, 24)  # a whole file's chunks all fit

@@ -459,3 +459,66 @@ def test_huge_member_is_skipped_and_counted_without_being_read(tmp_path) -> None
     assert peak < 64 << 20  # never read whole
     assert table.counts["corrupt"] == 1 and len(table.usable()) == 1
     assert any("big.png: member of" in m and "bound" in m for m in table.messages)
+
+
+def test_shards_py_and_the_shard_index_keep_the_data_limits(tmp_path, caplog) -> None:
+    """shards.py takes --allow-pipe and --max-pixels as train.py does: a pipe: source runs nothing without the
+    opt-in, and an image over the cap is skipped before it is decoded, in the files it converts and in a shard."""
+    import struct
+
+    from shards import main
+
+    yaml_file = write_rectangles_dataset(tmp_path / "loose", n_train=3, n_val=2, size=40)  # 1600 pixels each
+    cv2.imwrite(str(tmp_path / "loose/images/train/large.jpg"), np.full((60, 60, 3), 90, np.uint8))
+    (tmp_path / "loose/labels/train/large.txt").write_text("0 0.5 0.5 0.2 0.2\n")
+    cv2.imwrite(str(tmp_path / "loose/images/train/tiffy.tif"), np.full((40, 40, 3), 90, np.uint8))
+    (tmp_path / "loose/labels/train/tiffy.txt").write_text("0 0.5 0.5 0.2 0.2\n")
+    assert (
+        main(["--data", str(yaml_file), "--out", str(tmp_path / "sh"), "--workers", "0", "--max-pixels", "2000"]) == 0
+    )
+    members = _tar_members(tmp_path / "sh" / "train-000000.tar")
+    assert len(members) == 8 and not any("large" in name for name in members)  # 4 samples of image and label
+    written = load_data_config(tmp_path / "sh" / "data.yaml")["train"]
+    assert len(load_shard_index(written, nc=2, cache=ShardCache(tmp_path / "cache"), verbose=False).usable()) == 4
+    # A shard holding an image whose header claims 65535x65535 (23 bytes): skipped, named and counted, not decoded.
+    sof = b"\xff\xc0" + struct.pack(">HBHHB", 17, 8, 65535, 65535, 3) + b"\x01\x22\x00\x02\x11\x01\x03\x11\x01"
+    png = cv2.imencode(".png", np.full((32, 32, 3), 90, np.uint8))[1].tobytes()
+    _write_tar(tmp_path / "b-000000.tar", {"bomb.jpg": b"\xff\xd8" + sof + b"\xff\xd9", "ok.png": png})
+    table = load_shard_index(
+        ShardSet((str(tmp_path / "b-000000.tar"),), "test"), nc=1, cache=ShardCache(tmp_path / "cache"), verbose=False
+    )
+    assert table.counts["corrupt"] == 1 and len(table.usable()) == 1
+    assert any(
+        "bomb.jpg: corrupt image, skipped (image size 65535x65535 is over --max-pixels" in m for m in table.messages
+    )
+    # A data YAML whose split is a pipe: command: refused in one line that names the opt-in, the command not run.
+    marker = tmp_path / "marker"
+    piped = tmp_path / "piped.yaml"
+    piped.write_text(f'path: {tmp_path}\ntrain: "pipe:touch {marker}; exit 1"\nval: "pipe:true"\nnames: [a]\n')
+    LOGGER.addHandler(caplog.handler)
+    try:
+        assert main(["--data", str(piped), "--out", str(tmp_path / "sh2"), "--workers", "0"]) == 1
+        assert "runs a shell command; it was not run. To run it, pass --allow-pipe" in caplog.text
+        # With the opt-in the source is taken, and refused as shards are (shards.py converts loose files)
+        assert main(["--data", str(piped), "--out", str(tmp_path / "sh2"), "--workers", "0", "--allow-pipe"]) == 1
+        assert "'train' already names shards" in caplog.text
+    finally:
+        LOGGER.removeHandler(caplog.handler)
+    assert not marker.exists()
+
+
+def test_a_pax_length_past_any_offset_is_a_bad_shard_not_a_traceback(tmp_path) -> None:
+    """The fuzzer's shard: a PAX record whose length (10**20) the standard library's tar reader cannot seek to
+    (OverflowError) is skipped and named as any damaged shard is."""
+    from utils.data.webshards import read_shard_table
+
+    _png_sample_tar(tmp_path / "p-000000.tar", ["a"])
+    record = b"99999999999999999999 path=x\n"
+    header = tarfile.TarInfo("PaxHeader")
+    header.type, header.size = tarfile.XHDTYPE, len(record)
+    bad = tmp_path / "p-000001.tar"
+    bad.write_bytes(header.tobuf(format=tarfile.USTAR_FORMAT) + record.ljust(512, b"\0") + bytes(1024))
+    shards = ShardSet((str(tmp_path / "p-000000.tar"), str(bad)), "test")
+    table, _ = read_shard_table(shards, nc=1, cache=ShardCache(tmp_path / "cache"))
+    assert table.counts["bad_shards"] == 1 and list(table.shard_counts) == [1, 0]
+    assert any(m.startswith(f"{bad}: unreadable or truncated shard, skipped (OverflowError") for m in table.messages)

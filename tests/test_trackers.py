@@ -211,3 +211,33 @@ def test_a_resumed_results_csv_with_a_float_epoch_or_a_non_utf8_byte_is_cleaned_
     header, values = read_results_csv(csv_file)  # the reader results.png uses: every row numbers again
     assert header == list(COLUMNS) and values[:, 0].tolist() == [1, 2]
     assert all(row.split(",")[0].strip().isdecimal() for row in csv_file.read_text().splitlines()[1:])
+
+
+def test_trackers_read_a_damaged_results_csv_or_wandb_record_without_a_traceback(tmp_path, caplog) -> None:
+    """What reconciliation reads back: results.csv rows of other than numbers or with an epoch that is not whole
+    are skipped, a file that is not UTF-8 (or a folder) is one warning naming it; W&B records whose epoch or step
+    is text, NaN or a boolean are not epochs."""
+    from utils.trackers import read_results
+    from utils.trackers.wandb_records import WandbRunFiles
+
+    csv_file = tmp_path / "results.csv"
+    for epoch in range(3):
+        append_results_row(csv_file, [epoch, *values_of(epoch)], COLUMNS)
+    lines = csv_file.read_text().splitlines()
+    lines[2] = "1.5" + lines[2].lstrip()[1:]  # not an epoch
+    lines[3] = "inf" + lines[3].lstrip()[1:]
+    lines.append("3," + ",".join(["x"] * (len(COLUMNS) - 1)))
+    csv_file.write_text("\n".join(lines) + "\n")
+    rows = read_results(csv_file)
+    assert list(rows) == [0] and rows[0][COLUMNS[1]] == pytest.approx(values_of(0)[0])
+    LOGGER.addHandler(caplog.handler)
+    try:
+        csv_file.write_bytes(b"epoch,a\n0,\xff\n")
+        assert read_results(csv_file) == {} and read_results(tmp_path) == {}
+    finally:
+        LOGGER.removeHandler(caplog.handler)
+    assert f"{csv_file}: unreadable (UnicodeDecodeError" in caplog.text and f"{tmp_path}: unreadable" in caplog.text
+    history = [{"epoch": 0, "a": 1}, {"epoch": "1", "a": 1}, {"epoch": float("nan"), "a": 1}, {"epoch": True, "a": 1}]
+    history += [{"epoch": 2.0, "a": 1, "_step": 5}, {"_step": "9"}, {"_step": float("inf")}]
+    records = WandbRunFiles(history=history)
+    assert records.epochs() == {"a": {0, 2}} and records.last_step() == 5

@@ -110,3 +110,29 @@ def test_voc_non_finite_or_out_of_range_numbers_are_named_label_errors(tmp_path:
     assert len(table.usable()) == 1 and len(table.usable().labels[0]) == 1
     for i, what in zip(bad, ("<width> 'nan'", "<width> 'inf'", "<height> '1e400'", "<width> 1e+12", "'nan'", "'-inf'")):
         assert any(m.startswith(str(voc / "Annotations" / f"{i}.xml")) and what in m for m in table.messages), i
+
+
+def test_voc_ids_that_leave_the_folder_are_never_opened_and_are_named(tmp_path: Path) -> None:
+    """ImageSets lines become paths: an absolute id or one climbing out with ``..`` is refused, named and counted
+    (check_data.py's label errors), and a ``set`` that is not a file name is one line."""
+    yaml_file = make_voc(tmp_path)
+    voc = tmp_path / "VOCdevkit" / "VOC2007"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    cv2.imwrite(str(outside / "secret.jpg"), np.full((50, 100, 3), 120, np.uint8))
+    (outside / "secret.xml").write_text(_xml("secret.jpg", 100, 50, [("dog", 0, (1, 1, 50, 40))]))
+    (voc / "ImageSets" / "Main" / "train.txt").write_text(
+        f"000002\n../../../outside/secret\n{outside}/secret\n./000001\n"
+    )
+    train = load_labels(load_data_config(yaml_file)["train"], verbose=False)
+    assert [Path(f).stem for f in train.im_files] == ["000001", "000002"]
+    assert train.counts["ids_outside_dataset"] == 2
+    assert "train.txt: line 2: id '../../../outside/secret' names a file outside" in train.messages[0]
+    assert f"train.txt: line 3: id {str(outside / 'secret')[:80]!r} names a file outside" in train.messages[1]
+    from utils.data.health import LABEL_ERROR_KEYS
+
+    assert "ids_outside_dataset" in LABEL_ERROR_KEYS
+    bad_set = tmp_path / "bad_set.yaml"
+    bad_set.write_text(f"path: {tmp_path / 'VOCdevkit'}\ntrain: {{voc: VOC2007, set: ../../../x}}\nval: x\n")
+    with pytest.raises(UserError, match=r"VOC set '\.\./\.\./\.\./x' is not a file name in ImageSets/Main"):
+        load_data_config(bad_set)

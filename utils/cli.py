@@ -19,6 +19,7 @@ import difflib
 import math
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -119,9 +120,54 @@ def add_workers(group: ArgGroup) -> None:
     )
 
 
+@dataclass(frozen=True)
+class DeviceRequest:
+    """``--device`` parsed: the CPU, GPU ids in the order written (one per local rank under a launcher; an id
+    written twice is a GPU two ranks share), or neither (auto: GPU 0 when there is one, else the CPU)."""
+
+    cpu: bool = False
+    gpus: tuple[int, ...] = ()
+
+    @property
+    def distinct(self) -> tuple[int, ...]:
+        """Each GPU once, in order: what is made visible to CUDA (which stops reading the list at a repeat)."""
+        return tuple(dict.fromkeys(self.gpus))
+
+    def __str__(self) -> str:
+        """The one written form: ``cpu``, ``0,1`` or ``''``."""
+        return "cpu" if self.cpu else ",".join(map(str, self.gpus))
+
+
+def parse_device(text: str | DeviceRequest) -> DeviceRequest:
+    """``--device`` as written (``''``, ``cpu``, ``0``, ``0,1,2,3``, ``cuda:0``, case and spaces ignored) as a
+    DeviceRequest: the one parser of the option (utils/torch_utils.py, utils/process.py and utils/distributed.py
+    read it through here); a UserError when it is none of these."""
+    if isinstance(text, DeviceRequest):
+        return text
+    spec = str(text).strip().lower().replace("cuda:", "").replace(" ", "")
+    if spec == "cpu":
+        return DeviceRequest(cpu=True)
+    if not spec:
+        return DeviceRequest()
+    ids = spec.split(",")
+    if not all(i.isascii() and i.isdigit() for i in ids):
+        raise UserError(f"--device '{text}' is not valid: use 'cpu', '0' or '0,1,2,3'")
+    return DeviceRequest(gpus=tuple(int(i) for i in ids))
+
+
+def device_option(text: str) -> str:
+    """An argparse type: ``--device`` in its one written form (``str(parse_device(text))``), else argparse's one
+    error line."""
+    try:
+        return str(parse_device(text))
+    except UserError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid: use 'cpu', '0' or '0,1,2,3'") from e
+
+
 def add_device(group: ArgGroup, default: str = "") -> None:
     group.add_argument(
         "--device",
+        type=device_option,
         default=default,
         help="'' (auto: GPU 0 when there is one, else the CPU), 'cpu', '0', or '0,1,2,3' under a "
         "launcher, one GPU per rank ('0,0': two ranks share GPU 0, over gloo) "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from utils.boxes import xywhn2xyxy
-from utils.errors import UserError
+from utils.errors import UserError, first_line
 from utils.files import atomic_output
 from utils.log import LOGGER
 
@@ -226,6 +227,122 @@ def detections_to_results(
     return results
 
 
+ID_RANGE = (-(2**63), 2**63 - 1)  # the int64 range pycocotools' arrays hold ids in
+
+
+def _shown(value: Any, n: int) -> str:
+    """A value as a message quotes it: its repr, cut to ``n`` characters (no line break gets through)."""
+    return repr(value)[:n]
+
+
+def _is_id(value: Any, text_too: bool = False) -> bool:
+    """An integer id in the int64 range (a boolean is not: ``true`` is not image 1); with ``text_too`` a string
+    as well (image ids taken from file stems)."""
+    if text_too and isinstance(value, str):
+        return True
+    return isinstance(value, int) and not isinstance(value, bool) and ID_RANGE[0] <= value <= ID_RANGE[1]
+
+
+def _finite(value: Any) -> bool:
+    """A JSON number that is finite as a float (not a boolean, NaN, an infinity or an integer past float's range)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
+def _box_problem(box: Any) -> str:
+    """Why a COCO ``bbox`` is not four finite numbers with a width and height of at least 0, or ''."""
+    if not isinstance(box, list) or len(box) != 4 or not all(_finite(v) for v in box):
+        return f"bbox {_shown(box, 60)} is not 4 finite numbers"
+    if box[2] < 0 or box[3] < 0:
+        return f"bbox {_shown(box, 60)} has a negative width or height"
+    return ""
+
+
+def _load_json(path: Path, what: str) -> Any:
+    """A JSON file as Python objects; a one-line UserError when it cannot be read (``NaN`` and ``Infinity``,
+    which Python's reader takes, are refused: they are not JSON)."""
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not a JSON number")
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f, parse_constant=refuse)
+    except RecursionError as e:  # nested thousands deep: no COCO file is
+        raise UserError(f"{path}: cannot read {what} (nested too deep)") from e
+    except (OSError, ValueError) as e:  # JSONDecodeError, UnicodeDecodeError, a 5000-digit integer
+        raise UserError(f"{path}: cannot read {what} ({first_line(e)})") from e
+
+
+def _ground_truth_problem(data: Any) -> str:
+    """What COCOeval (bbox) would trip over in a ground truth, or '': the first problem found."""
+    if not isinstance(data, dict):
+        return "not a JSON object"
+    for key in ("images", "annotations", "categories"):
+        if not isinstance(data.get(key), list):
+            return f"no {key!r} list"
+    ids = set()
+    for im in data["images"]:
+        if not isinstance(im, dict) or not _is_id(im.get("id"), text_too=True) or im["id"] in ids:
+            return f"image entry {_shown(im, 80)} needs an integer 'id' of its own"
+        ids.add(im["id"])
+    for c in data["categories"]:
+        if not isinstance(c, dict) or not _is_id(c.get("id")):
+            return f"category {_shown(c, 80)} needs an integer 'id'"
+    for k, ann in enumerate(data["annotations"]):
+        if not isinstance(ann, dict):
+            return f"annotation #{k} is not an object"
+        why = _annotation_problem(ann)
+        if why:
+            return f"annotation #{k}: {why}"
+    return ""
+
+
+def _annotation_problem(ann: dict) -> str:
+    if not _is_id(ann.get("id")) or ann["id"] == 0:
+        return f"id {_shown(ann.get('id'), 40)} is not a non-zero integer (COCOeval reads 0 as no match)"
+    if not _is_id(ann.get("image_id"), text_too=True) or not _is_id(ann.get("category_id")):
+        return f"image_id {_shown(ann.get('image_id'), 40)} or category_id {_shown(ann.get('category_id'), 40)} is not an id"
+    crowd = ann.get("iscrowd")
+    if isinstance(crowd, bool) or not isinstance(crowd, int) or crowd not in (0, 1):
+        return f"iscrowd {_shown(crowd, 40)} is not 0 or 1"
+    if not _finite(ann.get("area")) or ann["area"] < 0:
+        return f"area {_shown(ann.get('area'), 40)} is not a finite number of at least 0"
+    return _box_problem(ann.get("bbox"))
+
+
+def _results_problem(results: Any) -> str:
+    """What COCOeval would trip over in a list of detections, or ''."""
+    if not isinstance(results, list):
+        return "not a JSON list of detections"
+    for k, r in enumerate(results):
+        if not isinstance(r, dict):
+            return f"detection #{k} is not an object"
+        if not _is_id(r.get("image_id"), text_too=True) or not _is_id(r.get("category_id")):
+            return f"detection #{k}: image_id or category_id is not an id"
+        if not _finite(r.get("score")):
+            return f"detection #{k}: score {_shown(r.get('score'), 40)} is not a finite number"
+        why = _box_problem(r.get("bbox"))
+        if why:
+            return f"detection #{k}: {why}"
+    return ""
+
+
+def read_ground_truth(gt: str | Path | dict) -> dict:
+    """A COCO ground truth (a file, or its parsed dict: ``gt`` names it in messages) checked for what COCOeval
+    reads: integer ids (boolean and out-of-range ones are not), ``iscrowd`` 0 or 1, finite areas and boxes. A
+    one-line UserError naming the file and the first problem otherwise, never pycocotools' traceback."""
+    data = gt if isinstance(gt, dict) else _load_json(Path(gt), "COCO ground truth")
+    why = _ground_truth_problem(data)
+    if why:
+        raise UserError(f"{'ground truth' if isinstance(gt, dict) else gt}: not usable as COCO ground truth ({why})")
+    return data
+
+
 def coco_eval(
     gt_json: str | Path,
     results: str | Path | list[dict],
@@ -234,9 +351,11 @@ def coco_eval(
 ) -> tuple[np.ndarray, dict]:
     """Run pycocotools' COCOeval (bbox); return its 12 summary figures and its ``eval`` dict.
 
-    pycocotools prints progress on stdout; that text goes to the log at DEBUG level instead. With
-    ``max_dets`` other than (1, 10, 100) the summary figures that name maxDets=100 come out as -1; read
-    ``eval['precision'][..., 0, -1]`` (area "all", last maxDets) instead.
+    Both files are checked first (``read_ground_truth``; the results likewise): a malformed one, or results of an
+    image the ground truth does not hold, is a one-line UserError naming the file. pycocotools prints progress on
+    stdout; that text goes to the log at DEBUG level instead. With ``max_dets`` other than (1, 10, 100) the
+    summary figures that name maxDets=100 come out as -1; read ``eval['precision'][..., 0, -1]`` (area "all",
+    last maxDets) instead.
     """
     try:
         from pycocotools.coco import COCO
@@ -244,15 +363,25 @@ def coco_eval(
     except ImportError as e:
         raise UserError(f"pycocotools: not installed, needed for COCO evaluation ({e})") from e
 
+    data = read_ground_truth(gt_json)
+    source = "results" if isinstance(results, list) else str(results)
+    detections: list[dict] = results if isinstance(results, list) else _load_json(Path(results), "COCO results")
+    why = _results_problem(detections)
+    if why:
+        raise UserError(f"{source}: not usable as COCO results ({why})")
+    if not detections:
+        LOGGER.warning("COCO evaluation skipped: no detections")
+        return np.zeros(12), {}
+    held = {im["id"] for im in data["images"]}
+    absent = [r["image_id"] for r in detections if r["image_id"] not in held]
+    if absent:
+        raise UserError(f"{gt_json}: holds no image of id {_shown(absent[0], 60)} (that {source} has detections of)")
     captured = io.StringIO()
     with contextlib.redirect_stdout(captured):
-        gt = COCO(str(gt_json))
-        if isinstance(results, (str, Path)):
-            results = json.loads(Path(results).read_text())
-        if not results:
-            LOGGER.warning("COCO evaluation skipped: no detections")
-            return np.zeros(12), {}
-        dt = gt.loadRes(results)
+        gt = COCO()
+        gt.dataset = data
+        gt.createIndex()
+        dt = gt.loadRes(detections)
         evaluator = COCOeval(gt, dt, "bbox")
         if image_ids is not None:
             evaluator.params.imgIds = sorted(i if isinstance(i, str) else int(i) for i in image_ids)

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from utils.cli import parse_device
 from utils.errors import UserError
 
 HEARTBEAT_SECONDS = 2.0  # at most; a shorter --dist-timeout beats faster (four beats per timeout)
@@ -87,7 +88,7 @@ def dist_info() -> DistInfo:
 def check_one_process_per_gpu(device: str, info: DistInfo, command: str) -> None:
     """Several GPUs need one process each: a one-line error giving the launcher's command for ``command`` (the
     script and its arguments) when ``device`` lists several GPUs and this process was not started by a launcher."""
-    ids = [i for i in device.replace("cuda:", "").split(",") if i.strip()] if device != "cpu" else []
+    ids = parse_device(device).gpus
     if len(ids) > 1 and not info.is_distributed:
         raise UserError(
             f"--device {device} names {len(ids)} GPUs but this is one process: start one per GPU "

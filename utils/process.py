@@ -27,7 +27,8 @@ import sys
 
 import torch
 
-from utils.torch_utils import device_spec
+from utils.cli import parse_device
+from utils.errors import UserError
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 M_MMAP_MAX = -4
@@ -66,12 +67,15 @@ def _set_env(name: str, value: str) -> bool:
 def visible_devices(device: str) -> str:
     """CUDA_VISIBLE_DEVICES from --device ('cpu', '0' or '0,1,2,3'; '' leaves it), before CUDA starts; says what
     was set. A --device that is not valid is left to ``select_device`` to refuse."""
-    spec = device_spec(device)
-    if spec == "cpu":
+    try:
+        request = parse_device(device)
+    except UserError:
+        return ""
+    if request.cpu:
         value, why = "-1", "--device cpu: CUDA stays uninitialised"
-    elif spec and all(i.isdigit() for i in spec.split(",")):
+    elif request.gpus:
         # Each GPU once: CUDA stops reading the list at a repeated id, and '0,0' means two ranks on GPU 0.
-        value, why = ",".join(dict.fromkeys(spec.split(","))), "from --device; set before CUDA starts"
+        value, why = ",".join(map(str, request.distinct)), "from --device; set before CUDA starts"
     else:
         return ""
     return f"CUDA_VISIBLE_DEVICES={value} ({why})" if _set_env("CUDA_VISIBLE_DEVICES", value) else ""

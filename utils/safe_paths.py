@@ -4,14 +4,16 @@ A class name comes from a data YAML or a checkpoint, a stem from a file someone 
 ``../``, a leading ``/``, a leading dot, characters a file system refuses, or hundreds of bytes. ``safe_part``
 keeps ``[A-Za-z0-9._-]`` and writes ``_`` for anything else, so that a part is never a path of its own;
 ``PathParts`` also keeps two different strings from landing on one part (``a/b`` and ``a_b``, or ``A`` and
-``a`` on a case-insensitive file system); ``inside`` is the last check before a file is written.
+``a`` on a case-insensitive file system); ``inside`` is the last check before a file is written. A string that a
+user's file gives as a path below a folder it belongs to (a VOC image id) is kept only when ``relative_inside``
+finds it stays there.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from utils.errors import UserError
 
@@ -60,3 +62,23 @@ def inside(root: str | Path, path: str | Path) -> Path:
     if resolved != root_resolved and root_resolved not in resolved.parents:
         raise UserError(f"{path}: would be written outside the run folder {root_resolved}; nothing was written there")
     return resolved
+
+
+def relative_inside(root: str | Path, text: str) -> Path | None:
+    """``root / text`` when ``text``, a path relative to ``root`` written in a user's file, stays inside ``root``
+    as written: not empty, not absolute, no NUL byte, no ``..`` that climbs above ``root``; else None.
+
+    Judged on the text alone: links inside ``root`` are the dataset's own (datasets are often folders of links),
+    so nothing is resolved.
+    """
+    if not text or "\0" in text:
+        return None
+    pure = PurePosixPath(text)
+    if pure.is_absolute():
+        return None
+    depth = 0
+    for part in pure.parts:
+        depth += -1 if part == ".." else 1
+        if depth < 0:
+            return None
+    return Path(root) / text

@@ -13,48 +13,42 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from utils.cli import DeviceRequest, parse_device
 from utils.distributed import DistInfo, local_rank_zero_first
 from utils.errors import UserError
 from utils.log import LOGGER
 
 
-def device_spec(device: str) -> str:
-    """--device as written, in one form: 'cuda:0, 1' is '0,1'."""
-    return str(device).strip().lower().replace("cuda:", "").replace(" ", "")
-
-
-def select_device(device: str = "", local_rank: int = -1, local_world_size: int = 1) -> torch.device:
-    """This process's device for --device '' (CUDA if present, else CPU), 'cpu', '0' or '0,1,2,3'.
+def select_device(device: str | DeviceRequest = "", local_rank: int = -1, local_world_size: int = 1) -> torch.device:
+    """This process's device for --device '' (CUDA if present, else CPU), 'cpu', '0' or '0,1,2,3' (read by
+    ``utils/cli.py: parse_device``, the option's one parser).
 
     In a distributed run the list names the GPUs of this machine, one per local rank: ``--device 2,3`` puts
     local rank 0 on GPU 2 and local rank 1 on GPU 3; a GPU named twice ('0,0') is shared by two ranks. The entry
     points have made only those visible (utils/process.py); called without that (the Python API), the list indexes
     the GPUs CUDA sees.
     """
-    spec = device_spec(device)
-    if spec == "cpu":
+    request = parse_device(device)
+    ids = [str(i) for i in request.gpus]
+    if request.cpu:
         chosen = torch.device("cpu")
-        ids: list[str] = []
-    elif spec:
-        ids = spec.split(",")
-        if not all(i.isdigit() for i in ids):
-            raise UserError(f"--device '{device}' is not valid: use 'cpu', '0' or '0,1,2,3'")
+    elif request.gpus:
         processes = max(local_world_size, 1) if local_rank >= 0 else 1
         if len(ids) < processes:
             raise UserError(
-                f"--device {spec} names {len(ids)} GPU(s) for {processes} processes on this machine "
+                f"--device {request} names {len(ids)} GPU(s) for {processes} processes on this machine "
                 "(LOCAL_WORLD_SIZE): name one GPU per process"
             )
-        distinct = list(dict.fromkeys(ids))  # '0,0': two ranks share GPU 0, which is made visible once
-        only_these = os.environ.get("CUDA_VISIBLE_DEVICES") == ",".join(distinct)  # made visible by setup_process
+        distinct = list(request.distinct)  # '0,0': two ranks share GPU 0, which is made visible once
+        only_these = os.environ.get("CUDA_VISIBLE_DEVICES") == ",".join(map(str, distinct))  # set by setup_process
         available = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if available < (len(distinct) if only_these else max(map(int, ids)) + 1):
+        if available < (len(distinct) if only_these else max(distinct) + 1):
             raise UserError(
-                f"--device '{device}' asks for CUDA device(s) {spec} but {available} CUDA device(s) are "
+                f"--device '{device}' asks for CUDA device(s) {request} but {available} CUDA device(s) are "
                 f"available{'' if available else ' (use --device cpu)'}"
             )
-        mine = ids[max(local_rank, 0)]
-        chosen = torch.device("cuda", distinct.index(mine) if only_these else int(mine))
+        mine = request.gpus[max(local_rank, 0)]
+        chosen = torch.device("cuda", distinct.index(mine) if only_these else mine)
     else:
         ids = [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
         chosen = torch.device("cuda", max(local_rank, 0)) if ids else torch.device("cpu")
@@ -72,10 +66,10 @@ def select_device(device: str = "", local_rank: int = -1, local_world_size: int 
     return chosen
 
 
-def local_ranks_share_a_gpu(device: str, local_world_size: int) -> bool:
+def local_ranks_share_a_gpu(device: str | DeviceRequest, local_world_size: int) -> bool:
     """Whether --device gives one GPU to several ranks of this machine ('0,0'): NCCL refuses that, gloo does not."""
-    ids = device_spec(device).split(",")[: max(local_world_size, 1)]
-    return all(i.isdigit() for i in ids) and len(set(ids)) < len(ids)
+    gpus = parse_device(device).gpus[: max(local_world_size, 1)]
+    return len(set(gpus)) < len(gpus)
 
 
 def init_torch_seeds(seed: int = 0) -> None:

@@ -234,8 +234,12 @@ def _split_record(value: Any, root: Path, yaml_file: Path, key: str) -> Any:
             unknown = set(value) - {"voc", "set"}
             if unknown or not value.get("set"):
                 raise UserError(f"{where}: a VOC split is {{voc: <folder or list>, set: <ImageSets/Main name>}}")
+            image_set = str(value["set"])
+            if not image_set or image_set.startswith(".") or any(c in image_set for c in "/\\\0"):
+                # a file name in ImageSets/Main, where the split's label cache is written too
+                raise UserError(f"{where}: VOC set {image_set[:80]!r} is not a file name in ImageSets/Main")
             roots = _resolve_split(value["voc"], root, yaml_file, key)
-            return VocSplit(tuple(roots if isinstance(roots, list) else [roots]), str(value["set"]), source=where)
+            return VocSplit(tuple(roots if isinstance(roots, list) else [roots]), image_set, source=where)
         raise UserError(f"{where}: a mapping must be {{annotations, images}} (COCO JSON) or {{voc, set}} (Pascal VOC)")
     if isinstance(value, str) and value.lower().endswith(".json"):
         return CocoSplit(cast(str, _resolve_split(value, root, yaml_file, key)), None, source=where)

@@ -31,6 +31,7 @@ LABEL_ERROR_KEYS = (
     "unknown_category_annotations",
     "unknown_class_objects",
     "missing_images",
+    "ids_outside_dataset",
 )
 
 

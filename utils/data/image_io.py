@@ -2,9 +2,11 @@
 
 Decoding works on the encoded bytes, wherever they come from (a file, a tar shard); ``read_image`` and
 ``read_image_region`` are the file versions. ``probe_image`` gets an image's displayed size from its header
-(JPEG, PNG, BMP), checks it against ``--max-pixels`` before any decoding, and then checks that the body decodes
-in bounded memory (image_checks.py); files that look damaged or are in a rarer format are decoded whole. The
-JPEG header parser here (frame size and EXIF orientation) is the project's only one.
+(JPEG, PNG, BMP, TIFF, WebP: the formats the readers take; any other is refused undecoded), checks it against
+``--max-pixels`` before any decoding, and then checks that the body decodes in bounded memory (image_checks.py);
+files without an end marker (BMP, TIFF, WebP, a cut JPEG or PNG) are decoded whole, within the cap. Every decode
+reads the header first in the same way. The JPEG header parser here (frame size and EXIF orientation) is the
+project's only one.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import BinaryIO, cast
 import cv2
 import numpy as np
 
-from utils.data.image_checks import ImageError, check_pixels, verify_body
+from utils.data.image_checks import ImageError, check_pixels, max_pixels, verify_body
 from utils.data.jpeg_region import JpegRegionDecoder
 
 __all__ = ["ImageError"]  # defined beside the checks that raise it, used by every caller of the probes here
@@ -28,6 +30,10 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _JPEG_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
 _EXIF_ORIENTATION_TAG = 0x0112
 _TAIL_BYTES = 64  # how far from the end of file an end marker may sit (some writers pad with zeros)
+_TIFF_SIGNATURES = (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+")  # classic and BigTIFF, either byte order
+_TIFF_SIZE_TAGS = (256, 257, 322, 323)  # ImageWidth, ImageLength, TileWidth, TileLength
+_TIFF_INTEGER_TYPES = {3: "H", 4: "I", 16: "Q"}  # SHORT, LONG, LONG8: a value held in the entry itself
+_TIFF_MAX_ENTRIES = 4096  # a real first IFD has a few dozen
 
 
 def _imdecode(data: np.ndarray) -> np.ndarray | None:
@@ -43,9 +49,15 @@ def _imdecode(data: np.ndarray) -> np.ndarray | None:
 def decode_image(data: np.ndarray) -> np.ndarray | None:
     """Decode encoded image bytes (uint8 array) to BGR uint8 HxWx3, or None when they cannot be decoded.
 
-    A truncated JPEG is repaired in memory by appending the missing end-of-image marker (the missing
-    part decodes as grey).
+    The header is read first, at every decode: bytes of no format the readers take, or whose header says more
+    pixels than ``--max-pixels``, are None without decoding (a file changed since it was probed allocates
+    nothing either). A truncated JPEG is repaired in memory by appending the missing end-of-image marker (the
+    missing part decodes as grey).
     """
+    try:
+        check_pixels(*header_size(data))
+    except ImageError:
+        return None
     img = _imdecode(data)
     if img is None and data[:2].tobytes() == JPEG_SOI:
         img = _imdecode(np.concatenate((data, np.frombuffer(JPEG_EOI, np.uint8))))
@@ -175,6 +187,27 @@ def _png_header_size(head: bytes) -> tuple[int, int]:
     return width, height
 
 
+def _check_png_chunk_lengths(f: BinaryIO) -> None:
+    """An ImageError when a PNG chunk's length field runs past the end of the file.
+
+    OpenCV's PNG reader allocates and zeroes a buffer of the size a chunk claims before reading it, so a 98-byte
+    file claiming a 3 GB chunk costs 3 GB of memory and seconds at every decode; such a file never decodes (its
+    data is not there), so it is refused from the lengths alone, 8 bytes read per chunk."""
+    size = f.seek(0, 2)
+    pos = len(PNG_SIGNATURE)
+    while pos + 8 <= size:
+        f.seek(pos)
+        length, kind = struct.unpack(">I4s", f.read(8))
+        if pos + 12 + length > size:
+            raise ImageError(
+                f"PNG chunk {kind.decode('latin-1')!r} claims {length:,} bytes, past the end of the file "
+                f"({size:,} bytes): not decoded"
+            )
+        if kind == b"IEND":
+            return
+        pos += 12 + length
+
+
 def _tail(f: BinaryIO) -> bytes:
     f.seek(0, 2)
     size = f.tell()
@@ -200,9 +233,67 @@ def probe_image_bytes(data: bytes) -> tuple[tuple[int, int], str]:
     return _probe(io.BytesIO(data), lambda: np.frombuffer(data, np.uint8))
 
 
+def _webp_size(head: bytes) -> tuple[int, int]:
+    """(width, height) of a WebP from its first chunk: the canvas of an extended file (``VP8X``, which an animation
+    or alpha needs), the frame of a simple lossy (``VP8 ``) or lossless (``VP8L``) one."""
+    if len(head) < 30:
+        raise ImageError("WebP header cut short")
+    chunk = head[12:16]
+    if chunk == b"VP8X":
+        return 1 + int.from_bytes(head[24:27], "little"), 1 + int.from_bytes(head[27:30], "little")
+    if chunk == b"VP8L":
+        if head[20] != 0x2F:
+            raise ImageError("broken WebP lossless header")
+        bits = int.from_bytes(head[21:25], "little")
+        return 1 + (bits & 0x3FFF), 1 + ((bits >> 14) & 0x3FFF)
+    if chunk == b"VP8 ":
+        if head[23:26] != b"\x9d\x01\x2a":
+            raise ImageError("broken WebP lossy header")
+        width, height = struct.unpack("<HH", head[26:30])
+        return width & 0x3FFF, height & 0x3FFF  # the top two bits of each are a scale, not the size
+    raise ImageError("WebP whose first chunk is not VP8, VP8L or VP8X")
+
+
+def _tiff_size(f: BinaryIO, head: bytes) -> tuple[int, int]:
+    """(width, height) of a TIFF's first image (the one a decoder reads), from its first IFD wherever it lies
+    in the file; its tiles, when it has them, are held to the pixel cap too (a decoder allocates one whole)."""
+    endian = "<" if head[:2] == b"II" else ">"
+    if head[2:4] == struct.pack(endian + "H", 42):  # classic TIFF: 32-bit offsets, 12-byte entries
+        (ifd,) = struct.unpack(endian + "I", head[4:8])
+        count_format, entry_size, value_at = "H", 12, 8
+    else:  # BigTIFF: 64-bit offsets, 20-byte entries
+        (ifd,) = struct.unpack(endian + "Q", head[8:16])
+        count_format, entry_size, value_at = "Q", 20, 12
+    f.seek(ifd)
+    count_bytes = f.read(struct.calcsize(count_format))
+    if len(count_bytes) < struct.calcsize(count_format):
+        raise ImageError("TIFF's first IFD lies past the end of the file")
+    (count,) = struct.unpack(endian + count_format, count_bytes)
+    if count > _TIFF_MAX_ENTRIES:
+        raise ImageError(f"TIFF's first IFD claims {count} entries")
+    entries = f.read(count * entry_size)
+    if len(entries) < count * entry_size:
+        raise ImageError("TIFF's first IFD is cut short")
+    tags: dict[int, int] = {}
+    for k in range(0, len(entries), entry_size):
+        tag, kind = struct.unpack(endian + "HH", entries[k : k + 4])
+        if tag in _TIFF_SIZE_TAGS and kind in _TIFF_INTEGER_TYPES:
+            value_format = _TIFF_INTEGER_TYPES[kind]
+            (tags[tag],) = struct.unpack_from(endian + value_format, entries, k + value_at)
+    if 256 not in tags or 257 not in tags:
+        raise ImageError("TIFF without ImageWidth and ImageLength")
+    tile = tags.get(322, 0) * tags.get(323, 0)
+    if tile > max_pixels():
+        raise ImageError(f"TIFF tiles of {tags[322]}x{tags[323]} are over --max-pixels {max_pixels()}: not decoded")
+    return tags[256], tags[257]
+
+
 def _header_size(f: BinaryIO, head: bytes) -> tuple[str, int, int, bool]:
-    """(kind, displayed width, height, end marker present) from the header; 0x0 where the format has no parser
-    here. A BMP's size is read too, so that the pixel cap holds before it is decoded."""
+    """(kind, displayed width, height, end marker present) from the header of every format the readers take
+    (JPEG, PNG, BMP, TIFF, WebP; TIFF, WebP and BMP have no end marker). Anything else is an ImageError: a format
+    whose size cannot be read before decoding is not decoded (OpenCV would decode PNM, GIF, JPEG 2000, ...)."""
+    if not head:
+        raise ImageError("empty file")
     if head[:2] == JPEG_SOI:
         f.seek(0)
         width, height, orientation = _jpeg_header(_Reader(f))
@@ -211,6 +302,7 @@ def _header_size(f: BinaryIO, head: bytes) -> tuple[str, int, int, bool]:
         return "jpeg", width, height, JPEG_EOI in _tail(f)
     if head[:8] == PNG_SIGNATURE:
         width, height = _png_header_size(head)
+        _check_png_chunk_lengths(f)
         return "png", width, height, b"IEND" in _tail(f)
     if head[:2] == b"BM" and len(head) >= 26:
         (info_size,) = struct.unpack("<I", head[14:18])
@@ -219,7 +311,21 @@ def _header_size(f: BinaryIO, head: bytes) -> tuple[str, int, int, bool]:
             "<HH" if info_size == 12 else "<ii", head[18:22] if info_size == 12 else head[18:26]
         )
         return "bmp", abs(width), abs(height), False
-    return "", 0, 0, False
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "webp", *_webp_size(head), False
+    if head[:4] in _TIFF_SIGNATURES:
+        return "tiff", *_tiff_size(f, head), False
+    raise ImageError("not a JPEG, PNG, BMP, TIFF or WebP image: not decoded")
+
+
+def header_size(data: np.ndarray | bytes) -> tuple[int, int]:
+    """(width, height) of encoded image bytes as their header says (displayed for a JPEG); an ImageError when
+    there is no header of a format the readers take."""
+    try:
+        _, width, height, _ = _header_size(io.BytesIO(bytes(data)), bytes(data[:32]))
+    except struct.error as e:
+        raise ImageError(f"broken image header ({e})") from e
+    return width, height
 
 
 def check_image_size(path: str) -> None:

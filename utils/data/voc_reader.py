@@ -30,18 +30,30 @@ from utils.data.probe_pool import probe_files
 from utils.data.splits import VocSplit
 from utils.errors import UserError
 from utils.log import LOGGER
+from utils.safe_paths import relative_inside
 
 COORD_TOLERANCE = 1e-3  # normalised: corners this far outside the image are clipped, farther is an error
 
 
-def image_ids(root: Path, image_set: str) -> list[str]:
-    """The ids listed by ``ImageSets/Main/<image_set>.txt`` (first column; VOC's per-class lists add a second)."""
+def image_ids(root: Path, image_set: str) -> tuple[list[str], list[str]]:
+    """The ids listed by ``ImageSets/Main/<image_set>.txt`` (first column; VOC's per-class lists add a second),
+    and a line for each id refused: one naming a file outside the VOC folder (absolute, or climbing out with
+    ``..``) is never opened."""
     path = root / "ImageSets" / "Main" / f"{image_set}.txt"
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"{path}: cannot read VOC image set ({e})") from e
-    return [line.split()[0] for line in lines if line.strip()]
+    ids, refused = [], []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        i = line.split()[0]
+        if relative_inside(root / "JPEGImages", i) is None:
+            refused.append(f"{path}: line {n}: id {i[:80]!r} names a file outside {root}, skipped")
+        else:
+            ids.append(i)
+    return ids, refused
 
 
 def _objects(xml_file: Path) -> tuple[tuple[float, float], list[tuple[str, bool, tuple[float, ...]]]]:
@@ -86,7 +98,7 @@ def voc_class_names(split: VocSplit) -> list[str]:
     """The sorted set of object names in the split's XML files (classes when the YAML gives no names)."""
     found: set[str] = set()
     for root in map(Path, split.roots):
-        for i in image_ids(root, split.image_set):
+        for i in image_ids(root, split.image_set)[0]:
             try:
                 found.update(name for name, _, _ in _objects(root / "Annotations" / f"{i}.xml")[1])
             except ValueError:
@@ -112,20 +124,25 @@ def read_voc_table(
     split: VocSplit, root: Path, workers: int = 8, prefix: str = "", verbose: bool = True
 ) -> tuple[LabelTable, bool]:
     """Every image of one VOC folder's image set (usable or not), from the cache when current; and whether it was."""
-    ids = image_ids(root, split.image_set)
+    ids, refused = image_ids(root, split.image_set)
     xmls = [str(root / "Annotations" / f"{i}.xml") for i in ids]
     set_file = root / "ImageSets" / "Main" / f"{split.image_set}.txt"
     digest = stat_digest(f"voc names={list(split.names)}", [str(set_file), str(root / "JPEGImages"), *xmls])
     return cached_table(
         set_file.with_suffix(CACHE_SUFFIX),
         digest,
-        lambda: _build(root, ids, list(split.names), workers, prefix, verbose),
+        lambda: _build(root, ids, refused, list(split.names), workers, prefix, verbose),
     )
 
 
-def _build(root: Path, ids: list[str], names: list[str], workers: int, prefix: str, verbose: bool) -> LabelTable:
+def _build(
+    root: Path, ids: list[str], refused: list[str], names: list[str], workers: int, prefix: str, verbose: bool
+) -> LabelTable:
     class_index = {n: k for k, n in enumerate(names)}
     builder = TableBuilder()
+    builder.messages += refused
+    if refused:
+        builder.count("ids_outside_dataset", len(refused))
     files = sorted((str(root / "JPEGImages" / f"{i}.jpg"), i) for i in dict.fromkeys(ids))
     probes = probe_files(
         [f for f, _ in files], workers, f"{prefix}Verifying {len(files)} images", show_progress=verbose

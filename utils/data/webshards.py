@@ -1,7 +1,7 @@
 """WebDataset tar shards as a dataset split: the index that makes them randomly readable, and reading samples.
 
 A sample is the members of one tar sharing a key (WebDataset's convention, split by ``base_plus_ext``): an
-image (``key.jpg|jpeg|png|webp|bmp``) and optionally its YOLO label rows (``key.txt``; none or empty means a
+image (``key.jpg|jpeg|png|webp|bmp|tif|tiff``) and optionally its YOLO label rows (``key.txt``; none or empty means a
 background image). How a data YAML names shards is shard_names.py's.
 
 The index is built once per shard set (by local rank 0 of each node; the others wait) by reading every shard's tar
@@ -36,7 +36,7 @@ from utils.errors import UserError, describe
 from utils.log import LOGGER
 
 INDEX_VERSION = 1
-SHARD_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp")
+SHARD_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff")  # every format the loose-file readers take
 INDEX_SUFFIX = ".yolo-train.index.npz"
 # A member larger than this (an image or its labels) skips its sample at the index: no sample's bytes are ever read
 # whole into memory beyond it, whatever a shard holds.
@@ -187,7 +187,8 @@ def scan_shard(url: str, cache: ShardCache, nc: int | None) -> _ShardScan:
         with open(local, "rb") as f:
             for key, parts in samples.items():
                 _scan_sample(url, key, parts, f, offsets, nc, scan)
-    except (tarfile.TarError, OSError, EOFError, ValueError, UnicodeDecodeError) as e:
+    # OverflowError: a PAX record's length past ssize_t, which the standard library's reader cannot seek to
+    except (tarfile.TarError, OSError, EOFError, ValueError, OverflowError) as e:
         return _ShardScan(bad_shard=True, messages=[f"{url}: unreadable or truncated shard, skipped ({describe(e)})"])
     return scan
 

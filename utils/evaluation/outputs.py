@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from utils.boxes import xyxy2xywhn
+from utils.errors import UserError
 from utils.evaluation.evaluator import DetectionEvaluator, ImageTruth, ValResults
 from utils.log import LOGGER
 from utils.metrics import ClassMetrics
@@ -194,14 +195,11 @@ def coco_evaluation(
     if annotations_json is not None:
         try:
             official, _ = coco_eval(annotations_json, json_results, image_ids=ids)
-        except AssertionError:  # pycocotools' loadRes asserts that every result's image is in the file
-            LOGGER.warning(
-                f"WARNING {annotations_json}: does not hold these images (ids from the file names); "
-                "not scored against it"
-            )
+        except UserError as e:  # malformed, or without these images (ids from the file names): ours stands
+            LOGGER.warning(f"WARNING {e}; not scored against it")
             return stats
         LOGGER.info(f"COCOeval against {annotations_json}:\n{format_coco_stats(official)}")
-        print(
+        LOGGER.info(  # a result line, at the level of the table's "all" row
             f"mAP50-95: {our_map:.4f} (this project) | {official[0]:.4f} (pycocotools, {Path(annotations_json).name})"
             f"   mAP50: {official[1]:.4f} (pycocotools)"
         )

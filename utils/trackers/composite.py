@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from utils.errors import UserError
+from utils.errors import UserError, describe
 from utils.files import atomic_output
 from utils.log import LOGGER
 from utils.trackers.background import MAX_PENDING, BackgroundTracker
@@ -105,11 +105,16 @@ def open_trackers(
 
 def read_results(csv_file: Path) -> dict[int, dict[str, float]]:
     """results.csv as {epoch: {column: value}}; a later row of an epoch replaces an earlier one. An empty value
-    (``nan``: a column added after the row was written) is left out."""
+    (``nan``: a column added after the row was written) is left out; a row that is not all numbers, or whose epoch
+    is not a whole number of at least 0, is skipped. An unreadable file is one warning naming it, and no rows."""
     try:
-        lines = [line for line in Path(csv_file).read_text(encoding="utf-8").splitlines() if line.strip()]
+        text = Path(csv_file).read_text(encoding="utf-8")
     except FileNotFoundError:
         return {}
+    except (OSError, UnicodeDecodeError) as e:
+        LOGGER.warning(f"WARNING {csv_file}: unreadable ({describe(e)}); trackers are not reconciled with it")
+        return {}
+    lines = [line for line in text.splitlines() if line.strip()]
     if not lines:
         return {}
     columns = [c.strip() for c in lines[0].split(",")]
@@ -119,9 +124,12 @@ def read_results(csv_file: Path) -> dict[int, dict[str, float]]:
         if len(values) != len(columns):  # a row cut short by a kill: results.csv's writer rewrites it
             continue
         try:
-            rows[int(values[0])] = {c: x for c, v in zip(columns[1:], values[1:]) if not math.isnan(x := float(v))}
+            numbers = [float(v) for v in values]
         except ValueError:
             continue
+        epoch = numbers[0]
+        if math.isfinite(epoch) and epoch.is_integer() and 0 <= epoch < 2**31:  # `1.0` is epoch 1, as resume reads it
+            rows[int(epoch)] = {c: x for c, x in zip(columns[1:], numbers[1:]) if not math.isnan(x)}
     return rows
 
 

@@ -10,6 +10,7 @@ its writes, so a killed process leaves a part or nothing) is read up to its last
 from __future__ import annotations
 
 import json
+import math
 import struct
 import zlib
 from collections.abc import Iterator
@@ -62,14 +63,26 @@ class WandbRunFiles:
         """The epochs held per metric name (rows carry their epoch under ``epoch``)."""
         held: dict[str, set[int]] = {}
         for row in self.history:
-            if "epoch" in row:
+            epoch = _whole(row.get("epoch"))
+            if epoch is not None:
                 for key in row:
                     if not key.startswith("_") and key != "epoch":
-                        held.setdefault(key, set()).add(int(row["epoch"]))
+                        held.setdefault(key, set()).add(epoch)
         return held
 
     def last_step(self) -> int:
-        return max((int(row["_step"]) for row in self.history if "_step" in row), default=-1)
+        """The last ``_step`` written (-1 when none); a step that is not a whole number is not one."""
+        return max((s for row in self.history if (s := _whole(row.get("_step"))) is not None), default=-1)
+
+
+def _whole(value: Any) -> int | None:
+    """A record's epoch or step as an int: a whole number of at least 0 (``2`` or ``2.0``), else None (text, a
+    boolean, NaN, an infinity: a damaged record is not an epoch)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+        return None
+    return int(value) if 0 <= value < 2**63 else None
 
 
 def run_folders(wandb_dir: Path, run_id: str) -> list[Path]:
