@@ -357,6 +357,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    status = main()
-    watch_exit()
-    sys.exit(status)
+    sys.exit(watch_exit(main()))

@@ -98,11 +98,13 @@ def kernel_choice(deterministic: bool) -> str:
 EXIT_WATCH_S = 20.0  # a process's teardown (workers, threads, CUDA) that takes longer than this names where it waits
 
 
-def watch_exit(seconds: float = EXIT_WATCH_S) -> None:
-    """Called when an entry point's work is done, before the interpreter's teardown (loader workers, threads, the
-    CUDA context): if the process is still running ``seconds`` later, every thread's Python stack goes to stderr,
-    so that a slow exit says where it waits instead of passing unexplained."""
+def watch_exit(status: int, seconds: float = EXIT_WATCH_S) -> int:
+    """Called with an entry point's exit status when its work is done, before the interpreter's teardown (loader
+    workers, threads, the CUDA context): if the process is still running ``seconds`` later, every thread's Python
+    stack goes to stderr, so that a slow exit says where it waits instead of passing unexplained. Returns
+    ``status``."""
     faulthandler.dump_traceback_later(seconds, exit=False, file=sys.stderr)
+    return status
 
 
 def freeze_imported_objects() -> None:
