@@ -93,6 +93,23 @@ def test_detr_parameter_groups_list_each_tensor_once_with_the_backbone_rate_and_
     assert sorted(len(g["params"]) > 0 for g in optimizer.param_groups) == [True] * 4
 
 
+def test_a_recipes_clip_norm_is_per_image_of_an_optimizer_step() -> None:
+    """The losses are sums over the step's images (the contract's scale), the references' a mean over them: the
+    recipe's clip norm (0.1) scales with the images of an optimizer step."""
+    pytest.importorskip("transformers", reason="the DETR families need transformers (requirements-test.txt)")
+    from test_detr import TINY
+
+    from utils.engine.config import TrainConfig
+    from utils.engine.optimization import build_optimization
+    from utils.optimizer import OptimizerChoice
+
+    model = _tiny_dfine(TINY)
+    hyp = DFINE.read_hyp(DFINE.default_hyp_path)
+    choice = OptimizerChoice("AdamW", hyp.lr0, hyp.momentum, accumulate=2, reason="test", scale_decay=False)
+    optim = build_optimization(model, DFINE, TrainConfig(batch_size=8), choice, hyp, needs_scaler=False)
+    assert optim.clip_norm == pytest.approx(hyp.clip_norm * 8 * 2)
+
+
 def _tiny_dfine(table: dict) -> nn.Module:
     """The narrowed D-FINE of tests/test_detr.py, built from its scale table."""
     scales = DFINE.scales
