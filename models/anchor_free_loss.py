@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from models.anchor_free import bbox2dist, dist2bbox, make_anchors
 from models.assigner import Assignment, TaskAlignedAssigner
-from models.loss import LossNorm, smooth_bce_targets
+from models.loss import CountsInsideTheCall, LossNorm, smooth_bce_targets
 from utils.boxes import bbox_ciou_xyxy, xywh2xyxy
 from utils.distributed import de_parallel
 
@@ -105,7 +105,7 @@ def global_sum(local: torch.Tensor, reduce: Reduce | None) -> torch.Tensor:
 # ---- the losses ------------------------------------------------------------------------------------------------
 
 
-class AnchorFreeLoss:
+class AnchorFreeLoss(CountsInsideTheCall):
     """Loss of an anchor-free Detect head (YOLOv8 / YOLO11; reg_max 1 switches DFL to L1): see the module doc.
 
     ``loss, items = AnchorFreeLoss(model, hyp)(preds, targets, norm, prepared, reduce)`` with ``preds`` the head's
@@ -141,16 +141,6 @@ class AnchorFreeLoss:
             self.nc, tal_topk, TAL_ALPHA, TAL_BETA, topk2=tal_topk2, small_object_px=small_object_px
         )
         self.smooth_scale, self.smooth_offset = 1.0 - label_smoothing, smooth_bce_targets(label_smoothing)[1]
-
-    # The DetectionLoss protocol: nothing to assign or count before the forward (assignment needs predictions).
-    def prepare(self, targets: torch.Tensor, image_hw: tuple[int, ...]) -> None:
-        return None
-
-    def counts(self, prepared: Any) -> torch.Tensor:
-        return torch.zeros(0)
-
-    def set_epoch(self, epoch: int, epochs: int) -> None:
-        return None
 
     def __call__(
         self,

@@ -52,7 +52,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.detr_matcher import HostMatches, MatchCosts, cxcywh_to_xyxy, hungarian, union_of_matches
-from models.loss import LossNorm
+from models.loss import CountsInsideTheCall, LossNorm
 from utils.distributed import de_parallel
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
@@ -285,7 +285,7 @@ class SetNorm(NamedTuple):
     images: float
 
 
-class DetrLoss:
+class DetrLoss(CountsInsideTheCall):
     """``loss, items = DetrLoss(model, distributions)(raw, targets, norm, reduce=...)``: see the module doc.
 
     ``distributions``: D-FINE's edge distributions (fgl and ddf terms; boxes clamped to [0, 1]) or not
@@ -301,16 +301,6 @@ class DetrLoss:
         self._values: dict[torch.device, torch.Tensor] = {}
         self._batch = 0  # the last call's images and unused parameters' zero term
         self._zero: torch.Tensor | None = None
-
-    # The DetectionLoss protocol: the counts are summed over ranks inside the call (they need the matching).
-    def prepare(self, targets: torch.Tensor, image_hw: tuple[int, ...]) -> None:
-        return None
-
-    def counts(self, prepared: Any) -> torch.Tensor:
-        return torch.zeros(0)
-
-    def set_epoch(self, epoch: int, epochs: int) -> None:
-        return None
 
     def __call__(
         self,

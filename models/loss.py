@@ -61,6 +61,21 @@ class DetectionLoss(Protocol):
     def set_epoch(self, epoch: int, epochs: int) -> None: ...
 
 
+class CountsInsideTheCall:
+    """The ``DetectionLoss`` methods of a loss that prepares nothing before the forward pass and gives no counts to
+    sum then (its assignment or matching needs the predictions; any global counts it needs it sums in its call), and
+    does not change with the epoch: the anchor-free losses and the DETRs'."""
+
+    def prepare(self, targets: torch.Tensor, image_hw: tuple[int, ...]) -> None:
+        return None
+
+    def counts(self, prepared: Any) -> torch.Tensor:
+        return torch.zeros(0)
+
+    def set_epoch(self, epoch: int, epochs: int) -> None:
+        return None
+
+
 class LevelTargets(NamedTuple):
     """Candidate assignments of one level, flattened over (cell kind, anchor, target): length M = 3 * na * nt.
 
