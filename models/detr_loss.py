@@ -27,7 +27,8 @@ Normalisation: the terms divide by global counts (every rank's): vfl by the boxe
 the denoising sets' by their positive queries, ddf's means by their edges. The sums are this rank's, the counts
 global (one all-reduce of a few numbers through ``reduce``), so the ranks' losses and gradients add up to those of
 the global micro-batch on one process. The gains are transformers' config fields (``weight_loss_vfl`` 1,
-``weight_loss_bbox`` 5, ``weight_loss_giou`` 2, ``weight_loss_fgl`` 0.15, ``weight_loss_ddf`` 1.5); an item is a term
+``weight_loss_bbox`` 5, ``weight_loss_giou`` 2, ``weight_loss_fgl`` 0.15, ``weight_loss_ddf`` 1.5), replaced by a
+run's hyper-parameters where its record has them (``DetrLossConfig.with_hyp``); an item is a term
 summed over the sets, times its gain; the loss is the items' sum times the global image count (the contract's
 scale). A batch without boxes has a loss (every query a negative) and a gradient for every parameter.
 
