@@ -185,6 +185,7 @@ LAUGHS = "".join(  # under 400 bytes that expand to 9**9 strings
         (LAUGHS + "names: *i\n", ["aliases (*a) are not accepted"]),
         ("names: [a]\ntest: shard-{000000000..999999999}.tar\n", ["'test'", "names more than 1000000 shards"]),
         ("names: [a]\ntest: lists/self.txt\n", ["'test'", "self.txt: shard list lists itself"]),
+        ('names: [a]\ntest: "shard-{a}}.tar"\n', ["'test'", "unbalanced braces"]),
     ],
     ids=[
         "names-00",
@@ -200,6 +201,7 @@ LAUGHS = "".join(  # under 400 bytes that expand to 9**9 strings
         "laughs",
         "braces",
         "cycle",
+        "unbalanced",
     ],
 )
 def test_hostile_yaml_is_one_line_in_bounded_time(tmp_path: Path, body: str, words: list[str]) -> None:

@@ -42,7 +42,10 @@ def _braces(pattern: str, room: int) -> list[str]:
     for start, end, step in _RANGE.findall(pattern):
         if len(start) > 12 or len(end) > 12 or abs(int(end) - int(start)) // max(abs(int(step or 1)), 1) >= room:
             raise UserError(f"{pattern[:120]}: names more than {MAX_SHARD_URLS} shards")
-    urls = list(itertools.islice(braceexpand.braceexpand(pattern), room + 1))
+    try:
+        urls = list(itertools.islice(braceexpand.braceexpand(pattern), room + 1))
+    except braceexpand.UnbalancedBracesError:
+        raise UserError(f"{pattern[:120]!r}: unbalanced braces (a shard pattern's {{ and }} must pair)") from None
     if len(urls) > room:
         raise UserError(f"{pattern[:120]}: names more than {MAX_SHARD_URLS} shards")
     return urls
