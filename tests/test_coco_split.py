@@ -114,6 +114,7 @@ def test_coco_forms_boxes_crowds_backgrounds_and_bad_items(tmp_path: Path, log_l
             {"id": 3, "file_name": "sub/c.jpg", "width": 100, "height": 50},  # a subfolder in file_name
             {"id": 4, "file_name": "d.jpg", "width": 100, "height": 50},  # background: no annotation
             {"id": 5, "file_name": "gone.jpg", "width": 100, "height": 50},
+            {"id": 6, "file_name": "x" * 300, "width": 100, "height": 50},  # longer than a file name may be
         ],  # listed but missing
         "categories": [{"id": 0, "name": "objects"}, {"id": 7, "name": "cat"}, {"id": 3, "name": "dog"}],
         "annotations": [
@@ -138,8 +139,8 @@ def test_coco_forms_boxes_crowds_backgrounds_and_bad_items(tmp_path: Path, log_l
         c["unknown_category_annotations"],
         c["missing_images"],
         c["unused_categories"],
-    ) == (1, 1, 2, 1, 1, 1, 1)
-    assert (c["labelled"], c["background"], c["empty"], c["corrupt"]) == (2, 1, 1, 1)
+    ) == (1, 1, 2, 1, 1, 2, 1)
+    assert (c["labelled"], c["background"], c["empty"], c["corrupt"]) == (2, 1, 1, 2)
     files = [os.path.relpath(f, images) for f in table.im_files]
     assert files == ["a.jpg", "b.jpg", "d.jpg", "sub/c.jpg"]  # ordered by path, gone.jpg skipped
     # classes by category id: objects (0), dog (3), cat (7)

@@ -107,10 +107,19 @@ def image_folders(split: CocoSplit) -> list[Path]:
     return list(dict.fromkeys(folders))
 
 
+def _is_file(path: Path) -> bool:
+    """Whether ``path`` is a file; False for a name no file can have (a component over the system's 255 bytes): such
+    an image is then counted as missing, as any other."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
+
+
 def _choose_folder(folders: list[Path], file_names: list[str], path: Path) -> Path:
     """The candidate folder holding most of a sample of the images; a UserError naming the places tried if none."""
     sample = file_names[:: max(1, len(file_names) // LOOKUP_SAMPLE)][:LOOKUP_SAMPLE]
-    found = [sum((f / name).is_file() for name in sample) for f in folders]
+    found = [sum(_is_file(f / name) for name in sample) for f in folders]
     if max(found) == 0:
         raise UserError(f"{path}: image {sample[0]!r} not found in any of {', '.join(map(str, folders))}")
     return folders[int(np.argmax(found))]
@@ -307,7 +316,7 @@ def _add_images(
         if file in seen:
             builder.add(file, CORRUPT, (0, 0), empty, f"{path}: {item} is listed twice, skipped")
         elif error:
-            if not Path(file).is_file():
+            if not _is_file(Path(file)):
                 tried = [str(f / im["file_name"]) for f in folders]
                 error = f"listed but missing (tried {', '.join(tried)})"
                 builder.count("missing_images")
