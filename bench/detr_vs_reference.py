@@ -21,7 +21,8 @@ printed from that file, so parts run in separate calls add up):
   batch, the schedule below, the backbone's pretrained download off, the device); timed and capped as ours. Its
   final checkpoint (best_stg2.pth, else best_stg1.pth: the one its trainer keeps last, chosen on the same val
   split as our best.pt) is read by our ``val.py`` through the official-weights importer, so both mAPs come from
-  one evaluator; its own log's last and best AP are recorded beside as a cross-check.
+  one evaluator; its own log's last and best AP are recorded beside as a cross-check (its evaluator stretches
+  every image to a square, ours letterboxes: the shapes set's images are 4:3 and 5:4 as well as square).
 - ``yolo11n``: ``train.py --cfg yolo11n.yaml --time H`` with H our D-FINE run's measured wall time (from ``--out``).
 - ``finetune``: pre-training and fine-tuning on class-disjoint splits (the shapes generator has five fixed
   classes, so the splits come from relabelling): our trainer trains dfine-n from random weights on the race's
@@ -50,6 +51,9 @@ The same schedule for both trainers, each recipe's defaults scaled to this run:
   collate ``stop_epoch`` are set to that epoch.
 - Precision: each trainer's default (ours: bf16 autocast on a CPU with native bf16, else fp32; the official recipe
   has ``use_amp: True``, which on the CPU is bf16 autocast); ``--fp32`` turns both off.
+
+A capped run's mAP is what it reached by the cap (its last written checkpoint; none: "not measured"), and where
+both trainers hit the cap the wall ratio is about 1 by construction.
 
 The goal columns (issue 47): our mAP50-95 minus theirs (goal >= +0.05) and our wall time over theirs (goal <= 0.6).
 Run it on an idle machine: the two trainers go one after the other, never at once.
@@ -344,6 +348,9 @@ def train_theirs(config: Path, data: dict, opt: argparse.Namespace, name: str, t
     cmd += ["--output-dir", str(out_dir), *(["-t", str(tuning)] if tuning else [])]
     run = run_capped(cmd, opt.dfine_repo, opt.work / "logs" / f"{name}.log", opt.cap_hours * 3600)
     run["own_log"] = official_log(out_dir)
+    if tuning:  # what its loader took from the checkpoint: every tensor but the class-count-dependent ones
+        loaded = re.search(r"^Load model\.state_dict, (.*)$", Path(run["log"]).read_text(errors="replace"), re.M)
+        run["tuning_load"] = loaded[1] if loaded else "no load line in its log"
     final = next((p for p in (out_dir / "best_stg2.pth", out_dir / "best_stg1.pth") if p.is_file()), None)
     run["val"] = our_val(final, data, opt, name) if final else {"map50_95": None, "why": "no checkpoint written"}
     return run
@@ -425,7 +432,7 @@ def part_race(part: str, opt: argparse.Namespace, data: dict, machine: dict) -> 
             return {"not measured": "needs the 'ours' part's wall time first"}
         hours = results["ours"]["wall_s"] / 3600
         result = train_ours("yolo11n.yaml", data, opt, "yolo11n", ["--weights", "", "--time", f"{hours:.5f}"])
-        result["time_hours"] = hours
+        return {**result, "time_hours": hours, "machine": machine}
     return {**result, "schedule": plan, "machine": machine}
 
 
@@ -433,7 +440,9 @@ def part_finetune(opt: argparse.Namespace, data: dict, machine: dict) -> dict:
     names = list(SHAPE_NAMES)
     pre_names = [names[c] for c in PRETRAIN_CLASSES]
     ft_names = [names[c] for c in FINETUNE_CLASSES]
-    pre = dataset(relabelled(data["root"], opt.work / "pretrain_set", PRETRAIN_CLASSES, pre_names), pre_names)
+    pre = dataset(
+        relabelled(data["root"], opt.work / f"{data['root'].name}_c012", PRETRAIN_CLASSES, pre_names), pre_names
+    )
     ft_source = ensure_shapes_dataset(
         opt.work / f"shapes_{opt.ft_train}_{opt.ft_val}_{opt.imgsz}_s{opt.data_seed + 1}",
         n_train=opt.ft_train,
@@ -441,7 +450,7 @@ def part_finetune(opt: argparse.Namespace, data: dict, machine: dict) -> dict:
         imgsz=opt.imgsz,
         seed=opt.data_seed + 1,
     )
-    ft = dataset(relabelled(ft_source, opt.work / "finetune_set", FINETUNE_CLASSES, ft_names), ft_names)
+    ft = dataset(relabelled(ft_source, opt.work / f"{ft_source.name}_c34", FINETUNE_CLASSES, ft_names), ft_names)
     result: dict[str, Any] = {"machine": machine, "classes": {"pretrain": pre_names, "finetune": ft_names}}
 
     pre_plan = schedule(opt.n_train, opt.ft_pretrain_epochs, opt.batch_size)
@@ -488,9 +497,9 @@ def _row(label: str, run: dict | None) -> str:
     if not run or "wall_s" not in run:
         why = (run or {}).get("not measured", "not run")
         return f"| {label} | not measured ({why}) | | | |"
-    own = run.get("own_log", {}).get("last_ap")
+    own = _cell(run["own_log"]["last_ap"], ".3f") if "own_log" in run else "-"  # the official trainer's only
     status = f"exit {run['exit']}" + (", capped" if run["capped"] else "")
-    return f"| {label} | {_cell(_map(run), '.3f')} | {_cell(own, '.3f')} | {run['wall_s']:.0f} | {status} |"
+    return f"| {label} | {_cell(_map(run), '.3f')} | {own} | {run['wall_s']:.0f} | {status} |"
 
 
 def _goals(label: str, ours: dict | None, theirs: dict | None) -> str:
