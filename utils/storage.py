@@ -19,6 +19,7 @@ import tempfile
 import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,26 @@ def redact(message: str) -> str:
 def _first_line(error: BaseException) -> str:
     lines = str(error).strip().splitlines()
     return redact(f"{error.__class__.__name__}: {lines[0]}" if lines else error.__class__.__name__)
+
+
+@dataclass(frozen=True)
+class FileStat:
+    """A file's size in bytes and when it was last written (seconds since the epoch; None where not known)."""
+
+    size: int
+    modified: float | None
+
+
+def _stamp(info: dict) -> float | None:
+    """The modification time in a backend's file info: s3fs's ``LastModified`` (a datetime), gcsfs's ``updated``
+    (an ISO 8601 text), or ``mtime``."""
+    stamp = info.get("LastModified") or info.get("mtime") or info.get("updated")
+    if isinstance(stamp, str):
+        with contextlib.suppress(ValueError):
+            stamp = datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    if isinstance(stamp, datetime):
+        return stamp.timestamp()
+    return float(stamp) if isinstance(stamp, (int, float)) else None
 
 
 @dataclass(frozen=True)
@@ -139,6 +160,48 @@ class Storage:
         prefix = target.split("://", 1)[-1].rstrip("/") + "/"
         return sorted(f.split("://", 1)[-1][len(prefix) :] for f in found if f.split("://", 1)[-1].startswith(prefix))
 
+    def file_stats(self, relative: str = "", recursive: bool = True) -> dict[str, FileStat]:
+        """Every file under the folder ``relative`` (directly under it unless ``recursive``), as paths relative to
+        it with their sizes and modification times, from one listing; empty where there is no such folder."""
+        target = self.full(relative)
+        if self.fs is None:
+            root = Path(target)
+            if not root.is_dir():
+                return {}
+            found = [p for p in (root.rglob("*") if recursive else root.iterdir()) if p.is_file()]
+            return {p.relative_to(root).as_posix(): FileStat(p.stat().st_size, p.stat().st_mtime) for p in found}
+        prefix = target.split("://", 1)[-1].rstrip("/") + "/"
+        listing: dict[str, dict] = self._remote(
+            lambda: self.fs.find(prefix, maxdepth=None if recursive else 1, detail=True), f"listing {target}"
+        )
+        return {
+            name.split("://", 1)[-1][len(prefix) :]: FileStat(int(info.get("size") or 0), _stamp(info))
+            for name, info in listing.items()
+            if name.split("://", 1)[-1].startswith(prefix) and info.get("type", "file") == "file"
+        }
+
+    def download_many(self, pairs: list[tuple[str, Path]]) -> None:
+        """Each file ``relative`` as its local path, several at once where the backend can (s3fs, gcsfs), each
+        written beside its path and renamed, so that no local path ever holds part of a file."""
+        if not pairs:
+            return
+        temporary = [local.with_name(f".{local.name}.{uuid.uuid4().hex[:8]}.tmp") for _, local in pairs]
+        for tmp in temporary:
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            if self.fs is None:
+                for (relative, _), tmp in zip(pairs, temporary, strict=True):
+                    shutil.copyfile(self.full(relative), tmp)
+            else:
+                remote = [self.full(relative) for relative, _ in pairs]
+                where = f"reading {len(pairs)} files under {self.location}"
+                self._remote(lambda: self.fs.get(remote, [str(t) for t in temporary]), where)
+            for (_, local), tmp in zip(pairs, temporary, strict=True):
+                os.replace(tmp, local)
+        finally:
+            for tmp in temporary:
+                tmp.unlink(missing_ok=True)
+
     def modified(self, relative: str) -> float | None:
         """When the file ``relative`` was last written (seconds since the epoch); None where it does not exist."""
         target = self.full(relative)
@@ -148,8 +211,7 @@ class Storage:
             info = self._remote(lambda: self.fs.info(target), f"looking for {target}")
         except FileNotFoundError:
             return None
-        stamp = info.get("LastModified") or info.get("mtime") or info.get("updated")
-        return stamp.timestamp() if hasattr(stamp, "timestamp") else None
+        return _stamp(info)
 
     def read_bytes(self, relative: str) -> bytes:
         target = self.full(relative)
@@ -259,4 +321,8 @@ def _backend_options(protocol: str) -> dict[str, Any]:
     if protocol in ("s3", "s3a"):
         config = {"connect_timeout": CONNECT_TIMEOUT_S, "retries": {"max_attempts": 2, "mode": "standard"}}
         return {"config_kwargs": config, "skip_instance_cache": True}
+    if protocol in ("gs", "gcs") and os.environ.get("STORAGE_EMULATOR_HOST"):
+        # An emulator (gcsfs reads STORAGE_EMULATOR_HOST) takes no credentials: asking for none skips the search
+        # for Google's (its last step waits on the metadata server of a Compute Engine machine)
+        return {"token": "anon", "skip_instance_cache": True}
     return {"skip_instance_cache": True}
