@@ -40,6 +40,10 @@ SECRET_VARIABLES = (
     "AZURE_STORAGE_CONNECTION_STRING",
 )
 CONNECT_TIMEOUT_S = 5  # an unreachable endpoint is one line within seconds, not a minute of retries
+READ_TIMEOUT_S = 60.0  # an answer that stops coming (a frozen server): the request fails and is tried again
+# An upload's whole time is bounded too: aiohttp's read timeout does not cover a PUT whose server stopped answering
+# (it waits for the server to wake). The bound grows with the file, at a rate below any working link's.
+SLOWEST_UPLOAD_BYTES_S = 1 << 20
 
 
 def protocol_of(location: str | Path) -> str | None:
@@ -112,7 +116,10 @@ class Storage:
             with atomic_output(target) as tmp:
                 tmp.write_bytes(data)
             return
-        self._remote(lambda: self._put(target, lambda path: self.fs.pipe_file(path, data)), f"writing {target}")
+        bounded = self._bounded(len(data))
+        self._remote(
+            lambda: self._put(target, lambda path: self.fs.pipe_file(path, data, **bounded)), f"writing {target}"
+        )
 
     def upload(self, local: str | Path, relative: str) -> None:
         """The local file ``local`` as the file ``relative``, all at once (a local storage copies it atomically)."""
@@ -121,7 +128,17 @@ class Storage:
             with atomic_output(target) as tmp:
                 tmp.write_bytes(Path(local).read_bytes())
             return
-        self._remote(lambda: self._put(target, lambda path: self.fs.put_file(str(local), path)), f"writing {target}")
+        bounded = self._bounded(Path(local).stat().st_size)
+        self._remote(
+            lambda: self._put(target, lambda path: self.fs.put_file(str(local), path, **bounded)), f"writing {target}"
+        )
+
+    def _bounded(self, size: int) -> dict[str, float]:
+        """fsspec's bound on an asynchronous backend's call (its ``timeout``, which cancels the call), for an upload
+        of ``size`` bytes; none for a synchronous backend, which takes no such argument."""
+        if not getattr(self.fs, "async_impl", False):
+            return {}
+        return {"timeout": READ_TIMEOUT_S + size / SLOWEST_UPLOAD_BYTES_S}
 
     def upload_tree(self, local: str | Path, relative: str) -> None:
         """The local file or folder ``local`` as ``relative`` (a folder's files each whole, one by one)."""
@@ -312,6 +329,11 @@ def open_storage(location: str | Path) -> Storage:
         raise UserError(f"{location}: {protocol}:// needs the package {package} (pip install {package})") from None
     except ValueError as e:
         raise UserError(f"{location}: {_first_line(e)}") from None
+    if protocol in ("s3", "s3a"):
+        # s3fs tries a timed-out request 5 times, unseen, on top of botocore's attempts: against a frozen server
+        # one upload would then wait 10 READ_TIMEOUT_S before its caller heard. Once here; the run's uploads are
+        # tried again with backoff and reported (utils/engine/run_upload.py), botocore retries what is transient.
+        fs.retries = 1
     return Storage(str(location), fs, protocol)
 
 
@@ -319,7 +341,11 @@ def _backend_options(protocol: str) -> dict[str, Any]:
     """Bounded connection attempts, so that an unreachable endpoint fails in seconds; the rest as the backend reads
     it from the environment (s3fs: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, ...)."""
     if protocol in ("s3", "s3a"):
-        config = {"connect_timeout": CONNECT_TIMEOUT_S, "retries": {"max_attempts": 2, "mode": "standard"}}
+        config = {
+            "connect_timeout": CONNECT_TIMEOUT_S,
+            "read_timeout": READ_TIMEOUT_S,
+            "retries": {"max_attempts": 2, "mode": "standard"},
+        }
         return {"config_kwargs": config, "skip_instance_cache": True}
     if protocol in ("gs", "gcs") and os.environ.get("STORAGE_EMULATOR_HOST"):
         # An emulator (gcsfs reads STORAGE_EMULATOR_HOST) takes no credentials: asking for none skips the search
