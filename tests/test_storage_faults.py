@@ -6,7 +6,9 @@ holding every file of the run as the run wrote it."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -26,6 +28,7 @@ import utils.storage
 from utils.engine.run_record import RunRecord
 from utils.storage import open_storage
 
+ROOT = Path(__file__).resolve().parents[1]
 FREEZE_S = 3.0  # the server stays stopped this long after an epoch has ended while it was
 FROZEN_AT_MOST_S = 60.0  # a run whose training waited for the server would end no epoch while it is stopped
 
@@ -130,3 +133,37 @@ def test_a_server_frozen_mid_run_holds_up_no_epoch_and_the_bucket_ends_with_ever
     assert bucket_run.files() == written
     for name in written:
         assert bucket_run.read_bytes(name) == (staged / name).read_bytes(), name
+
+
+@pytest.mark.slow
+def test_a_launcher_restart_continues_its_run_in_the_bucket(bucket, rectangles_yaml, tmp_path) -> None:
+    """--max-restarts with --project s3://...: the rank killed once a checkpoint is complete in the bucket, the
+    launcher's new worker finds the run its job made there (its run_id marker) and continues it: no second run
+    folder, every epoch in results.csv once, the record finished."""
+    from test_train import _env, kill_run, rank_pid, train_cmd
+
+    project = f"s3://{bucket}/runs"
+    cmd = train_cmd(rectangles_yaml, project, "--epochs", "2", "--noval", "--noplots", "--save-steps", "1", nproc=1)
+    at = cmd.index("--standalone")
+    cmd[at : at + 1] = ["--max-restarts=1", "--standalone"]
+    env = dict(_env(), TMPDIR=str(tmp_path))  # the killed rank's staging folder stays here
+    run = open_storage(f"{project}/exp")
+    with open(tmp_path / "launched.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 240
+            while not (run.exists("run.json") and json.loads(run.read_bytes("run.json")).get("newest_checkpoint")):
+                assert proc.poll() is None, (tmp_path / "launched.log").read_text()[-3000:]
+                assert time.monotonic() < deadline, "no checkpoint reached the bucket"
+                time.sleep(0.1)
+            os.kill(rank_pid(proc, 0), signal.SIGKILL)
+            assert proc.wait(timeout=300) == 0, (tmp_path / "launched.log").read_text()[-3000:]
+        finally:
+            if proc.poll() is None:
+                kill_run(proc)
+    output = (tmp_path / "launched.log").read_text()
+    assert re.search(rf"restart 1 of launcher run \S+: continuing {project}/exp\n", output), output[-3000:]
+    assert open_storage(project).listdir() == ["exp"]
+    assert json.loads(run.read_bytes("run.json"))["status"] == "finished"
+    epochs = [int(float(r.split(",")[0])) for r in run.read_bytes("results.csv").decode().splitlines()[1:]]
+    assert epochs == [0, 1]
