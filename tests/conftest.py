@@ -306,3 +306,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # The deploy tests' session fixtures (narrow trained checkpoints per layout, files exported once): shared here so
 # that every module that uses them gets the same ones.
 from tests.deploy_fixtures import deploy_data, exported_onnx, trained  # noqa: E402, F401
+
+# The object-storage tests' servers (an S3 server shared by the run, a GCS emulator) and buckets.
+from tests.storage_fixtures import bucket, gcs, gcs_env, s3_env, s3_server  # noqa: E402, F401

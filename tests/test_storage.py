@@ -19,7 +19,7 @@ import pytest
 import torch
 import yaml
 from conftest import TINY_IN_PROCESS, _main_writing_to, free_port, main_on_ranks, rank_jobs, start_forked
-from s3_server import ACCESS_KEY, SECRET_KEY, shared_s3_server
+from s3_server import ACCESS_KEY, SECRET_KEY
 
 import train
 from models.yolo import Model
@@ -31,28 +31,6 @@ from utils.engine.run_upload import RunUpload, job_run_folder
 from utils.errors import UserError
 from utils.results_log import result_columns
 from utils.storage import Storage, is_url, local_copy, open_storage, protocol_of
-
-
-@pytest.fixture(scope="session")
-def s3_server(tmp_path_factory, worker_id):
-    # Under xdist each worker's base folder sits in the run's own folder, which all workers share.
-    base = tmp_path_factory.getbasetemp()
-    yield from shared_s3_server(base if worker_id == "master" else base.parent)
-
-
-@pytest.fixture
-def s3_env(s3_server, monkeypatch):
-    for name, value in s3_server.env().items():
-        monkeypatch.setenv(name, value)
-    return s3_server
-
-
-@pytest.fixture
-def bucket(s3_env) -> str:
-    """A new bucket of this test's own."""
-    name = f"t{uuid.uuid4().hex[:12]}"
-    open_storage(f"s3://{name}").fs.mkdir(name)
-    return name
 
 
 def test_locations_are_told_apart() -> None:

@@ -19,6 +19,7 @@ import tempfile
 import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,10 @@ SECRET_VARIABLES = (
     "AZURE_STORAGE_CONNECTION_STRING",
 )
 CONNECT_TIMEOUT_S = 5  # an unreachable endpoint is one line within seconds, not a minute of retries
+READ_TIMEOUT_S = 60.0  # an answer that stops coming (a frozen server): the request fails and is tried again
+# An upload's whole time is bounded too: aiohttp's read timeout does not cover a PUT whose server stopped answering
+# (it waits for the server to wake). The bound grows with the file, at a rate below any working link's.
+SLOWEST_UPLOAD_BYTES_S = 1 << 20
 
 
 def protocol_of(location: str | Path) -> str | None:
@@ -69,6 +74,26 @@ def _first_line(error: BaseException) -> str:
 
 
 @dataclass(frozen=True)
+class FileStat:
+    """A file's size in bytes and when it was last written (seconds since the epoch; None where not known)."""
+
+    size: int
+    modified: float | None
+
+
+def _stamp(info: dict) -> float | None:
+    """The modification time in a backend's file info: s3fs's ``LastModified`` (a datetime), gcsfs's ``updated``
+    (an ISO 8601 text), or ``mtime``."""
+    stamp = info.get("LastModified") or info.get("mtime") or info.get("updated")
+    if isinstance(stamp, str):
+        with contextlib.suppress(ValueError):
+            stamp = datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    if isinstance(stamp, datetime):
+        return stamp.timestamp()
+    return float(stamp) if isinstance(stamp, (int, float)) else None
+
+
+@dataclass(frozen=True)
 class Storage:
     """Files under ``location``: ``fs`` is fsspec's file system for a URL, None for a local folder."""
 
@@ -91,7 +116,10 @@ class Storage:
             with atomic_output(target) as tmp:
                 tmp.write_bytes(data)
             return
-        self._remote(lambda: self._put(target, lambda path: self.fs.pipe_file(path, data)), f"writing {target}")
+        bounded = self._bounded(len(data))
+        self._remote(
+            lambda: self._put(target, lambda path: self.fs.pipe_file(path, data, **bounded)), f"writing {target}"
+        )
 
     def upload(self, local: str | Path, relative: str) -> None:
         """The local file ``local`` as the file ``relative``, all at once (a local storage copies it atomically)."""
@@ -100,7 +128,17 @@ class Storage:
             with atomic_output(target) as tmp:
                 tmp.write_bytes(Path(local).read_bytes())
             return
-        self._remote(lambda: self._put(target, lambda path: self.fs.put_file(str(local), path)), f"writing {target}")
+        bounded = self._bounded(Path(local).stat().st_size)
+        self._remote(
+            lambda: self._put(target, lambda path: self.fs.put_file(str(local), path, **bounded)), f"writing {target}"
+        )
+
+    def _bounded(self, size: int) -> dict[str, float]:
+        """fsspec's bound on an asynchronous backend's call (its ``timeout``, which cancels the call), for an upload
+        of ``size`` bytes; none for a synchronous backend, which takes no such argument."""
+        if not getattr(self.fs, "async_impl", False):
+            return {}
+        return {"timeout": READ_TIMEOUT_S + size / SLOWEST_UPLOAD_BYTES_S}
 
     def upload_tree(self, local: str | Path, relative: str) -> None:
         """The local file or folder ``local`` as ``relative`` (a folder's files each whole, one by one)."""
@@ -139,6 +177,48 @@ class Storage:
         prefix = target.split("://", 1)[-1].rstrip("/") + "/"
         return sorted(f.split("://", 1)[-1][len(prefix) :] for f in found if f.split("://", 1)[-1].startswith(prefix))
 
+    def file_stats(self, relative: str = "", recursive: bool = True) -> dict[str, FileStat]:
+        """Every file under the folder ``relative`` (directly under it unless ``recursive``), as paths relative to
+        it with their sizes and modification times, from one listing; empty where there is no such folder."""
+        target = self.full(relative)
+        if self.fs is None:
+            root = Path(target)
+            if not root.is_dir():
+                return {}
+            found = [p for p in (root.rglob("*") if recursive else root.iterdir()) if p.is_file()]
+            return {p.relative_to(root).as_posix(): FileStat(p.stat().st_size, p.stat().st_mtime) for p in found}
+        prefix = target.split("://", 1)[-1].rstrip("/") + "/"
+        listing: dict[str, dict] = self._remote(
+            lambda: self.fs.find(prefix, maxdepth=None if recursive else 1, detail=True), f"listing {target}"
+        )
+        return {
+            name.split("://", 1)[-1][len(prefix) :]: FileStat(int(info.get("size") or 0), _stamp(info))
+            for name, info in listing.items()
+            if name.split("://", 1)[-1].startswith(prefix) and info.get("type", "file") == "file"
+        }
+
+    def download_many(self, pairs: list[tuple[str, Path]]) -> None:
+        """Each file ``relative`` as its local path, several at once where the backend can (s3fs, gcsfs), each
+        written beside its path and renamed, so that no local path ever holds part of a file."""
+        if not pairs:
+            return
+        temporary = [local.with_name(f".{local.name}.{uuid.uuid4().hex[:8]}.tmp") for _, local in pairs]
+        for tmp in temporary:
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            if self.fs is None:
+                for (relative, _), tmp in zip(pairs, temporary, strict=True):
+                    shutil.copyfile(self.full(relative), tmp)
+            else:
+                remote = [self.full(relative) for relative, _ in pairs]
+                where = f"reading {len(pairs)} files under {self.location}"
+                self._remote(lambda: self.fs.get(remote, [str(t) for t in temporary]), where)
+            for (_, local), tmp in zip(pairs, temporary, strict=True):
+                os.replace(tmp, local)
+        finally:
+            for tmp in temporary:
+                tmp.unlink(missing_ok=True)
+
     def modified(self, relative: str) -> float | None:
         """When the file ``relative`` was last written (seconds since the epoch); None where it does not exist."""
         target = self.full(relative)
@@ -148,8 +228,7 @@ class Storage:
             info = self._remote(lambda: self.fs.info(target), f"looking for {target}")
         except FileNotFoundError:
             return None
-        stamp = info.get("LastModified") or info.get("mtime") or info.get("updated")
-        return stamp.timestamp() if hasattr(stamp, "timestamp") else None
+        return _stamp(info)
 
     def read_bytes(self, relative: str) -> bytes:
         target = self.full(relative)
@@ -250,6 +329,11 @@ def open_storage(location: str | Path) -> Storage:
         raise UserError(f"{location}: {protocol}:// needs the package {package} (pip install {package})") from None
     except ValueError as e:
         raise UserError(f"{location}: {_first_line(e)}") from None
+    if protocol in ("s3", "s3a"):
+        # s3fs tries a timed-out request 5 times, unseen, on top of botocore's attempts: against a frozen server
+        # one upload would then wait 10 READ_TIMEOUT_S before its caller heard. Once here; the run's uploads are
+        # tried again with backoff and reported (utils/engine/run_upload.py), botocore retries what is transient.
+        fs.retries = 1
     return Storage(str(location), fs, protocol)
 
 
@@ -257,6 +341,14 @@ def _backend_options(protocol: str) -> dict[str, Any]:
     """Bounded connection attempts, so that an unreachable endpoint fails in seconds; the rest as the backend reads
     it from the environment (s3fs: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, ...)."""
     if protocol in ("s3", "s3a"):
-        config = {"connect_timeout": CONNECT_TIMEOUT_S, "retries": {"max_attempts": 2, "mode": "standard"}}
+        config = {
+            "connect_timeout": CONNECT_TIMEOUT_S,
+            "read_timeout": READ_TIMEOUT_S,
+            "retries": {"max_attempts": 2, "mode": "standard"},
+        }
         return {"config_kwargs": config, "skip_instance_cache": True}
+    if protocol in ("gs", "gcs") and os.environ.get("STORAGE_EMULATOR_HOST"):
+        # An emulator (gcsfs reads STORAGE_EMULATOR_HOST) takes no credentials: asking for none skips the search
+        # for Google's (its last step waits on the metadata server of a Compute Engine machine)
+        return {"token": "anon", "skip_instance_cache": True}
     return {"skip_instance_cache": True}

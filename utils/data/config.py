@@ -13,6 +13,7 @@ module only says what each split names.
 
 from __future__ import annotations
 
+import posixpath
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
@@ -21,10 +22,12 @@ import yaml
 
 from utils.data.coco_reader import coco_class_names
 from utils.data.image_files import IMG_FORMATS, img2label_path, is_image_file, list_image_files  # noqa: F401
+from utils.data.remote_data import is_object_store, local_data, local_path_of, read_text
 from utils.data.shard_names import is_shard_entry, resolve_shard_split
 from utils.data.splits import CocoSplit, FractionSplit, VocSplit, user_path
 from utils.data.voc_reader import voc_class_names
 from utils.errors import UserError, first_line
+from utils.storage import is_url
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SPLITS = ("train", "val", "test")
@@ -65,7 +68,10 @@ def data_yaml_path(path: str | Path) -> Path | None:
     return None
 
 
-def _find_yaml(path: str | Path) -> Path:
+def _find_yaml(path: str | Path) -> Path | str:
+    """The data YAML's resolved path, or its URL (a YAML in a bucket)."""
+    if is_object_store(str(path)):
+        return str(path)
     found = data_yaml_path(path)
     if found is None:
         places = [Path(path).absolute()] + ([REPO_ROOT / "data" / path] if not Path(path).is_absolute() else [])
@@ -82,7 +88,7 @@ def _class_index(key: Any) -> int | None:
     return None
 
 
-def _names_list(names: Any, yaml_file: Path) -> list[str]:
+def _names_list(names: Any, yaml_file: Path | str) -> list[str]:
     if isinstance(names, dict):
         by_index = {_class_index(k): v for k, v in names.items()}
         if None in by_index or len(by_index) != len(names):
@@ -100,7 +106,7 @@ def _names_list(names: Any, yaml_file: Path) -> list[str]:
     raise UserError(f"{yaml_file}: 'names' must be a list or an {{index: name}} mapping")
 
 
-def _class_count(value: Any, yaml_file: Path) -> int:
+def _class_count(value: Any, yaml_file: Path | str) -> int:
     """``nc``: a whole number (2 or 2.0; not .inf, not true)."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
@@ -109,8 +115,40 @@ def _class_count(value: Any, yaml_file: Path) -> int:
     return value
 
 
-def _resolve_root(raw: Any, yaml_file: Path) -> Path:
-    """Dataset root: absolute, else relative to the YAML's folder when that exists, else to the current dir."""
+def _remote_root(raw: Any, yaml_file: Path | str) -> str | None:
+    """The dataset root's URL where it is in a bucket: ``path`` as a URL, or a YAML in a bucket whose ``path`` is
+    relative (or absent); None for a local root."""
+    text = "" if raw in (None, "") else str(raw)
+    if is_object_store(text):
+        return text.rstrip("/")
+    if isinstance(yaml_file, str) and not text.startswith(("/", "~")):
+        folder = yaml_file.rpartition("/")[0]
+        return _url_join(folder, text) if text else folder
+    return None
+
+
+def _url_join(base: str, relative: str) -> str:
+    """``relative`` (a path a YAML wrote) under the URL ``base``, ``.`` and ``..`` folded."""
+    scheme, _, rest = base.partition("://")
+    bucket, _, key = rest.partition("/")
+    joined = posixpath.normpath(posixpath.join("/", key, relative)).lstrip("/")
+    return f"{scheme}://{bucket}/{joined}" if joined else f"{scheme}://{bucket}"
+
+
+def _as_url(entry: Any, root_url: str | None) -> Any:
+    """A split entry as a URL where the dataset root is in a bucket and the entry is relative; else unchanged."""
+    text = str(entry)
+    if root_url is None or is_url(text) or text.startswith(("/", "~")) or not isinstance(entry, str):
+        return entry
+    return _url_join(root_url, text)
+
+
+def _resolve_root(raw: Any, yaml_file: Path | str, root_url: str | None) -> Path:
+    """Dataset root: absolute, else relative to the YAML's folder when that exists, else to the current dir; a root
+    in a bucket: its place in the node's copy (utils/data/remote_data.py)."""
+    if root_url is not None:
+        return local_path_of(root_url)
+    assert isinstance(yaml_file, Path)  # a YAML in a bucket has a root in the bucket unless it names a local one
     root = user_path(str(raw), f"{yaml_file} 'path'") if raw not in (None, "") else Path(".")
     if root.is_absolute():
         return root
@@ -121,10 +159,13 @@ def _resolve_root(raw: Any, yaml_file: Path) -> Path:
     return from_cwd
 
 
-def _resolve_split(value: Any, root: Path, yaml_file: Path, key: str) -> str | list[str]:
+def _resolve_split(value: Any, root: Path, yaml_file: Path | str, key: str) -> str | list[str]:
     entries = value if isinstance(value, (list, tuple)) else [value]
     resolved = []
     for entry in entries:
+        if is_object_store(str(entry)):  # loose files in a bucket: read from the node's copy
+            resolved.append(local_data(str(entry), f"{yaml_file} '{key}'"))
+            continue
         p = user_path(str(entry), f"{yaml_file} '{key}'")
         full = p if p.is_absolute() else (root / p).resolve()
         if not full.exists() and str(entry).startswith("../"):
@@ -135,7 +176,7 @@ def _resolve_split(value: Any, root: Path, yaml_file: Path, key: str) -> str | l
     return resolved if isinstance(value, (list, tuple)) else resolved[0]
 
 
-def _ensure_builtin(spec: Any, root: Path, yaml_file: Path) -> None:
+def _ensure_builtin(spec: Any, root: Path, yaml_file: Path | str) -> None:
     """Generate a built-in dataset into ``root`` if it is missing; its options are checked first, in one line."""
     options = dict(spec) if isinstance(spec, dict) else {"name": spec}
     name = options.pop("name", None)
@@ -171,8 +212,8 @@ def load_data_config(path: str | Path) -> dict[str, Any]:
     """
     yaml_file = _find_yaml(path)
     try:
-        with open(yaml_file, encoding="utf-8") as f:
-            raw = yaml.load(f, Loader=_DataYamlLoader)  # noqa: S506  (a SafeLoader, bounded)
+        text = read_text(yaml_file) if isinstance(yaml_file, str) else yaml_file.read_text(encoding="utf-8")
+        raw = yaml.load(text, Loader=_DataYamlLoader)  # noqa: S506  (a SafeLoader, bounded)
     except (OSError, ValueError, yaml.YAMLError) as e:  # ValueError: UnicodeDecodeError, a 5000-digit integer
         raise UserError(f"{yaml_file}: cannot parse YAML ({first_line(e)})") from e
     if not isinstance(raw, dict):
@@ -183,15 +224,18 @@ def load_data_config(path: str | Path) -> dict[str, Any]:
             raise UserError(f"{yaml_file}: missing key '{key}'")
     names = _names_list(raw["names"], yaml_file) if raw.get("names") not in (None, "", [], {}) else None
 
-    root = _resolve_root(raw.get("path"), yaml_file)
-    if raw.get("builtin"):
+    root_url = _remote_root(raw.get("path"), yaml_file)
+    root = _resolve_root(raw.get("path"), yaml_file, root_url)
+    if raw.get("builtin") and root_url is None:
         _ensure_builtin(raw["builtin"], root, yaml_file)
-    if not root.exists():
+    if root_url is None and not root.exists():
         hint = " (its 'download' section is never run: fetch the data yourself)" if raw.get("download") else ""
         raise UserError(f"{yaml_file}: 'path' {raw.get('path')!r} does not exist (tried {root}){hint}")
 
     splits = {
-        key: _split_record(raw[key], root, yaml_file, key) for key in SPLITS if raw.get(key) not in (None, "", [])
+        key: _split_record(_urls_under(raw[key], root_url), root, yaml_file, key)
+        for key in SPLITS
+        if raw.get(key) not in (None, "", [])
     }
     if names is None:
         names = _names_from_annotations(splits, yaml_file)
@@ -207,7 +251,7 @@ def load_data_config(path: str | Path) -> dict[str, Any]:
         config["val"] = replace(splits["val"], base=splits["train"])
     if isinstance(splits.get("test"), FractionSplit):
         raise UserError(f"{yaml_file}: 'test' as a fraction is not supported (only 'val: 0.1' takes part of train)")
-    annotations = _annotations_file(raw.get("annotations"), root, yaml_file)
+    annotations = _annotations_file(_urls_under(raw.get("annotations"), root_url), root, yaml_file)
     if isinstance(config["val"], CocoSplit):  # --save-json scores against the val split's own JSON
         annotations = config["val"].annotations
     if annotations is not None:
@@ -215,7 +259,16 @@ def load_data_config(path: str | Path) -> dict[str, Any]:
     return config
 
 
-def _split_record(value: Any, root: Path, yaml_file: Path, key: str) -> Any:
+def _urls_under(value: Any, root_url: str | None) -> Any:
+    """A split's value with every relative path in it made a URL under ``root_url`` (a root in a bucket)."""
+    if isinstance(value, (list, tuple)):
+        return [_urls_under(v, root_url) for v in value]
+    if isinstance(value, dict):
+        return {k: v if k == "set" else _urls_under(v, root_url) for k, v in value.items()}
+    return _as_url(value, root_url)
+
+
+def _split_record(value: Any, root: Path, yaml_file: Path | str, key: str) -> Any:
     """What a split entry names: image files (str or list), shards, a COCO JSON, VOC folders or a fraction."""
     where = f"{yaml_file} '{key}'"
     if isinstance(value, float) and not isinstance(value, bool):
@@ -251,7 +304,7 @@ def _split_record(value: Any, root: Path, yaml_file: Path, key: str) -> Any:
     return _resolve_split(value, root, yaml_file, key)
 
 
-def _names_from_annotations(splits: dict[str, Any], yaml_file: Path) -> list[str]:
+def _names_from_annotations(splits: dict[str, Any], yaml_file: Path | str) -> list[str]:
     """Class names when the YAML gives none: the train COCO JSON's categories, or the VOC object names."""
     train = splits["train"]
     if isinstance(train, CocoSplit):
@@ -268,8 +321,10 @@ def _with_names(value: Any, names: list[str]) -> Any:
     return value
 
 
-def _annotations_file(value: Any, root: Path, yaml_file: Path) -> str | None:
+def _annotations_file(value: Any, root: Path, yaml_file: Path | str) -> str | None:
     """COCO annotations of the val split: the YAML's 'annotations', else root/annotations/instances_val2017.json."""
+    if isinstance(value, str) and is_object_store(value):
+        return local_data(value, f"{yaml_file} 'annotations'")
     if value in (None, ""):
         default = root / "annotations" / "instances_val2017.json"
         return str(default) if default.is_file() else None

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from utils.data.image_files import is_image_file
+from utils.data.remote_data import is_object_store
 from utils.data.shard_cache import check_local_shards, check_pipe_allowed, is_remote
 from utils.data.splits import user_path
 from utils.errors import UserError
@@ -70,7 +71,9 @@ def _txt_entries(path: Path) -> list[str]:
 
 def is_shard_entry(entry: str, base: Path) -> bool:
     """True when a data YAML split entry names shards (rather than images, folders of images or image lists)."""
-    if is_remote(entry) or ".tar" in entry and ("{" in entry or entry.endswith(".tar")):
+    if is_remote(entry):  # in a bucket, anything but tar shards is loose files (utils/data/remote_data.py)
+        return ".tar" in entry or not is_object_store(entry)
+    if ".tar" in entry and ("{" in entry or entry.endswith(".tar")):
         return True
     path = Path(_local(entry, base))
     if path.is_dir():  # a folder of images that happens to hold a .tar stays a folder of images
@@ -105,7 +108,7 @@ def expand_shard_urls(entries: list[str], base: Path, lists: tuple[Path, ...] = 
     return urls
 
 
-def resolve_shard_split(value: str | list[str], root: Path, yaml_file: Path, key: str) -> ShardSet:
+def resolve_shard_split(value: str | list[str], root: Path, yaml_file: Path | str, key: str) -> ShardSet:
     """A split that names shards, expanded and checked: a missing local shard is a one-line error naming it."""
     entries = [str(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
     try:

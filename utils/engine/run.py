@@ -98,7 +98,8 @@ def check_storage(launch: Launch) -> None:
     """Every URL the run reads or writes, opened with the credentials at hand on every rank before the process group
     is joined: a problem is one line (from rank 0) and every rank stops at once."""
     config, resume = launch.config, launch.resume
-    urls = [u for u in (config.project, resume.path, *resume.latest_under, config.weights) if u and is_url(u)]
+    named = (config.project, resume.path, *resume.latest_under, config.weights, config.data)
+    urls = [str(u) for u in named if u and is_url(u)]
     if not urls:
         return
     if (config.evolve is not None or config.resume_evolve) and is_url(config.project):

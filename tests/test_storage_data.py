@@ -1,0 +1,120 @@
+"""Data on object storage (utils/data/remote_data.py): a data YAML in a bucket naming folders and lists of loose
+images and YOLO label files there, read through the node's local copy, on the real S3 server on loopback
+(tests/s3_server.py); the label cache stays on the node and the bucket is never written."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import write_rectangles_dataset
+
+from utils.data.config import load_data_config
+from utils.data.labels import read_table
+from utils.data.remote_data import bucket_folder
+from utils.engine.resume import latest_checkpoint
+from utils.errors import UserError
+from utils.storage import open_storage
+
+
+def _data_in_bucket(bucket: str, tmp_path: Path) -> tuple[str, Path]:
+    """A tiny dataset (8 train, 4 val images of 64 px) in s3://bucket/data: images/ and labels/ folders, a val
+    list with entries relative to it (./ and bare) and one absolute URL, and a data YAML naming both by relative
+    paths. Returns the YAML's URL and the local original's YAML."""
+    local = write_rectangles_dataset(tmp_path / "original", n_train=8, n_val=4, size=64)
+    storage = open_storage(f"s3://{bucket}/data")
+    for folder in ("images", "labels"):  # at once (upload_tree sends one file after another)
+        storage.fs.put(str(local.parent / folder), storage.full(folder), recursive=True)
+    listed = f"./images/val/0000.jpg\nimages/val/0001.jpg\n# a comment\ns3://{bucket}/data/images/val/0002.jpg\n"
+    storage.write_bytes("val.txt", listed.encode())
+    storage.write_bytes("rect.yaml", b"train: images/train\nval: val.txt\nnames: [red, blue]\n")
+    return f"s3://{bucket}/data/rect.yaml", local
+
+
+def _rows(table) -> dict[str, list]:
+    return {Path(f).name: np.round(table.labels[i], 5).tolist() for i, f in enumerate(table.im_files)}
+
+
+def test_a_data_yaml_in_a_bucket_reads_loose_images_through_the_nodes_copy_and_never_writes_the_bucket(
+    bucket, tmp_path, monkeypatch, caplog
+) -> None:
+    node = tmp_path / "node"
+    monkeypatch.setenv("YOLO_TRAIN_DATA_CACHE", str(node))
+    url, local_yaml = _data_in_bucket(bucket, tmp_path)
+    whole = open_storage(f"s3://{bucket}")
+    in_bucket = whole.files()
+
+    config = load_data_config(url)
+    assert config["yaml_file"] == url and config["names"] == ["red", "blue"]
+    assert all(Path(config[split]).is_relative_to(node) for split in ("train", "val"))
+    train, reused = read_table(config["train"], nc=2, verbose=False)
+    val, _ = read_table(config["val"], nc=2, verbose=False)
+    assert not reused and Path(train.cache_file).is_relative_to(node) and Path(val.cache_file).is_relative_to(node)
+    original = load_data_config(local_yaml)
+    assert _rows(train) == _rows(read_table(original["train"], nc=2, verbose=False)[0])  # the same labels
+    assert sorted(_rows(val)) == ["0000.jpg", "0001.jpg", "0002.jpg"]
+    assert whole.files() == in_bucket  # no cache, no copy went into the bucket
+
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        config = load_data_config(url)  # another start on this node: nothing fetched, the label cache reused
+        assert read_table(config["train"], nc=2, verbose=False)[1]
+    assert not [m for m in caplog.messages if "fetching" in m]
+
+    whole.write_bytes("data/labels/train/0003.txt", b"1 0.5 0.5 0.25 0.25\n")  # a label changed in the bucket
+    whole.fs.rm(whole.full("data/images/train/0005.jpg"))  # an image removed
+    with caplog.at_level("INFO"):
+        config = load_data_config(url)
+    assert [m for m in caplog.messages if "fetching" in m] == [
+        f"s3://{bucket}/data/images/train: fetching 1 of 15 files into {bucket_folder(f's3://{bucket}')}"
+    ]
+    train, reused = read_table(config["train"], nc=2, verbose=False)
+    rows = _rows(train)
+    assert not reused and "0005.jpg" not in rows and len(rows) == 7
+    assert rows["0003.jpg"] == [[1.0, 0.5, 0.5, 0.25, 0.25]]
+
+
+def test_a_missing_folder_in_a_bucket_is_one_line_naming_the_yaml(bucket, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("YOLO_TRAIN_DATA_CACHE", str(tmp_path / "node"))
+    storage = open_storage(f"s3://{bucket}")
+    storage.write_bytes("d.yaml", b"train: nothing/here\nval: nothing/here\nnames: [a]\n")
+    with pytest.raises(UserError, match=rf"^s3://{bucket}/d.yaml 'train': s3://{bucket}/nothing/here does not exist"):
+        load_data_config(f"s3://{bucket}/d.yaml")
+    with pytest.raises(UserError, match=rf"^s3://{bucket}/none.yaml: no such file$"):
+        load_data_config(f"s3://{bucket}/none.yaml")
+    name = f"k{uuid.uuid4().hex[:6]}"
+    storage.write_bytes(f"{name}.yaml", b"path: ../..\ntrain: x\nval: x\nnames: [a]\n")  # climbs to the bucket
+    with pytest.raises(UserError, match=rf"s3://{bucket}/x does not exist"):
+        load_data_config(f"s3://{bucket}/{name}.yaml")
+
+
+@pytest.mark.slow
+def test_a_run_on_data_in_s3_with_its_folder_in_gs_and_resume_finds_it_in_gs(
+    bucket, gcs_env, train_here, tmp_path, monkeypatch
+) -> None:
+    """Training on a data YAML in an s3:// bucket writes nothing there; its run folder in gs:// (the GCS emulator)
+    holds the run, and --resume --project gs://... finds the run there once its record is a killed run's."""
+    monkeypatch.setenv("YOLO_TRAIN_DATA_CACHE", str(tmp_path / "node"))
+    data, _ = _data_in_bucket(bucket, tmp_path)
+    in_bucket = open_storage(f"s3://{bucket}").files()
+    open_storage(f"gs://{bucket}").fs.mkdir(bucket)
+    project = f"gs://{bucket}/runs"
+    status, log = train_here("--data", data, "--epochs", "1", "--noval", "--project", project, "--name", "exp")
+    assert status == 0, log[-3000:]
+    run = open_storage(f"{project}/exp")
+    files = run.files()
+    for name in ("weights/last.pt", "weights/best.pt", "results.csv", "run.json", "opt.yaml"):
+        assert name in files, files
+    state = json.loads(run.read_bytes("run.json"))
+    assert state["status"] == "finished" and state["newest_checkpoint"] == "weights/last.pt"
+    assert open_storage(f"s3://{bucket}").files() == in_bucket
+
+    # As if its machine had been lost before the end: the record not finished, its last beat an hour ago.
+    run.write_bytes("run.json", json.dumps({**state, "status": "running", "updated": time.time() - 3600}).encode())
+    assert latest_checkpoint((project,), dist_timeout=10) == f"{project}/exp/weights/last.pt"
+    status, log = train_here("--resume", "--project", project)
+    assert status == 0 and f"{project}/exp/weights/last.pt: this run already finished its 1 epochs" in log, log
