@@ -225,20 +225,35 @@ def test_a_batch_without_boxes_has_a_loss_and_a_gradient_for_every_parameter(tin
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_train_py_trains_a_detr_and_resumes_bit_exactly(tiny, name, train_here, tmp_path) -> None:
+def test_train_py_trains_a_detr_and_resumes_bit_exactly_inside_stage_2(
+    tiny, name, train_here, tmp_path, monkeypatch
+) -> None:
     """train.py trains a narrowed model for 2 epochs on the rectangles: its loss falls, it is validated (mAP and the
-    val/ loss columns) each epoch. D-FINE, resumed from its first epoch's checkpoint, ends with the same weights, EMA
-    and results (the denoising queries' noise is seeded by the count of training passes the checkpoint keeps);
-    RT-DETRv2 shares that code and is not resumed here."""
+    val/ loss columns) each epoch. RT-DETRv2, resumed from its checkpoint inside the no-augmentation stage (the second
+    epoch, after its first step: --save-steps 1), ends with the same weights, EMA and results, bit for bit; D-FINE's
+    resume inside the stage is tested with its 2 ranks (test_dfine_on_two_ranks_...)."""
+    from utils.checkpoint import host_snapshot, save_checkpoint
+    from utils.engine.trainer import Trainer
+
     data = write_rectangles_dataset(tmp_path / "data", n_train=8, n_val=4, size=64)
     # The family's recipe without its 500 warmup steps (4 steps here): the rate is lr0 from the first step.
     recipe = yaml.safe_load((ROOT / FAMILIES[name][0].default_hyp).read_text())
     hyp = tmp_path / "hyp.yaml"
     hyp.write_text(yaml.safe_dump({**recipe, "warmup_steps": 0}))
+    inside: list[dict] = []  # the checkpoint written after the stage's first step
+    checkpoint = Trainer.checkpoint
+
+    def keep_inside_the_stage(self, epoch: int, mid_epoch: dict | None) -> dict:
+        ckpt = checkpoint(self, epoch, mid_epoch)
+        if mid_epoch and mid_epoch["epoch"] == 1:
+            inside.append(host_snapshot(ckpt))
+        return ckpt
+
+    monkeypatch.setattr(Trainer, "checkpoint", keep_inside_the_stage)
     status, log = train_here(
-        "--cfg", f"{name}-tiny.yaml", "--data", data, "--epochs", "2", "--batch-size", "4", "--save-period", "1",
-        "--hyp", hyp,
-        "--deterministic", "--seed", "1", "--project", tmp_path, "--name", "run", "--loggers",
+        "--cfg", f"{name}-tiny.yaml", "--data", data, "--epochs", "2", "--batch-size", "4",
+        "--hyp", hyp, "--deterministic", "--seed", "1", "--project", tmp_path, "--name", "run", "--loggers",
+        *(["--save-steps", "1"] if name == "rtdetrv2" else []),
     )  # fmt: skip
     assert status == 0, log
     run = tmp_path / "run"
@@ -250,15 +265,16 @@ def test_train_py_trains_a_detr_and_resumes_bit_exactly(tiny, name, train_here, 
     assert total[1] < total[0], total
     assert all(0 <= r["metrics/mAP_0.5:0.95"] <= 1 for r in rows)
 
-    if name != "dfine":
+    if name != "rtdetrv2":
         return
+    assert len(inside) == 1 and inside[0]["mid_epoch"]["batch"] == 1 and inside[0]["updates"] == 1
     again = tmp_path / "again"
     shutil.copytree(run, again)
-    shutil.copyfile(run / "weights" / "epoch0.pt", again / "weights" / "last.pt")
+    save_checkpoint(inside[0], again / "weights" / "last.pt")
     status, log = train_here("--resume", again / "weights" / "last.pt", "--batch-size", "4")
     assert status == 0, log
     resumed, straight = (load_checkpoint(r / "weights" / "last.pt") for r in (again, run))
-    assert resumed["epoch"] == straight["epoch"] == 1
+    assert resumed["epoch"] == straight["epoch"] == 1 and resumed["updates"] == straight["updates"] == 2
     for key in ("model", "ema"):
         assert all(torch.equal(resumed[key][k], straight[key][k]) for k in straight[key]), key
     assert last_losses(again / "results.csv", names) == last_losses(run / "results.csv", names)
