@@ -295,11 +295,11 @@ def test_dfine_on_two_ranks_equals_one_process_survives_an_empty_rank_and_resume
     EMA restarted at the no-augmentation stage, the second epoch) but SGD, global batch 4, --sync-bn, once on 1
     process and once on 2 ranks whose rank 1 holds no box in its first batch:
 
-    - the 2 ranks end with the weights and EMA of the one process (2e-5 relative) and its losses (4 digits): the
+    - the 2 ranks end with the weights and EMA of the one process (1e-7 relative) and its losses (4 digits): the
       denoising groups are sized by the most boxes of one image over every rank and each image's noise comes from
       (seed, epoch, its sample); the empty rank finishes its step;
     - each run's checkpoint inside the stage (after its first step; --save-steps 1), resumed on 1 process, ends where
-      the one process ended: from the one process's checkpoint bit for bit, from the 2 ranks' within 2e-5.
+      the one process ended: from the one process's checkpoint bit for bit, from the 2 ranks' within 1e-7.
 
     SGD, as the YOLO families' test: with the recipe's AdamW the 2 ranks are within 2e-5 after the first epoch and
     not after the second (docs/training.md, "The same step at any world size")."""
@@ -342,8 +342,8 @@ def test_dfine_on_two_ranks_equals_one_process_survives_an_empty_rank_and_resume
     straight = load_checkpoint(tmp_path / "single/exp/weights/last.pt")
     two = load_checkpoint(tmp_path / "ranks/exp/weights/last.pt")
     assert two["updates"] == straight["updates"] == 2  # the EMA restarted at the stage's first step
-    for key in ("model", "ema"):
-        assert relative_difference(two[key], straight[key]) <= 2e-5, key
+    for key in ("model", "ema"):  # 6e-9 measured; transformers' per-rank groups and noise give 1e-5 (SGD moves little)
+        assert relative_difference(two[key], straight[key]) <= 1e-7, key
     losses = [last_losses(tmp_path / run / "exp" / "results.csv", DFINE.loss_names) for run in ("single", "ranks")]
     assert losses[0] == losses[1] and all(v > 0 for v in losses[0][:4]), losses
 
@@ -360,7 +360,7 @@ def test_dfine_on_two_ranks_equals_one_process_survives_an_empty_rank_and_resume
     from_single, from_ranks = (load_checkpoint(tmp_path / f"{r}-resumed/weights/last.pt") for r in ("single", "ranks"))
     for key in ("model", "ema"):
         assert all(torch.equal(from_single[key][k], straight[key][k]) for k in straight[key]), key
-        assert relative_difference(from_ranks[key], straight[key]) <= 2e-5, key
+        assert relative_difference(from_ranks[key], straight[key]) <= 1e-7, key
 
 
 def last_losses(results_csv: Path, names: tuple[str, ...]) -> list[float]:
