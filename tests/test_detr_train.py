@@ -210,6 +210,46 @@ def test_matcher_is_deterministic_on_ties() -> None:
     assert runs[0].query[0][first].tolist() == alone.query[0].tolist() == [0, 1]
 
 
+def test_an_images_denoising_queries_depend_on_its_sample_and_the_groups_size_alone() -> None:
+    """What makes the step the same at any world size: an image's denoising queries are the same whichever batch
+    (rank) and place holds it, given the groups' size (the most boxes of one image over every rank); each group's
+    positive query of a box moves its corners by less than half the box's size (the negative's by 1 to 2 halves),
+    and the attention mask keeps the groups and the matching queries apart."""
+    from types import SimpleNamespace
+
+    from models.detr import DenoisingPlan, denoising_queries, sample_entropy
+
+    config = SimpleNamespace(num_labels=3, num_queries=4, num_denoising=10, label_noise_ratio=0.5, box_noise_scale=1.0)
+    embed = torch.nn.Embedding(4, 1)
+    with torch.no_grad():
+        embed.weight.copy_(torch.arange(4.0)[:, None])  # the embedding of a label is the label
+    boxes = {"a": [[1, 0.5, 0.5, 0.2, 0.2], [2, 0.3, 0.6, 0.2, 0.1]], "b": [], "c": [[0, 0.5, 0.4, 0.1, 0.2]] * 3}
+
+    def queries(names: list[str]) -> tuple:
+        rows = [[i, *box] for i, name in enumerate(names) for box in boxes[name]]
+        targets = torch.tensor(rows, dtype=torch.float32).reshape(-1, 6)
+        entropy = tuple(sample_entropy(7, 2, f"images/{name}.jpg") for name in names)
+        plan = DenoisingPlan(tuple(len(boxes[n]) for n in names), 3, entropy)  # 3: the most over "every rank"
+        return denoising_queries(plan, targets, config, embed)
+
+    labels, unact, mask, meta = queries(["a", "b", "c"])
+    other_labels, other_unact, _, other_meta = queries(["c", "a"])  # another rank's batch, another order
+    groups, width = meta["dn_num_group"], meta["dn_num_split"][0]
+    assert groups == other_meta["dn_num_group"] == 3 and width == 2 * 3 * groups
+    for here, there in ((0, 1), (2, 0)):  # a, c
+        assert torch.equal(labels[here], other_labels[there]) and torch.equal(unact[here], other_unact[there])
+    assert not torch.equal(unact[0], unact[2])
+    moved = unact[0].sigmoid().view(2 * groups, 3, 4)[:, :2]  # image a's two boxes in every half-group
+    given = torch.tensor(boxes["a"])[:, 1:]
+    shift = (moved[..., :2] - moved[..., 2:] / 2 - (given[:, :2] - given[:, 2:] / 2)).abs() / (given[:, 2:] / 2)
+    assert (shift[0::2] < 1 + 1e-4).all() and not (shift[1::2] < 1 + 1e-4).all()  # positives near (a negative's
+    # corners move by 1 to 2 half-sizes and may cross: its box is then clipped, its corners not recovered here)
+    assert (labels[0].view(2 * groups, 3, 1)[:, 2] == 3).all()  # the padding slot keeps the padding label
+    group = torch.arange(width) // 6
+    assert torch.equal(mask[:width, :width] == 0, group[:, None] == group[None, :])
+    assert (mask[width:, :width] == float("-inf")).all() and (mask[:, width:] == 0).all()
+
+
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_a_batch_without_boxes_has_a_loss_and_a_gradient_for_every_parameter(tiny, name) -> None:
     """No boxes on this rank: the loss is finite (every query a negative), and every trainable parameter, the
