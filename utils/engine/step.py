@@ -173,14 +173,13 @@ class MicroBatches:
     micro: list  # (images, targets) on the device
     prepared: list  # the loss's preparation of each
     counts: torch.Tensor  # the loss's counts of each (to sum over ranks before the forward passes)
+    per_image: list[list[int]]  # each one's label rows per image, counted on the host
     most: list[int]  # each one's most labels of one image (this rank's)
-    batches: list  # each one's TrainBatch, for a family whose forward pass takes it (else None)
 
 
 def micro_batches(stepper: Stepper, window: Window, epoch: int) -> MicroBatches:
-    """The window's micro-batches on the device, the loss's preparation of each and its counts, each one's labels per
-    image (host), and for a family whose forward pass reads them, their TrainBatch: the most labels of one image over
-    every rank's micro-batch comes from one all-reduce of host numbers for the window."""
+    """The window's micro-batches on the device, the loss's preparation of each and its counts, and each one's labels
+    per image (counted on the host)."""
     per_image = [labels_per_image(b[1], b[0].shape[0]) for _, b in window]
     most = [max(n, default=0) for n in per_image]
     micro = [
@@ -191,17 +190,24 @@ def micro_batches(stepper: Stepper, window: Window, epoch: int) -> MicroBatches:
     counts = torch.stack([stepper.loss.counts(p) for p in prepared])
     # A loss without counts gives empty ones, made on the host: made anew on the device, nothing is copied.
     counts = counts.to(stepper.device) if counts.numel() else torch.zeros(counts.shape, device=stepper.device)
-    batches: list = [None] * len(window)
-    if stepper.family.forward_takes_batch:
-        overall = max_over_ranks(most)
-        batches = [
-            TrainBatch(stepper.batch.seed, epoch, tuple(map(str, b[2])), tuple(n), m)
-            for (_, b), n, m in zip(window, per_image, overall)
-        ]
-    return MicroBatches(micro, prepared, counts, most, batches)
+    return MicroBatches(micro, prepared, counts, per_image, most)
 
 
-def forward_backward(stepper: Stepper, window: MicroBatches, counts: torch.Tensor) -> None:
+def train_batches(stepper: Stepper, window: Window, epoch: int, micro: MicroBatches) -> list[TrainBatch | None]:
+    """Each micro-batch's TrainBatch for a family whose forward pass reads it (else None): the most labels of one image
+    over every rank's micro-batch comes from one all-reduce of host numbers for the window."""
+    if not stepper.family.forward_takes_batch:
+        return [None] * len(window)
+    overall = max_over_ranks(micro.most)
+    return [
+        TrainBatch(stepper.batch.seed, epoch, tuple(map(str, b[2])), tuple(n), m)
+        for (_, b), n, m in zip(window, micro.per_image, overall)
+    ]
+
+
+def forward_backward(
+    stepper: Stepper, window: MicroBatches, counts: torch.Tensor, batches: list[TrainBatch | None]
+) -> None:
     """The forward and backward passes of the window's micro-batches; their loss items go to the device tally."""
     world = stepper.info.world_size
     reduce = all_reduce_sum if stepper.info.is_distributed else None
@@ -209,7 +215,7 @@ def forward_backward(stepper: Stepper, window: MicroBatches, counts: torch.Tenso
     for k, ((imgs, targets), positives, prep) in enumerate(zip(window.micro, counts, window.prepared)):
         with gradient_sync(stepper.model, k == len(window.micro) - 1), autocast(stepper.device, stepper.precision):
             if family.forward_takes_batch:
-                outputs = family.forward_train(stepper.model, imgs, targets, window.batches[k])
+                outputs = family.forward_train(stepper.model, imgs, targets, batches[k])
             else:
                 outputs = family.forward_train(stepper.model, imgs, targets)
             norm = LossNorm(positives, imgs.shape[0] * world, window.most[k])
@@ -257,9 +263,10 @@ def train_step(
     counts = micro.counts
     if counts.numel() and stepper.info.is_distributed:
         counts = all_reduce_sum(counts)  # the global counts the loss divides by
+    batches = train_batches(stepper, window, epoch, micro)
     stepper.marks.mark("sync")
     stepper.optim.warm_up(window[-1][0] + n_batches * epoch, epoch)
-    forward_backward(stepper, micro, counts)
+    forward_backward(stepper, micro, counts, batches)
     update(stepper)
     if stepper.steps_done % stepper.log_interval:
         return None
