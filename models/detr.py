@@ -11,11 +11,15 @@ queries x classes of the sigmoid scores, as the references' post-processors take
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import math
+import sys
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -27,6 +31,7 @@ MODEL_CLASSES = {
     "d_fine": ("DFineConfig", "DFineForObjectDetection"),
     "rt_detr_v2": ("RTDetrV2Config", "RTDetrV2ForObjectDetection"),
 }
+INVERSE_SIGMOID_EPS = 1e-5  # the references' clamp of a denoising box before its inverse sigmoid
 
 
 def transformers_module() -> Any:
@@ -70,6 +75,128 @@ def top_detections(logits: torch.Tensor, boxes: torch.Tensor, hw: tuple[int, int
     return torch.cat((corners, scores.unsqueeze(-1), labels.unsqueeze(-1).to(boxes.dtype)), -1)
 
 
+DENOISING_STREAM = 0x646E  # in each image's noise entropy: apart from the dataset's (seed, epoch, index) draws
+
+
+@dataclass(frozen=True)
+class DenoisingPlan:
+    """What a training pass's denoising queries are made of besides the targets, each the same at any world size:
+    the boxes of each image (counted on the host), the groups' size (the most boxes of one image over every rank's
+    micro-batch) and each image's noise entropy (the run's seed, the epoch and the sample: ``sample_entropy``)."""
+
+    per_image: tuple[int, ...]
+    slots: int
+    entropy: tuple[tuple[int, ...], ...]
+
+
+def sample_entropy(seed: int, epoch: int, sample: str) -> tuple[int, ...]:
+    """The noise entropy of one image: the run's seed, the epoch and a 64-bit hash of the sample's name (its file),
+    which do not depend on the rank, the image's place in a batch or what else drew random numbers."""
+    key = int.from_bytes(hashlib.blake2b(sample.encode("utf-8", "surrogateescape"), digest_size=8).digest(), "little")
+    return (DENOISING_STREAM, int(seed), int(epoch), key)
+
+
+def denoising_noise(plan: DenoisingPlan, groups: int, label_noise: float, nc: int) -> np.ndarray:
+    """Every image's noise, drawn on the host from its own entropy, as one float32 array: the box shifts
+    (B, 2G, M, 4), in units of half the box's size (a sign and a magnitude in [0, 1) for the positive query of each
+    group, [1, 2) for the negative), then the new labels (B, 2G, M) (-1 where the label stays); query
+    (2g + h) M + j of an image stands for its box j (h: 0 positive, 1 negative)."""
+    batch, slots = len(plan.per_image), plan.slots
+    shift = np.zeros((batch, 2 * groups, slots, 4), np.float32)
+    relabel = np.full((batch, 2 * groups, slots), -1.0, np.float32)
+    for i, n in enumerate(plan.per_image):
+        if not n:
+            continue
+        rng = np.random.default_rng(plan.entropy[i])
+        flip = rng.random((2 * groups, n)) < label_noise * 0.5
+        new = rng.integers(0, nc, (2 * groups, n))
+        sign = rng.integers(0, 2, (2 * groups, n, 4)) * 2.0 - 1.0
+        part = rng.random((2 * groups, n, 4))
+        part[1::2] += 1.0  # the negative query of each group: farther from its box than any positive
+        shift[i, :, :n] = sign * part
+        relabel[i, :, :n] = np.where(flip, new, -1)
+    return np.concatenate((shift.reshape(-1), relabel.reshape(-1)))
+
+
+def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on ``device`` in one copy (pinned on CUDA: queued without waiting for the device)."""
+    flat = torch.from_numpy(array)
+    if device.type == "cuda":
+        flat = flat.pin_memory()
+    return flat.to(device, non_blocking=True)
+
+
+def denoising_attention(dn: int, queries: int, slots: int, device: torch.device) -> torch.Tensor:
+    """The decoder's self-attention mask (0 or -inf): the matching queries do not see the denoising ones, and each
+    denoising group sees only itself."""
+    rows = torch.arange(dn + queries, device=device)
+    denoising = rows < dn
+    group = torch.div(rows, 2 * slots, rounding_mode="floor")
+    other_group = denoising[:, None] & denoising[None, :] & (group[:, None] != group[None, :])
+    blocked = (~denoising[:, None] & denoising[None, :]) | other_group
+    return torch.where(blocked, float("-inf"), 0.0)
+
+
+def denoising_queries(plan: DenoisingPlan, targets: torch.Tensor, config: Any, class_embed: nn.Module) -> Any:
+    """The denoising queries as transformers' model takes them (its ``get_contrastive_denoising_training_group``'s
+    results: class embeddings, boxes before the sigmoid, the attention mask, the layout), or None without boxes in
+    any rank's micro-batch. The references' construction (``num_denoising`` // M groups, each a positive and a
+    negative query per box, labels replaced at ``label_noise_ratio`` / 2, corners moved by up to
+    ``box_noise_scale`` times half the box's size, farther for the negatives), with M and the noise from ``plan``."""
+    slots, batch, device = plan.slots, len(plan.per_image), targets.device
+    if slots == 0:
+        return None
+    nc, queries = int(config.num_labels), int(config.num_queries)
+    groups = max(int(config.num_denoising) // slots, 1)
+    width = 2 * groups * slots
+    rows = np.concatenate([np.arange(n) for n in plan.per_image]).astype(np.float32)
+    image_of_row = np.repeat(np.arange(batch), plan.per_image).astype(np.float32)
+    noise = denoising_noise(plan, groups, float(config.label_noise_ratio), nc)
+    flat = host_to_device(np.concatenate((noise, image_of_row, rows)), device)
+    shift, relabel, image, slot = flat.split([batch * width * 4, batch * width, len(rows), len(rows)])
+    image, slot = image.long(), slot.long()
+    labels = torch.full((batch, slots), nc, dtype=torch.long, device=device)
+    boxes = torch.zeros((batch, slots, 4), device=device)
+    present = torch.zeros((batch, slots), dtype=torch.bool, device=device)
+    labels[image, slot] = targets[:, 1].long()
+    boxes[image, slot] = targets[:, 2:6].float()
+    present[image, slot] = present.new_ones(())  # not True: a host value is a copy to the device
+    labels, present = labels.repeat(1, 2 * groups), present.repeat(1, 2 * groups)
+    boxes = boxes.repeat(1, 2 * groups, 1)
+    relabel = relabel.view(batch, width).long()
+    if float(config.label_noise_ratio) > 0:
+        labels = torch.where((relabel >= 0) & present, relabel, labels)
+    if float(config.box_noise_scale) > 0:
+        half = boxes[..., 2:] / 2
+        corners = torch.cat((boxes[..., :2] - half, boxes[..., :2] + half), -1)
+        moved = corners + shift.view(batch, width, 4) * half.repeat(1, 1, 2) * float(config.box_noise_scale)
+        moved = moved.clamp(0, 1)
+        boxes = torch.cat(((moved[..., :2] + moved[..., 2:]) / 2, moved[..., 2:] - moved[..., :2]), -1)
+    inside = boxes.clamp(0, 1)
+    unact = torch.log(inside.clamp(min=INVERSE_SIGMOID_EPS) / (1 - inside).clamp(min=INVERSE_SIGMOID_EPS))
+    meta = {"dn_positive_idx": None, "dn_num_group": groups, "dn_num_split": [width, queries]}
+    return class_embed(labels), unact, denoising_attention(width, queries, slots, device), meta
+
+
+@contextlib.contextmanager
+def transformers_denoising(model: nn.Module, made: Any) -> Iterator[None]:
+    """transformers' model with ``made`` as its denoising queries: its module's group maker, which draws from the
+    process's global generator and sizes the groups by the rank's own batch, answers ``made`` for this pass."""
+    if made is None:
+        yield
+        return
+    module = sys.modules[type(model).__module__]
+    name = "get_contrastive_denoising_training_group"
+    if not hasattr(module, name):
+        raise UserError(f"transformers {transformers_module().__version__}: {module.__name__} has no {name}")
+    original = getattr(module, name)
+    setattr(module, name, lambda *args, **kwargs: made)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
 class DetrDetector(nn.Module):
     """A DETR of transformers with this project's model interface.
 
@@ -89,7 +216,7 @@ class DetrDetector(nn.Module):
         self.strides = [int(s) for s in config.feat_strides]
         self.queries = int(config.num_queries)
         self.register_buffer("stride", torch.tensor([float(max(self.strides))]), persistent=False)
-        self.training_passes = 0  # the denoising noise's seed: see denoising_generator
+        self.training_passes = 0  # the noise of denoising queries made without a plan (local_plan)
 
     def check_size(self, h: int, w: int) -> None:
         """One line for an image whose encoder holds fewer tokens than the decoder has queries."""
@@ -101,15 +228,17 @@ class DetrDetector(nn.Module):
                 f"tokens, fewer than its {self.queries} queries; the smallest size that works is {smallest}"
             )
 
-    def forward(self, images: torch.Tensor, targets: torch.Tensor | None = None) -> Any:
+    def forward(
+        self, images: torch.Tensor, targets: torch.Tensor | None = None, plan: DenoisingPlan | None = None
+    ) -> Any:
         """Training: what ``models/detr_loss.py: DetrLoss`` takes, with ``targets`` (N, 6: image, class, cx, cy, w, h
-        normalised, rows grouped by image) making the denoising queries. Eval: ``(output0, raw)``, output0 (B, 300, 6)
-        in input pixels, raw the logits and boxes of the last layer (and D-FINE's edge distributions)."""
+        normalised, rows grouped by image) and ``plan`` making the denoising queries. Eval: ``(output0, raw)``, output0
+        (B, 300, 6) in input pixels, raw the logits and boxes of the last layer (and D-FINE's edge distributions)."""
         h, w = images.shape[2:]
         if not torch.jit.is_tracing() and not torch.compiler.is_compiling():
             self.check_size(int(h), int(w))
         if self.training:
-            return self.training_pass(images, targets)
+            return self.training_pass(images, targets, plan)
         out = self.inference_pass(images)
         raw = {"logits": out.logits, "pred_boxes": out.pred_boxes}
         if out.intermediate_predicted_corners is not None:
@@ -117,24 +246,20 @@ class DetrDetector(nn.Module):
             raw["ref_points"] = out.initial_reference_points[:, -1]
         return top_detections(out.logits, out.pred_boxes, (h, w), self.queries), raw
 
-    def training_pass(self, images: torch.Tensor, targets: torch.Tensor | None) -> dict[str, Any]:
-        """transformers' model with the targets as its ``labels`` (one dict per image: its denoising queries), every
-        decoder layer's logits, boxes (and D-FINE's edge distributions and reference points), the encoder's top-k,
-        and the denoising layout. The boxes per image are read on the host here (transformers takes one tensor per
-        image): one of the step's waits for the device (docs/design.md)."""
-        batch = images.shape[0]
-        labels, per_image = None, None
-        if targets is not None:
-            image = targets[:, 0].long()
-            counts = torch.zeros(batch, dtype=torch.long, device=targets.device)
-            per_image = counts.index_add_(0, image, torch.ones_like(image)).tolist()
-            starts = [sum(per_image[:i]) for i in range(batch)]
-            labels = [
-                {"class_labels": targets[s : s + n, 1].long(), "boxes": targets[s : s + n, 2:6].float()}
-                for s, n in zip(starts, per_image)
-            ]
-        with self.denoising_generator(images.device):
-            out = self.detr.model(pixel_values=images, labels=labels)
+    def training_pass(
+        self, images: torch.Tensor, targets: torch.Tensor | None, plan: DenoisingPlan | None = None
+    ) -> dict[str, Any]:
+        """transformers' model with this project's denoising queries (``denoising_queries``, made from the targets and
+        ``plan``), every decoder layer's logits, boxes (and D-FINE's edge distributions and reference points), the
+        encoder's top-k, and the denoising layout. Without a plan (a direct call, not the engine's step) the boxes per
+        image are read on the host and the noise follows the count of training passes."""
+        made = None
+        if targets is not None and self.detr.config.num_denoising > 0:
+            plan = plan if plan is not None else self.local_plan(targets, images.shape[0])
+            made = denoising_queries(plan, targets, self.detr.config, self.detr.model.denoising_class_embed)
+        self.training_passes += 1
+        with transformers_denoising(self.detr.model, made):
+            out = self.detr.model(pixel_values=images, labels=[] if made is not None else None)
         meta = out.denoising_meta_values
         dn_queries = int(meta["dn_num_split"][0]) if meta is not None else 0
         zero = None
@@ -150,30 +275,21 @@ class DetrDetector(nn.Module):
             "enc_boxes": out.enc_topk_bboxes,
             "dn_queries": dn_queries,
             "dn_groups": int(meta["dn_num_group"]) if meta is not None else 0,
-            "per_image": per_image,
+            "per_image": list(plan.per_image) if plan is not None else None,
             "zero": zero,
         }
 
-    @contextlib.contextmanager
-    def denoising_generator(self, device: torch.device) -> Iterator[None]:
-        """transformers draws the denoising queries' noise from the global generator: here it is seeded for each
-        training pass from the process's seed, the rank and the count of training passes (which checkpoints keep:
-        ``get_extra_state``), so the noise does not depend on what else draws from the generator (a resumed run's
-        fresh loader does) and a resumed run draws what the run it continues would have. The global generator is
-        left as it was."""
-        rank = (
-            torch.distributed.get_rank()
-            if torch.distributed.is_available() and torch.distributed.is_initialized()
-            else 0
-        )
-        seed = (torch.initial_seed() * 1_000_003 + rank * 7_919 + self.training_passes) % 2**63
-        self.training_passes += 1
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
-            torch.manual_seed(seed)
-            yield
+    def local_plan(self, targets: torch.Tensor, batch: int) -> DenoisingPlan:
+        """A plan from this call alone: the boxes per image read on the host (a wait for the device), the groups
+        sized by this batch, the noise drawn by image position and the count of training passes."""
+        image = targets[:, 0].long()
+        counts = torch.zeros(batch, dtype=torch.long, device=targets.device)
+        per_image = tuple(int(n) for n in counts.index_add_(0, image, torch.ones_like(image)).tolist())
+        entropy = tuple((DENOISING_STREAM, self.training_passes, i) for i in range(batch))
+        return DenoisingPlan(per_image, max(per_image, default=0), entropy)
 
     def get_extra_state(self) -> torch.Tensor:
-        """The count of training passes (the denoising noise's seed), kept by checkpoints."""
+        """The count of training passes (the noise of direct calls without a plan), kept by checkpoints."""
         return torch.full((), self.training_passes, dtype=torch.int64)
 
     def set_extra_state(self, state: Any) -> None:

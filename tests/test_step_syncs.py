@@ -7,7 +7,7 @@ indexing, ...) or that make a tensor of host numbers, which CUDA copies from pag
 patched on torch.Tensor while a step runs. Only the read-back steps (every ``--log-interval`` steps) may have any.
 
 The one host reading a step makes on purpose is of the batch's label rows as the loader gave them, before their copy
-to the device (``most_labels_per_image``): checked to be given the loader's own tensor, and not counted.
+to the device (``labels_per_image``): checked to be given the loader's own tensor, and not counted.
 """
 
 from __future__ import annotations
@@ -100,13 +100,13 @@ def counted_steps(monkeypatch):
             loader_targets.update(id(batch[1]) for _, batch in window)
             yield window
 
-    most = step_module.most_labels_per_image
+    per_image = step_module.labels_per_image
 
-    def host_count(targets: torch.Tensor) -> int:
-        assert id(targets) in loader_targets, "most_labels_per_image was given a tensor the loader did not yield"
+    def host_count(targets: torch.Tensor, images: int) -> list[int]:
+        assert id(targets) in loader_targets, "labels_per_image was given a tensor the loader did not yield"
         counter[-1].paused = True
         try:
-            return most(targets)
+            return per_image(targets, images)
         finally:
             counter[-1].paused = False
 
@@ -125,7 +125,7 @@ def counted_steps(monkeypatch):
         return readout
 
     monkeypatch.setattr(epoch_module, "accumulation_windows", recorded_windows)
-    monkeypatch.setattr(step_module, "most_labels_per_image", host_count)
+    monkeypatch.setattr(step_module, "labels_per_image", host_count)
     monkeypatch.setattr(epoch_module, "train_step", counting_step)
     return steps
 
@@ -161,24 +161,23 @@ def test_no_step_waits_for_the_device_but_the_read_back_steps(
     assert any("Tensor.cpu" in e for e in counted_steps[LOG_INTERVAL - 1][0]), counted_steps
 
 
-# The DETR families' waits, each named in docs/design.md ("Where the step may and may not sync"): ours, the boxes per
-# image read for transformers' per-image labels and the matcher's one copy of every set's costs; transformers' own,
-# in its training forward pass (its encoder layer's finite check, its denoising group's nonzero, each decoder layer's
-# check of the deformable attention's shapes).
+# The DETR families' waits, each named in docs/design.md ("Where the step may and may not sync"): ours, the matcher's
+# one copy of every set's costs; transformers' own, in its training forward pass (its encoder layer's finite check,
+# each decoder layer's check of the deformable attention's shapes). The boxes per image come from the loader's host
+# count, and the denoising queries' noise goes to the device in one pinned copy, queued without a wait.
 DETR_WAITS = {
-    "Tensor.tolist at detr.py": 1,
     "Tensor.cpu at detr_matcher.py": 1,
     "Tensor.numpy at detr_matcher.py": 1,
     "aten.lift_fresh.default at detr_matcher.py": 1,  # the matches back: a pinned copy on CUDA, queued, no wait
+    "aten.lift_fresh.default at detr.py": 1,  # the denoising noise: a pinned copy on CUDA, queued, no wait
 }
 TRANSFORMERS_FILES = ("modeling_d_fine.py", "modeling_rt_detr_v2.py", "import_utils.py")
 
 
 @pytest.mark.parametrize("name", ["dfine", "rtdetrv2"])
 def test_a_detr_step_waits_only_where_named(name, counted_steps, train_here, rectangles_yaml, tmp_path, monkeypatch):
-    """A DETR family's steady-state step waits for the device only at the named places: once for the boxes per
-    image, once for the matcher's costs (every decoder layer's and the encoder's, all images, in one copy), and
-    inside transformers' forward pass."""
+    """A DETR family's steady-state step waits for the device only at the named places: once for the matcher's costs
+    (every decoder layer's and the encoder's, all images, in one copy), and inside transformers' forward pass."""
     pytest.importorskip("transformers", reason="the DETR families need transformers (requirements-test.txt)")
     from tests.test_detr_train import FAMILIES
 

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -146,6 +146,7 @@ class _Group:
     heartbeat_seconds: float = HEARTBEAT_SECONDS
     timeout_seconds: float = DEFAULT_TIMEOUT_MINUTES * 60
     waits: dict[str, int] = {}
+    host: Any = None  # the gloo group of host numbers under NCCL (host_group)
 
 
 def _open_store(info: DistInfo, timeout: datetime.timedelta) -> dist.Store:
@@ -192,7 +193,7 @@ def destroy_process_group() -> None:
         _Group.heartbeat_stop = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    _Group.store = None
+    _Group.store, _Group.host = None, None
 
 
 def _store() -> dist.Store:
@@ -387,6 +388,28 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
         with collective("all_reduce"):
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
+
+
+def host_group() -> Any:
+    """A gloo group of every rank for collectives of host numbers: the default group where it is gloo's; under NCCL
+    one made at the first call (every rank calls at the same step) and kept, so host numbers never travel through
+    the device (a read of an NCCL result would make the host wait for everything queued before it)."""
+    if dist.get_backend() == "gloo":
+        return None  # the default group
+    if _Group.host is None:
+        _Group.host = dist.new_group(backend="gloo")
+    return _Group.host
+
+
+def max_over_ranks(values: list[int]) -> list[int]:
+    """Each of ``values`` (host integers) maximised over all ranks, on the host (``values`` itself outside a process
+    group)."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return values
+    tensor = torch.tensor(values, dtype=torch.int64)
+    with collective("all_reduce (max of host numbers)"):
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=host_group())
+    return [int(v) for v in tensor.tolist()]
 
 
 T = TypeVar("T")

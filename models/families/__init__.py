@@ -15,7 +15,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from models.families.base import CheckpointImporter, ExportModule, Family, Int8Scope
+from models.families.base import CheckpointImporter, ExportModule, Family, Int8Scope, TrainBatch
 from models.families.dfine import DFINE
 from models.families.rtdetrv2 import RTDETRV2
 from models.families.ultralytics_import import ULTRALYTICS_IMPORTER
@@ -49,6 +49,7 @@ __all__ = [
     "ExportModule",
     "Family",
     "Int8Scope",
+    "TrainBatch",
     "UNRECORDED_EXPORT_FAMILY",
     "family_name",
     "family_of",

@@ -30,6 +30,20 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
+class TrainBatch:
+    """What the step knows on the host of one micro-batch, for a family whose training forward pass needs it
+    (``Family.forward_takes_batch``): the run's seed, the epoch, each image's sample (its file: the same sample on
+    any rank and at any world size), each image's label rows as the loader gave them, and the most label rows of one
+    image over every rank's micro-batch of the step (the same on every rank)."""
+
+    seed: int
+    epoch: int
+    samples: tuple[str, ...]
+    per_image: tuple[int, ...]
+    most_over_ranks: int
+
+
+@dataclass(frozen=True)
 class Int8Scope:
     """What stays in float when a model is quantized to INT8 (each export format maps it to its toolkit's ignored
     scope). Names are PyTorch qualified module names (``model.23``, ``model.23.dfl``).
@@ -101,6 +115,9 @@ class Family:
     importers: ClassVar[tuple[CheckpointImporter, ...]] = ()  # readers of other tools' checkpoints of its models
     end_to_end: ClassVar[bool] = False  # whether its models have an NMS-free output (``use_end_to_end``)
     anchor_based: ClassVar[bool] = False  # whether its head predicts relative to anchor boxes (AutoAnchor applies)
+    # whether its training forward pass reads the step's TrainBatch (the DETRs' denoising queries: a host all-reduce
+    # of the most label rows of one image per step)
+    forward_takes_batch: ClassVar[bool] = False
     # The automatic optimizer's AdamW learning rate for short runs is this / (4 + nc) (see utils/optimizer.py). Every
     # family keeps the value measured for YOLOv5; Ultralytics' own rule (0.01 / (4 + nc)) is not measured against it.
     adamw_lr_per_class_term: ClassVar[float] = 0.05
@@ -160,8 +177,11 @@ class Family:
         """Its loss, normalised by counts over all ranks (a step does not depend on the world size)."""
         raise NotImplementedError
 
-    def forward_train(self, model: nn.Module, images: torch.Tensor, targets: torch.Tensor) -> Any:
-        """The training forward pass; a family whose model needs the targets (denoising queries) overrides it."""
+    def forward_train(
+        self, model: nn.Module, images: torch.Tensor, targets: torch.Tensor, batch: TrainBatch | None = None
+    ) -> Any:
+        """The training forward pass; a family whose model needs the targets (denoising queries) overrides it. The
+        step passes ``batch`` where ``forward_takes_batch`` says the family reads it."""
         return model(images)
 
     def parameter_groups(self, model: nn.Module, weight_decay: float, hyp: Any = None) -> list[dict[str, Any]]:

@@ -29,9 +29,9 @@ import torch
 import torch.nn as nn
 import yaml
 
-from models.detr import DetrDetector
+from models.detr import DenoisingPlan, DetrDetector, sample_entropy
 from models.detr_loss import DetrLoss
-from models.families.base import ExportModule, Family, Int8Scope
+from models.families.base import ExportModule, Family, Int8Scope, TrainBatch
 from models.families.detr_import import HuggingFaceImporter, OfficialDetrImporter
 from models.loss import DetectionLoss
 from utils.errors import UserError
@@ -103,6 +103,7 @@ class DetrFamily(Family):
     default_hyp = "data/hyps/hyp.rtdetrv2.yaml"
     evolve_limits = evolve_limits_of(DetrHyp, **DETR_LIMITS)
     recipe_optimizer = "AdamW"  # the references' optimizer, at the hyp file's lr0 whatever the run's length
+    forward_takes_batch = True  # the denoising queries: groups and noise the same at any world size
     layouts = ("end2end",)
     end_to_end = True
     val_iou = 0.7  # unused: the output is final; kept for the predictor's interface
@@ -193,9 +194,16 @@ class DetrFamily(Family):
         transformers config, replaced by the run's hyper-parameters (the family's record) where it has them."""
         return DetrLoss(model, distributions=self.distributions, hyp=hyp)
 
-    def forward_train(self, model: nn.Module, images: torch.Tensor, targets: torch.Tensor) -> Any:
-        """The model with the targets: transformers builds its denoising queries from them."""
-        return model(images, targets)
+    def forward_train(
+        self, model: nn.Module, images: torch.Tensor, targets: torch.Tensor, batch: TrainBatch | None = None
+    ) -> Any:
+        """The model with the targets and the step's ``batch`` (``forward_takes_batch``), of which the denoising
+        queries are made: the groups sized by the most boxes of one image over every rank, each image's noise drawn
+        from (seed, epoch, its sample), so the step does not depend on the world size."""
+        if batch is None:
+            return model(images, targets)
+        entropy = tuple(sample_entropy(batch.seed, batch.epoch, sample) for sample in batch.samples)
+        return model(images, targets, DenoisingPlan(batch.per_image, batch.most_over_ranks, entropy))
 
     def fit_anchors(
         self, dataset: Any, model: nn.Module, hyp: Any = None, *, thr: float | None = None, imgsz: int

@@ -30,10 +30,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from models.families import Family
+from models.families import Family, TrainBatch
 from models.loss import DetectionLoss, LossNorm
 from utils.amp import Precision, autocast
-from utils.distributed import DistInfo, all_reduce_sum
+from utils.distributed import DistInfo, all_reduce_sum, max_over_ranks
 from utils.engine.optimization import Optimization
 from utils.engine.tally import LossTally
 from utils.engine.timing import HostMarks
@@ -157,16 +157,31 @@ def gradient_sync(model: nn.Module, step_now: bool) -> contextlib.AbstractContex
     return model.no_sync() if isinstance(model, DDP) and not step_now else contextlib.nullcontext()
 
 
-def most_labels_per_image(targets: torch.Tensor) -> int:
-    """The most label rows of one image in a batch's ``targets`` as the loader gave them, on the host (the anchor-free
-    losses pad their targets to it); counted here, before the copy, the device is never asked."""
-    return int(torch.bincount(targets[:, 0].long()).max()) if len(targets) else 0
+def labels_per_image(targets: torch.Tensor, images: int) -> list[int]:
+    """Each image's label rows in a batch's ``targets`` as the loader gave them, on the host (the anchor-free losses pad
+    their targets to the most of one image, the DETRs make their denoising queries from them); counted here, before
+    the copy, the device is never asked."""
+    if not len(targets):
+        return [0] * images
+    return [int(n) for n in torch.bincount(targets[:, 0].long(), minlength=images).tolist()]
 
 
-def micro_batches(stepper: Stepper, window: Window, epoch: int) -> tuple[list, list, torch.Tensor, list[int]]:
-    """The window's (images, targets) on the device, the loss's preparation of each, its counts (to sum over ranks
-    before the forward passes) and each micro-batch's most labels of one image."""
-    most = [most_labels_per_image(b[1]) for _, b in window]
+@dataclass
+class MicroBatches:
+    """A window's micro-batches on the device, with what the host knows of them."""
+
+    micro: list  # (images, targets) on the device
+    prepared: list  # the loss's preparation of each
+    counts: torch.Tensor  # the loss's counts of each (to sum over ranks before the forward passes)
+    per_image: list[list[int]]  # each one's label rows per image, counted on the host
+    most: list[int]  # each one's most labels of one image (this rank's)
+
+
+def micro_batches(stepper: Stepper, window: Window, epoch: int) -> MicroBatches:
+    """The window's micro-batches on the device, the loss's preparation of each and its counts, and each one's labels
+    per image (counted on the host)."""
+    per_image = [labels_per_image(b[1], b[0].shape[0]) for _, b in window]
+    most = [max(n, default=0) for n in per_image]
     micro = [
         (prepare_images(b[0], stepper.batch, stepper.device, epoch, i), b[1].to(stepper.device, non_blocking=True))
         for i, b in window
@@ -175,17 +190,35 @@ def micro_batches(stepper: Stepper, window: Window, epoch: int) -> tuple[list, l
     counts = torch.stack([stepper.loss.counts(p) for p in prepared])
     # A loss without counts gives empty ones, made on the host: made anew on the device, nothing is copied.
     counts = counts.to(stepper.device) if counts.numel() else torch.zeros(counts.shape, device=stepper.device)
-    return micro, prepared, counts, most
+    return MicroBatches(micro, prepared, counts, per_image, most)
 
 
-def forward_backward(stepper: Stepper, micro: list, counts: torch.Tensor, prepared: list, most: list[int]) -> None:
+def train_batches(stepper: Stepper, window: Window, epoch: int, micro: MicroBatches) -> list[TrainBatch | None]:
+    """Each micro-batch's TrainBatch for a family whose forward pass reads it (else None): the most labels of one image
+    over every rank's micro-batch comes from one all-reduce of host numbers for the window."""
+    if not stepper.family.forward_takes_batch:
+        return [None] * len(window)
+    overall = max_over_ranks(micro.most)
+    return [
+        TrainBatch(stepper.batch.seed, epoch, tuple(map(str, b[2])), tuple(n), m)
+        for (_, b), n, m in zip(window, micro.per_image, overall)
+    ]
+
+
+def forward_backward(
+    stepper: Stepper, window: MicroBatches, counts: torch.Tensor, batches: list[TrainBatch | None]
+) -> None:
     """The forward and backward passes of the window's micro-batches; their loss items go to the device tally."""
     world = stepper.info.world_size
     reduce = all_reduce_sum if stepper.info.is_distributed else None
-    for k, ((imgs, targets), positives, prep) in enumerate(zip(micro, counts, prepared)):
-        with gradient_sync(stepper.model, k == len(micro) - 1), autocast(stepper.device, stepper.precision):
-            outputs = stepper.family.forward_train(stepper.model, imgs, targets)
-            norm = LossNorm(positives, imgs.shape[0] * world, most[k])
+    family = stepper.family
+    for k, ((imgs, targets), positives, prep) in enumerate(zip(window.micro, counts, window.prepared)):
+        with gradient_sync(stepper.model, k == len(window.micro) - 1), autocast(stepper.device, stepper.precision):
+            if family.forward_takes_batch:
+                outputs = family.forward_train(stepper.model, imgs, targets, batches[k])
+            else:
+                outputs = family.forward_train(stepper.model, imgs, targets)
+            norm = LossNorm(positives, imgs.shape[0] * world, window.most[k])
             loss, items = stepper.loss(outputs, targets, norm, prepared=prep, reduce=reduce)
         if stepper.batch.quad:  # as YOLOv5: a quad image stands for 4 images of the batch the gradient scale is set for
             loss = loss * 4
@@ -225,13 +258,15 @@ def train_step(
 ) -> Readout | None:
     """One optimizer step over ``window``; at a read-back step (every ``log_interval`` steps) also the read-back,
     with this rank's ``wishes`` (``WISHES``), and what it read (None at other steps: nothing was read)."""
-    micro, prepared, counts, most = micro_batches(stepper, window, epoch)
+    micro = micro_batches(stepper, window, epoch)
     stepper.marks.mark("forward")
+    counts = micro.counts
     if counts.numel() and stepper.info.is_distributed:
         counts = all_reduce_sum(counts)  # the global counts the loss divides by
+    batches = train_batches(stepper, window, epoch, micro)
     stepper.marks.mark("sync")
     stepper.optim.warm_up(window[-1][0] + n_batches * epoch, epoch)
-    forward_backward(stepper, micro, counts, prepared, most)
+    forward_backward(stepper, micro, counts, batches)
     update(stepper)
     if stepper.steps_done % stepper.log_interval:
         return None

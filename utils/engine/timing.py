@@ -11,7 +11,8 @@ Phases, in the order a step marks them (an optimizer step over ``accumulate`` mi
 
 - ``data``: the loader's next batches (waiting for workers, or building them in this process with no workers);
 - ``forward``: putting them on the device, the loss's target preparation, forward passes and losses;
-- ``sync``: the step's all-reduce of the loss's counts, and the gradient all-reduce left after backward's own
+- ``sync``: the step's all-reduce of the loss's counts (and, for a family whose forward pass takes a TrainBatch,
+  of the most labels of one image), and the gradient all-reduce left after backward's own
   computation (DDP overlaps the rest with it); time spent waiting for a slower rank lands here too;
 - ``backward``: backward's computation;
 - ``optimizer``: unscaling, clipping, the optimizer's step and the EMA;
