@@ -474,7 +474,19 @@ class Trainer:
             if self.info.is_distributed
             else "python "
         )
-        return Interrupted(STOP.signum or signal.SIGINT, f"{launcher}train.py --resume {last}")
+        return Interrupted(self.stop_signal(), f"{launcher}train.py --resume {last}")
+
+    def stop_signal(self) -> int:
+        """The signal that stopped the run, the same on every rank: a scheduler may signal one process only, and the
+        others stopped on its wish (at the same read-back). Under DDP a collective, after rank 0's checkpoint is
+        written: no rank exits before it, since a launcher ends the other workers when one exits."""
+        asked = STOP.signum or 0
+        if self.info.is_distributed:
+            signals = torch.tensor([asked], dtype=torch.int32, device=self.device)
+            with collective("the stop's signal"):
+                dist.all_reduce(signals, op=dist.ReduceOp.MAX)
+            asked = int(signals.item())
+        return asked or signal.SIGINT
 
     def stop_reporting(self, status: str) -> None:
         """A run ending on an error: the profile written, the tracker runs ended with ``status``."""
