@@ -3,7 +3,8 @@
     python bench/cudnn_benchmark.py            # yolo11n, fp16 autocast, channels_last, as train.py runs it
     python bench/cudnn_benchmark.py --device cpu --imgsz 64 --batch-size 2   # the code path at toy sizes, no GPU
 
-Each setting runs in a fresh process (cuDNN keeps its choices per process). Printed per setting: the first
+Each setting runs in a process of its own (cuDNN keeps its choices per process; a fresh interpreter on CUDA, a fork
+on the CPU). Printed per setting: the first
 inference of four rectangular validation-like shapes (batch 32, 384-480 x 640) and the same calls again, then the
 first training step at batch 64 x 640 x 640 and the median of 12 more. Why it matters: training keeps the
 benchmark (one shape), validation turns it off (utils/validation.py), where every new rectangle would be timed.
@@ -12,6 +13,7 @@ benchmark (one shape), validation turns it off (utils/validation.py), where ever
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import subprocess
 import sys
 import time
@@ -84,9 +86,23 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     where = torch.cuda.get_device_name() if args.device != "cpu" else "the CPU"
     print(f"{args.cfg} on {where}, torch {torch.__version__}", flush=True)
+    if args.device == "cpu":
+        # No cuDNN to keep apart: a fork per setting, without another interpreter's start-up (a dry run's time).
+        context = multiprocessing.get_context("fork")
+        for setting in ("off", "on"):
+            child = context.Process(target=_print_one, args=(args.cfg, setting == "on", args.imgsz, args.batch_size))
+            child.start()
+            child.join()
+            if child.exitcode:
+                return child.exitcode
+        return 0
     for setting in ("off", "on"):
         subprocess.run([sys.executable, __file__, "--cfg", args.cfg, *sizes, "--one", setting], check=True)
     return 0
+
+
+def _print_one(cfg: str, benchmark: bool, imgsz: int, batch_size: int) -> None:
+    print(measure(cfg, benchmark, "cpu", imgsz, batch_size), flush=True)
 
 
 if __name__ == "__main__":

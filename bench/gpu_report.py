@@ -3,6 +3,10 @@
     python bench/gpu_report.py --out DIR [--ultralytics-python PY] [--budget 290]
     python bench/gpu_report.py --out DIR --dry-run     # every part on the CPU at toy sizes: checks the script
 
+The dry run's commands are the real run's, at toy sizes (the compile part with the aot_eager backend), each run in
+a fork of this process after it imported the scripts once (bench/forked_scripts.py) rather than in a fresh
+interpreter, with one torch thread each: its seconds go to running the parts, not to starting Python.
+
 Each part's result is written into ``--out`` as soon as it finishes (``report.md`` to read, ``report.json`` to
 compare, ``logs.txt`` with every command's output, ``profile.json.gz``), so a run cut short keeps what it did. The
 work (data, runs) goes to ``--work``. The parts, most important first; one whose usual time no longer fits in what
@@ -28,6 +32,7 @@ import argparse
 import gzip
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -42,11 +47,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.forked_scripts import Forker, Launcher, start_subprocess  # noqa: E402
 from bench.gpu_throughput import Settings, make_dataset, our_cmd, train_both  # noqa: E402
 from bench.ultralytics_side_by_side import final_map, ultralytics_env  # noqa: E402
 
 PROFILE_STEPS, SYNC_STEPS = 5, 3
 SYNC_FIRST_STEP = 2 + PROFILE_STEPS + 2  # after the profiler's skipped, warm-up and traced steps, and one more
+# Imported once before the dry run's forks: torch.compile's tracer (the compile part); pytest's plugins, which every
+# pytest loads at its start (the cuda-tests part), are added from their entry points.
+DRY_RUN_PRELOAD = ("torch._dynamo",)
 PROGRESS_MARKS = ("it/s", "s/it", "%|")  # a progress bar's line: not a phase stamp
 # The dry run's model in place of every part's: the anchor-free family's head on P3-P5 of five convolutions (three
 # levels, as val.py reads Ultralytics' checkpoints).
@@ -72,19 +81,21 @@ class Sizes:
     images: int  # train images per epoch
     val_images: int
     cudnn: tuple[int, int]  # cudnn_benchmark.py's image size and batch
+    compile_backend: str  # the compile part's (the dry run's aot_eager checks the path without a C++ compile)
 
     @classmethod
     def for_run(cls, dry_run: bool, ultralytics_python: str) -> Sizes:
         if dry_run:
-            return cls(Settings(64, 4, 0, 4, "cpu", ultralytics_python, save_burst_s=0.05), 32, 4, (64, 2))
-        return cls(Settings(640, 64, 16, 4, "0", ultralytics_python), 2048, 500, (640, 64))
+            dry = Settings(64, 2, 0, 4, "cpu", ultralytics_python, save_burst_s=0.05)
+            return cls(dry, 4, 4, (32, 2), "aot_eager")
+        return cls(Settings(640, 64, 16, 4, "0", ultralytics_python), 2048, 500, (640, 64), "inductor")
 
 
 class Report:
     """``--out``: report.md, report.json and logs.txt, each brought up to date as each part ends."""
 
-    def __init__(self, out: Path, work: Path, budget_s: float, sizes: Sizes) -> None:
-        self.out, self.work, self.sizes = out, work, sizes
+    def __init__(self, out: Path, work: Path, budget_s: float, sizes: Sizes, start: Launcher) -> None:
+        self.out, self.work, self.sizes, self.start = out, work, sizes, start
         self.started = time.monotonic()
         self.deadline = self.started + budget_s
         self.results: dict[str, dict] = {}
@@ -131,15 +142,31 @@ def machine() -> str:
     return f"{gpu}, torch {torch.__version__}"
 
 
-def run_logged(cmd: list[str], log: Path, timeout: float, env: dict[str, str] | None = None) -> tuple[int, float]:
+def pytest_plugins() -> tuple[str, ...]:
+    """The modules of the pytest plugins installed here (their entry points)."""
+    from importlib.metadata import entry_points
+
+    return tuple(sorted({ep.module for ep in entry_points(group="pytest11")}))
+
+
+def children_cpu_s() -> float:
+    """CPU seconds (user and system) of this process's children that have ended."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_logged(
+    report: Report, cmd: list[str], log: Path, timeout: float, env: dict[str, str] | None = None
+) -> tuple[int, float]:
     """``cmd`` in the repository's root, its output in ``log``; (exit code, -9 when killed at ``timeout``; wall s)."""
     t = time.perf_counter()
     with open(log, "w") as f:
+        proc = report.start(cmd, ROOT, env, f)
         try:
-            code = subprocess.run(
-                cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout
-            ).returncode
+            code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
             code = -9
             f.write(f"\n[killed after {timeout:.0f} s: the report's budget ended]\n")
     return code, time.perf_counter() - t
@@ -160,7 +187,7 @@ def part_throughput(report: Report, cfg: str) -> tuple[dict, str]:
     env_ul = (
         ultralytics_env(report.work, sizes.settings.ultralytics_python) if sizes.settings.ultralytics_python else {}
     )
-    measured = train_both(cfg, sizes.settings, data, report.work, env_ul, timeout=max(report.left(), 1))
+    measured = train_both(cfg, sizes.settings, data, report.work, env_ul, max(report.left(), 1), report.start)
     result, lines = {"status": "done"}, []
     for label, run in measured.items():
         report.add_log(f"{label} {cfg} (each line: seconds since its start)", run.log)
@@ -190,7 +217,7 @@ def part_profile_and_sync(report: Report, cfg: str) -> tuple[dict, str]:
     sync_json.unlink(missing_ok=True)
     cmd = [sys.executable, __file__, "--child-sync-debug", str(sync_json), *train_args, "--profile", str(PROFILE_STEPS)]
     log = report.work / "profile.log"
-    code, wall = run_logged(cmd, log, max(report.left(), 1))
+    code, wall = run_logged(report, cmd, log, max(report.left(), 1))
     report.add_log("profile and sync-debug run", log)
     trace = report.work / "profile" / Path(cfg).stem / "profile.json"
     if trace.exists():
@@ -238,7 +265,7 @@ def part_validation(report: Report, cfg: str) -> tuple[dict, str]:
     result, lines = {"status": "done", "weights": str(weights)}, []
     for label, cmd, env in cmds:
         log = report.work / f"val_{label}.log"
-        code, wall = run_logged(cmd, log, max(report.left(), 1), env)
+        code, wall = run_logged(report, cmd, log, max(report.left(), 1), env)
         report.add_log(f"validation, {label}", log)
         result[label] = {"exit": code, "wall_s": wall, "map50_95": final_map(log)}
         lines.append(f"- {label}: whole process {wall:.1f} s, mAP50-95 {result[label]['map50_95']}, exit {code}")
@@ -251,20 +278,19 @@ def part_validation(report: Report, cfg: str) -> tuple[dict, str]:
 
 
 def part_compile(report: Report, cfg: str) -> tuple[dict, str]:
-    """Ours with --compile (inductor) beside ours without it (the throughput part's run): images/s between saves,
-    the whole process, and the compile's own stamps."""
+    """Ours with --compile (inductor; the dry run's aot_eager) beside ours without it (the throughput part's run):
+    images/s between saves, the whole process, and the compile's own stamps."""
     s = report.sizes.settings
-    settings = replace(s, ultralytics_python="", our_extra=("--compile",))
-    run = train_both(cfg, settings, report.dataset(), report.work / "compile", {}, timeout=max(report.left(), 1))[
-        "ours"
-    ]
+    settings = replace(s, ultralytics_python="", our_extra=("--compile", report.sizes.compile_backend))
+    work = report.work / "compile"
+    run = train_both(cfg, settings, report.dataset(), work, {}, max(report.left(), 1), report.start)["ours"]
     report.add_log(f"ours {cfg} --compile (each line: seconds since its start)", run.log)
     result = {
         "status": "done" if run.exit_code == 0 else "failed",
         "compiled": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(run).items()},
     }
     text = (
-        f"- ours --compile: {run.images_per_s:.0f} images/s between saves (epochs {run.intervals}), whole process "
+        f"- ours --compile {report.sizes.compile_backend}: {run.images_per_s:.0f} images/s between saves (epochs {run.intervals}), whole process "
         f"{run.whole_s:.1f} s, exit {run.exit_code}"
     )
     plain = report.results.get("throughput-yolo11n", {}).get("ours")
@@ -278,7 +304,7 @@ def part_compile(report: Report, cfg: str) -> tuple[dict, str]:
 def part_cuda_tests(report: Report, cfg: str) -> tuple[dict, str]:
     log = report.work / "cuda_tests.log"
     cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "tests/test_cuda.py"]
-    code, wall = run_logged(cmd, log, max(report.left(), 1))
+    code, wall = run_logged(report, cmd, log, max(report.left(), 1))
     report.add_log("tests/test_cuda.py", log)
     summary = next((line for line in reversed(log.read_text().splitlines()) if line.strip()), "")
     return {"status": "done" if code == 0 else "failed", "exit": code, "wall_s": wall, "summary": summary}, summary
@@ -289,7 +315,7 @@ def part_cudnn(report: Report, cfg: str) -> tuple[dict, str]:
     log = report.work / "cudnn.log"
     cmd = [sys.executable, "bench/cudnn_benchmark.py", "--cfg", cfg, "--imgsz", str(imgsz), "--batch-size", str(batch)]
     cmd += ["--device", "cpu" if report.sizes.settings.device == "cpu" else "cuda"]
-    code, wall = run_logged(cmd, log, max(report.left(), 1))
+    code, wall = run_logged(report, cmd, log, max(report.left(), 1))
     report.add_log("cudnn_benchmark.py", log)
     lines = [line for line in log.read_text().splitlines() if line.startswith("benchmark")]
     return {"status": "done" if code == 0 else "failed", "exit": code, "wall_s": wall, "lines": lines}, "\n".join(lines)
@@ -313,7 +339,7 @@ def run_parts(report: Report, dry_run: bool) -> int:
     if dry_run:
         toy.write_text(TOY_CFG)
     for name, function, cfg, needs_s in PARTS:
-        t = time.monotonic()
+        t, cpu = time.monotonic(), children_cpu_s()
         cfg = str(toy) if dry_run and cfg else cfg
         if not dry_run and report.left() < needs_s:
             report.write(name, {"status": "skipped", "left_s": report.left()}, f"skipped: {report.left():.0f} s left")
@@ -323,6 +349,7 @@ def run_parts(report: Report, dry_run: bool) -> int:
         except Exception as e:  # a part that breaks is reported; the next part still runs
             result, text = {"status": "failed", "error": repr(e)}, f"```\n{traceback.format_exc()}```"
         result["seconds"] = time.monotonic() - t
+        result["children_cpu_s"] = children_cpu_s() - cpu  # on a shared machine: what the part cost, load aside
         failed += result["status"] == "failed"
         report.write(name, result, text)
     return 1 if failed else 0
@@ -414,7 +441,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.ultralytics_python and not Path(args.ultralytics_python).is_file():
         p.error(f"--ultralytics-python {args.ultralytics_python}: no such file")
     sizes = Sizes.for_run(args.dry_run, args.ultralytics_python)
-    report = Report(Path(args.out).resolve(), Path(args.work).resolve(), args.budget, sizes)
+    # The dry run's commands are forks of this process, which imports the scripts once (bench/forked_scripts.py);
+    # the real run starts each in a fresh interpreter, as a user does.
+    start = Forker(threads=1, preload=DRY_RUN_PRELOAD + pytest_plugins()) if args.dry_run else start_subprocess
+    report = Report(Path(args.out).resolve(), Path(args.work).resolve(), args.budget, sizes, start)
     return run_parts(report, args.dry_run)
 
 

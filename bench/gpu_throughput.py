@@ -29,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.forked_scripts import Launcher, start_subprocess  # noqa: E402
 from bench.ultralytics_side_by_side import ROOT, ultralytics_env, ultralytics_train_cmd  # noqa: E402
 from utils.data.shapes import SHAPE_NAMES, generate_shapes  # noqa: E402
 from utils.plots import read_results_csv  # noqa: E402
@@ -78,9 +79,10 @@ def watch_saves(
     env: dict[str, str],
     timeout: float | None = None,
     burst_s: float = SAVE_BURST_S,
+    start: Launcher = start_subprocess,
 ) -> tuple[int, list[float]]:
-    """Run ``cmd``; return its exit code (-9 when killed after ``timeout`` s) and the times (s since start) at which
-    ``checkpoint`` was written anew."""
+    """Run ``cmd`` (started by ``start``); return its exit code (-9 when killed after ``timeout`` s) and the times
+    (s since start) at which ``checkpoint`` was written anew."""
     seen: list[float] = []
     done = threading.Event()
     t0 = time.perf_counter()
@@ -105,13 +107,8 @@ def watch_saves(
 
     watcher = threading.Thread(target=poll, daemon=True)
     watcher.start()
-    proc = subprocess.Popen(
-        cmd,
-        cwd=cwd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
-    )
+    proc = start(cmd, cwd, {**os.environ, "PYTHONUNBUFFERED": "1", **env}, subprocess.PIPE)
+    assert proc.stdout is not None  # a pipe was asked for
     killer = threading.Timer(timeout, proc.kill) if timeout is not None else None
     if killer is not None:
         killer.start()
@@ -233,8 +230,10 @@ def train_both(
     out: Path,
     env_ul: dict[str, str],
     timeout: float | None = None,
+    start: Launcher = start_subprocess,
 ) -> dict[str, Trained]:
-    """Ours, then Ultralytics' (when ``settings`` names its Python), on ``cfg``; each killed after ``timeout`` s."""
+    """Ours, then Ultralytics' (when ``settings`` names its Python), on ``cfg``; each killed after ``timeout`` s,
+    each started by ``start``."""
     (data_yaml, n_images), name = data, Path(cfg).stem
     runs = [("ours", our_cmd(cfg, settings, data_yaml, out / "ours"), out / "ours" / name, ROOT, {})]
     if settings.ultralytics_python:
@@ -246,7 +245,8 @@ def train_both(
         (folder / "weights/last.pt").unlink(missing_ok=True)
         t = time.perf_counter()
         log = out / f"{label}_{name}.log"
-        code, saves = watch_saves(cmd, cwd, folder / "weights/last.pt", log, env, timeout, settings.save_burst_s)
+        checkpoint = folder / "weights/last.pt"
+        code, saves = watch_saves(cmd, cwd, checkpoint, log, env, timeout, settings.save_burst_s, start)
         rate, intervals = images_per_s(saves, n_images, settings.epochs)
         run = Trained(rate, intervals, len(saves), time.perf_counter() - t, code, log, folder)
         if label == "ours" and (folder / "results.csv").exists():

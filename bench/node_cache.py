@@ -35,6 +35,7 @@ def measure(data: str, imgsz: int, out: Path) -> None:
     import torch
 
     from utils.data.config import load_data_config
+    from utils.data.dataset import DatasetOptions
     from utils.data.loader import build_dataset, load_labels
     from utils.distributed import dist_info, init_process_group
 
@@ -43,7 +44,7 @@ def measure(data: str, imgsz: int, out: Path) -> None:
         init_process_group(torch.device("cpu"), info)
     labels = load_labels(load_data_config(data)["train"], verbose=False)
     before = pss_bytes()
-    dataset = build_dataset(labels, imgsz, 16, cache="ram", augment=True)
+    dataset = build_dataset(labels, imgsz, 16, DatasetOptions(cache="ram", augment=True))
     if info.is_distributed:
         torch.distributed.barrier()  # every rank has attached and filled before anyone measures
     after = pss_bytes()

@@ -26,7 +26,7 @@ from utils.data.loader import create_dataloader, load_labels  # noqa: E402
 from utils.data.shard_dataset import ShardDataset  # noqa: E402
 from utils.distributed import destroy_process_group, dist_info, init_process_group  # noqa: E402
 from utils.torch_utils import torch_distributed_zero_first  # noqa: E402
-from utils.validation import validate  # noqa: E402
+from utils.validation import OutputOptions, validate  # noqa: E402
 
 IMGSZ, BATCH, WINDOW = 64, 3, 5
 
@@ -91,7 +91,13 @@ def distributed_val(data: dict, info) -> dict:
     out = {
         "gathered": _figures(
             validate(
-                model, loader, names=["red", "blue"], device="cpu", compute_loss=loss, gather=True, main=info.rank == 0
+                model,
+                loader,
+                names=["red", "blue"],
+                device="cpu",
+                compute_loss=loss,
+                gather=True,
+                outputs=OutputOptions(main=info.rank == 0),
             )
         )
     }

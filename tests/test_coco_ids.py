@@ -19,7 +19,7 @@ from utils.coco_json import (
     write_json,
 )
 from utils.data.loader import create_dataloader
-from utils.validation import validate
+from utils.validation import OutputOptions, validate
 
 
 def test_image_ids_come_from_file_names() -> None:
@@ -69,9 +69,7 @@ def test_predictions_json_scores_against_the_dataset_annotations(tmp_path, capsy
         names=list(COCO_NAMES),
         device="cpu",
         family=YOLOV5,
-        save_json=True,
-        save_dir=tmp_path / "run",
-        annotations_json=annotations,
+        outputs=OutputOptions(save_dir=tmp_path / "run", save_json=True, annotations_json=annotations),
     )
     predictions = json.loads((tmp_path / "run" / "predictions.json").read_text())
     assert {p["image_id"] for p in predictions} <= {int(s) for s in stems.values()}

@@ -249,7 +249,7 @@ def test_save_json_scores_against_the_val_json_with_its_ids(coco_root: Path, tmp
 
     from models.families import YOLOV5
     from utils.data.loader import create_dataloader
-    from utils.validation import validate
+    from utils.validation import OutputOptions, validate
 
     cfg = load_data_config(_yaml(coco_root))
     labels = load_labels(cfg["val"], verbose=False)
@@ -260,9 +260,7 @@ def test_save_json_scores_against_the_val_json_with_its_ids(coco_root: Path, tmp
         names=cfg["names"],
         device="cpu",
         family=YOLOV5,
-        save_json=True,
-        save_dir=tmp_path / "run",
-        annotations_json=cfg["annotations"],
+        outputs=OutputOptions(save_dir=tmp_path / "run", save_json=True, annotations_json=cfg["annotations"]),
     )
     predictions = json.loads((tmp_path / "run" / "predictions.json").read_text())
     assert predictions and {p["image_id"] for p in predictions} <= {100, 103, 106, 109}

@@ -22,7 +22,7 @@ from utils.checkpoint import model_state, save_checkpoint
 from utils.data.loader import create_dataloader
 from utils.errors import UserError
 from utils.log import LOGGER
-from utils.validation import validate
+from utils.validation import OutputOptions, PredictOptions, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 # class 0 red, class 1 green (RGB) rectangles on black
@@ -135,12 +135,9 @@ def test_oracle_scores_perfect_and_writes_outputs(dataset, tmp_path):
         names=["red", "green"],
         device="cpu",
         family=YOLOV5,
-        plots=True,
-        save_json=True,
-        save_txt=True,
-        save_conf=True,
-        save_dir=save_dir,
-        verbose=True,
+        outputs=OutputOptions(
+            save_dir=save_dir, plots=True, save_json=True, save_txt=True, save_conf=True, verbose=True
+        ),
     )
     assert r.n_images == 6 and r.n_instances > 5
     assert r.map50 == pytest.approx(1.0) and r.map > 0.8
@@ -193,7 +190,7 @@ def test_no_detections_and_eval_mode(dataset):
     assert not model.training
     assert (r.p, r.r, r.map50, r.map) == (0.0, 0.0, 0.0, 0.0)
     with pytest.raises(ValueError, match="need a save_dir"):
-        validate(model, loader, names=["red", "green"], device="cpu", family=YOLOV5, plots=True)
+        OutputOptions(plots=True)
     with pytest.raises(ValueError, match="Blind is not a Model of this project: pass its family"):
         validate(model, loader, names=["red", "green"], device="cpu")
 
@@ -234,7 +231,12 @@ def test_run_with_a_random_model_and_loss(dataset, tmp_path):
     hyp = YOLOV5.read_hyp(YOLOV5.default_hyp_path)
     loader, _ = create_dataloader(str(dataset.parent / "images" / "val"), 64, 4, 32, rect=True, pad=0.5, workers=0)
     r = validate(
-        model.train(), loader, names=["red", "green"], device="cpu", compute_loss=ComputeLoss(model, hyp), max_det=50
+        model.train(),
+        loader,
+        names=["red", "green"],
+        device="cpu",
+        compute_loss=ComputeLoss(model, hyp),
+        predict=PredictOptions(max_det=50),
     )
     assert r.losses.shape == (3,) and (r.losses > 0).all()
 

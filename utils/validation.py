@@ -10,8 +10,7 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -24,7 +23,16 @@ from utils.evaluation.predictor import PredictOptions, Predictor
 from utils.formats.metadata import ModelMeta
 from utils.formats.pytorch import PytorchRunner
 
-__all__ = ["CONF_THRES", "MAX_DET", "ValOptions", "ValResults", "tta_comparison", "validate"]
+__all__ = [
+    "CONF_THRES",
+    "MAX_DET",
+    "OutputOptions",
+    "PredictOptions",
+    "ValOptions",
+    "ValResults",
+    "tta_comparison",
+    "validate",
+]
 
 # The mAP sweep's thresholds: the defaults of both validate() (train.py's epochs) and the command line. The NMS
 # IoU threshold is the model family's.
@@ -33,46 +41,25 @@ CONF_THRES, MAX_DET = 0.001, 300
 
 @dataclass
 class ValOptions:
-    """``validate``'s options (its keyword arguments). ``half`` (CUDA only) runs an fp32 model under fp16 autocast,
-    so the caller's weights (such as training's EMA) are never converted; a model already in fp16 gets fp16
-    images. ``autocast_dtype`` (e.g. bf16 on a CPU, as training uses) runs inference under autocast of that type;
-    NMS and metrics stay in fp32. ``family`` decodes the predictions (NMS at its IoU threshold unless
-    ``iou_thres`` is given); the model's own by default, and it must be given for anything but a ``Model``.
-    ``compute_loss`` (a ``models/loss.py: DetectionLoss``) adds the mean of each of its terms (``item_names``) to the
-    results. ``gather``: distributed, every rank passes a loader over its own part of the split; see the evaluator."""
+    """``validate``'s options. ``predict``: how predictions become detections (at the mAP sweep's thresholds by
+    default; NMS at the family's IoU threshold unless ``iou_thres`` is given; always multi-label, and class-agnostic
+    with ``single_cls``). ``half`` (CUDA only) runs an fp32 model under fp16 autocast, so the caller's weights (such
+    as training's EMA) are never converted; a model already in fp16 gets fp16 images; otherwise
+    ``predict.autocast_dtype`` (e.g. bf16 on a CPU, as training uses) applies; NMS and metrics stay in fp32.
+    ``family`` decodes the predictions: the model's own by default, and it must be given for anything but a
+    ``Model``. ``compute_loss`` (a ``models/loss.py: DetectionLoss``) adds the mean of each of its terms
+    (``item_names``) to the results. ``outputs``: what is written and printed. ``gather``: distributed, every rank
+    passes a loader over its own part of the split; see the evaluator."""
 
     names: Sequence[str]
     device: torch.device | str
     compute_loss: Any = None
     family: Any = None
-    conf_thres: float = CONF_THRES
-    iou_thres: float | None = None
-    max_det: int = MAX_DET
+    predict: PredictOptions = field(default_factory=lambda: PredictOptions(conf_thres=CONF_THRES, max_det=MAX_DET))
     single_cls: bool = False
-    save_dir: str | Path | None = None
-    plots: bool = False
-    verbose: bool = False
-    save_json: bool = False
-    save_txt: bool = False
-    save_conf: bool = False
     half: bool = False
-    autocast_dtype: torch.dtype | None = None
-    annotations_json: str | Path | None = None
-    augment: bool = False
+    outputs: OutputOptions = field(default_factory=OutputOptions)
     gather: bool = False
-    main: bool = True
-
-    def outputs(self) -> OutputOptions:
-        return OutputOptions(
-            save_dir=None if self.save_dir is None else Path(self.save_dir),
-            plots=self.plots,
-            verbose=self.verbose,
-            save_json=self.save_json,
-            save_txt=self.save_txt,
-            save_conf=self.save_conf,
-            annotations_json=self.annotations_json,
-            main=self.main,
-        )
 
 
 def without_cudnn_benchmark(fn: Callable[..., ValResults]) -> Callable[..., ValResults]:
@@ -128,30 +115,21 @@ def _family(model: torch.nn.Module, family: Any) -> Family:
 @torch.no_grad()
 def validate(model: torch.nn.Module, dataloader: Any, options: ValOptions | None = None, **fields: Any) -> ValResults:
     """Run ``model`` over ``dataloader`` (letterboxed batches with shapes entries) and measure it; the options are
-    ``ValOptions``' fields, given as keywords or as one object. The model is put in eval mode and left there."""
+    one ``ValOptions``, or its fields given as keywords. The model is put in eval mode and left there."""
     o = options if options is not None else ValOptions(**fields)
     device = torch.device(o.device)
     family = _family(model, o.family)
-    outputs = o.outputs()
     runner = module_runner(model, o.names, device, family)
     first_weight = next(runner.model.parameters(), None)
     fp16_weights = first_weight is not None and first_weight.dtype == torch.float16
-    autocast = torch.float16 if o.half and device.type == "cuda" and not fp16_weights else o.autocast_dtype
-    predictor = Predictor(
-        runner,
-        family,
-        PredictOptions(
-            conf_thres=o.conf_thres,
-            iou_thres=o.iou_thres,
-            max_det=o.max_det,
-            multi_label=True,
-            agnostic=o.single_cls,
-            augment=o.augment,
-            autocast_dtype=autocast,
-        ),
-    )
+    autocast = o.predict.autocast_dtype
+    if o.half and device.type == "cuda" and not fp16_weights:
+        autocast = torch.float16
+    # The mAP sweep: every class above the threshold of a box counts (multi-label).
+    predict = replace(o.predict, multi_label=True, agnostic=o.single_cls, autocast_dtype=autocast)
+    predictor = Predictor(runner, family, predict)
     json_ids = None
-    if o.save_json:
+    if o.outputs.save_json:
         from utils.coco_json import json_identities
 
         names = list(o.names) if not o.single_cls or len(o.names) == 1 else ["item"]
@@ -159,9 +137,10 @@ def validate(model: torch.nn.Module, dataloader: Any, options: ValOptions | None
     loss_terms = len(o.compute_loss.item_names) if o.compute_loss is not None else 0
     # Every rank counts its images into the confusion matrix (summed by the gather); only the main rank plots it.
     evaluator = DetectionEvaluator(
-        o.names, single_cls=o.single_cls, confusion=o.plots, json_ids=json_ids, loss_terms=loss_terms
+        o.names, single_cls=o.single_cls, confusion=o.outputs.plots, json_ids=json_ids, loss_terms=loss_terms
     )
-    return evaluate(predictor, dataloader, evaluator, ValOutputs(outputs, evaluator.names), o.compute_loss, o.gather)
+    outputs = ValOutputs(o.outputs, evaluator.names)
+    return evaluate(predictor, dataloader, evaluator, outputs, o.compute_loss, o.gather)
 
 
 def tta_comparison(plain: ValResults, augmented: ValResults) -> str:

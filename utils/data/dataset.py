@@ -131,13 +131,14 @@ class YoloDataset(Dataset):
         path: str | list[str] | None,
         imgsz: int = 640,
         batch_size: int = 16,
+        options: DatasetOptions | None = None,
         *,
         label_set: LabelTable | None = None,
-        **options: Any,
+        **fields: Any,
     ):
-        """``options``: the fields of :class:`DatasetOptions`; ``label_set`` (labels already read) replaces reading
-        them from ``path``."""
-        o = DatasetOptions(**options)
+        """The options are one :class:`DatasetOptions` (a loader's ``LoaderOptions`` is one), or its fields given as
+        keywords; ``label_set`` (labels already read) replaces reading them from ``path``."""
+        o = options if options is not None else DatasetOptions(**fields)
         cache, stride, pad, prefix = o.cache, o.stride, o.pad, o.prefix
         if cache not in CACHE_MODES:
             raise UserError(f"--cache {cache!r}: expected 'ram', 'disk', 'auto' or nothing")

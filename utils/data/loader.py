@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from utils.data.batch_ring import BatchRing, RingSlot, shared_memory_fits
-from utils.data.dataset import YoloDataset
+from utils.data.dataset import DatasetOptions, YoloDataset
 from utils.data.label_table import LabelTable
 from utils.data.labels import Split, load_labels
 from utils.data.quad import QuadCollate
@@ -35,7 +35,6 @@ from utils.data.samplers import (
 )
 from utils.data.shard_dataset import DEFAULT_WINDOW, ShardDataset
 from utils.data.webshards import ShardLabelSet
-from utils.hyp import AugmentationHyp
 from utils.log import LOGGER
 
 PREFETCH_BATCHES = 2  # per worker (DataLoader's prefetch_factor); BatchRing's slot count follows from it
@@ -212,32 +211,25 @@ def _offer(ready: queue.Queue, item: Any, stop: threading.Event) -> bool:
 
 
 def build_dataset(
-    label_set: LabelTable, imgsz: int, batch_size: int, plan: ShardPlan | None = None, **options: Any
+    label_set: LabelTable, imgsz: int, batch_size: int, options: DatasetOptions, plan: ShardPlan | None = None
 ) -> YoloDataset:
-    """The dataset of a verified split: a ShardDataset for shards, else a YoloDataset (``options`` as theirs)."""
+    """The dataset of a verified split: a ShardDataset for shards, else a YoloDataset."""
     if isinstance(label_set, ShardLabelSet):
-        return ShardDataset(imgsz, batch_size, plan=plan, label_set=label_set, **options)
-    return YoloDataset(None, imgsz, batch_size, label_set=label_set, **options)
+        return ShardDataset(imgsz, batch_size, options, plan=plan, label_set=label_set)
+    return YoloDataset(None, imgsz, batch_size, options, label_set=label_set)
 
 
 @dataclass(frozen=True)
-class LoaderOptions:
-    """``create_dataloader``'s options besides the split, the image size, the batch size and the stride."""
+class LoaderOptions(DatasetOptions):
+    """``create_dataloader``'s options besides the split, the image size, the batch size and the stride: how samples
+    are made (the dataset's own options, which the dataset reads from this object) and how they are shared out.
 
-    hyp: AugmentationHyp | None = None  # the augmentation rates (None: ``AugmentationHyp()``'s)
-    augment: bool = False  # training: augmented samples, an EpochStreamLoader over padded shards
-    cache: str | None = None  # decoded images kept: "ram", "disk", "auto" or None
-    pad: float = 0.0  # rect batches padded by this many strides
-    rect: bool = False  # per-batch rectangles of images in aspect order (not shuffled)
+    ``workers`` caps both the loader's worker processes (also by the cores and the batch) and the dataset's threads
+    that read labels and fill caches; ``stride`` and ``decode_threads`` are set by ``create_dataloader``."""
+
     world_size: int = 1
     global_rank: int = 0
-    workers: int = 8  # at most this many worker processes (capped by the cores and the batch)
-    shuffle: bool = False
-    seed: int = 0  # an epoch's order and its augmentation draws are functions of (seed, epoch)
-    single_cls: bool = False
-    nc: int | None = None  # class count the labels are checked against
-    close_mosaic_epoch: int | None = None  # from this epoch on: no mosaic, no mixup
-    prefix: str = ""  # before every log line
+    shuffle: bool = False  # an epoch's order and its augmentation draws are functions of (seed, epoch)
     image_weights: bool = False  # training: each epoch a weighted draw (``EpochStreamLoader.set_image_weights``)
     quad: bool = False  # training, not rect: batches of four merged samples at twice the size (quad.py)
     shard_window: int = DEFAULT_WINDOW  # shards: samples shuffled within a window of this many
@@ -245,10 +237,17 @@ class LoaderOptions:
 
 
 def create_dataloader(
-    path: Split | None, imgsz: int, batch_size: int, stride: int, *, label_set: LabelTable | None = None, **options: Any
+    path: Split | None,
+    imgsz: int,
+    batch_size: int,
+    stride: int,
+    options: LoaderOptions | None = None,
+    *,
+    label_set: LabelTable | None = None,
+    **fields: Any,
 ) -> tuple[DataLoader | EpochStreamLoader, YoloDataset]:
-    """A loader over this rank's shard and the dataset; ``batch_size`` is per rank; ``options`` are the fields of
-    :class:`LoaderOptions`.
+    """A loader over this rank's shard and the dataset; ``batch_size`` is per rank; the options are one
+    :class:`LoaderOptions`, or its fields given as keywords.
 
     Call ``loader.sampler.set_epoch(epoch)`` before each epoch: it picks the epoch's order and its
     augmentation draws. Training loaders (``augment``) pad shards to equal length and are an
@@ -259,7 +258,7 @@ def create_dataloader(
     shard order and a window of ``shard_window`` samples shuffled; ``resampled`` for WebDataset-style approximate
     epochs); validation gives each rank a disjoint part, as for files.
     """
-    o = LoaderOptions(**options)
+    o = options if options is not None else LoaderOptions(**fields)
     if o.rect and o.shuffle:
         LOGGER.warning(f"{o.prefix}WARNING rect batches are incompatible with shuffle: shuffle disabled")
         o = dataclasses.replace(o, shuffle=False)
@@ -275,24 +274,9 @@ def create_dataloader(
         plan = ShardPlan(
             label_set.shard_counts, seed=o.seed, window=o.shard_window, shuffle=o.shuffle, resampled=o.resampled
         )
+    # The dataset reads its own fields of the options; what only the loader knows is set here.
     dataset = build_dataset(
-        label_set,
-        imgsz,
-        batch_size,
-        plan=plan,
-        augment=o.augment,
-        hyp=o.hyp,
-        rect=o.rect,
-        cache=o.cache,
-        single_cls=o.single_cls,
-        stride=stride,
-        pad=o.pad,
-        nc=o.nc,
-        seed=o.seed,
-        close_mosaic_epoch=o.close_mosaic_epoch,
-        workers=o.workers,
-        decode_threads=decode_threads,
-        prefix=o.prefix,
+        label_set, imgsz, batch_size, dataclasses.replace(o, stride=stride, decode_threads=decode_threads), plan=plan
     )
     batch_size = min(batch_size, len(dataset))
     sampler = _sampler(len(dataset), plan, batch_size, o)

@@ -50,7 +50,15 @@ from utils.results_log import result_columns
 from utils.storage import join
 from utils.trackers import FAILED, KILLED, TrackerRun, check_trackers, open_trackers, plot_files, run_params
 from utils.trackers import preload as preload_trackers
-from utils.validation import ValResults, validate
+from utils.validation import (
+    CONF_THRES,
+    MAX_DET,
+    OutputOptions,
+    PredictOptions,
+    ValOptions,
+    ValResults,
+    validate,
+)
 
 # Called on rank 0 after each validated epoch with its results; True stops the run (a search's pruner).
 OnValidated = Callable[[int, tuple[float, ...]], bool]
@@ -365,20 +373,19 @@ class Trainer:
     def validate(self, model: torch.nn.Module, plots: bool, verbose: bool) -> Any:
         """Every rank validates its part of the split; the results are gathered, so every rank has the figures."""
         run = self.run
-        return validate(
-            model,
-            run.val_loader,
+        outputs = OutputOptions(
+            save_dir=run.save_dir, plots=plots, verbose=verbose and run.nc < 50, main=self.info.is_main
+        )
+        options = ValOptions(
             names=run.names,
             device=self.device,
             compute_loss=self.stepper.loss,
             family=run.family,
-            plots=plots,
-            verbose=verbose and run.nc < 50,
-            save_dir=run.save_dir,
-            autocast_dtype=run.precision.dtype,
+            predict=PredictOptions(conf_thres=CONF_THRES, max_det=MAX_DET, autocast_dtype=run.precision.dtype),
+            outputs=outputs,
             gather=self.info.is_distributed,
-            main=self.info.is_main,
         )
+        return validate(model, run.val_loader, options)
 
     # ---- the end -----------------------------------------------------------------------------------------
 
@@ -467,7 +474,19 @@ class Trainer:
             if self.info.is_distributed
             else "python "
         )
-        return Interrupted(STOP.signum or signal.SIGINT, f"{launcher}train.py --resume {last}")
+        return Interrupted(self.stop_signal(), f"{launcher}train.py --resume {last}")
+
+    def stop_signal(self) -> int:
+        """The signal that stopped the run, the same on every rank: a scheduler may signal one process only, and the
+        others stopped on its wish (at the same read-back). Under DDP a collective, after rank 0's checkpoint is
+        written: no rank exits before it, since a launcher ends the other workers when one exits."""
+        asked = STOP.signum or 0
+        if self.info.is_distributed:
+            signals = torch.tensor([asked], dtype=torch.int32, device=self.device)
+            with collective("the stop's signal"):
+                dist.all_reduce(signals, op=dist.ReduceOp.MAX)
+            asked = int(signals.item())
+        return asked or signal.SIGINT
 
     def stop_reporting(self, status: str) -> None:
         """A run ending on an error: the profile written, the tracker runs ended with ``status``."""

@@ -22,6 +22,9 @@ N_PLOTTED_BATCHES = 3
 
 @dataclass
 class OutputOptions:
+    """What a validation pass writes and prints. ``plots`` is what the run asked for, the same on every rank (each
+    rank then counts its images into the confusion matrix, which the gather sums); only the main rank plots."""
+
     save_dir: Path | None = None
     plots: bool = False
     verbose: bool = False
@@ -32,14 +35,18 @@ class OutputOptions:
     main: bool = True  # this rank prints, plots and writes JSON
 
     def __post_init__(self) -> None:
-        self.plots = self.plots and self.main
-        wants_files = self.plots or (self.save_json and self.main) or self.save_txt
+        wants_files = self.plots_here or (self.save_json and self.main) or self.save_txt
         if wants_files and self.save_dir is None:
             raise ValueError("validate: plots, save_json and save_txt need a save_dir")
         self.save_dir = Path(self.save_dir) if self.save_dir is not None else None
         if self.save_txt:
             assert self.save_dir is not None  # refused above
             (self.save_dir / "labels").mkdir(parents=True, exist_ok=True)
+
+    @property
+    def plots_here(self) -> bool:
+        """Whether this rank draws the plots."""
+        return self.plots and self.main
 
 
 class ValOutputs:
@@ -67,7 +74,7 @@ class ValOutputs:
                     image.original_hw,
                     o.save_conf,
                 )
-        if o.plots and batch_i < N_PLOTTED_BATCHES:  # rank 0 holds the split's first batches
+        if o.plots_here and batch_i < N_PLOTTED_BATCHES:  # rank 0 holds the split's first batches
             from utils.plots import output_to_target, plot_images
 
             assert o.save_dir is not None
@@ -92,7 +99,7 @@ class ValOutputs:
                 LOGGER.info(
                     "Speed: {:.1f}ms pre-process, {:.1f}ms inference, {:.1f}ms NMS per image".format(*results.speed)
                 )
-        if o.plots:
+        if o.plots_here:
             assert o.save_dir is not None and results.class_metrics is not None and evaluator.confusion is not None
             plot_metrics(results.class_metrics, evaluator.confusion, self.names, o.save_dir)
         if o.save_json and o.main:
