@@ -45,7 +45,7 @@ def _braces(pattern: str, room: int) -> list[str]:
             raise UserError(f"{pattern[:120]}: names more than {MAX_SHARD_URLS} shards")
     try:
         urls = list(itertools.islice(braceexpand.braceexpand(pattern), room + 1))
-    except braceexpand.UnbalancedBracesError:
+    except ValueError:  # braceexpand.UnbalancedBracesError, its only error
         raise UserError(f"{pattern[:120]!r}: unbalanced braces (a shard pattern's {{ and }} must pair)") from None
     if len(urls) > room:
         raise UserError(f"{pattern[:120]}: names more than {MAX_SHARD_URLS} shards")
