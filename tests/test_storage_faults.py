@@ -87,11 +87,18 @@ def test_a_server_frozen_mid_run_holds_up_no_epoch_and_the_bucket_ends_with_ever
     frozen: dict[str, float] = {}
     end_epoch = RunRecord.end_epoch
 
+    froze = threading.Event()
+
     def timed_end_epoch(self, *args, **kwargs):
+        ended = end_epoch(self, *args, **kwargs)
         epochs_ended.append(time.monotonic())
-        if "from" in frozen and "to" not in frozen:
+        if not froze.is_set():  # the first epoch's checkpoint is on its way: the server stops under its upload
+            os.killpg(proc.pid, signal.SIGSTOP)
+            frozen["from"] = time.monotonic()
+            froze.set()
+        elif "to" not in frozen:
             ended_while_frozen.set()
-        return end_epoch(self, *args, **kwargs)
+        return ended
 
     monkeypatch.setattr(RunRecord, "end_epoch", timed_end_epoch)
     staged = tmp_path / "staged"  # the run's local folder as it ends, before it is removed
@@ -102,21 +109,16 @@ def test_a_server_frozen_mid_run_holds_up_no_epoch_and_the_bucket_ends_with_ever
 
     monkeypatch.setattr(trainer, "remove_staging", keep_then_remove)
 
-    def freeze_once_the_first_checkpoint_is_there() -> None:
-        """Stopped until an epoch has ended meanwhile (at most FROZEN_AT_MOST_S) and FREEZE_S more: long enough for
-        that epoch's uploads to fail against it."""
-        watch = open_storage(run_url)
-        deadline = time.monotonic() + 120
-        while not watch.exists("weights/last.pt") and time.monotonic() < deadline:
-            time.sleep(0.1)
-        os.killpg(proc.pid, signal.SIGSTOP)
-        frozen["from"] = time.monotonic()
+    def thaw_once_an_epoch_ended_while_frozen() -> None:
+        """The server, stopped as the first epoch ended, stays stopped until another epoch has ended meanwhile (at
+        most FROZEN_AT_MOST_S) and FREEZE_S more: long enough for the uploads to fail against it."""
+        froze.wait(120)
         ended_while_frozen.wait(FROZEN_AT_MOST_S)
         time.sleep(FREEZE_S)
         frozen["to"] = time.monotonic()
         os.killpg(proc.pid, signal.SIGCONT)
 
-    freezer = threading.Thread(target=freeze_once_the_first_checkpoint_is_there, daemon=True)
+    freezer = threading.Thread(target=thaw_once_an_epoch_ended_while_frozen, daemon=True)
     freezer.start()
     args = ["--data", rectangles_yaml, "--epochs", "3", "--noval", "--project", f"s3://{bucket}/runs", "--name", "exp"]
     status, log = train_here(*args)
