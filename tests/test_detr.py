@@ -169,10 +169,9 @@ def test_val_and_detect_run_our_pt_and_a_hf_folder(tiny_scale, tmp_path) -> None
         export.run(weights=str(tmp_path / "hf"), include=["torchscript"], imgsz=[128])
 
 
-def test_rtdetrv2_hugging_face_folder_equals_transformers(tmp_path, caplog) -> None:
-    """RT-DETRv2 through the same path: a narrowed model of transformers (a small ResNet, 2 decoder layers) saved
-    as a folder gives transformers' own detections, and its config, no scale of ours, is one logged line."""
-    from transformers import RTDetrImageProcessor, RTDetrResNetConfig, RTDetrV2Config, RTDetrV2ForObjectDetection
+def narrowed_rtdetrv2():
+    """A narrowed RT-DETRv2 of transformers (a small ResNet, 2 decoder layers, 2 classes), seeded, in eval mode."""
+    from transformers import RTDetrResNetConfig, RTDetrV2Config, RTDetrV2ForObjectDetection
 
     backbone = RTDetrResNetConfig(
         layer_type="basic", depths=[1, 1, 1, 1], hidden_sizes=[8, 16, 32, 64], embedding_size=8,
@@ -184,7 +183,15 @@ def test_rtdetrv2_hugging_face_folder_equals_transformers(tmp_path, caplog) -> N
         decoder_in_channels=[32, 32, 32], num_labels=2,
     )  # fmt: skip
     torch.manual_seed(0)
-    hf = RTDetrV2ForObjectDetection(config).eval()
+    return RTDetrV2ForObjectDetection(config).eval()
+
+
+def test_rtdetrv2_hugging_face_folder_equals_transformers(tmp_path, caplog) -> None:
+    """RT-DETRv2 through the same path: a narrowed model of transformers (a small ResNet, 2 decoder layers) saved
+    as a folder gives transformers' own detections, and its config, no scale of ours, is one logged line."""
+    from transformers import RTDetrImageProcessor
+
+    hf = narrowed_rtdetrv2()
     hf.save_pretrained(tmp_path / "hf")
     with caplog.at_level(logging.WARNING):
         ours, ckpt = load_model(tmp_path / "hf")
@@ -199,3 +206,35 @@ def test_rtdetrv2_hugging_face_folder_equals_transformers(tmp_path, caplog) -> N
     assert_same_detections(
         output0, [t["scores"] for t in theirs], [t["boxes"] for t in theirs], [t["labels"] for t in theirs]
     )
+
+
+def test_rtdetrv2_exports_to_onnx_and_openvino(tmp_path) -> None:
+    """export.py writes a narrowed RT-DETRv2 as ONNX and OpenVINO files that pass its check against PyTorch, and
+    each file gives PyTorch's detections on other images (near-ties may reorder).
+
+    As transformers initialises it (convolution and norm weights drawn with std 0.01), the untrained model's
+    features hardly depend on the image: every token's encoder score is the same number, so which 300 of the 336
+    tokens become queries is the runtime's choice, and the files' detections differed from PyTorch's by up to
+    7.2 px. Initialised as PyTorch (and the official code) initialise convolutions and norms, the scores differ
+    and the files agree."""
+    from utils.formats import open_runner
+
+    hf = narrowed_rtdetrv2()
+    images = torch.rand(2, 3, 128, 128, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        scores = hf(pixel_values=images[:1]).enc_outputs_class.amax(-1)
+    assert scores.shape == (1, 336) and scores.unique().numel() == 1  # ties throughout: the top 300 is arbitrary
+    torch.manual_seed(0)
+    for module in hf.modules():
+        if isinstance(module, (torch.nn.Conv2d, torch.nn.BatchNorm2d)):
+            module.reset_parameters()
+    hf.save_pretrained(tmp_path / "hf")
+    # the ONNX graph as traced (onnxslim's pass costs a second here; export.py's default simplified file agrees too)
+    kept = export.run(weights=str(tmp_path / "hf"), include=["onnx", "openvino"], imgsz=[128], simplify=False)
+    assert [p.name for p in kept] == ["hf.onnx", "hf_openvino_model"]
+    ours, _ = load_model(tmp_path / "hf")
+    with torch.no_grad():
+        expected, _ = ours(images)
+    for path in kept:
+        found = open_runner(path)(images)
+        assert_same_detections(found, expected[..., 4], expected[..., :4], expected[..., 5].long())

@@ -108,7 +108,7 @@ class DetrFamily(Family):
     val_iou = 0.7  # unused: the output is final; kept for the predictor's interface
     detect_iou = 0.7
     importers = (HUGGING_FACE_IMPORTER, OFFICIAL_IMPORTER)
-    export_formats: ClassVar[tuple[str, ...]] = ()  # formats whose files were checked against PyTorch
+    export_formats: ClassVar[tuple[str, ...]] = ("onnx", "openvino")  # checked against PyTorch: docs/deploy.md
 
     # ---- configs ----
 

@@ -94,7 +94,6 @@ class DFineFamily(DetrFamily):
     official_keys = OFFICIAL_KEYS
     official_dropped = OFFICIAL_DROPPED
     tied_copies = TIED_COPIES
-    export_formats = ("onnx", "openvino")  # checked against PyTorch: docs/benchmarks.md
     hyp_type: ClassVar[type[HypRecord]] = DFineHyp
     default_hyp = "data/hyps/hyp.dfine.yaml"
     evolve_limits = evolve_limits_of(DFineHyp, **DETR_LIMITS)
