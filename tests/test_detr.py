@@ -21,7 +21,7 @@ pytest.importorskip("transformers", reason="the DETR families need transformers 
 import detect  # noqa: E402
 import export  # noqa: E402
 import val  # noqa: E402
-from models.families import DFINE, family_of  # noqa: E402
+from models.families import DFINE, RTDETRV2, family_of  # noqa: E402
 from models.loading import load_model  # noqa: E402
 from tests.conftest import write_rectangles_dataset  # noqa: E402
 from utils.checkpoint import save_checkpoint  # noqa: E402
@@ -212,12 +212,15 @@ def test_rtdetrv2_exports_to_onnx_and_openvino(tmp_path) -> None:
     """export.py writes a narrowed RT-DETRv2 as ONNX and OpenVINO files that pass its check against PyTorch, and
     each file gives PyTorch's detections on other images (near-ties may reorder).
 
-    As transformers initialises it (convolution and norm weights drawn with std 0.01), the untrained model's
-    features hardly depend on the image: every token's encoder score is the same number, so which 300 of the 336
+    As transformers initialises it (the encoder's convolution and norm weights drawn with std 0.01), the untrained
+    model's features hardly depend on the image: every token's encoder score is the same number, so which 300 of the 336
     tokens become queries is the runtime's choice, and the files' detections differed from PyTorch's by up to
     7.2 px. Initialised as PyTorch (and the official code) initialise convolutions and norms, the scores differ
     and the files agree."""
+    import onnx
+
     from utils.formats import open_runner
+    from utils.formats.int8 import ScopeMatcher, onnx_owner
 
     hf = narrowed_rtdetrv2()
     images = torch.rand(2, 3, 128, 128, generator=torch.Generator().manual_seed(1))
@@ -238,3 +241,13 @@ def test_rtdetrv2_exports_to_onnx_and_openvino(tmp_path) -> None:
     for path in kept:
         found = open_runner(path)(images)
         assert_same_detections(found, expected[..., 4], expected[..., :4], expected[..., 5].long())
+    # INT8 keeps the deformable sampling, the layer norms, the softmaxes and the top-k float; convolutions may go
+    module = RTDETRV2.export_module(ours)
+    matcher = ScopeMatcher.of(RTDETRV2.int8_float_scope(ours), module, ours, logits=True)
+    modules = dict(module.named_modules())
+    nodes = [
+        (n.op_type, matcher.keeps_float(onnx_owner(n.name, modules), n.op_type)) for n in onnx.load(kept[0]).graph.node
+    ]
+    for op_type in ("GridSample", "LayerNormalization", "Softmax", "TopK", "Conv"):
+        floats = {stays for t, stays in nodes if t == op_type}
+        assert floats == {op_type != "Conv"}, op_type

@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @dataclass(frozen=True)
 class Int8Scope:
     """What stays in float when a model is quantized to INT8 (each export format maps it to its toolkit's ignored
-    scope). Names are PyTorch qualified module names (``model.23``, ``model.23.dfl``).
+    scope). Names are PyTorch qualified module names in the detector (``model.23``, ``model.23.dfl``; ``''`` is the
+    detector itself).
 
     - ``modules``: modules whose whole arithmetic stays float (DFL's softmax and expectation);
     - ``decoding``: modules whose own operations, outside their child modules, stay float: the head's decoding

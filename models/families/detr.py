@@ -277,11 +277,14 @@ class DetrFamily(Family):
 
     def int8_float_scope(self, model: nn.Module) -> Int8Scope:
         """The encoder's attention and everything after it stay float: the deformable sampling (offsets and
-        weights in pixels and probabilities), the layer norms, the box refinement and the top-k; the backbone's and
-        the encoder's convolutions may be quantized."""
-        decoding = ("model.detr.model.decoder", "model.detr.model.encoder.aifi")
-        heads = ("enc_output", "enc_score_head", "enc_bbox_head")
-        return Int8Scope(modules=decoding + tuple(f"model.detr.model.{h}" for h in heads), decoding=("model",))
+        weights in pixels and probabilities), the layer norms, the box refinement, the anchors and the top-k (the
+        own operations of the detector, of transformers' detector and of its model: '', ``detr``, ``detr.model``);
+        the backbone's and the encoder's convolutions (their batch norms folded in) may be quantized. Names are
+        the detector's (``DetrDetector``): its transformers model is ``detr``."""
+        whole = ("decoder", "encoder.aifi", "enc_output", "enc_score_head", "enc_bbox_head")
+        return Int8Scope(
+            modules=tuple(f"detr.model.{name}" for name in whole), decoding=("", "detr", "detr.model"), op_types=()
+        )
 
 
 def load_weights(model: DetrDetector, weights: Mapping[str, torch.Tensor], transfer: bool, source: str) -> None:
