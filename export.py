@@ -200,6 +200,11 @@ def prepare(opt: argparse.Namespace) -> tuple[Source, list[Any]]:
         refusal = family.export_refusal(fmt.name)
         if refusal:
             raise UserError(f"{weights}: {refusal}")
+    if any(fmt.name == "onnx" for fmt in formats) and opt.opset < family.min_onnx_opset:
+        raise UserError(
+            f"{weights}: --opset {opt.opset}: {family.title} is exported at opset {family.min_onnx_opset} or newer "
+            "(older opsets split LayerNorm into operations whose fp16 Pow overflows)"
+        )
     if opt.end2end:
         runner.use_end2end(weights)
     module = family.export_module(runner.model, end2end=opt.end2end)

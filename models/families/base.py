@@ -108,6 +108,7 @@ class Family:
     # The optimizer ``--optimizer auto`` gives its runs whatever their length, at the hyp file's lr0 (the DETRs'
     # AdamW); None: the run's length decides (utils/optimizer.py: choose_optimizer).
     recipe_optimizer: ClassVar[str | None] = None
+    min_onnx_opset: ClassVar[int] = 1  # the oldest ONNX opset export.py writes its models at (--opset)
 
     def __repr__(self) -> str:
         return f"<family {self.name}>"

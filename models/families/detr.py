@@ -109,6 +109,7 @@ class DetrFamily(Family):
     detect_iou = 0.7
     importers = (HUGGING_FACE_IMPORTER, OFFICIAL_IMPORTER)
     export_formats: ClassVar[tuple[str, ...]] = ("onnx", "openvino")  # checked against PyTorch: docs/deploy.md
+    min_onnx_opset = 17  # LayerNormalization: older opsets split it into a Pow that overflows in fp16
 
     # ---- configs ----
 
