@@ -197,7 +197,7 @@ def prepare(opt: argparse.Namespace) -> tuple[Source, list[Any]]:
     options = ExportOptions(opset=opt.opset, dynamic=opt.dynamic, simplify=opt.simplify, nms=nms, end2end=opt.end2end)
     formats = _formats(opt, precision, options)
     for fmt in formats:
-        refusal = family.export_refusal(fmt.name)
+        refusal = family.export_refusal(fmt.name, precision)
         if refusal:
             raise UserError(f"{weights}: {refusal}")
     if any(fmt.name == "onnx" for fmt in formats) and opt.opset < family.min_onnx_opset:

@@ -167,6 +167,8 @@ def test_val_and_detect_run_our_pt_and_a_hf_folder(tiny_scale, tmp_path) -> None
     assert family_of(model).name == "dfine"
     with pytest.raises(UserError, match="D-FINE is exported to onnx and openvino only: torchscript is not checked"):
         export.run(weights=str(tmp_path / "hf"), include=["torchscript"], imgsz=[128])
+    with pytest.raises(UserError, match=r"hf: D-FINE: no fp16 openvino files: fp16 weights change which encoder"):
+        export.run(weights=str(tmp_path / "hf"), include=["openvino"], imgsz=[128], half=True)
     with pytest.raises(UserError, match=r"hf: --opset 16: D-FINE is exported at opset 17 or newer \(older opsets"):
         export.run(weights=str(tmp_path / "hf"), include=["onnx"], imgsz=[128], opset=16)
 

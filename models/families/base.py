@@ -285,8 +285,9 @@ class Family:
             self.use_end_to_end(model, getattr(model, "yaml", {}).get("yaml_file", "the model"))
         return ExportModule(model).eval()
 
-    def export_refusal(self, format_name: str) -> str | None:
-        """Why its models cannot be written in ``format_name`` (one line), or None: every format can."""
+    def export_refusal(self, format_name: str, precision: str = "fp32") -> str | None:
+        """Why its models cannot be written in ``format_name`` at ``precision`` (one line), or None: every format
+        and precision can."""
         return None
 
     def int8_float_scope(self, model: nn.Module) -> Int8Scope:
