@@ -212,6 +212,7 @@ def test_rtdetrv2_hugging_face_folder_equals_transformers(tmp_path, caplog) -> N
     )
 
 
+@pytest.mark.slow
 def test_rtdetrv2_exports_to_onnx_and_openvino(tmp_path) -> None:
     """export.py writes a narrowed RT-DETRv2 as ONNX and OpenVINO files that pass its check against PyTorch, and
     each file gives PyTorch's detections on other images (near-ties may reorder).
