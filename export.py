@@ -197,9 +197,14 @@ def prepare(opt: argparse.Namespace) -> tuple[Source, list[Any]]:
     options = ExportOptions(opset=opt.opset, dynamic=opt.dynamic, simplify=opt.simplify, nms=nms, end2end=opt.end2end)
     formats = _formats(opt, precision, options)
     for fmt in formats:
-        refusal = family.export_refusal(fmt.name)
+        refusal = family.export_refusal(fmt.name, precision)
         if refusal:
             raise UserError(f"{weights}: {refusal}")
+    if any(fmt.name == "onnx" for fmt in formats) and opt.opset < family.min_onnx_opset:
+        raise UserError(
+            f"{weights}: --opset {opt.opset}: {family.title} is exported at opset {family.min_onnx_opset} or newer "
+            "(older opsets split LayerNorm into operations whose fp16 Pow overflows)"
+        )
     if opt.end2end:
         runner.use_end2end(weights)
     module = family.export_module(runner.model, end2end=opt.end2end)

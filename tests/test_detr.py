@@ -21,7 +21,7 @@ pytest.importorskip("transformers", reason="the DETR families need transformers 
 import detect  # noqa: E402
 import export  # noqa: E402
 import val  # noqa: E402
-from models.families import DFINE, family_of  # noqa: E402
+from models.families import DFINE, RTDETRV2, family_of  # noqa: E402
 from models.loading import load_model  # noqa: E402
 from tests.conftest import write_rectangles_dataset  # noqa: E402
 from utils.checkpoint import save_checkpoint  # noqa: E402
@@ -167,12 +167,15 @@ def test_val_and_detect_run_our_pt_and_a_hf_folder(tiny_scale, tmp_path) -> None
     assert family_of(model).name == "dfine"
     with pytest.raises(UserError, match="D-FINE is exported to onnx and openvino only: torchscript is not checked"):
         export.run(weights=str(tmp_path / "hf"), include=["torchscript"], imgsz=[128])
+    with pytest.raises(UserError, match=r"hf: D-FINE: no fp16 openvino files: fp16 weights change which encoder"):
+        export.run(weights=str(tmp_path / "hf"), include=["openvino"], imgsz=[128], half=True)
+    with pytest.raises(UserError, match=r"hf: --opset 16: D-FINE is exported at opset 17 or newer \(older opsets"):
+        export.run(weights=str(tmp_path / "hf"), include=["onnx"], imgsz=[128], opset=16)
 
 
-def test_rtdetrv2_hugging_face_folder_equals_transformers(tmp_path, caplog) -> None:
-    """RT-DETRv2 through the same path: a narrowed model of transformers (a small ResNet, 2 decoder layers) saved
-    as a folder gives transformers' own detections, and its config, no scale of ours, is one logged line."""
-    from transformers import RTDetrImageProcessor, RTDetrResNetConfig, RTDetrV2Config, RTDetrV2ForObjectDetection
+def narrowed_rtdetrv2():
+    """A narrowed RT-DETRv2 of transformers (a small ResNet, 2 decoder layers, 2 classes), seeded, in eval mode."""
+    from transformers import RTDetrResNetConfig, RTDetrV2Config, RTDetrV2ForObjectDetection
 
     backbone = RTDetrResNetConfig(
         layer_type="basic", depths=[1, 1, 1, 1], hidden_sizes=[8, 16, 32, 64], embedding_size=8,
@@ -184,7 +187,15 @@ def test_rtdetrv2_hugging_face_folder_equals_transformers(tmp_path, caplog) -> N
         decoder_in_channels=[32, 32, 32], num_labels=2,
     )  # fmt: skip
     torch.manual_seed(0)
-    hf = RTDetrV2ForObjectDetection(config).eval()
+    return RTDetrV2ForObjectDetection(config).eval()
+
+
+def test_rtdetrv2_hugging_face_folder_equals_transformers(tmp_path, caplog) -> None:
+    """RT-DETRv2 through the same path: a narrowed model of transformers (a small ResNet, 2 decoder layers) saved
+    as a folder gives transformers' own detections, and its config, no scale of ours, is one logged line."""
+    from transformers import RTDetrImageProcessor
+
+    hf = narrowed_rtdetrv2()
     hf.save_pretrained(tmp_path / "hf")
     with caplog.at_level(logging.WARNING):
         ours, ckpt = load_model(tmp_path / "hf")
@@ -199,3 +210,49 @@ def test_rtdetrv2_hugging_face_folder_equals_transformers(tmp_path, caplog) -> N
     assert_same_detections(
         output0, [t["scores"] for t in theirs], [t["boxes"] for t in theirs], [t["labels"] for t in theirs]
     )
+
+
+@pytest.mark.slow
+def test_rtdetrv2_exports_to_onnx_and_openvino(tmp_path) -> None:
+    """export.py writes a narrowed RT-DETRv2 as ONNX and OpenVINO files that pass its check against PyTorch, and
+    each file gives PyTorch's detections on other images (near-ties may reorder).
+
+    As transformers initialises it (the encoder's convolution and norm weights drawn with std 0.01), the untrained
+    model's features hardly depend on the image: every token's encoder score is the same number, so which 300 of the 336
+    tokens become queries is the runtime's choice, and the files' detections differed from PyTorch's by up to
+    7.2 px. Initialised as PyTorch (and the official code) initialise convolutions and norms, the scores differ
+    and the files agree."""
+    import onnx
+
+    from utils.formats import open_runner
+    from utils.formats.int8 import ScopeMatcher, onnx_owner
+
+    hf = narrowed_rtdetrv2()
+    images = torch.rand(2, 3, 128, 128, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        scores = hf(pixel_values=images[:1]).enc_outputs_class.amax(-1)
+    assert scores.shape == (1, 336) and scores.unique().numel() == 1  # ties throughout: the top 300 is arbitrary
+    torch.manual_seed(0)
+    for module in hf.modules():
+        if isinstance(module, (torch.nn.Conv2d, torch.nn.BatchNorm2d)):
+            module.reset_parameters()
+    hf.save_pretrained(tmp_path / "hf")
+    # the ONNX graph as traced (onnxslim's pass costs a second here; export.py's default simplified file agrees too)
+    kept = export.run(weights=str(tmp_path / "hf"), include=["onnx", "openvino"], imgsz=[128], simplify=False)
+    assert [p.name for p in kept] == ["hf.onnx", "hf_openvino_model"]
+    ours, _ = load_model(tmp_path / "hf")
+    with torch.no_grad():
+        expected, _ = ours(images)
+    for path in kept:
+        found = open_runner(path)(images)
+        assert_same_detections(found, expected[..., 4], expected[..., :4], expected[..., 5].long())
+    # INT8 keeps the deformable sampling, the layer norms, the softmaxes and the top-k float; convolutions may go
+    module = RTDETRV2.export_module(ours)
+    matcher = ScopeMatcher.of(RTDETRV2.int8_float_scope(ours), module, ours, logits=True)
+    modules = dict(module.named_modules())
+    nodes = [
+        (n.op_type, matcher.keeps_float(onnx_owner(n.name, modules), n.op_type)) for n in onnx.load(kept[0]).graph.node
+    ]
+    for op_type in ("GridSample", "LayerNormalization", "Softmax", "TopK", "Conv"):
+        floats = {stays for t, stays in nodes if t == op_type}
+        assert floats == {op_type != "Conv"}, op_type

@@ -46,7 +46,8 @@ class TrainBatch:
 @dataclass(frozen=True)
 class Int8Scope:
     """What stays in float when a model is quantized to INT8 (each export format maps it to its toolkit's ignored
-    scope). Names are PyTorch qualified module names (``model.23``, ``model.23.dfl``).
+    scope). Names are PyTorch qualified module names in the detector (``model.23``, ``model.23.dfl``; ``''`` is the
+    detector itself).
 
     - ``modules``: modules whose whole arithmetic stays float (DFL's softmax and expectation);
     - ``decoding``: modules whose own operations, outside their child modules, stay float: the head's decoding
@@ -124,6 +125,7 @@ class Family:
     # The optimizer ``--optimizer auto`` gives its runs whatever their length, at the hyp file's lr0 (the DETRs'
     # AdamW); None: the run's length decides (utils/optimizer.py: choose_optimizer).
     recipe_optimizer: ClassVar[str | None] = None
+    min_onnx_opset: ClassVar[int] = 1  # the oldest ONNX opset export.py writes its models at (--opset)
 
     def __repr__(self) -> str:
         return f"<family {self.name}>"
@@ -303,8 +305,9 @@ class Family:
             self.use_end_to_end(model, getattr(model, "yaml", {}).get("yaml_file", "the model"))
         return ExportModule(model).eval()
 
-    def export_refusal(self, format_name: str) -> str | None:
-        """Why its models cannot be written in ``format_name`` (one line), or None: every format can."""
+    def export_refusal(self, format_name: str, precision: str = "fp32") -> str | None:
+        """Why its models cannot be written in ``format_name`` at ``precision`` (one line), or None: every format
+        and precision can."""
         return None
 
     def int8_float_scope(self, model: nn.Module) -> Int8Scope:

@@ -91,6 +91,18 @@ DETR_LIMITS = {
 }
 
 
+# The (format, precision) pairs whose files did not pass export.py's checks on the narrowed D-FINE and RT-DETRv2
+# (bench/detr_export_precision.py; docs/deploy.md): the encoder's top 300 of its tokens become the decoder's queries,
+# and rounding reorders tokens whose scores lie near the cut.
+FP16_QUERIES = "fp16 arithmetic changes which encoder tokens become the 300 queries (output up to 8 from PyTorch's)"
+INT8_QUERIES = "INT8 changes which encoder tokens become the 300 queries (mAP50-95 drops of 0.03 to 0.14)"
+REFUSED_PRECISIONS = {
+    ("onnx", "fp16"): FP16_QUERIES,
+    ("onnx", "int8"): INT8_QUERIES,
+    ("openvino", "int8"): INT8_QUERIES,
+}
+
+
 class DetrFamily(Family):
     """A DETR family: set ``name``, ``title``, ``model_type``, ``yaml_name``, ``official_keys`` and
     ``backbone_config``."""
@@ -109,7 +121,9 @@ class DetrFamily(Family):
     val_iou = 0.7  # unused: the output is final; kept for the predictor's interface
     detect_iou = 0.7
     importers = (HUGGING_FACE_IMPORTER, OFFICIAL_IMPORTER)
-    export_formats: ClassVar[tuple[str, ...]] = ()  # formats whose files were checked against PyTorch
+    export_formats: ClassVar[tuple[str, ...]] = ("onnx", "openvino")  # checked against PyTorch: docs/deploy.md
+    refused_precisions: ClassVar[Mapping[tuple[str, str], str]] = REFUSED_PRECISIONS  # (format, precision): why
+    min_onnx_opset = 17  # LayerNormalization: older opsets split it into a Pow that overflows in fp16
 
     # ---- configs ----
 
@@ -271,11 +285,13 @@ class DetrFamily(Family):
     def export_module(self, model: nn.Module, *, end2end: bool = False) -> nn.Module:
         return ExportModule(model).eval()
 
-    def export_refusal(self, format_name: str) -> str | None:
+    def export_refusal(self, format_name: str, precision: str = "fp32") -> str | None:
         """The formats whose files were checked against PyTorch (docs/deploy.md); the others are refused until
-        someone checks that they express the deformable sampling (grid_sample) and the top-k."""
+        someone checks that they express the deformable sampling (grid_sample) and the top-k. The precisions whose
+        files did not pass the checks on a narrowed model (``refused_precisions``) are refused, naming why."""
         if format_name in self.export_formats:
-            return None
+            why = self.refused_precisions.get((format_name, precision))
+            return f"{self.title}: no {precision} {format_name} files: {why} (docs/deploy.md)" if why else None
         if not self.export_formats:
             return f"{self.title} export is not checked yet (docs/deploy.md): use val.py and detect.py with its weights"
         return (
@@ -285,11 +301,14 @@ class DetrFamily(Family):
 
     def int8_float_scope(self, model: nn.Module) -> Int8Scope:
         """The encoder's attention and everything after it stay float: the deformable sampling (offsets and
-        weights in pixels and probabilities), the layer norms, the box refinement and the top-k; the backbone's and
-        the encoder's convolutions may be quantized."""
-        decoding = ("model.detr.model.decoder", "model.detr.model.encoder.aifi")
-        heads = ("enc_output", "enc_score_head", "enc_bbox_head")
-        return Int8Scope(modules=decoding + tuple(f"model.detr.model.{h}" for h in heads), decoding=("model",))
+        weights in pixels and probabilities), the layer norms, the box refinement, the anchors and the top-k (the
+        own operations of the detector, of transformers' detector and of its model: '', ``detr``, ``detr.model``);
+        the backbone's and the encoder's convolutions (their batch norms folded in) may be quantized. Names are
+        the detector's (``DetrDetector``): its transformers model is ``detr``."""
+        whole = ("decoder", "encoder.aifi", "enc_output", "enc_score_head", "enc_bbox_head")
+        return Int8Scope(
+            modules=tuple(f"detr.model.{name}" for name in whole), decoding=("", "detr", "detr.model"), op_types=()
+        )
 
 
 def load_weights(model: DetrDetector, weights: Mapping[str, torch.Tensor], transfer: bool, source: str) -> None:

@@ -30,6 +30,39 @@ from utils.log import LOGGER
 _CONFIG_BOOKKEEPING = ("architectures", "transformers_version", "_name_or_path", "dtype", "torch_dtype", "model_type")
 _PACKED_QKV = re.compile(r"^(?P<owner>.*\.self_attn)\.in_proj_(?P<kind>weight|bias)$")
 
+# The official names (regular expressions) -> transformers' names that D-FINE and RT-DETRv2 share: their hybrid
+# encoder's and decoder's common parts. A family's ``official_keys`` table puts its backbone's rows first, then
+# SHARED_MODULE_KEYS and its own module rows (each anchored at an official top-level name, so their order among
+# themselves does not matter), then SHARED_ATTENTION_KEYS and its own rows inside the attention layers, which rename
+# parts of names the rows before have made.
+SHARED_MODULE_KEYS = (
+    (r"^encoder\.input_proj\.(\d+)\.conv\.", r"detr.model.encoder_input_proj.\1.0."),
+    (r"^encoder\.input_proj\.(\d+)\.norm\.", r"detr.model.encoder_input_proj.\1.1."),
+    (r"^encoder\.encoder\.", "detr.model.encoder.aifi."),
+    (r"^encoder\.lateral_convs\.", "detr.model.encoder.lateral_convs."),
+    (r"^decoder\.input_proj\.(\d+)\.conv\.", r"detr.model.decoder_input_proj.\1.0."),  # D-FINE-X: 384 wide into 256
+    (r"^decoder\.input_proj\.(\d+)\.norm\.", r"detr.model.decoder_input_proj.\1.1."),
+    (r"^decoder\.decoder\.layers\.", "detr.model.decoder.layers."),
+    (r"^decoder\.dec_bbox_head\.", "detr.model.decoder.bbox_embed."),
+    (r"^decoder\.dec_score_head\.", "detr.model.decoder.class_embed."),
+    (r"^decoder\.query_pos_head\.", "detr.model.decoder.query_pos_head."),
+    (r"^decoder\.enc_output\.proj\.", "detr.model.enc_output.0."),
+    (r"^decoder\.enc_output\.norm\.", "detr.model.enc_output.1."),
+    (r"^decoder\.(denoising_class_embed|enc_score_head|enc_bbox_head)\.", r"detr.model.\1."),
+)
+SHARED_ATTENTION_KEYS = (
+    (r"\.out_proj\.", ".o_proj."),
+    (r"\.norm1\.", ".self_attn_layer_norm."),
+    (r"(\.aifi\..*)\.norm2\.", r"\1.final_layer_norm."),
+    (r"(\.decoder\.layers\..*)\.norm3\.", r"\1.final_layer_norm."),
+    (r"\.cross_attn\.", ".encoder_attn."),
+)
+# transformers keeps each decoder layer's heads twice (``class_embed.i`` and ``model.decoder.class_embed.i``, tied).
+TIED_COPIES = (
+    ("detr.model.decoder.class_embed.", "detr.class_embed."),
+    ("detr.model.decoder.bbox_embed.", "detr.bbox_embed."),
+)
+
 
 def _detr_families(families: Sequence[Family]) -> list[Any]:
     return [f for f in families if getattr(f, "model_type", None)]

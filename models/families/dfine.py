@@ -12,7 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from models.families.detr import DETR_LIMITS, DetrFamily, DetrLossGains
+from models.families.detr import DETR_LIMITS, REFUSED_PRECISIONS, DetrFamily, DetrLossGains
+from models.families.detr_import import SHARED_ATTENTION_KEYS, SHARED_MODULE_KEYS, TIED_COPIES
 from utils.hyp import HypRecord, OptimisationHyp, StepScheduleHyp, ZoomCropHyp, evolve_limits_of
 
 # HGNetV2's stage layout, the same at every scale (the official arch_configs' downsample, light-block and kernel
@@ -24,15 +25,14 @@ _HGNET_FIXED = {
     "stage_kernel_size": [3, 3, 5, 5],
 }
 
-# Official name (regular expression) -> transformers' name, applied in this order to every key.
+# Official name (regular expression) -> transformers' name, applied in this order to every key (the rows both
+# families share: models/families/detr_import.py).
 OFFICIAL_KEYS = (
     (r"^backbone\.stem\.", "detr.model.backbone.model.embedder."),
     (r"^backbone\.stages\.", "detr.model.backbone.model.encoder.stages."),
     (r"^(detr\.model\.backbone\..*)\.conv\.", r"\1.convolution."),
     (r"^(detr\.model\.backbone\..*)\.bn\.", r"\1.normalization."),
-    (r"^encoder\.input_proj\.(\d+)\.conv\.", r"detr.model.encoder_input_proj.\1.0."),
-    (r"^encoder\.input_proj\.(\d+)\.norm\.", r"detr.model.encoder_input_proj.\1.1."),
-    (r"^encoder\.encoder\.", "detr.model.encoder.aifi."),
+    *SHARED_MODULE_KEYS,
     (r"^encoder\.downsample_convs\.(\d+)\.0\.cv(\d)\.", r"detr.model.encoder.downsample_convs.\1.conv\2."),
     (r"^encoder\.(fpn|pan)_blocks\.(\d+)\.cv1\.", r"detr.model.encoder.\1_blocks.\2.conv1."),
     (r"^encoder\.(fpn|pan)_blocks\.(\d+)\.cv2\.0\.", r"detr.model.encoder.\1_blocks.\2.csp_rep1."),
@@ -40,34 +40,15 @@ OFFICIAL_KEYS = (
     (r"^encoder\.(fpn|pan)_blocks\.(\d+)\.cv3\.0\.", r"detr.model.encoder.\1_blocks.\2.csp_rep2."),
     (r"^encoder\.(fpn|pan)_blocks\.(\d+)\.cv3\.1\.", r"detr.model.encoder.\1_blocks.\2.conv3."),
     (r"^encoder\.(fpn|pan)_blocks\.(\d+)\.cv4\.", r"detr.model.encoder.\1_blocks.\2.conv4."),
-    (r"^encoder\.lateral_convs\.", "detr.model.encoder.lateral_convs."),
-    (r"^decoder\.input_proj\.(\d+)\.conv\.", r"detr.model.decoder_input_proj.\1.0."),  # X: 384 wide into 256
-    (r"^decoder\.input_proj\.(\d+)\.norm\.", r"detr.model.decoder_input_proj.\1.1."),
-    (r"^decoder\.decoder\.layers\.", "detr.model.decoder.layers."),
     (r"^decoder\.decoder\.(lqe_layers|up|reg_scale)", r"detr.model.decoder.\1"),
-    (r"^decoder\.dec_bbox_head\.", "detr.model.decoder.bbox_embed."),
-    (r"^decoder\.dec_score_head\.", "detr.model.decoder.class_embed."),
-    (r"^decoder\.(pre_bbox_head|query_pos_head)\.", r"detr.model.decoder.\1."),
-    (r"^decoder\.enc_output\.proj\.", "detr.model.enc_output.0."),
-    (r"^decoder\.enc_output\.norm\.", "detr.model.enc_output.1."),
-    (r"^decoder\.(denoising_class_embed|enc_score_head|enc_bbox_head)\.", r"detr.model.\1."),
-    # inside the attention layers of the encoder and the decoder
-    (r"\.out_proj\.", ".o_proj."),
+    (r"^decoder\.pre_bbox_head\.", "detr.model.decoder.pre_bbox_head."),
+    *SHARED_ATTENTION_KEYS,
     (r"\.linear1\.", ".mlp.layers.0."),
     (r"\.linear2\.", ".mlp.layers.1."),
-    (r"\.norm1\.", ".self_attn_layer_norm."),
-    (r"(\.aifi\..*)\.norm2\.", r"\1.final_layer_norm."),
-    (r"(\.decoder\.layers\..*)\.norm3\.", r"\1.final_layer_norm."),
-    (r"\.cross_attn\.", ".encoder_attn."),
 )
 # Official tensors transformers computes instead: the anchors and valid mask of the 640 x 640 deploy size (made
 # for the image's own size here), and the transformer's copies of the decoder's ``up`` and ``reg_scale``.
 OFFICIAL_DROPPED = r"^decoder\.(anchors|valid_mask|up|reg_scale)$"
-# transformers keeps each decoder layer's heads twice (``class_embed.i`` and ``model.decoder.class_embed.i``, tied).
-TIED_COPIES = (
-    ("detr.model.decoder.class_embed.", "detr.class_embed."),
-    ("detr.model.decoder.bbox_embed.", "detr.bbox_embed."),
-)
 
 
 @dataclass(frozen=True)
@@ -94,7 +75,14 @@ class DFineFamily(DetrFamily):
     official_keys = OFFICIAL_KEYS
     official_dropped = OFFICIAL_DROPPED
     tied_copies = TIED_COPIES
-    export_formats = ("onnx", "openvino")  # checked against PyTorch: docs/benchmarks.md
+    # its fp16 IR too: fp16 weights (the IR's constants) moved the narrowed model's output 7.2 from PyTorch's
+    refused_precisions = {
+        **REFUSED_PRECISIONS,
+        (
+            "openvino",
+            "fp16",
+        ): "fp16 weights change which encoder tokens become the 300 queries (output 7.2 from PyTorch's)",
+    }
     hyp_type: ClassVar[type[HypRecord]] = DFineHyp
     default_hyp = "data/hyps/hyp.dfine.yaml"
     evolve_limits = evolve_limits_of(DFineHyp, **DETR_LIMITS)

@@ -12,9 +12,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from models.families.detr import DetrFamily
-from models.families.dfine import TIED_COPIES
+from models.families.detr_import import SHARED_ATTENTION_KEYS, SHARED_MODULE_KEYS, TIED_COPIES
 
-# Official name (regular expression) -> transformers' name, applied in this order to every key.
+# Official name (regular expression) -> transformers' name, applied in this order to every key (the rows both
+# families share: models/families/detr_import.py).
 OFFICIAL_KEYS = (
     (r"^backbone\.conv1\.conv1_1\.", "detr.model.backbone.model.embedder.embedder.0."),
     (r"^backbone\.conv1\.conv1_2\.", "detr.model.backbone.model.embedder.embedder.1."),
@@ -27,28 +28,12 @@ OFFICIAL_KEYS = (
     (r"(\.layers\.\d+)\.branch2c\.", r"\1.layer.2."),
     (r"^(detr\.model\.backbone\..*)\.conv\.", r"\1.convolution."),
     (r"^(detr\.model\.backbone\..*)\.norm\.", r"\1.normalization."),
-    (r"^encoder\.input_proj\.(\d+)\.conv\.", r"detr.model.encoder_input_proj.\1.0."),
-    (r"^encoder\.input_proj\.(\d+)\.norm\.", r"detr.model.encoder_input_proj.\1.1."),
-    (r"^encoder\.encoder\.", "detr.model.encoder.aifi."),
-    (r"^encoder\.(fpn_blocks|pan_blocks|lateral_convs|downsample_convs)\.", r"detr.model.encoder.\1."),
-    (r"^decoder\.input_proj\.(\d+)\.conv\.", r"detr.model.decoder_input_proj.\1.0."),
-    (r"^decoder\.input_proj\.(\d+)\.norm\.", r"detr.model.decoder_input_proj.\1.1."),
-    (r"^decoder\.decoder\.layers\.", "detr.model.decoder.layers."),
-    (r"^decoder\.dec_bbox_head\.", "detr.model.decoder.bbox_embed."),
-    (r"^decoder\.dec_score_head\.", "detr.model.decoder.class_embed."),
-    (r"^decoder\.query_pos_head\.", "detr.model.decoder.query_pos_head."),
-    (r"^decoder\.enc_output\.proj\.", "detr.model.enc_output.0."),
-    (r"^decoder\.enc_output\.norm\.", "detr.model.enc_output.1."),
-    (r"^decoder\.(denoising_class_embed|enc_score_head|enc_bbox_head)\.", r"detr.model.\1."),
-    # inside the attention layers of the encoder and the decoder
-    (r"\.out_proj\.", ".o_proj."),
+    *SHARED_MODULE_KEYS,
+    (r"^encoder\.(fpn_blocks|pan_blocks|downsample_convs)\.", r"detr.model.encoder.\1."),
+    *SHARED_ATTENTION_KEYS,
     (r"\.linear1\.", ".mlp.fc1."),
     (r"\.linear2\.", ".mlp.fc2."),
-    (r"\.norm1\.", ".self_attn_layer_norm."),
-    (r"(\.aifi\..*)\.norm2\.", r"\1.final_layer_norm."),
     (r"(\.decoder\.layers\..*)\.norm2\.", r"\1.encoder_attn_layer_norm."),
-    (r"(\.decoder\.layers\..*)\.norm3\.", r"\1.final_layer_norm."),
-    (r"\.cross_attn\.", ".encoder_attn."),
     (r"\.num_points_scale$", ".n_points_scale"),
 )
 # The anchors and valid mask of the 640 x 640 deploy size: made for the image's own size here.

@@ -47,7 +47,7 @@ class ScopeMatcher:
     def of(cls, scope: Int8Scope, traced: nn.Module, detector: nn.Module, logits: bool) -> ScopeMatcher:
         """``logits``: whether the scope's logits (the head's prediction convolutions) stay float too."""
         prefix = prefix_of(traced, detector)
-        full = (lambda name: f"{prefix}.{name}") if prefix else (lambda name: name)
+        full = lambda name: ".".join(part for part in (prefix, name) if part)  # noqa: E731 ('' is the detector)
         whole = (*scope.modules, *(scope.logits if logits else ()))
         return cls(tuple(map(full, whole)), tuple(map(full, scope.decoding)), tuple(scope.op_types))
 

@@ -66,7 +66,10 @@ def convert(job: ExportJob) -> Any:  # an openvino.Model
         except ImportError:
             return ov.convert_model(job.module, example_input=job.example, input=[ov.PartialShape(shape)])
         front_end = FrontEndManager().load_by_framework("pytorch")
-        decoder = TorchScriptPythonDecoder(job.module, example_input=(job.example,))  # alive until converted
+        # torch.jit.trace's own check runs the model twice more and compares: export.py checks the file instead
+        decoder = TorchScriptPythonDecoder(  # alive until converted
+            job.module, example_input=(job.example,), trace_kwargs={"check_trace": False}
+        )
         model = front_end.convert(front_end.load(decoder))
     model.reshape(ov.PartialShape(shape))
     apply_moc_transformations(model, cf=False)
