@@ -30,6 +30,7 @@ from models.heads import Detect, DetectionHead, head_for
 from models.summary import model_info
 from utils.errors import UserError, describe, first_line
 from utils.log import LOGGER
+from utils.yaml_reader import load_yaml
 
 # Names a model YAML may use for its blocks. YAMLs are data: they are never passed to eval/exec.
 MODULES: dict[str, type[nn.Module]] = {
@@ -137,7 +138,8 @@ def check_config(cfg: dict, ch: Any) -> None:
         ok = ok and isinstance(row[3], list) and isinstance(row[1], int) and not isinstance(row[1], bool)
         sources = row[0] if ok and isinstance(row[0], list) else [row[0] if ok else None]
         ok = ok and 1 <= row[1] <= MAX_REPEATS and bool(sources)
-        ok = ok and all(isinstance(s, int) and not isinstance(s, bool) and -max(i, 1) <= s < max(i, 1) for s in sources)
+        # -1 is the previous layer (the input image for layer 0, which has no other to name)
+        ok = ok and all(isinstance(s, int) and not isinstance(s, bool) and (-i <= s < i or s == -1) for s in sources)
         if not ok:
             raise UserError(
                 f"{where}: layer {i} must be [from, repeats (1 to {MAX_REPEATS}), module, [args]] with 'from' "
@@ -327,7 +329,7 @@ def load_model_config(cfg: str | Path | dict) -> dict:
         return deepcopy(cfg)
     path, scale = _config_path(cfg)
     try:
-        config = yaml.safe_load(path.read_text(encoding="utf-8"))
+        config = load_yaml(path.read_text(encoding="utf-8"), "a model YAML")
     except (yaml.YAMLError, ValueError, OSError, RecursionError) as e:  # ValueError: a 5000-digit integer, bad UTF-8
         raise UserError(f"{path}: not valid YAML ({e.__class__.__name__})") from e
     # Without ``anchors`` the config describes an anchor-free model.

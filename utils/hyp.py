@@ -24,8 +24,9 @@ from typing import Any, ClassVar, TypeVar
 
 import yaml
 
-from utils.errors import UserError
+from utils.errors import UserError, first_line
 from utils.log import LOGGER
+from utils.yaml_reader import load_yaml
 
 # Keys of YOLOv5 hyp files that are accepted and ignored, with the reason.
 IGNORED_KEYS = {
@@ -97,6 +98,14 @@ VALID_RANGES: dict[str, tuple[float, float]] = {
 R = TypeVar("R", bound="HypRecord")
 
 
+def _finite(value: int | float) -> bool:
+    """A finite number, also where an integer is too large for a float (10**400 is not a hyper-parameter)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 class HypRecord:
     """What every hyper-parameter record can do (the records themselves are frozen dataclasses of floats).
 
@@ -131,7 +140,7 @@ class HypRecord:
         for key, value in values.items():
             if key not in known or (key in cls.OPTIONAL_KEYS and value is None):
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
                 raise UserError(f"{source}: '{key}' must be a finite number, got {str(value)[:40]}")
             low, high = VALID_RANGES.get(key, (-math.inf, math.inf))
             if not low <= value <= high:
@@ -143,9 +152,9 @@ class HypRecord:
     def read_yaml(path: str | Path, source: str | None = None) -> Any:
         """A hyp file's contents, as YAML read them (checked by ``from_dict``)."""
         try:
-            values = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+            values = load_yaml(Path(path).read_text(encoding="utf-8"), "a hyp file")
         except (OSError, ValueError, RecursionError, yaml.YAMLError) as e:  # ValueError: not UTF-8, 5000 digits
-            raise UserError(f"{source or path}: cannot read hyper-parameters ({e.__class__.__name__})") from e
+            raise UserError(f"{source or path}: cannot read hyper-parameters ({first_line(e)})") from e
         if not isinstance(values, dict):
             what = "is empty" if values is None else f"holds a {type(values).__name__}"
             raise UserError(f"{source or path}: {what}, not a mapping of hyper-parameter names to numbers")

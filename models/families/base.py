@@ -225,10 +225,13 @@ class Family:
         if not isinstance(values, Mapping):
             return  # from_dict says what is wrong
         record = self.hyp_type
-        foreign = sorted(
-            k
-            for k in values
-            if k not in record.field_names() and k not in record.IGNORED_KEYS and values[k] is not None
+        foreign = sorted(  # a YAML key may be a number or null too
+            (
+                k
+                for k in values
+                if k not in record.field_names() and k not in record.IGNORED_KEYS and values[k] is not None
+            ),
+            key=str,
         )
         if foreign:
             keys = ", ".join(repr(k) for k in foreign)

@@ -28,33 +28,10 @@ from utils.data.splits import CocoSplit, FractionSplit, VocSplit, user_path
 from utils.data.voc_reader import voc_class_names
 from utils.errors import UserError, first_line
 from utils.storage import is_url
+from utils.yaml_reader import load_yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SPLITS = ("train", "val", "test")
-MAX_DEPTH = 50  # nesting of a data YAML's lists and mappings: a real one has a handful
-
-
-class _Refused(yaml.YAMLError):
-    """A YAML construct a data YAML has no use for, refused while it is read."""
-
-
-class _DataYamlLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses aliases (a 400-byte file of nested aliases expands to billions of nodes)
-    and nesting deeper than MAX_DEPTH (thousands of levels exhaust the recursion), so that reading is bounded by
-    the file's size."""
-
-    depth = 0
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        if self.check_event(yaml.AliasEvent):
-            raise _Refused(f"aliases (*{self.peek_event().anchor}) are not accepted in a data YAML")
-        self.depth += 1
-        try:
-            if self.depth > MAX_DEPTH:
-                raise _Refused(f"nested more than {MAX_DEPTH} levels deep")
-            return super().compose_node(parent, index)
-        finally:
-            self.depth -= 1
 
 
 def data_yaml_path(path: str | Path) -> Path | None:
@@ -213,7 +190,7 @@ def load_data_config(path: str | Path) -> dict[str, Any]:
     yaml_file = _find_yaml(path)
     try:
         text = read_text(yaml_file) if isinstance(yaml_file, str) else yaml_file.read_text(encoding="utf-8")
-        raw = yaml.load(text, Loader=_DataYamlLoader)  # noqa: S506  (a SafeLoader, bounded)
+        raw = load_yaml(text, "a data YAML")
     except (OSError, ValueError, yaml.YAMLError) as e:  # ValueError: UnicodeDecodeError, a 5000-digit integer
         raise UserError(f"{yaml_file}: cannot parse YAML ({first_line(e)})") from e
     if not isinstance(raw, dict):

@@ -27,6 +27,7 @@ from models.families import UNRECORDED_EXPORT_FAMILY, known_layouts, ultralytics
 from utils.cli import INFERENCE_IMGSZ
 from utils.errors import UserError, first_line
 from utils.log import LOGGER
+from utils.yaml_reader import load_yaml
 
 OWN_METADATA_KEY = "yolo_train"  # this project's record among the exported metadata
 METADATA_YAML = "metadata.yaml"  # inside an export folder, as Ultralytics writes it
@@ -175,7 +176,7 @@ class ModelMeta:
         if not path.is_file():
             raise UserError(f"{folder}: no {METADATA_YAML} in it; export it with export.py")
         try:
-            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+            raw = load_yaml(path.read_text(encoding="utf-8"), "export metadata")
         except (yaml.YAMLError, UnicodeDecodeError, ValueError) as e:  # ValueError: a 5000-digit integer too
             raise UserError(f"{path}: metadata unreadable ({first_line(e)})") from e
         if not isinstance(raw, dict):
