@@ -97,7 +97,9 @@ def _worker_of(launcher: int, rank: int) -> int:
 
 
 def _launched_and_signalled(data: Path, project: Path, only_rank: int | None) -> tuple[int, str]:
-    """train.py on 2 ranks under torch.distributed.run, SIGTERM'd as rank 0's first step starts: to the launcher
+    """train.py on 2 ranks under torch.distributed.run, SIGTERM'd as rank 0's second step starts (after the first
+    step's collectives, so both ranks are inside the epoch, where a stop is saved; on a loaded machine rank 1 can be
+    still in its set-up as rank 0's first step starts, and a signal there ends it at once): to the launcher
     (which passes it to every worker, as a scheduler's pre-emption does), or to the worker of ``only_rank`` alone."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", YOLO_LOG_LEVEL="DEBUG")
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -109,7 +111,7 @@ def _launched_and_signalled(data: Path, project: Path, only_rank: int | None) ->
     try:
         for line in proc.stdout:
             lines.append(line)
-            if "rank 0 epoch 0 batch 0:" in line:
+            if "rank 0 epoch 0 batch 1:" in line:
                 target = proc.pid if only_rank is None else _worker_of(proc.pid, only_rank)
                 os.kill(target, signal.SIGTERM)
                 break
