@@ -18,6 +18,8 @@ import torch.nn as nn
 
 from utils.log import LOGGER
 
+MAX_ANCHORS = 20  # per level: a model YAML asking for more is refused (YOLOv5 has 3)
+
 PROBE_SIZE = 256  # the side of the blank image a head's strides are measured with
 
 
@@ -80,6 +82,8 @@ class Detect(DetectionHead):
     def yaml_args(cls, args: list, cfg: Mapping[str, Any], channels: list[int]) -> list:
         args = [*args, channels]
         if isinstance(args[1], int):  # a number of anchors per level instead of their sizes
+            if not 1 <= args[1] <= MAX_ANCHORS:
+                raise ValueError(f"{args[1]} anchors per level (1 to {MAX_ANCHORS})")
             args[1] = [list(range(args[1] * 2))] * len(channels)
         return args
 

@@ -26,7 +26,7 @@ if __name__ == "__main__" and __package__ in (None, ""):
 from models.anchor_free import AnchorFreeDetect
 from models.blocks import C2PSA, A2C2f, C2f, C3k2, DWConv
 from models.common import C3, SPPF, Bottleneck, Concat, Conv, fuse_conv_and_bn
-from models.heads import Detect, DetectionHead, head_for
+from models.heads import MAX_ANCHORS, Detect, DetectionHead, head_for
 from models.summary import model_info
 from utils.errors import UserError, describe, first_line
 from utils.log import LOGGER
@@ -63,7 +63,7 @@ _SCALED_NAME = re.compile(r"^(\D*\d+)([nslmx])(.*)$")
 # channels, 12 repeats, 80 to a few thousand classes).
 MAX_PARAMETERS = 300_000_000  # 1.2 GB of fp32 weights
 MAX_CHANNELS = 4096  # per layer: the strides are measured by a forward pass, whose activations this bounds
-MAX_ANCHORS = 20  # per level
+# MAX_ANCHORS (per level) lives with the anchor-based head that reads the count: models/heads.py
 MAX_CLASSES = 100_000
 MAX_INPUT_CHANNELS = 64
 MAX_REPEATS = 100

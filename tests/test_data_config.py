@@ -186,6 +186,8 @@ LAUGHS = "".join(  # under 400 bytes that expand to 9**9 strings
         ("names: [a]\ntest: shard-{000000000..999999999}.tar\n", ["'test'", "names more than 1000000 shards"]),
         ("names: [a]\ntest: lists/self.txt\n", ["'test'", "self.txt: shard list lists itself"]),
         ('names: [a]\ntest: "shard-{a}}.tar"\n', ["'test'", "unbalanced braces"]),
+        ('names: [a]\npath: "a\\n b"\n', ["'path'", "does not exist"]),
+        ('names: [a]\ntest: "images/a\\n b"\n', ["'test'", "does not exist"]),
     ],
     ids=[
         "names-00",
@@ -202,6 +204,8 @@ LAUGHS = "".join(  # under 400 bytes that expand to 9**9 strings
         "braces",
         "cycle",
         "unbalanced",
+        "path-line-break",
+        "split-line-break",
     ],
 )
 def test_hostile_yaml_is_one_line_in_bounded_time(tmp_path: Path, body: str, words: list[str]) -> None:

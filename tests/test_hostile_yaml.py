@@ -43,8 +43,16 @@ def _model(tmp_path: Path, text: str) -> None:
         (_hyp, HYP + "null: 1\n7: 2\n", "are not hyper-parameters"),
         (_metadata, "names: " + DEEP + "\n", "nested more than 50 levels"),
         (_model, "nc: 2\n" + LAYERS.replace("[-1, 1, Conv, [16, 3, 2]]", "[0, 1, Conv, [16, 3, 2]]", 1), "'from'"),
+        (_model, "nc: 2\nanchors: 3\n" + LAYERS + "  - [[1], 1, Detect, [nc, 1000000000]]\n", "anchors per level"),
     ],
-    ids=["hyp-deep", "hyp-huge-integer", "hyp-null-and-number-keys", "metadata-deep", "model-layer-0-from-itself"],
+    ids=[
+        "hyp-deep",
+        "hyp-huge-integer",
+        "hyp-null-and-number-keys",
+        "metadata-deep",
+        "model-layer-0-from-itself",
+        "model-a-billion-anchors",
+    ],
 )
 def test_a_hostile_yaml_is_one_line_in_bounded_time(tmp_path: Path, read, text: str, words: str) -> None:
     start = time.monotonic()

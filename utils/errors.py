@@ -17,6 +17,13 @@ class EveryRankError(UserError):
     rank 0 prints it, so that the user reads it once."""
 
 
+def shown(text: object) -> str:
+    """A path or name from a user's file as an error line shows it: as it is, or quoted with its escapes where it holds
+    a line break or another unprintable character (so that the error stays one line)."""
+    text = str(text)
+    return text if text.isprintable() else repr(text)
+
+
 def first_line(e: BaseException) -> str:
     """The first non-blank line of an exception's message, or its class name when it has none (``EOFError()``):
     what an error line quotes of another library's exception, which may be empty or many lines long."""

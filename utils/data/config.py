@@ -26,7 +26,7 @@ from utils.data.remote_data import is_object_store, local_data, local_path_of, r
 from utils.data.shard_names import is_shard_entry, resolve_shard_split
 from utils.data.splits import CocoSplit, FractionSplit, VocSplit, user_path
 from utils.data.voc_reader import voc_class_names
-from utils.errors import UserError, first_line
+from utils.errors import UserError, first_line, shown
 from utils.storage import is_url
 from utils.yaml_reader import load_yaml
 
@@ -148,7 +148,7 @@ def _resolve_split(value: Any, root: Path, yaml_file: Path | str, key: str) -> s
         if not full.exists() and str(entry).startswith("../"):
             full = (root / str(entry)[3:]).resolve()  # YOLOv5 YAMLs sometimes write '../' meaning the root
         if not full.exists():
-            raise UserError(f"{yaml_file}: '{key}' path {entry!r} does not exist (tried {full})")
+            raise UserError(f"{yaml_file}: '{key}' path {entry!r} does not exist (tried {shown(full)})")
         resolved.append(str(full))
     return resolved if isinstance(value, (list, tuple)) else resolved[0]
 
@@ -207,7 +207,7 @@ def load_data_config(path: str | Path) -> dict[str, Any]:
         _ensure_builtin(raw["builtin"], root, yaml_file)
     if root_url is None and not root.exists():
         hint = " (its 'download' section is never run: fetch the data yourself)" if raw.get("download") else ""
-        raise UserError(f"{yaml_file}: 'path' {raw.get('path')!r} does not exist (tried {root}){hint}")
+        raise UserError(f"{yaml_file}: 'path' {raw.get('path')!r} does not exist (tried {shown(root)}){hint}")
 
     splits = {
         key: _split_record(_urls_under(raw[key], root_url), root, yaml_file, key)
@@ -308,5 +308,5 @@ def _annotations_file(value: Any, root: Path, yaml_file: Path | str) -> str | No
     path = user_path(str(value), f"{yaml_file} 'annotations'")
     path = path if path.is_absolute() else root / path
     if not path.is_file():
-        raise UserError(f"{yaml_file}: 'annotations' {value!r} does not exist (tried {path})")
+        raise UserError(f"{yaml_file}: 'annotations' {value!r} does not exist (tried {shown(path)})")
     return str(path)
