@@ -29,6 +29,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the narrowed RT-DETRv2 of tests/test_detr.py
 
 import export  # noqa: E402
 from models.families import DFINE  # noqa: E402
@@ -52,19 +53,9 @@ def dfine_checkpoint(folder: Path) -> Path:
 
 def rtdetrv2_checkpoint(folder: Path) -> Path:
     """The narrowed RT-DETRv2 of tests/test_detr.py, convolutions and norms as PyTorch initialises them."""
-    from transformers import RTDetrResNetConfig, RTDetrV2Config, RTDetrV2ForObjectDetection
+    from test_detr import narrowed_rtdetrv2
 
-    backbone = RTDetrResNetConfig(
-        layer_type="basic", depths=[1, 1, 1, 1], hidden_sizes=[8, 16, 32, 64], embedding_size=8,
-        out_features=["stage2", "stage3", "stage4"],
-    )  # fmt: skip
-    config = RTDetrV2Config(
-        backbone_config=backbone, encoder_in_channels=[16, 32, 64], encoder_hidden_dim=32, encoder_ffn_dim=64,
-        encoder_attention_heads=4, d_model=32, decoder_ffn_dim=64, decoder_attention_heads=4, decoder_layers=2,
-        decoder_in_channels=[32, 32, 32], num_labels=2,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    hf = RTDetrV2ForObjectDetection(config).eval()
+    hf = narrowed_rtdetrv2()
     for module in hf.modules():
         if isinstance(module, (torch.nn.Conv2d, torch.nn.BatchNorm2d)):
             module.reset_parameters()

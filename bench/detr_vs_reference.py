@@ -364,6 +364,7 @@ def to_official(ours: Path, repo: Path, config: Path, python: str, dest: Path) -
     reading the file back through our importer."""
     import torch
 
+    from models.families.detr_import import official_name_to_ours
     from models.families.dfine import DFINE
     from models.loading import load_model
 
@@ -385,9 +386,7 @@ def to_official(ours: Path, repo: Path, config: Path, python: str, dest: Path) -
         if re.match(DFINE.official_dropped, key):
             converted[key] = tensor  # what transformers computes: the official model's own values
             continue
-        name = key
-        for pattern, replacement in DFINE.official_keys:
-            name = re.sub(pattern, replacement, name)
+        name = official_name_to_ours(key, DFINE)
         qkv = packed.match(name)
         if qkv:
             parts = [state[f"{qkv['owner']}.{p}_proj.{qkv['kind']}"] for p in "qkv"]

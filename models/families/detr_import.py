@@ -194,15 +194,21 @@ def official_state(raw: Any, path: Path) -> dict[str, torch.Tensor] | None:
     return {k.removeprefix("module."): v for k, v in state.items()}
 
 
+def official_name_to_ours(key: str, family: Any) -> str:
+    """An official checkpoint's tensor name in our model's naming, by the family's table (a packed attention
+    projection keeps its ``in_proj_*`` name: ``map_official`` splits it)."""
+    for pattern, replacement in family.official_keys:
+        key = re.sub(pattern, replacement, key)
+    return key
+
+
 def map_official(state: Mapping[str, torch.Tensor], family: Any) -> dict[str, torch.Tensor]:
     """Official names to ours by the family's table; packed attention projections split into q, k, v."""
     mapped: dict[str, torch.Tensor] = {}
     for key, tensor in state.items():
         if re.match(family.official_dropped, key):
             continue
-        name = key
-        for pattern, replacement in family.official_keys:
-            name = re.sub(pattern, replacement, name)
+        name = official_name_to_ours(key, family)
         packed = _PACKED_QKV.match(name)
         if packed:
             for part, chunk in zip("qkv", tensor.chunk(3, 0)):
