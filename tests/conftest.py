@@ -309,3 +309,22 @@ from tests.deploy_fixtures import deploy_data, exported_onnx, trained  # noqa: E
 
 # The object-storage tests' servers (an S3 server shared by the run, a GCS emulator) and buckets.
 from tests.storage_fixtures import bucket, gcs, gcs_env, s3_env, s3_server  # noqa: E402, F401
+
+
+def keep_checkpoints_inside_epoch(monkeypatch, epoch: int) -> list[dict]:
+    """Patches the trainer so that every checkpoint it writes inside ``epoch`` (a mid-epoch one) is also kept, as a
+    host snapshot, in the list returned."""
+    from utils.checkpoint import host_snapshot
+    from utils.engine.trainer import Trainer
+
+    kept: list[dict] = []
+    checkpoint = Trainer.checkpoint
+
+    def keeping(self, at: int, mid_epoch: dict | None) -> dict:
+        ckpt = checkpoint(self, at, mid_epoch)
+        if mid_epoch and mid_epoch["epoch"] == epoch:
+            kept.append(host_snapshot(ckpt))
+        return ckpt
+
+    monkeypatch.setattr(Trainer, "checkpoint", keeping)
+    return kept

@@ -17,18 +17,18 @@ import pytest
 import torch
 import torch.nn as nn
 import yaml
+from conftest import keep_checkpoints_inside_epoch
 from test_train import results_rows
 from test_train_family_contract import PRESET, ToyFamily, ToyGains
 
 import models.families as families
 from models.families import DFINE, family_of
 from models.families.detr import DetrFamily
-from utils.checkpoint import host_snapshot, load_checkpoint, save_checkpoint
+from utils.checkpoint import load_checkpoint, save_checkpoint
 from utils.data.augmentations import ZoomCrop, iou_crop_window, photometric_distort, zoom_out_crop
 from utils.data.dataset import YoloDataset
 from utils.data.shapes import generate_shapes
 from utils.engine.lr_schedule import FlatCosine
-from utils.engine.trainer import Trainer
 from utils.hyp import OptimisationHyp, StepScheduleHyp, ZoomCropHyp
 from utils.optimizer import build_optimizer
 
@@ -226,16 +226,7 @@ def test_the_stage_stops_augmentation_restarts_the_ema_and_resumes_bit_exactly(
     cfg = tmp_path / "toy.yaml"
     cfg.write_text(yaml.safe_dump({"family": "toy", "nc": 2, "backbone": [], "head": []}))
     args = ["--data", rectangles_yaml, "--cfg", cfg, "--epochs", "2", "--save-period", "1", "--noval"]
-    inside: list[dict] = []  # the checkpoint written after the stage's first step
-    checkpoint = Trainer.checkpoint
-
-    def keep_inside_the_stage(self, epoch: int, mid_epoch: dict | None) -> dict:
-        ckpt = checkpoint(self, epoch, mid_epoch)
-        if mid_epoch and mid_epoch["epoch"] == 1:
-            inside.append(host_snapshot(ckpt))
-        return ckpt
-
-    monkeypatch.setattr(Trainer, "checkpoint", keep_inside_the_stage)
+    inside = keep_checkpoints_inside_epoch(monkeypatch, 1)  # the checkpoint written after the stage's first step
     status, log = train_here(*args, "--save-steps", "1", "--project", tmp_path / "runs", "--name", "straight")
     assert status == 0, log
     straight = tmp_path / "runs/straight"

@@ -24,7 +24,7 @@ pytest.importorskip("transformers", reason="the DETR families need transformers 
 from models.detr_loss import DetrLoss, split_outputs  # noqa: E402
 from models.detr_matcher import MatchCosts, hungarian, union_of_matches  # noqa: E402
 from models.families import DFINE, RTDETRV2  # noqa: E402
-from tests.conftest import write_rectangles_dataset  # noqa: E402
+from tests.conftest import keep_checkpoints_inside_epoch, write_rectangles_dataset  # noqa: E402
 from utils.checkpoint import load_checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -273,24 +273,14 @@ def test_train_py_trains_a_detr_and_resumes_bit_exactly_inside_stage_2(
     val/ loss columns) each epoch. RT-DETRv2, resumed from its checkpoint inside the no-augmentation stage (the second
     epoch, after its first step: --save-steps 1), ends with the same weights, EMA and results, bit for bit; D-FINE's
     resume inside the stage is tested with its 2 ranks (test_dfine_on_two_ranks_...)."""
-    from utils.checkpoint import host_snapshot, save_checkpoint
-    from utils.engine.trainer import Trainer
+    from utils.checkpoint import save_checkpoint
 
     data = write_rectangles_dataset(tmp_path / "data", n_train=8, n_val=4, size=64)
     # The family's recipe without its 500 warmup steps (4 steps here): the rate is lr0 from the first step.
     recipe = yaml.safe_load((ROOT / FAMILIES[name][0].default_hyp).read_text())
     hyp = tmp_path / "hyp.yaml"
     hyp.write_text(yaml.safe_dump({**recipe, "warmup_steps": 0}))
-    inside: list[dict] = []  # the checkpoint written after the stage's first step
-    checkpoint = Trainer.checkpoint
-
-    def keep_inside_the_stage(self, epoch: int, mid_epoch: dict | None) -> dict:
-        ckpt = checkpoint(self, epoch, mid_epoch)
-        if mid_epoch and mid_epoch["epoch"] == 1:
-            inside.append(host_snapshot(ckpt))
-        return ckpt
-
-    monkeypatch.setattr(Trainer, "checkpoint", keep_inside_the_stage)
+    inside = keep_checkpoints_inside_epoch(monkeypatch, 1)  # the checkpoint written after the stage's first step
     status, log = train_here(
         "--cfg", f"{name}-tiny.yaml", "--data", data, "--epochs", "2", "--batch-size", "4",
         "--hyp", hyp, "--deterministic", "--seed", "1", "--project", tmp_path, "--name", "run", "--loggers",
