@@ -2,9 +2,12 @@
 tests/s3_server.py starts it): identical weights, and the wall time of each.
 
     python bench/object_storage.py [--epochs 3] [--imgsz 64] [--pairs 2] [--freeze-s 0]
+    python bench/object_storage.py --data ../shared/datasets/coco128.yaml --imgsz 640 --save-steps 0 --workers 2
 
-Each pair runs train.py as a fresh process twice on generated data (yolov5n, --save-steps 1 so that a checkpoint
-is uploaded after every optimizer step): --project on local disk, then --project s3://.... Prints each run's wall
+Each pair runs train.py as a fresh process twice, by default on generated data (yolov5n, --save-steps 1 so that a
+checkpoint is uploaded after every optimizer step; ``--data`` trains on a dataset of yours instead, and
+``--save-steps 0`` writes checkpoints at epoch ends only, as a run does by default): --project on local disk, then
+--project s3://.... Prints each run's wall
 time, the ratio (bucket / local), whether last.pt's weights are equal bit for bit, and each phase of the run
 (utils/engine/phases.py) as local / bucket seconds: on a busy machine the wall times drift, the phases show where
 the bucket's time goes. ``--freeze-s N`` stops the
@@ -49,15 +52,17 @@ def train(
         str(args.imgsz),
         "--epochs",
         str(args.epochs),
+        "--cfg",
+        args.cfg,
         "--batch-size",
         "16",
         "--workers",
-        "0",
+        str(args.workers),
         "--device",
         "cpu",
         "--noautoanchor",
         "--save-steps",
-        "1",
+        str(args.save_steps),
         "--deterministic",
     ]
     with tempfile.NamedTemporaryFile("w+", suffix=".log") as log:
@@ -97,6 +102,11 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--imgsz", type=int, default=64)
     p.add_argument("--pairs", type=int, default=2)
+    p.add_argument("--data", type=Path, help="a data YAML to train on (default: 64 generated images)")
+    p.add_argument("--cfg", default="yolov5n.yaml")
+    p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run")
+    p.add_argument("--save-steps", type=int, default=1, help="train.py's --save-steps (0: checkpoints at epoch ends)")
     p.add_argument("--freeze-s", type=float, default=0.0, help="SIGSTOP the server this long in the bucket runs")
     args = p.parse_args()
     from conftest import write_rectangles_dataset
@@ -107,11 +117,15 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="bench-object-storage-") as tmp:
         folder = Path(tmp)
-        data = write_rectangles_dataset(folder / "data", n_train=64, n_val=8, size=96)
+        data = (
+            args.data.resolve()
+            if args.data
+            else write_rectangles_dataset(folder / "data", n_train=64, n_val=8, size=96)
+        )
         servers = shared_s3_server(folder)
         server = next(servers)
         try:
-            env = dict(os.environ, OMP_NUM_THREADS="1", **server.env())
+            env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), **server.env())
             os.environ.update(server.env())
             for pair in range(args.pairs):
                 local = folder / f"local{pair}"
