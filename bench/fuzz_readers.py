@@ -721,7 +721,15 @@ def main(argv: list[str] | None = None) -> int:
     total = 0
     with tempfile.TemporaryDirectory(prefix="fuzz-", dir=WORK_ROOT) as tmp, quiet_stderr():
         for name in args.readers:
-            report = fuzz(name, args.examples, args.seed, Path(tmp) / name, args.time_limit, budget_s=args.seconds)
+            report = fuzz(
+                name,
+                args.examples,
+                args.seed,
+                Path(tmp) / name,
+                args.time_limit,
+                budget_s=args.seconds,
+                cpu_budget_s=args.cpu_seconds,
+            )
             save_findings(report, Path(args.out))
             print(report.line(), flush=True)
             total += len(report.findings)
