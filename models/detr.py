@@ -17,6 +17,7 @@ import math
 import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import PurePath
 from typing import Any
 
 import numpy as np
@@ -90,9 +91,13 @@ class DenoisingPlan:
 
 
 def sample_entropy(seed: int, epoch: int, sample: str) -> tuple[int, ...]:
-    """The noise entropy of one image: the run's seed, the epoch and a 64-bit hash of the sample's name (its file),
-    which do not depend on the rank, the image's place in a batch or what else drew random numbers."""
-    key = int.from_bytes(hashlib.blake2b(sample.encode("utf-8", "surrogateescape"), digest_size=8).digest(), "little")
+    """The noise entropy of one image: the run's seed, the epoch and a 64-bit hash of the sample's name, which do
+    not depend on the rank, the image's place in a batch or what else drew random numbers. The name is the file's
+    folder and file name (``images/0001.jpg`` of ``/data/coco/images/0001.jpg``): a dataset moved, or mounted at
+    another path on another node, draws the same noise, and folders per class (``cat/1.jpg``, ``dog/1.jpg``) stay
+    apart."""
+    name = "/".join(PurePath(sample).parts[-2:])
+    key = int.from_bytes(hashlib.blake2b(name.encode("utf-8", "surrogateescape"), digest_size=8).digest(), "little")
     return (DENOISING_STREAM, int(seed), int(epoch), key)
 
 

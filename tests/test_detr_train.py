@@ -251,6 +251,21 @@ def test_an_images_denoising_queries_depend_on_its_sample_and_the_groups_size_al
     assert (mask[width:, :width] == float("-inf")).all() and (mask[:, width:] == 0).all()
 
 
+def test_an_images_denoising_noise_does_not_depend_on_where_the_dataset_lives() -> None:
+    """The same image under another root (a dataset moved, or mounted at another path on another node) draws the
+    same noise; two images of the same file name in different folders (folders per class) do not."""
+    from models.detr import sample_entropy
+
+    here = sample_entropy(0, 3, "/data/shapes/images/train/0001.jpg")
+    assert (
+        here
+        == sample_entropy(0, 3, "/mnt/node7/shapes/images/train/0001.jpg")
+        == sample_entropy(0, 3, "train/0001.jpg")
+    )
+    assert here != sample_entropy(0, 3, "/data/shapes/images/val/0001.jpg")
+    assert here != sample_entropy(0, 4, "/data/shapes/images/train/0001.jpg")
+
+
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_a_batch_without_boxes_has_a_loss_and_a_gradient_for_every_parameter(tiny, name) -> None:
     """No boxes on this rank: the loss is finite (every query a negative), and every trainable parameter, the
