@@ -105,6 +105,26 @@ def read_text(url: str) -> str:
         raise UserError(f"{url}: not UTF-8 text ({e.reason})") from None
 
 
+def url_beside(list_url: str, entry: str) -> str:
+    """The URL of ``entry``, a path relative to the folder of the object ``list_url`` (a list in a bucket); a
+    one-line UserError when it climbs out of the bucket."""
+    protocol, bucket, key = _bucket_and_key(list_url)
+    joined = posixpath.normpath(posixpath.join(posixpath.dirname(key), entry))
+    if joined == ".." or joined.startswith("../"):
+        raise UserError(f"{entry[:120]!r} climbs out of its bucket {protocol}://{bucket} ('..')")
+    return f"{protocol}://{bucket}/{joined}"
+
+
+def missing_objects(urls: list[str]) -> list[str]:
+    """Those of ``urls`` (objects of one bucket) that the bucket does not hold, from one listing per folder."""
+    if not urls:
+        return []
+    protocol, bucket, _ = _bucket_and_key(urls[0])
+    keys = {_bucket_and_key(u)[2]: u for u in urls}
+    found = _stats_of(_storage_of(f"{protocol}://{bucket}"), dict.fromkeys(keys))
+    return [u for k, u in keys.items() if k not in found]
+
+
 def local_data(url: str, where: str) -> str:
     """A local path that reads like the split entry ``url``: its folder, list or file copied into the node's
     cache (fetched where missing or changed); ``where`` names the YAML and key for messages."""
