@@ -8,6 +8,7 @@ import json
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -188,3 +189,33 @@ def test_a_shard_list_in_gs_lists_shards_beside_it(gcs_env, tmp_path, monkeypatc
     storage.write_bytes("sh/lists/train.txt", b"../train-000002.tar\n")
     with pytest.raises(UserError, match=rf"gs://{name}/sh/lists/train.txt line 1: gs://{name}/sh/train-000002.tar is"):
         load_data_config(tmp_path / "d.yaml")
+
+
+def test_bucket_data_larger_than_the_room_of_the_nodes_copy_is_refused_in_one_line_before_any_download(
+    bucket, tmp_path, monkeypatch
+) -> None:
+    """YOLO_TRAIN_DATA_CACHE_GB below what the data needs, or a disk with less free: one line (a UserError: a run
+    stops with status 1) naming the data's URL, the size needed and the room available; nothing fetched."""
+    import utils.data.remote_data as remote_data
+
+    node = tmp_path / "node"
+    monkeypatch.setenv("YOLO_TRAIN_DATA_CACHE", str(node))
+    url, _ = _data_in_bucket(bucket, tmp_path)
+    stats = open_storage(f"s3://{bucket}/data").file_stats()
+    needed = sum(s.size for name, s in stats.items() if name.startswith(("images/train/", "labels/train/")))
+    monkeypatch.setenv("YOLO_TRAIN_DATA_CACHE_GB", str(needed / 2 / (1 << 30)))  # half of what train needs
+    refused = rf"^s3://{bucket}/data/images/train: the node's copy of its 16 files needs {needed / 1024:.1f} KiB but "
+    with pytest.raises(UserError, match=refused + r"\d+\.\d KiB is available \(left under YOLO_TRAIN_DATA_CACHE_GB="):
+        load_data_config(url)
+    assert not [p for p in node.rglob("*") if p.is_file() and not p.name.endswith(".lock")]  # nothing fetched
+
+    monkeypatch.setenv("YOLO_TRAIN_DATA_CACHE_GB", "1")  # room enough: the data is copied
+    assert Path(load_data_config(url)["train"]).is_relative_to(node)
+    monkeypatch.setenv("YOLO_TRAIN_DATA_CACHE", str(tmp_path / "other-node"))
+    monkeypatch.setenv("YOLO_TRAIN_DATA_CACHE_GB", "lots")
+    with pytest.raises(UserError, match=r"^YOLO_TRAIN_DATA_CACHE_GB='lots': expected a size in GiB greater than 0$"):
+        load_data_config(url)
+    monkeypatch.delenv("YOLO_TRAIN_DATA_CACHE_GB")
+    monkeypatch.setattr(remote_data.shutil, "disk_usage", lambda _: SimpleNamespace(free=1024))  # a full disk
+    with pytest.raises(UserError, match=r"but 1\.0 KiB is available \(free on the disk of "):
+        load_data_config(url)
