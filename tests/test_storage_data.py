@@ -125,7 +125,7 @@ def test_a_shard_list_in_a_bucket_resolves_its_entries_against_itself_and_names_
     bucket, rectangles_yaml, tmp_path, monkeypatch
 ) -> None:
     """``train: train.txt`` in a bucket listing tar shards: a relative entry is relative to the list's folder in the
-    bucket, a URL is itself; the shards are read through the node's shard cache under their URLs, as shards named in
+    bucket, a URL is itself, a list is followed; the shards are read through the node's shard cache under their URLs, as shards named in
     the YAML are; an entry climbing out of the bucket or naming a shard the bucket lacks is one line naming the list
     and its line."""
     from shards import main as convert
@@ -140,8 +140,8 @@ def test_a_shard_list_in_a_bucket_resolves_its_entries_against_itself_and_names_
     for tar in sorted((tmp_path / "sh").glob("*.tar")):
         storage.upload(tar, f"sh/{tar.name}")
     lists = f"s3://{bucket}/lists"
-    listed = f"# train shards\n../sh/train-000000.tar\n\ns3://{bucket}/sh/train-{{000001..000001}}.tar\n"
-    storage.write_bytes("lists/train.txt", listed.encode())
+    storage.write_bytes("lists/train.txt", b"# train shards\n../sh/train-000000.tar\n\nmore.txt\n")  # a list in it too
+    storage.write_bytes("lists/more.txt", f"s3://{bucket}/sh/train-{{000001..000001}}.tar\n".encode())
     storage.write_bytes("lists/d.yaml", b"train: train.txt\nval: ../sh/val-000000.tar\nnames: [red, blue]\n")
 
     config = load_data_config(f"{lists}/d.yaml")

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -106,19 +107,26 @@ class _PythonIn:
             start_new_session=True,
         )
 
-    def run(self, code: str) -> str:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
+    def run(self, code: str, timeout: float = 120) -> str:
+        assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(textwrap.dedent(code)) + "\n")
         self.proc.stdin.flush()
-        lines = []
+        lines: list[str] = []
+        reading = threading.Thread(target=self._read_answer, args=(lines,), daemon=True)
+        reading.start()
+        reading.join(timeout)
+        answer = "".join(lines)
+        assert not reading.is_alive(), f"no answer in {timeout} s to {code!r}: {answer[-3000:]}"
+        assert "FAILED Traceback" not in answer and self.proc.poll() is None, answer[-3000:]
+        return answer
+
+    def _read_answer(self, lines: list[str]) -> None:
+        assert self.proc.stdout is not None
         for line in self.proc.stdout:
             if line.rstrip("\n").endswith(self.END):
                 lines.append(line.rstrip("\n").removesuffix(self.END))
-                break
+                return
             lines.append(line)
-        answer = "".join(lines)
-        assert "FAILED Traceback" not in answer and self.proc.poll() is None, answer[-3000:]
-        return answer
 
 
 def _wait_for_line(log: Path, pattern: str, procs: list[subprocess.Popen], timeout: float) -> None:

@@ -116,13 +116,11 @@ def _bucket_list_urls(url: str, room: int, lists: tuple[Path | str, ...]) -> lis
         try:
             if not is_remote(entry) and not entry.startswith("/"):  # relative: to the list's folder in the bucket
                 entry = url_beside(url, entry)
-            if _is_bucket_list(entry):  # its own shards are checked by its own reading
-                found = expand_shard_urls([entry], Path("/"), (*lists, url))
-            elif is_remote(entry):
+            if is_remote(entry) and not _is_bucket_list(entry):
                 found = _braces(entry, room - len(urls))
                 own |= {u: n for u in found if u.startswith(bucket) and u not in own}
-            else:
-                found = [_local(u, Path("/")) for u in _braces(entry, room - len(urls))]
+            else:  # another list (its shards checked as it is read), or a local path, pattern, list or folder
+                found = expand_shard_urls([entry], Path("/"), (*lists, url))
         except UserError as e:
             raise UserError(f"{url} line {n}: {e}") from None
         urls += found
