@@ -204,18 +204,18 @@ def test_bucket_data_larger_than_the_room_of_the_nodes_copy_is_refused_in_one_li
     stats = open_storage(f"s3://{bucket}/data").file_stats()
     needed = sum(s.size for name, s in stats.items() if name.startswith(("images/train/", "labels/train/")))
     monkeypatch.setenv("YOLO_TRAIN_DATA_CACHE_GB", str(needed / 2 / (1 << 30)))  # half of what train needs
-    refused = rf"^s3://{bucket}/data/images/train: the node's copy of its 16 files needs {needed / 1024:.1f} KiB but "
+    train = f"s3://{bucket}/data/images/train"
+    refused = rf"^{train}: the node's copy of its 16 files needs {needed / 1024:.1f} KiB but "
     with pytest.raises(UserError, match=refused + r"\d+\.\d KiB is available \(left under YOLO_TRAIN_DATA_CACHE_GB="):
         load_data_config(url)
     assert not [p for p in node.rglob("*") if p.is_file() and not p.name.endswith(".lock")]  # nothing fetched
 
-    monkeypatch.setenv("YOLO_TRAIN_DATA_CACHE_GB", "1")  # room enough: the data is copied
-    assert Path(load_data_config(url)["train"]).is_relative_to(node)
-    monkeypatch.setenv("YOLO_TRAIN_DATA_CACHE", str(tmp_path / "other-node"))
+    monkeypatch.delenv("YOLO_TRAIN_DATA_CACHE_GB")
+    with monkeypatch.context() as full_disk:
+        full_disk.setattr(remote_data.shutil, "disk_usage", lambda _: SimpleNamespace(free=1024))
+        with pytest.raises(UserError, match=refused + r"1\.0 KiB is available \(free on the disk of "):
+            remote_data.local_data(train, "test")
+    assert Path(remote_data.local_data(train, "test")).is_relative_to(node)  # room enough: copied
     monkeypatch.setenv("YOLO_TRAIN_DATA_CACHE_GB", "lots")
     with pytest.raises(UserError, match=r"^YOLO_TRAIN_DATA_CACHE_GB='lots': expected a size in GiB greater than 0$"):
-        load_data_config(url)
-    monkeypatch.delenv("YOLO_TRAIN_DATA_CACHE_GB")
-    monkeypatch.setattr(remote_data.shutil, "disk_usage", lambda _: SimpleNamespace(free=1024))  # a full disk
-    with pytest.raises(UserError, match=r"but 1\.0 KiB is available \(free on the disk of "):
-        load_data_config(url)
+        remote_data._cap_bytes()
