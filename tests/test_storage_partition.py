@@ -84,8 +84,7 @@ class _PythonIn:
 
     def __init__(self, ns: str, env: dict[str, str], log: Path) -> None:
         serve = f"""
-            import contextlib, io, json, sys, traceback
-            import zipfile
+            import contextlib, io, json, sys, traceback, zipfile
             from utils.storage import local_copy, open_storage
             for request in sys.stdin:
                 out = io.StringIO()
