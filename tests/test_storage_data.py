@@ -8,6 +8,7 @@ import json
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -118,3 +119,103 @@ def test_a_run_on_data_in_s3_with_its_folder_in_gs_and_resume_finds_it_in_gs(
     assert latest_checkpoint((project,), dist_timeout=10) == f"{project}/exp/weights/last.pt"
     status, log = train_here("--resume", "--project", project)
     assert status == 0 and f"{project}/exp/weights/last.pt: this run already finished its 1 epochs" in log, log
+
+
+def test_a_shard_list_in_a_bucket_resolves_its_entries_against_itself_and_names_itself_for_a_bad_one(
+    bucket, rectangles_yaml, tmp_path, monkeypatch
+) -> None:
+    """``train: train.txt`` in a bucket listing tar shards: a relative entry is relative to the list's folder in the
+    bucket, a URL is itself, a list is followed; the shards are read through the node's shard cache under their URLs, as shards named in
+    the YAML are; an entry climbing out of the bucket or naming a shard the bucket lacks is one line naming the list
+    and its line."""
+    from shards import main as convert
+    from utils.data.labels import load_labels
+    from utils.data.shard_cache import ShardCache
+    from utils.data.shard_names import ShardSet
+
+    monkeypatch.setenv("YOLO_TRAIN_SHARD_CACHE", str(tmp_path / "node-cache"))
+    monkeypatch.setenv("YOLO_TRAIN_DATA_CACHE", str(tmp_path / "node-data"))  # a list read as loose data: not ~
+    assert convert(["--data", str(rectangles_yaml), "--out", str(tmp_path / "sh"), "--max-count", "8"]) == 0
+    storage = open_storage(f"s3://{bucket}")
+    for tar in sorted((tmp_path / "sh").glob("*.tar")):
+        storage.upload(tar, f"sh/{tar.name}")
+    lists = f"s3://{bucket}/lists"
+    storage.write_bytes("lists/train.txt", b"# train shards\n../sh/train-000000.tar\n\nmore.txt\n")  # a list in it too
+    storage.write_bytes("lists/more.txt", f"s3://{bucket}/sh/train-{{000001..000001}}.tar\n".encode())
+    storage.write_bytes("lists/d.yaml", b"train: train.txt\nval: ../sh/val-000000.tar\nnames: [red, blue]\n")
+
+    config = load_data_config(f"{lists}/d.yaml")
+    want = tuple(f"s3://{bucket}/sh/train-00000{i}.tar" for i in (0, 1))
+    assert config["train"] == ShardSet(want, f"{lists}/d.yaml 'train'")
+    got = load_labels(config["train"], nc=2, verbose=False)
+    local = load_labels(load_data_config(tmp_path / "sh/data.yaml")["train"], nc=2, verbose=False)
+    assert [Path(f).name for f in got.im_files] == [Path(f).name for f in local.im_files] and len(got.im_files) == 16
+    cached = sorted(p.name for p in (tmp_path / "node-cache").glob("*.tar"))
+    assert cached == sorted(ShardCache(tmp_path / "node-cache").path_for(u).name for u in want)
+
+    for name, body, error in (
+        (
+            "out.txt",
+            "train-000000.tar\n../../sh/train-000001.tar\n",
+            r"line 2: '\.\./\.\./sh/train-000001\.tar' climbs",
+        ),
+        ("gone.txt", "../sh/train-000000.tar\n../sh/train-00000{7..9}.tar\n", r"line 2: s3://\S+/sh/train-000007\.tar"),
+    ):
+        storage.write_bytes(f"lists/{name}", body.encode())
+        storage.write_bytes("lists/bad.yaml", f"train: {name}\nval: {name}\nnames: [red, blue]\n".encode())
+        with pytest.raises(UserError, match=rf"^{lists}/bad\.yaml 'train': {lists}/{name} {error}") as raised:
+            load_data_config(f"{lists}/bad.yaml")
+        assert "\n" not in str(raised.value)
+    assert "(nor are 2 more of its shards)" in str(raised.value)
+
+
+def test_a_shard_list_in_gs_lists_shards_beside_it(gcs_env, tmp_path, monkeypatch) -> None:
+    """The same in gs:// (the GCS emulator): entries relative to the list, the shards under gs:// URLs."""
+    from utils.data.shard_names import ShardSet
+
+    monkeypatch.setenv("YOLO_TRAIN_DATA_CACHE", str(tmp_path / "node-data"))
+    name = f"g{uuid.uuid4().hex[:10]}"
+    storage = open_storage(f"gs://{name}")
+    storage.fs.mkdir(name)
+    for i in range(2):
+        storage.write_bytes(f"sh/train-00000{i}.tar", b"not read here")
+    storage.write_bytes("sh/lists/train.txt", b"../train-{000000..000001}.tar\n")
+    (tmp_path / "d.yaml").write_text(
+        f"train: gs://{name}/sh/lists/train.txt\nval: gs://{name}/sh/lists/train.txt\nnames: [a]\n"
+    )
+    config = load_data_config(tmp_path / "d.yaml")
+    want = (f"gs://{name}/sh/train-000000.tar", f"gs://{name}/sh/train-000001.tar")
+    assert config["train"] == ShardSet(want, f"{tmp_path / 'd.yaml'} 'train'")
+    storage.write_bytes("sh/lists/train.txt", b"../train-000002.tar\n")
+    with pytest.raises(UserError, match=rf"gs://{name}/sh/lists/train.txt line 1: gs://{name}/sh/train-000002.tar is"):
+        load_data_config(tmp_path / "d.yaml")
+
+
+def test_bucket_data_larger_than_the_room_of_the_nodes_copy_is_refused_in_one_line_before_any_download(
+    bucket, tmp_path, monkeypatch
+) -> None:
+    """YOLO_TRAIN_DATA_CACHE_GB below what the data needs, or a disk with less free: one line (a UserError: a run
+    stops with status 1) naming the data's URL, the size needed and the room available; nothing fetched."""
+    import utils.data.remote_data as remote_data
+
+    node = tmp_path / "node"
+    monkeypatch.setenv("YOLO_TRAIN_DATA_CACHE", str(node))
+    url, _ = _data_in_bucket(bucket, tmp_path)
+    stats = open_storage(f"s3://{bucket}/data").file_stats()
+    needed = sum(s.size for name, s in stats.items() if name.startswith(("images/train/", "labels/train/")))
+    monkeypatch.setenv("YOLO_TRAIN_DATA_CACHE_GB", str(needed / 2 / (1 << 30)))  # half of what train needs
+    train = f"s3://{bucket}/data/images/train"
+    refused = rf"^{train}: the node's copy of its 16 files needs {needed / 1024:.1f} KiB but "
+    with pytest.raises(UserError, match=refused + r"\d+\.\d KiB is available \(left under YOLO_TRAIN_DATA_CACHE_GB="):
+        load_data_config(url)
+    assert not [p for p in node.rglob("*") if p.is_file() and not p.name.endswith(".lock")]  # nothing fetched
+
+    monkeypatch.delenv("YOLO_TRAIN_DATA_CACHE_GB")
+    with monkeypatch.context() as full_disk:
+        full_disk.setattr(remote_data.shutil, "disk_usage", lambda _: SimpleNamespace(free=1024))
+        with pytest.raises(UserError, match=refused + r"1\.0 KiB is available \(free on the disk of "):
+            remote_data.local_data(train, "test")
+    assert Path(remote_data.local_data(train, "test")).is_relative_to(node)  # room enough: copied
+    monkeypatch.setenv("YOLO_TRAIN_DATA_CACHE_GB", "lots")
+    with pytest.raises(UserError, match=r"^YOLO_TRAIN_DATA_CACHE_GB='lots': expected a size in GiB greater than 0$"):
+        remote_data._cap_bytes()

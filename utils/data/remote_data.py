@@ -8,7 +8,8 @@ objects at their keys below it. An object is fetched again only when its size or
 differs from the local copy's (the copy takes the object's time), so the label cache, keyed by the local files'
 sizes and times, stays valid until the bucket changes. A file removed from a listed folder in the bucket is removed
 from its copy. The label and image caches are written in the copy, never into the bucket. Ranks of one node share
-the folder: a lock makes one fetch while the others wait.
+the folder: a lock makes one fetch while the others wait. A fetch that would not fit the folder's disk, or the size
+limit ``YOLO_TRAIN_DATA_CACHE_GB``, is refused before it starts (the copy is read whole, so nothing is evicted).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import fcntl
 import hashlib
 import os
 import posixpath
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +32,9 @@ from utils.storage import FileStat, Storage, is_url, open_storage, protocol_of
 DEFAULT_DATA_CACHE = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "yolo-train" / "data"
 # The files a split's folder holds for training: images, YOLO label and list files, VOC's XML, COCO's JSON.
 DATA_SUFFIXES = (*IMG_FORMATS, "txt", "xml", "json")
+# A size limit on the node's copies of bucket data, in GiB (as YOLO_TRAIN_SHARD_CACHE_GB is on the shard cache); the
+# copy is never evicted (a split is read whole), so data that would pass it is refused before anything is fetched.
+DATA_CACHE_GB_ENV = "YOLO_TRAIN_DATA_CACHE_GB"
 # Where each backend is told of an endpoint other than the provider's own: part of the data's identity.
 ENDPOINT_VARIABLES = {"s3": ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"), "gs": ("STORAGE_EMULATOR_HOST",)}
 
@@ -103,6 +108,26 @@ def read_text(url: str) -> str:
         raise UserError(f"{url}: no such file") from None
     except UnicodeDecodeError as e:
         raise UserError(f"{url}: not UTF-8 text ({e.reason})") from None
+
+
+def url_beside(list_url: str, entry: str) -> str:
+    """The URL of ``entry``, a path relative to the folder of the object ``list_url`` (a list in a bucket); a
+    one-line UserError when it climbs out of the bucket."""
+    protocol, bucket, key = _bucket_and_key(list_url)
+    joined = posixpath.normpath(posixpath.join(posixpath.dirname(key), entry))
+    if joined == ".." or joined.startswith("../"):
+        raise UserError(f"{entry[:120]!r} climbs out of its bucket {protocol}://{bucket} ('..')")
+    return f"{protocol}://{bucket}/{joined}"
+
+
+def missing_objects(urls: list[str]) -> list[str]:
+    """Those of ``urls`` (objects of one bucket) that the bucket does not hold, from one listing per folder."""
+    if not urls:
+        return []
+    protocol, bucket, _ = _bucket_and_key(urls[0])
+    keys = {_bucket_and_key(u)[2]: u for u in urls}
+    found = _stats_of(_storage_of(f"{protocol}://{bucket}"), dict.fromkeys(keys))
+    return [u for k, u in keys.items() if k not in found]
 
 
 def local_data(url: str, where: str) -> str:
@@ -200,12 +225,64 @@ def _fetch(storage: Storage, url: str, wanted: dict[str, FileStat]) -> None:
             pairs.append((key, local))
     if not pairs:
         return
+    _check_room(url, [(wanted[key].size, local) for key, local in pairs])
     LOGGER.info(f"{url}: fetching {len(pairs)} of {len(wanted)} files into {bucket_folder(url)}")
     storage.download_many(pairs)
     for key, local in pairs:
         modified = wanted[key].modified
         if modified is not None:
             os.utime(local, (modified, modified))
+
+
+def _size_text(size: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if size >= scale // 10:
+            return f"{size / scale:.2f} {unit}"
+    return f"{size / 1024:.1f} KiB"
+
+
+def _cap_bytes() -> int | None:
+    text = os.environ.get(DATA_CACHE_GB_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        gb = float(text)
+    except ValueError:
+        gb = -1.0
+    if not gb > 0:  # NaN and negatives too
+        raise UserError(f"{DATA_CACHE_GB_ENV}={text!r}: expected a size in GiB greater than 0")
+    return int(gb * (1 << 30))
+
+
+def _folder_bytes(folder: Path) -> int:
+    total = 0
+    for parent, _, names in os.walk(folder):
+        for name in names:
+            with contextlib.suppress(OSError):  # removed meanwhile by another node's process: not there
+                total += os.stat(os.path.join(parent, name)).st_size
+    return total
+
+
+def _check_room(url: str, fetches: list[tuple[int, Path]]) -> None:
+    """Before any download: a one-line UserError naming ``url`` when the files to fetch (size in the bucket, local
+    path; a changed file replaces its older copy) need more than the cache folder's disk has free, or than is left
+    under DATA_CACHE_GB_ENV."""
+    root = cache_root()
+    needed = sum(size - (path.stat().st_size if path.is_file() else 0) for size, path in fetches)
+    if needed <= 0:
+        return
+    available, why = shutil.disk_usage(root).free, f"free on the disk of {root}"
+    cap = _cap_bytes()
+    if cap is not None:
+        used = _folder_bytes(root)
+        if cap - used < available:
+            available, why = max(cap - used, 0), f"left under {DATA_CACHE_GB_ENV}={os.environ[DATA_CACHE_GB_ENV]}"
+            why += f", with {_size_text(used)} of copies in {root} already" if used else ""
+    if needed > available:
+        raise UserError(
+            f"{url}: the node's copy of its {len(fetches)} files needs {_size_text(needed)} but "
+            f"{_size_text(available)} is available ({why}); nothing was fetched"
+        )
 
 
 def _current(local: Path, stat: FileStat) -> bool:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from utils.data.image_files import is_image_file
-from utils.data.remote_data import is_object_store
+from utils.data.remote_data import is_object_store, missing_objects, read_text, url_beside
 from utils.data.shard_cache import check_local_shards, check_pipe_allowed, is_remote
 from utils.data.splits import user_path
 from utils.errors import UserError
@@ -69,8 +69,26 @@ def _txt_entries(path: Path) -> list[str]:
     return [s for s in (line.strip() for line in lines) if s and not s.startswith("#")]
 
 
+def _lists_shards(first: str) -> bool:
+    """Whether a ``.txt`` list whose first entry is ``first`` lists shards (rather than images)."""
+    return is_remote(first) or first.endswith(".tar") or (".tar" in first and "{" in first)
+
+
+def _is_bucket_list(entry: str) -> bool:
+    return is_object_store(entry) and entry.lower().endswith(".txt") and "{" not in entry
+
+
+def _bucket_list_entries(url: str) -> list[str]:
+    return [s for s in (line.strip() for line in read_text(url).splitlines()) if s and not s.startswith("#")]
+
+
 def is_shard_entry(entry: str, base: Path) -> bool:
     """True when a data YAML split entry names shards (rather than images, folders of images or image lists)."""
+    if _is_bucket_list(entry):  # a list in a bucket: of shards, or of loose images (utils/data/remote_data.py)
+        try:
+            return _lists_shards(next(iter(_bucket_list_entries(entry)), ""))
+        except UserError:  # missing or not text: the loose-data reader says so in its own words
+            return False
     if is_remote(entry):  # in a bucket, anything but tar shards is loose files (utils/data/remote_data.py)
         return ".tar" in entry or not is_object_store(entry)
     if ".tar" in entry and ("{" in entry or entry.endswith(".tar")):
@@ -79,17 +97,57 @@ def is_shard_entry(entry: str, base: Path) -> bool:
     if path.is_dir():  # a folder of images that happens to hold a .tar stays a folder of images
         return bool(_tar_folder(path)) and not any(is_image_file(p.name) for p in path.iterdir())
     if path.is_file() and path.suffix.lower() == ".txt":
-        first = next(iter(_txt_entries(path)), "")
-        return is_remote(first) or first.endswith(".tar") or (".tar" in first and "{" in first)
+        return _lists_shards(next(iter(_txt_entries(path)), ""))
     return False
 
 
-def expand_shard_urls(entries: list[str], base: Path, lists: tuple[Path, ...] = ()) -> list[str]:
-    """Every entry (brace pattern, URL, .txt list, folder of .tar) as a flat list of shard URLs, at most
-    MAX_SHARD_URLS; ``lists`` are the .txt lists being read (one that lists itself, at any depth, is an error)."""
+def _bucket_list_urls(url: str, room: int, lists: tuple[Path | str, ...]) -> list[str]:
+    """The shard URLs of the ``.txt`` list ``url`` in a bucket: relative entries resolved against the list's own
+    folder in the bucket, URLs and absolute local paths as they are, nested lists followed. A bad entry (one that
+    climbs out of the bucket, unbalanced braces, a shard of the list's bucket that it does not hold) is one line
+    naming the list and the entry's line."""
+    urls: list[str] = []
+    numbered = [(n, line.strip()) for n, line in enumerate(read_text(url).splitlines(), 1)]
+    bucket = "/".join(url.split("/", 3)[:3]) + "/"  # s3://name/: the prefix of the list's own bucket's objects
+    own: dict[str, int] = {}  # the shards of the list's own bucket, and the line that named each
+    for n, entry in numbered:
+        if not entry or entry.startswith("#"):
+            continue
+        try:
+            if not is_remote(entry) and not entry.startswith("/"):  # relative: to the list's folder in the bucket
+                entry = url_beside(url, entry)
+            if is_remote(entry) and not _is_bucket_list(entry):
+                found = _braces(entry, room - len(urls))
+                own |= {u: n for u in found if u.startswith(bucket) and u not in own}
+            else:  # another list (its shards checked as it is read), or a local path, pattern, list or folder
+                found = expand_shard_urls([entry], Path("/"), (*lists, url))
+        except UserError as e:
+            raise UserError(f"{url} line {n}: {e}") from None
+        urls += found
+        if len(urls) > room:
+            raise UserError(f"{url}: names more than {MAX_SHARD_URLS} shards")
+    missing = missing_objects(list(own))
+    if missing:
+        raise UserError(
+            f"{url} line {own[missing[0]]}: {missing[0]} is not in the bucket"
+            + (f" (nor are {len(missing) - 1} more of its shards)" if len(missing) > 1 else "")
+        )
+    return urls
+
+
+def expand_shard_urls(entries: list[str], base: Path, lists: tuple[Path | str, ...] = ()) -> list[str]:
+    """Every entry (brace pattern, URL, .txt list here or in a bucket, folder of .tar) as a flat list of shard URLs,
+    at most MAX_SHARD_URLS; ``lists`` are the .txt lists being read (one that lists itself, at any depth, is an
+    error)."""
     urls: list[str] = []
     for entry in entries:
         room = MAX_SHARD_URLS - len(urls)
+        if _is_bucket_list(entry):
+            if entry in lists:
+                chain = " -> ".join(str(p) for p in (*lists[lists.index(entry) :], entry))
+                raise UserError(f"{entry}: shard list lists itself ({chain})")
+            urls += _bucket_list_urls(entry, room, lists)
+            continue
         if is_remote(entry):
             urls += _braces(entry, room)
             continue
