@@ -200,6 +200,12 @@ def prepare(opt: argparse.Namespace) -> tuple[Source, list[Any]]:
         refusal = family.export_refusal(fmt.name, precision)
         if refusal:
             raise UserError(f"{weights}: {refusal}")
+        unjudged = family.gate_judges(fmt.name, precision)
+        if unjudged and not opt.data:
+            raise UserError(
+                f"{weights}: {family.title} {precision} {fmt.name} files need --data: {unjudged}, so only the "
+                "accuracy gate on your val split can judge them"
+            )
     if any(fmt.name == "onnx" for fmt in formats) and opt.opset < family.min_onnx_opset:
         raise UserError(
             f"{weights}: --opset {opt.opset}: {family.title} is exported at opset {family.min_onnx_opset} or newer "
@@ -220,7 +226,7 @@ def prepare(opt: argparse.Namespace) -> tuple[Source, list[Any]]:
 def export_one(fmt: Any, source: Source, weights: Path) -> tuple[Path, str]:
     """Write one file, run the numeric check on it and, with --data, the gate; returns (path kept or set aside, why
     it was set aside or '')."""
-    from utils.evaluation.gate import Rejected, check_numerics, set_aside
+    from utils.evaluation.gate import Rejected, check_numerics, output_difference, set_aside
     from utils.formats.base import ExportJob, file_size
 
     path = fmt.output_path(weights, source.precision)
@@ -247,11 +253,17 @@ def export_one(fmt: Any, source: Source, weights: Path) -> tuple[Path, str]:
     note = fmt.write(job)
     runner = fmt.open(path, source.runner.device)
     reason = ""
+    with torch.no_grad():
+        out, reference = runner(source.example), fmt.reference_module(job)(job.module_in(source.precision)[1])
+    gate_alone = source.family.gate_judges(fmt.name, source.precision)
     try:
-        with torch.no_grad():
-            reference = fmt.reference_module(job)(job.module_in(source.precision)[1])
-            diff = check_numerics(runner(source.example), reference, meta.layout, source.precision)
-        shown = "n/a (INT8: the gate judges it)" if diff != diff else f"{diff:.3g}"
+        if gate_alone:  # reported, not a criterion: the gate (--data, checked before) judges the file
+            diff = output_difference(out, reference, meta.layout, source.precision)[0]
+        else:
+            diff = check_numerics(out, reference, meta.layout, source.precision)
+        shown = f"{diff:.3g}" if diff == diff else "n/a"
+        if gate_alone or diff != diff:
+            shown += f" (the gate judges it: {gate_alone or 'INT8'})"
     except Rejected as e:
         reason, shown = str(e), "past the tolerance"
     print(
