@@ -12,6 +12,8 @@ named as Ultralytics names them (``best.onnx``, ``best_int8.onnx``, ``best_openv
 where Ultralytics would write fp16 under the fp32 name. Each file is run on the same input as the PyTorch model
 and kept only if it agrees; with ``--data`` each is also validated on the val split through the same predictor as
 the PyTorch model, and a file whose mAP50-95 drops by more than ``--max-drop`` is set aside as ``<name>.rejected``.
+INT8 files, and those a family's ``gate_judges`` names (D-FINE's and RT-DETRv2's fp16), are judged by the gate
+alone and need ``--data``.
 One table gives format, precision, size, mAP50-95, its change and the latency per image. Exit status 1 names
 every file set aside. The formats are modules of utils/formats/; each file carries its metadata where
 Ultralytics' exports keep it.
