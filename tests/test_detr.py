@@ -199,12 +199,13 @@ def self_labelled_split(model, folder: Path, n_val: int, per_image: int, size: i
     return data
 
 
+@pytest.mark.slow
 def test_detr_fp16_files_need_data_and_the_gate_alone_judges_them(tmp_path, monkeypatch, capsys) -> None:
     """A D-FINE fp16 ONNX file: without --data refused in one line (the check against PyTorch on one input cannot
-    judge it: rounding reorders which tokens become the 300 queries); with --data written, its difference from
-    PyTorch reported but no criterion, and judged by its mAP50-95 on the val split alone. On this untrained model
-    (the official initialisation) the reordered queries cost more than fp16's 0.003: set aside in one line naming
-    both mAPs. 30 queries of a 64 px image's 84 tokens keep it cheap."""
+    judge it: rounding reorders which tokens become the decoder's queries); with --data written, its difference
+    from PyTorch printed but no criterion, and judged by its mAP50-95 on the val split alone. On this untrained
+    model (the official initialisation) the reordered queries cost more than fp16's 0.003 (docs/deploy.md): set
+    aside in one line naming both mAPs. 30 queries of a 64 px image's 84 tokens keep it cheap."""
     from utils.evaluation import gate
 
     monkeypatch.setattr(DFINE, "scales", lambda: {**TINY, "config": {**TINY["config"], "num_queries": 30}})
