@@ -14,6 +14,13 @@ initialised as PyTorch initialises them (transformers' initialisation ties every
 For each family and precision (fp32, fp16, int8: INT8 calibrated on as many train images, random pixels too) it
 runs ``export.py --include onnx openvino --data ...`` and prints the gate's table (and the one line naming
 the files set aside or the refusal). Only mAP is measured: the gate's latency runs are cut to 3 (``--latency-runs``) to save time.
+
+    python bench/detr_export_precision.py --out /tmp/detr-trained --trained 40
+
+measures models that have learnt something instead: each family's narrowed model of tests/test_detr_train.py
+(``--queries`` 30 of a 128 px image's 336 tokens) trained by train.py for that many epochs on generated rectangles,
+the gate on their val split (a finished run in ``--out`` is reused). ``--int8-scope`` widens or narrows what INT8
+keeps float, to see what the family's ``Int8Scope`` buys.
 """
 
 from __future__ import annotations
