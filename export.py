@@ -12,6 +12,8 @@ named as Ultralytics names them (``best.onnx``, ``best_int8.onnx``, ``best_openv
 where Ultralytics would write fp16 under the fp32 name. Each file is run on the same input as the PyTorch model
 and kept only if it agrees; with ``--data`` each is also validated on the val split through the same predictor as
 the PyTorch model, and a file whose mAP50-95 drops by more than ``--max-drop`` is set aside as ``<name>.rejected``.
+INT8 files, and those a family's ``gate_judges`` names (D-FINE's and RT-DETRv2's fp16), are judged by the gate
+alone and need ``--data``.
 One table gives format, precision, size, mAP50-95, its change and the latency per image. Exit status 1 names
 every file set aside. The formats are modules of utils/formats/; each file carries its metadata where
 Ultralytics' exports keep it.
@@ -200,6 +202,12 @@ def prepare(opt: argparse.Namespace) -> tuple[Source, list[Any]]:
         refusal = family.export_refusal(fmt.name, precision)
         if refusal:
             raise UserError(f"{weights}: {refusal}")
+        unjudged = family.gate_judges(fmt.name, precision)
+        if unjudged and not opt.data:
+            raise UserError(
+                f"{weights}: {family.title} {precision} {fmt.name} files need --data: {unjudged}, so only the "
+                "accuracy gate on your val split can judge them"
+            )
     if any(fmt.name == "onnx" for fmt in formats) and opt.opset < family.min_onnx_opset:
         raise UserError(
             f"{weights}: --opset {opt.opset}: {family.title} is exported at opset {family.min_onnx_opset} or newer "
@@ -220,7 +228,7 @@ def prepare(opt: argparse.Namespace) -> tuple[Source, list[Any]]:
 def export_one(fmt: Any, source: Source, weights: Path) -> tuple[Path, str]:
     """Write one file, run the numeric check on it and, with --data, the gate; returns (path kept or set aside, why
     it was set aside or '')."""
-    from utils.evaluation.gate import Rejected, check_numerics, set_aside
+    from utils.evaluation.gate import Rejected, check_numerics, output_difference, set_aside
     from utils.formats.base import ExportJob, file_size
 
     path = fmt.output_path(weights, source.precision)
@@ -247,11 +255,17 @@ def export_one(fmt: Any, source: Source, weights: Path) -> tuple[Path, str]:
     note = fmt.write(job)
     runner = fmt.open(path, source.runner.device)
     reason = ""
+    with torch.no_grad():
+        out, reference = runner(source.example), fmt.reference_module(job)(job.module_in(source.precision)[1])
+    gate_alone = source.family.gate_judges(fmt.name, source.precision)
     try:
-        with torch.no_grad():
-            reference = fmt.reference_module(job)(job.module_in(source.precision)[1])
-            diff = check_numerics(runner(source.example), reference, meta.layout, source.precision)
-        shown = "n/a (INT8: the gate judges it)" if diff != diff else f"{diff:.3g}"
+        if gate_alone and out.shape == reference.shape:  # reported, no criterion: the gate (--data) judges it
+            diff = output_difference(out, reference, meta.layout, source.precision)[0]
+        else:
+            diff = check_numerics(out, reference, meta.layout, source.precision)
+        shown = f"{diff:.3g}" if diff == diff else "n/a"
+        if gate_alone or diff != diff:
+            shown += f" (the gate judges it: {gate_alone or 'INT8'})"
     except Rejected as e:
         reason, shown = str(e), "past the tolerance"
     print(

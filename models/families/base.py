@@ -313,6 +313,12 @@ class Family:
         and precision can."""
         return None
 
+    def gate_judges(self, format_name: str, precision: str) -> str | None:
+        """Why export.py's check against PyTorch on one input cannot judge its files in ``format_name`` at
+        ``precision`` (one line), or None (the default): the check judges them. Such files are written only with
+        ``--data``, and the accuracy gate alone judges them, as it judges every INT8 file."""
+        return None
+
     def int8_float_scope(self, model: nn.Module) -> Int8Scope:
         """What stays out of INT8: the head's decoding, and where a format asks, its logits (see :class:`Int8Scope`)."""
         return Int8Scope(modules=(), decoding=(head_name(model),), logits=tuple(prediction_convs(model)))

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from models.families.detr import DETR_LIMITS, REFUSED_PRECISIONS, DetrFamily, DetrLossGains
+from models.families.detr import DETR_LIMITS, DetrFamily, DetrLossGains
 from models.families.detr_import import SHARED_ATTENTION_KEYS, SHARED_MODULE_KEYS, TIED_COPIES
 from utils.hyp import HypRecord, OptimisationHyp, StepScheduleHyp, ZoomCropHyp, evolve_limits_of
 
@@ -75,14 +75,6 @@ class DFineFamily(DetrFamily):
     official_keys = OFFICIAL_KEYS
     official_dropped = OFFICIAL_DROPPED
     tied_copies = TIED_COPIES
-    # its fp16 IR too: fp16 weights (the IR's constants) moved the narrowed model's output 7.2 from PyTorch's
-    refused_precisions = {
-        **REFUSED_PRECISIONS,
-        (
-            "openvino",
-            "fp16",
-        ): "fp16 weights change which encoder tokens become the 300 queries (output 7.2 from PyTorch's)",
-    }
     hyp_type: ClassVar[type[HypRecord]] = DFineHyp
     default_hyp = "data/hyps/hyp.dfine.yaml"
     evolve_limits = evolve_limits_of(DFineHyp, **DETR_LIMITS)

@@ -51,25 +51,33 @@ def _difference(out: torch.Tensor, ref: torch.Tensor, layout: str) -> torch.Tens
     return (out - ref.gather(1, nearest[..., None].expand(-1, -1, ref.shape[-1]))).abs()
 
 
-def check_numerics(out: torch.Tensor, ref: torch.Tensor, layout: str, precision: str) -> float:
-    """The largest absolute difference of a file's output from PyTorch's (computing in the file's precision);
-    ``Rejected`` past the tolerance. Not applicable to INT8 (returns nan)."""
+def output_difference(out: torch.Tensor, ref: torch.Tensor, layout: str, precision: str) -> tuple[float, bool]:
+    """The largest absolute difference of a file's output from PyTorch's (computing in the file's precision), and
+    whether every element lies within the precision's tolerance (inf and False for another shape). Not applicable
+    to INT8: (nan, True)."""
     if precision not in CHECK_TOLERANCE:
-        return float("nan")
+        return float("nan"), True
     out, ref = out.float(), ref.float()
+    if out.shape != ref.shape:
+        return float("inf"), False
     rtol, atol = CHECK_TOLERANCE[precision]
     allowed = atol + rtol * ref.abs()
-    if precision == "fp16" and out.shape == ref.shape:
+    if precision == "fp16":
         boxes = torch.zeros_like(ref, dtype=torch.bool)
         (boxes[:, :4] if layout == "anchor_free" else boxes[..., :4]).fill_(True)  # (B, 4 + nc, A) or (B, N, 4 + ...)
         allowed = torch.where(boxes, allowed + 2**-8 * ref[boxes].abs().max(), allowed)
-    difference = _difference(out, ref, layout) if out.shape == ref.shape else None
-    diff = float(difference.max()) if difference is not None and difference.numel() else 0.0
-    if difference is None or (difference > allowed).any():
-        shown = "inf" if difference is None else f"{diff:.3g}"
+    difference = _difference(out, ref, layout)
+    diff = float(difference.max()) if difference.numel() else 0.0
+    return diff, not bool((difference > allowed).any())
+
+
+def check_numerics(out: torch.Tensor, ref: torch.Tensor, layout: str, precision: str) -> float:
+    """``output_difference``'s largest difference; ``Rejected`` past the tolerance."""
+    diff, within = output_difference(out, ref, layout, precision)
+    if not within:
         raise Rejected(
             f"output differs from PyTorch's (shape {tuple(out.shape)} vs {tuple(ref.shape)}, max abs "
-            f"difference {shown})"
+            f"difference {diff:.3g})"
         )
     return diff
 
