@@ -41,7 +41,16 @@ from utils.engine.setup import RunSetup, set_up
 from utils.engine.step import BatchOptions, SavePolicy, Stepper
 from utils.engine.tally import LossTally
 from utils.engine.time_budget import TimeBudget, fit_to_time, time_budget
-from utils.engine.timing import TIME_COLUMNS, EpochTime, RunProgress, RunTime, StepProfiler, data_advice, new_marks
+from utils.engine.timing import (
+    EpochTime,
+    RunProgress,
+    RunTime,
+    StepProfiler,
+    data_advice,
+    new_marks,
+    step_phases,
+    time_columns,
+)
 from utils.errors import UserError
 from utils.hyp import HypRecord, OptimisationHyp
 from utils.log import LOGGER, colorstr
@@ -149,7 +158,8 @@ class Trainer:
             log_interval=self.config.log_interval,
             marks=new_marks(device),
         )
-        self.columns = (*result_columns(self.loss_names, len(self.optim.optimizer.param_groups)), *TIME_COLUMNS)
+        times = time_columns(step_phases(loss.timed_phases))
+        self.columns = (*result_columns(self.loss_names, len(self.optim.optimizer.param_groups)), *times)
         self.run_time = RunTime()
         self.on_validated: OnValidated | None = None
         self.profiler: StepProfiler | None = None
