@@ -114,7 +114,7 @@ class DetrLossConfig:
         )
 
     def with_hyp(self, hyp: Any) -> DetrLossConfig:
-        """The gains and matching costs a run's hyper-parameters set (the family's record: ``vfl``, ``bbox``, ``giou``,
+        """The gains and matching costs a run's hyper-parameters set (the family's record: ``vfl`` or ``mal``, ``bbox``, ``giou``,
         ``fgl``, ``ddf``, ``focal_alpha``, ``focal_gamma``, ``cost_class``, ``cost_bbox``, ``cost_giou``,
         ``matcher_alpha``, ``matcher_gamma``), in place of the model config's; a record without them changes nothing."""
         if hyp is None:
@@ -123,6 +123,8 @@ class DetrLossConfig:
         values: dict[str, Any] = {
             ours: float(getattr(hyp, theirs)) for ours, theirs in names.items() if hasattr(hyp, theirs)
         }
+        if float(getattr(hyp, "mal", 0.0)) > 0:  # DEIM's MAL in the varifocal loss's place, at its own gain
+            values["vfl"] = float(hyp.mal)
         if hasattr(hyp, "focal_alpha"):
             values["alpha"] = float(hyp.focal_alpha)
         if hasattr(hyp, "focal_gamma"):

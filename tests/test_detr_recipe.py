@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,14 +24,17 @@ from test_train_family_contract import PRESET, ToyFamily, ToyGains
 
 import models.families as families
 from models.families import DFINE, family_of
-from models.families.detr import DetrFamily
+from models.families.detr import DetrFamily, class_loss_of
 from utils.checkpoint import load_checkpoint, save_checkpoint
 from utils.data.augmentations import ZoomCrop, iou_crop_window, photometric_distort, zoom_out_crop
 from utils.data.dataset import YoloDataset
 from utils.data.shapes import generate_shapes
 from utils.engine.lr_schedule import FlatCosine
+from utils.errors import UserError
 from utils.hyp import OptimisationHyp, StepScheduleHyp, ZoomCropHyp
 from utils.optimizer import build_optimizer
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # ---- the step schedule -------------------------------------------------------------------------------------------
 
@@ -196,6 +200,52 @@ def test_a_recipe_dataset_augments_by_seed_epoch_index_and_not_from_the_stage_ep
             staged = dataset[(epoch, i)]
             assert torch.equal(staged[0], plain[(epoch, i)][0])
             torch.testing.assert_close(staged[1], plain[(epoch, i)][1], atol=1e-5, rtol=0)
+
+
+def test_deims_mosaic_and_mixup_window_follows_the_run_and_holds_them_to_its_epochs(shapes_root, monkeypatch) -> None:
+    """DEIM's recipe: mosaic and mixup in epochs 4 to 78 of 160, the shares rounded as the stage's for another run
+    length; in the dataset every sample of the window a mosaic mixed with another (probabilities 1 here), none
+    before or after it, the stage plain; each sample a function of (seed, epoch, index)."""
+    import utils.data.dataset as dataset_module
+
+    deim = DFINE.read_hyp(ROOT / "data/hyps/hyp.deim-dfine.yaml")
+    assert DFINE.mosaic_epochs(160, deim) == (4, 78) and DFINE.stage_epoch(160, 10, deim) == 148
+    assert DFINE.mosaic_epochs(20, deim) == (0, 10) and DFINE.mosaic_epochs(2, deim) == (0, 1)
+    assert DFINE.mosaic_epochs(160, DFINE.read_hyp(DFINE.default_hyp_path)) == (0, 160)  # D-FINE's: no window
+    assert family_of("yolo11").mosaic_epochs(160, None) is None
+    # its classification loss: MAL at the gain `mal`, in the varifocal loss's place; both gains set is refused
+    assert class_loss_of(deim) == "mal" and class_loss_of(DFINE.read_hyp(DFINE.default_hyp_path)) == "vfl"
+    with pytest.raises(UserError, match="'vfl' 1 and 'mal' 1"):
+        class_loss_of(deim.replace(vfl=1.0))
+    mosaics: list[int] = []
+    mixed: list[int] = []
+    original_mosaic, original_mixup = YoloDataset._mosaic, dataset_module.mixup
+
+    def counting_mosaic(self, index, rng, epoch=0):
+        mosaics.append(epoch)
+        return original_mosaic(self, index, rng, epoch)
+
+    def counting_mixup(*args):
+        mixed.append(1)
+        return original_mixup(*args)
+
+    monkeypatch.setattr(YoloDataset, "_mosaic", counting_mosaic)
+    monkeypatch.setattr(dataset_module, "mixup", counting_mixup)
+    hyp = deim.replace(mosaic=1.0, mixup=1.0)
+    options = {"augment": True, "hyp": hyp, "close_mosaic_epoch": 4, "mosaic_epochs": (1, 3), "workers": 0}
+    dataset = YoloDataset(str(shapes_root / "images/train"), 64, 4, **options, verbose=False)
+    again = YoloDataset(str(shapes_root / "images/train"), 64, 4, **options, verbose=False)
+    for epoch in range(5):
+        mosaics.clear(), mixed.clear()
+        samples = [dataset[(epoch, i)] for i in range(6)]
+        inside = 1 <= epoch < 3
+        assert mosaics == ([epoch] * 12 if inside else []), epoch  # a mosaic and its mixup partner's
+        assert len(mixed) == (6 if inside else 0), epoch
+        for i, sample in enumerate(samples):
+            same = again[(epoch, i)]
+            assert torch.equal(sample[0], same[0]) and torch.equal(sample[1], same[1])
+    plain = YoloDataset(str(shapes_root / "images/train"), 64, 4, **{**options, "augment": False}, verbose=False)
+    assert all(torch.equal(dataset[(4, i)][0], plain[(4, i)][0]) for i in range(6))  # the stage: plain images
 
 
 # ---- the stage through the engine -------------------------------------------------------------------------------

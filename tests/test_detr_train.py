@@ -353,6 +353,27 @@ def test_train_py_trains_a_detr_and_resumes_bit_exactly_inside_stage_2(
     assert last_losses(again / "results.csv", names) == last_losses(run / "results.csv", names)
 
 
+@pytest.mark.slow
+def test_train_py_trains_a_narrow_dfine_with_deims_recipe(tiny, train_here, tmp_path) -> None:
+    """DEIM's hyp file through train.py: 2 epochs of a narrowed D-FINE, mosaics and mixups in the first (the window's
+    shares of a 2-epoch run), the stage in the second; its MAL classification term named in results.csv."""
+    data = write_rectangles_dataset(tmp_path / "data", n_train=8, n_val=4, size=64)
+    recipe = yaml.safe_load((ROOT / "data/hyps/hyp.deim-dfine.yaml").read_text())
+    hyp = tmp_path / "hyp.yaml"
+    hyp.write_text(yaml.safe_dump({**recipe, "warmup_steps": 0}))  # 4 steps: the rate is lr0 from the first
+    status, log = train_here(
+        "--cfg", "dfine-tiny.yaml", "--data", data, "--epochs", "2", "--batch-size", "4", "--hyp", hyp,
+        "--seed", "1", "--project", tmp_path, "--name", "run", "--noval",
+    )  # fmt: skip
+    assert status == 0, log
+    assert "mosaic and mixup only in epochs 0 to 0 of 0 to 1" in log and "the no-augmentation stage begins" in log
+    with open(tmp_path / "run/results.csv", newline="") as f:
+        rows = [{k.strip(): float(v) for k, v in row.items() if k and v.strip()} for row in csv.DictReader(f)]
+    names = ("mal", "box", "giou", "fgl", "ddf")
+    assert len(rows) == 2 and "train/vfl_loss" not in rows[0]
+    assert all(math.isfinite(r[f"train/{n}_loss"]) for r in rows for n in names) and rows[0]["train/mal_loss"] > 0
+
+
 def relative_difference(a: dict, b: dict) -> float:
     """||a - b|| / ||b|| over the floating-point tensors of two state dicts (BN variances left out)."""
     names = [k for k, v in b.items() if v.is_floating_point() and not k.endswith("running_var")]

@@ -50,7 +50,8 @@ class DetrLossGains(HypRecord):
     """The DETR losses' gains and the matcher's costs (the official criteria's ``weight_dict``s); the loss reads
     them as ``hyp.<name>``."""
 
-    vfl: float = 1.0  # classification: varifocal loss (DEIM's MAL in its recipe)
+    vfl: float = 1.0  # classification: varifocal loss
+    mal: float = 0.0  # or DEIM's matchability-aware loss in its place: a gain above 0 chooses it (then vfl: 0)
     bbox: float = 5.0  # L1 box loss
     giou: float = 2.0  # GIoU box loss
     focal_alpha: float = 0.75  # the classification loss's alpha
@@ -101,6 +102,15 @@ REFUSED_PRECISIONS = {
     ("onnx", "int8"): INT8_QUERIES,
     ("openvino", "int8"): INT8_QUERIES,
 }
+
+
+def class_loss_of(hyp: Any) -> str:
+    """The classification loss a run's hyper-parameters choose: DEIM's MAL where its gain ``mal`` is above 0, else
+    the varifocal loss. Both gains above 0 is a one-line error: one loss classifies."""
+    mal, vfl = float(getattr(hyp, "mal", 0.0)), float(getattr(hyp, "vfl", 0.0))
+    if mal > 0 and vfl > 0:
+        raise UserError(f"hyp: 'vfl' {vfl:g} and 'mal' {mal:g}: set the gain of one classification loss, the other 0")
+    return "mal" if mal > 0 else "vfl"
 
 
 class DetrFamily(Family):
@@ -206,7 +216,7 @@ class DetrFamily(Family):
         """``models/detr_loss.py: DetrLoss``: Hungarian matching, varifocal, L1 and GIoU terms on every decoder layer,
         the encoder's top-k and the denoising groups (D-FINE: its fgl and ddf terms too); gains from the model's
         transformers config, replaced by the run's hyper-parameters (the family's record) where it has them."""
-        return DetrLoss(model, distributions=self.distributions, hyp=hyp)
+        return DetrLoss(model, distributions=self.distributions, class_loss=class_loss_of(hyp), hyp=hyp)
 
     def forward_train(
         self, model: nn.Module, images: torch.Tensor, targets: torch.Tensor, batch: TrainBatch | None = None
@@ -256,6 +266,13 @@ class DetrFamily(Family):
         if share <= 0 or epochs < 2:
             return None
         return epochs - min(max(round(epochs * share), 1), epochs - 1)
+
+    def mosaic_epochs(self, epochs: int, hyp: Any) -> tuple[int, int] | None:
+        """The recipe's window of mosaic and mixup, its shares of the run's epochs rounded as the stage's (DEIM-N:
+        ``mosaic_start_share`` 0.025 and ``mosaic_end_share`` 0.4875, epochs 4 to 78 of 160); the stage ends it in
+        any case."""
+        start = round(epochs * float(getattr(hyp, "mosaic_start_share", 0.0)))
+        return start, max(round(epochs * float(getattr(hyp, "mosaic_end_share", 1.0))), start)
 
     # ---- inference and export ----
 

@@ -138,12 +138,14 @@ class Trainer:
         self.process_started = process_started
         self.clock = clock or PhaseClock(process_started)
         ckpt = resumed.ckpt if resumed else None
-        self.loss_names = tuple(run.family.loss_names)
-        self.optim, self.position, best = start_optimization(run, ckpt, len(self.loss_names))
+        self.optim, self.position, best = start_optimization(run, ckpt, len(run.family.loss_names))
         model = compile_forward(wrap_ddp(run.model, device) if info.is_distributed else run.model, self.config.compile)
         loss = run.family.make_loss(
             model, run.hyp, imgsz=self.config.imgsz, label_smoothing=self.config.label_smoothing
         )
+        # The loss's own terms: the family's loss_names, or where the hyp chooses another term (a DETR's DEIM
+        # classification loss, mal, in the varifocal loss's place) that name in the columns and the log.
+        self.loss_names = tuple(loss.item_names)
         batch = BatchOptions(self.config.seed, self.config.imgsz, run.grid, self.config.multi_scale, self.config.quad)
         self.stepper = Stepper(
             model,
@@ -363,11 +365,12 @@ class Trainer:
         return decision
 
     def refit(self, epochs: int) -> None:
-        """A time budget's run length: the schedule and the stage (close-mosaic) epoch follow it."""
+        """A time budget's run length: the schedule, the stage (close-mosaic) epoch and the mosaic window follow it."""
         self.config = self.config.replace(epochs=epochs)
         stage = self.stage_epoch()
         self.optim.refit(epochs, stage)
-        self.run.train_loader.update_dataset(close_mosaic_epoch=stage)
+        window = self.run.family.mosaic_epochs(epochs, self.run.hyp)
+        self.run.train_loader.update_dataset(close_mosaic_epoch=stage, mosaic_epochs=window)
 
     def stage_epoch(self) -> int | None:
         """The epoch from which the run trains without its strongest augmentation (the family's rule)."""
