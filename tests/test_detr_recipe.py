@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 import warnings
+from copy import deepcopy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -297,6 +298,67 @@ def test_the_stage_stops_augmentation_restarts_the_ema_and_resumes_bit_exactly(
         status, log = train_here("--resume", copy / "weights/last.pt")
         assert status == 0, log
         resumed = load_checkpoint(copy / "weights/last.pt")
+        assert resumed["updates"] == last["updates"]
+        for key in ("model", "ema"):
+            assert all(torch.equal(resumed[key][k], last[key][k]) for k in last[key]), (name, key)
+
+
+@pytest.mark.slow
+def test_the_stage_goes_on_from_stage_1s_best_epoch_and_resumes_bit_exactly(
+    train_here, rectangles_yaml, tmp_path, monkeypatch
+) -> None:
+    """3 epochs of 2 steps, each validated, the stage the last; the fitness is scripted so that epoch 0 is stage 1's
+    best, not its last. The stage's first batch starts from epoch 0's weights, EMA (its update count too) and
+    optimizer state (weights/best.pt); runs resumed at the stage's start (epoch1.pt) and inside it (--save-steps 1)
+    end with the uninterrupted run's weights and EMA, bit for bit."""
+    import utils.engine.run_record as run_record
+    import utils.engine.trainer as trainer_module
+
+    hyp_file = tmp_path / "hyp.recipe-toy.yaml"
+    values = {**RecipeToyHyp().to_dict(), **PRESET, "warmup_steps": 2.0, "no_aug_share": 0.1}
+    hyp_file.write_text(yaml.safe_dump(values))
+    monkeypatch.setitem(families.FAMILIES, "toy", RecipeToyFamily(hyp_file))
+    cfg = tmp_path / "toy.yaml"
+    cfg.write_text(yaml.safe_dump({"family": "toy", "nc": 2, "backbone": [], "head": []}))
+    scripted: list[float] = []
+    monkeypatch.setattr(run_record, "fitness", lambda results: scripted.pop(0))
+    reloaded: list[tuple[int, dict, dict]] = []
+    original_reload = trainer_module.reload
+
+    def watching(optim, model, ckpt) -> None:
+        original_reload(optim, model, ckpt)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        reloaded.append((ckpt["epoch"], state, deepcopy(optim.optimizer.state_dict()["state"])))
+
+    monkeypatch.setattr(trainer_module, "reload", watching)
+    inside = keep_checkpoints_inside_epoch(monkeypatch, 2)
+    scripted[:] = [0.5, 0.1, 0.05]
+    args = ["--data", rectangles_yaml, "--cfg", cfg, "--epochs", "3", "--save-period", "1", "--save-steps", "1"]
+    status, log = train_here(*args, "--project", tmp_path / "runs", "--name", "straight")
+    assert status == 0, log
+    straight = tmp_path / "runs/straight"
+    assert "epoch 2: the no-augmentation stage begins from stage 1's best epoch, 0 (weights/best.pt)" in log
+    best, epoch1, last = (load_checkpoint(straight / f"weights/{n}.pt") for n in ("epoch0", "epoch1", "last"))
+    assert len(reloaded) == 1 and reloaded[0][0] == 0
+    _, weights, moments = reloaded[0]
+    assert all(torch.equal(weights[k], best["model"][k]) for k in best["model"])
+    assert any(not torch.equal(weights[k], epoch1["model"][k]) for k in epoch1["model"])  # not the last epoch's
+    assert all(torch.equal(moments[i]["exp_avg"], s["exp_avg"]) for i, s in best["optimizer"]["state"].items())
+    assert last["updates"] == best["updates"] + 2 == 4  # the EMA goes on from epoch 0's, as the reference's
+    assert inside[0]["mid_epoch"]["batch"] == 1 and inside[0]["updates"] == 3
+    for name, source in (("at-the-stage", straight / "weights/epoch1.pt"), ("inside-the-stage", None)):
+        again = tmp_path / name
+        shutil.copytree(straight, again)
+        # best.pt as it was at the stage (the run's end strips its optimizer): epoch 0's, written with it
+        shutil.copyfile(straight / "weights/epoch0.pt", again / "weights/best.pt")
+        if source is None:
+            save_checkpoint(inside[0], again / "weights/last.pt")
+        else:
+            shutil.copyfile(source, again / "weights/last.pt")
+        scripted[:] = [0.05]  # the stage's one validated epoch
+        status, log = train_here("--resume", again / "weights/last.pt")
+        assert status == 0, log
+        resumed = load_checkpoint(again / "weights/last.pt")
         assert resumed["updates"] == last["updates"]
         for key in ("model", "ema"):
             assert all(torch.equal(resumed[key][k], last[key][k]) for k in last[key]), (name, key)

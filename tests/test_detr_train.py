@@ -340,14 +340,16 @@ def test_train_py_trains_a_detr_and_resumes_bit_exactly_inside_stage_2(
 
     if name != "rtdetrv2":
         return
-    assert len(inside) == 1 and inside[0]["mid_epoch"]["batch"] == 1 and inside[0]["updates"] == 1
+    # The stage goes on from stage 1's best epoch, epoch 0 (validated): its EMA's 2 updates, then the stage's.
+    assert "the no-augmentation stage begins from stage 1's best epoch, 0" in log
+    assert len(inside) == 1 and inside[0]["mid_epoch"]["batch"] == 1 and inside[0]["updates"] == 3
     again = tmp_path / "again"
     shutil.copytree(run, again)
     save_checkpoint(inside[0], again / "weights" / "last.pt")
     status, log = train_here("--resume", again / "weights" / "last.pt", "--batch-size", "4")
     assert status == 0, log
     resumed, straight = (load_checkpoint(r / "weights" / "last.pt") for r in (again, run))
-    assert resumed["epoch"] == straight["epoch"] == 1 and resumed["updates"] == straight["updates"] == 2
+    assert resumed["epoch"] == straight["epoch"] == 1 and resumed["updates"] == straight["updates"] == 4
     for key in ("model", "ema"):
         assert all(torch.equal(resumed[key][k], straight[key][k]) for k in straight[key]), key
     assert last_losses(again / "results.csv", names) == last_losses(run / "results.csv", names)

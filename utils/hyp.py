@@ -219,7 +219,7 @@ class StepScheduleHyp(HypRecord):
     """A recipe's optimisation beyond YOLO's (the DETR families'), read by the engine wherever a record holds it:
     the learning rate set at every step (``utils/engine/lr_schedule.py: FlatCosine``) instead of YOLO's per-epoch
     schedule and warmup, gradient clipping, the EMA's settings, and the no-augmentation stage at the end of a run,
-    where the EMA starts again from the model's weights. The defaults are D-FINE's (github.com/Peterande/D-FINE,
+    which goes on from the best validated epoch before it (weights, EMA, optimizer). The defaults are D-FINE's (github.com/Peterande/D-FINE,
     configs/dfine/include/optimizer.yml and dfine_hgnetv2_n_coco.yml)."""
 
     warmup_steps: float = 500.0  # every group's lr rises from 0 to its own over this many optimizer steps

@@ -12,7 +12,8 @@ The recipe (:class:`DetrHyp`, ``data/hyps/hyp.dfine.yaml`` and ``hyp.rtdetrv2.ya
 configs): AdamW at the hyp file's lr0 whatever the run's length, the backbone at ``backbone_lr`` times it, no
 weight decay on norms and biases (``parameter_groups``), gradients clipped to 0.1 per image of a step, the step schedule and EMA of
 ``utils/hyp.py: StepScheduleHyp``, the augmentations of ``ZoomCropHyp``, and the no-augmentation stage over the
-run's last ``no_aug_share`` of epochs (``stage_epoch``), where the EMA starts again. Training: the targets go into the forward pass (denoising queries), the loss is
+run's last ``no_aug_share`` of epochs (``stage_epoch``), which goes on from the best validated epoch before it
+(the engine: ``Trainer.start_stage``). Training: the targets go into the forward pass (denoising queries), the loss is
 ``models/detr_loss.py: DetrLoss`` (Hungarian matching: ``models/detr_matcher.py``).
 """
 

@@ -31,7 +31,7 @@ from utils.distributed import DistInfo, broadcast_object, collective, rank_zero_
 from utils.engine.config import CONFIG_SCHEMA, TrainConfig
 from utils.engine.epoch import EpochHooks, train_one_epoch
 from utils.engine.interrupt import STOP, Interrupted, stop_on_signals
-from utils.engine.optimization import Optimization, OptimizerInputs, build_optimization, choose, restore
+from utils.engine.optimization import Optimization, OptimizerInputs, build_optimization, choose, reload, restore
 from utils.engine.parallel import compile_forward, share_buffers, wrap_ddp
 from utils.engine.phases import PhaseClock
 from utils.engine.resume import Resumed, ResumePosition, resumed_position
@@ -377,11 +377,26 @@ class Trainer:
         return self.run.family.stage_epoch(self.config.epochs, self.config.close_mosaic, self.run.hyp)
 
     def start_stage(self, epoch: int, start_batch: int) -> None:
-        """At the stage epoch's first batch, the EMA starts again from the model's weights where the recipe asks
-        (``Optimization.recipe``); a run resumed inside the stage has the restarted EMA in its checkpoint."""
-        if self.optim.recipe is not None and start_batch == 0 and epoch == self.stage_epoch():
+        """At the stage epoch's first batch, where the recipe asks (``Optimization.recipe``), the run goes on from
+        stage 1's best epoch, as the official trainers reload their best_stg1: weights/best.pt's weights, EMA (with
+        its update count), optimizer and scaler state, rank 0's file on every rank. Where no epoch of stage 1 was
+        validated, or none saved, the EMA starts again from the model's weights instead. A run resumed inside the
+        stage has either in its checkpoint; one resumed at the stage's first batch reloads the same best.pt."""
+        if self.optim.recipe is None or start_batch != 0 or epoch != self.stage_epoch():
+            return
+        best = broadcast_object(self.record.best_checkpoint() if self.record is not None else None, self.info)
+        if best is None:
             self.optim.ema.restart(self.stepper.model)
-            LOGGER.info(f"epoch {epoch}: the no-augmentation stage begins; the EMA starts again from the model")
+            LOGGER.info(
+                f"epoch {epoch}: the no-augmentation stage begins; no best epoch of stage 1 to reload (none validated "
+                "or saved): the EMA starts again from the model"
+            )
+            return
+        reload(self.optim, self.stepper.model, best)
+        LOGGER.info(
+            f"epoch {epoch}: the no-augmentation stage begins from stage 1's best epoch, {best['epoch']} "
+            "(weights/best.pt): its weights, EMA and optimizer state"
+        )
 
     def validate(self, model: torch.nn.Module, plots: bool, verbose: bool) -> Any:
         """Every rank validates its part of the split; the results are gathered, so every rank has the figures."""
