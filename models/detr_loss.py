@@ -32,6 +32,9 @@ run's hyper-parameters where its record has them (``DetrLossConfig.with_hyp``); 
 summed over the sets, times its gain; the loss is the items' sum times the global image count (the contract's
 scale). A batch without boxes has a loss (every query a negative) and a gradient for every parameter.
 
+The matching (its costs on the device, the assignment on the host, the matches back) is a phase of the step's time
+split of its own (``timed_phases``): the loss marks where it begins and ends on the step's marks.
+
 Each term of a set, given the same pairs, is transformers' (``DFineLoss``, ``RTDetrLoss``: the suite checks it term
 by term). Where the sets differ from transformers' criterion (5.24), the official ones are followed: transformers
 pairs D-FINE's auxiliary logits and boxes with the edge distributions of the layer after (the pre-head's with the
@@ -111,7 +114,7 @@ class DetrLossConfig:
         )
 
     def with_hyp(self, hyp: Any) -> DetrLossConfig:
-        """The gains and matching costs a run's hyper-parameters set (the family's record: ``vfl``, ``bbox``, ``giou``,
+        """The gains and matching costs a run's hyper-parameters set (the family's record: ``vfl`` or ``mal``, ``bbox``, ``giou``,
         ``fgl``, ``ddf``, ``focal_alpha``, ``focal_gamma``, ``cost_class``, ``cost_bbox``, ``cost_giou``,
         ``matcher_alpha``, ``matcher_gamma``), in place of the model config's; a record without them changes nothing."""
         if hyp is None:
@@ -120,6 +123,8 @@ class DetrLossConfig:
         values: dict[str, Any] = {
             ours: float(getattr(hyp, theirs)) for ours, theirs in names.items() if hasattr(hyp, theirs)
         }
+        if float(getattr(hyp, "mal", 0.0)) > 0:  # DEIM's MAL in the varifocal loss's place, at its own gain
+            values["vfl"] = float(hyp.mal)
         if hasattr(hyp, "focal_alpha"):
             values["alpha"] = float(hyp.focal_alpha)
         if hasattr(hyp, "focal_gamma"):
@@ -292,6 +297,8 @@ class DetrLoss(CountsInsideTheCall):
     ``distributions``: D-FINE's edge distributions (fgl and ddf terms; boxes clamped to [0, 1]) or not
     (RT-DETRv2). ``targets`` (N, 6) = image, class, cx, cy, w, h normalised, rows grouped by image."""
 
+    timed_phases: tuple[str, ...] = ("matcher",)
+
     def __init__(self, model: nn.Module, distributions: bool, class_loss: str = "vfl", hyp: Any = None) -> None:
         if class_loss not in ("vfl", "mal"):
             raise ValueError(f"class_loss {class_loss!r}: 'vfl' (the references') or 'mal' (DEIM's)")
@@ -340,7 +347,9 @@ class DetrLoss(CountsInsideTheCall):
             union_size[0] = len(union[0]) if union else 0
             return denoising_pairs(per_image, out.dn_groups, out.dn_slots) + union
 
+        self.marks.mark("forward")
         matches, per_image, fixed = hungarian(logits, boxes, targets, self.cfg.costs, out.per_image, fixed_pairs)
+        self.marks.mark("matcher")
         dn: Pairs = (fixed[0], fixed[1], fixed[2])
         union: Pairs | None = (fixed[3], fixed[4], fixed[5]) if self.cfg.union else None
         counts = self.global_counts(out, per_image, union_size[0] if union else None, norm, reduce)

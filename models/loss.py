@@ -33,6 +33,23 @@ class LossNorm(NamedTuple):
     most_per_image: int | None = None  # this micro-batch's most label rows of one image, counted on the host
 
 
+class PhaseMarks(Protocol):
+    """Where a loss marks the parts of its call it times (``DetectionLoss.timed_phases``): the training step's phase
+    marks (utils/engine/timing.py), whose ``mark(phase)`` ends ``phase`` now; neither waits for the device."""
+
+    def mark(self, phase: str) -> None: ...
+
+
+class Unmarked:
+    """The marks of a loss outside the training step's timing (validation, tests): nothing is recorded."""
+
+    def mark(self, phase: str) -> None:
+        return None
+
+
+UNMARKED = Unmarked()
+
+
 class DetectionLoss(Protocol):
     """What the training step and validation call for every model family (``Family.make_loss`` makes it).
 
@@ -41,9 +58,15 @@ class DetectionLoss(Protocol):
     ``norm.positives`` (empty for losses that need none), ``__call__`` returns the loss (scaled by the global
     micro-batch's image count) and its weighted terms (any number), named by ``item_names``, detached. ``reduce``
     sums a tensor over all ranks (None: one process). ``set_epoch`` is called at the start of every epoch.
+
+    ``timed_phases`` names the parts of its call the loss times itself, each a phase of the step's time split of
+    its own (the DETRs': the matcher); while the step times an epoch, ``marks`` is the step's, and the loss marks
+    ``forward`` where such a part begins and the part's name where it ends. A loss that names none marks nothing.
     """
 
     item_names: tuple[str, ...]
+    timed_phases: tuple[str, ...]
+    marks: PhaseMarks
 
     def prepare(self, targets: torch.Tensor, image_hw: tuple[int, ...]) -> Any: ...
 
@@ -64,7 +87,11 @@ class DetectionLoss(Protocol):
 class CountsInsideTheCall:
     """The ``DetectionLoss`` methods of a loss that prepares nothing before the forward pass and gives no counts to
     sum then (its assignment or matching needs the predictions; any global counts it needs it sums in its call), and
-    does not change with the epoch: the anchor-free losses and the DETRs'."""
+    does not change with the epoch: the anchor-free losses and the DETRs'. It times no part of its call unless the
+    loss names some (``timed_phases``)."""
+
+    timed_phases: tuple[str, ...] = ()
+    marks: PhaseMarks = UNMARKED
 
     def prepare(self, targets: torch.Tensor, image_hw: tuple[int, ...]) -> None:
         return None
@@ -132,6 +159,8 @@ class ComputeLoss:
 
     gr = 1.0  # objectness target = (1 - gr) + gr * CIoU; 1.0 uses the CIoU itself
     item_names: tuple[str, ...] = ("box", "obj", "cls")
+    timed_phases: tuple[str, ...] = ()  # no part of the call timed on its own: its whole is the step's forward
+    marks: PhaseMarks = UNMARKED
 
     def __init__(self, model: nn.Module, hyp: Any, label_smoothing: float = 0.0) -> None:
         net: Any = de_parallel(model)  # a Model: its layers are untyped nn.Module attributes

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import shutil
 import warnings
+from copy import deepcopy
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,14 +25,17 @@ from test_train_family_contract import PRESET, ToyFamily, ToyGains
 
 import models.families as families
 from models.families import DFINE, family_of
-from models.families.detr import DetrFamily
+from models.families.detr import DetrFamily, class_loss_of
 from utils.checkpoint import load_checkpoint, save_checkpoint
 from utils.data.augmentations import ZoomCrop, iou_crop_window, photometric_distort, zoom_out_crop
 from utils.data.dataset import YoloDataset
 from utils.data.shapes import generate_shapes
 from utils.engine.lr_schedule import FlatCosine
+from utils.errors import UserError
 from utils.hyp import OptimisationHyp, StepScheduleHyp, ZoomCropHyp
 from utils.optimizer import build_optimizer
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # ---- the step schedule -------------------------------------------------------------------------------------------
 
@@ -198,6 +203,52 @@ def test_a_recipe_dataset_augments_by_seed_epoch_index_and_not_from_the_stage_ep
             torch.testing.assert_close(staged[1], plain[(epoch, i)][1], atol=1e-5, rtol=0)
 
 
+def test_deims_mosaic_and_mixup_window_follows_the_run_and_holds_them_to_its_epochs(shapes_root, monkeypatch) -> None:
+    """DEIM's recipe: mosaic and mixup in epochs 4 to 78 of 160, the shares rounded as the stage's for another run
+    length; in the dataset every sample of the window a mosaic mixed with another (probabilities 1 here), none
+    before or after it, the stage plain; each sample a function of (seed, epoch, index)."""
+    import utils.data.dataset as dataset_module
+
+    deim = DFINE.read_hyp(ROOT / "data/hyps/hyp.deim-dfine.yaml")
+    assert DFINE.mosaic_epochs(160, deim) == (4, 78) and DFINE.stage_epoch(160, 10, deim) == 148
+    assert DFINE.mosaic_epochs(20, deim) == (0, 10) and DFINE.mosaic_epochs(2, deim) == (0, 1)
+    assert DFINE.mosaic_epochs(160, DFINE.read_hyp(DFINE.default_hyp_path)) == (0, 160)  # D-FINE's: no window
+    assert family_of("yolo11").mosaic_epochs(160, None) is None
+    # its classification loss: MAL at the gain `mal`, in the varifocal loss's place; both gains set is refused
+    assert class_loss_of(deim) == "mal" and class_loss_of(DFINE.read_hyp(DFINE.default_hyp_path)) == "vfl"
+    with pytest.raises(UserError, match="'vfl' 1 and 'mal' 1"):
+        class_loss_of(deim.replace(vfl=1.0))
+    mosaics: list[int] = []
+    mixed: list[int] = []
+    original_mosaic, original_mixup = YoloDataset._mosaic, dataset_module.mixup
+
+    def counting_mosaic(self, index, rng, epoch=0):
+        mosaics.append(epoch)
+        return original_mosaic(self, index, rng, epoch)
+
+    def counting_mixup(*args):
+        mixed.append(1)
+        return original_mixup(*args)
+
+    monkeypatch.setattr(YoloDataset, "_mosaic", counting_mosaic)
+    monkeypatch.setattr(dataset_module, "mixup", counting_mixup)
+    hyp = deim.replace(mosaic=1.0, mixup=1.0)
+    options = {"augment": True, "hyp": hyp, "close_mosaic_epoch": 4, "mosaic_epochs": (1, 3), "workers": 0}
+    dataset = YoloDataset(str(shapes_root / "images/train"), 64, 4, **options, verbose=False)
+    again = YoloDataset(str(shapes_root / "images/train"), 64, 4, **options, verbose=False)
+    for epoch in range(5):
+        mosaics.clear(), mixed.clear()
+        samples = [dataset[(epoch, i)] for i in range(6)]
+        inside = 1 <= epoch < 3
+        assert mosaics == ([epoch] * 12 if inside else []), epoch  # a mosaic and its mixup partner's
+        assert len(mixed) == (6 if inside else 0), epoch
+        for i, sample in enumerate(samples):
+            same = again[(epoch, i)]
+            assert torch.equal(sample[0], same[0]) and torch.equal(sample[1], same[1])
+    plain = YoloDataset(str(shapes_root / "images/train"), 64, 4, **{**options, "augment": False}, verbose=False)
+    assert all(torch.equal(dataset[(4, i)][0], plain[(4, i)][0]) for i in range(6))  # the stage: plain images
+
+
 # ---- the stage through the engine -------------------------------------------------------------------------------
 
 
@@ -247,6 +298,67 @@ def test_the_stage_stops_augmentation_restarts_the_ema_and_resumes_bit_exactly(
         status, log = train_here("--resume", copy / "weights/last.pt")
         assert status == 0, log
         resumed = load_checkpoint(copy / "weights/last.pt")
+        assert resumed["updates"] == last["updates"]
+        for key in ("model", "ema"):
+            assert all(torch.equal(resumed[key][k], last[key][k]) for k in last[key]), (name, key)
+
+
+@pytest.mark.slow
+def test_the_stage_goes_on_from_stage_1s_best_epoch_and_resumes_bit_exactly(
+    train_here, rectangles_yaml, tmp_path, monkeypatch
+) -> None:
+    """3 epochs of 2 steps, each validated, the stage the last; the fitness is scripted so that epoch 0 is stage 1's
+    best, not its last. The stage's first batch starts from epoch 0's weights, EMA (its update count too) and
+    optimizer state (weights/best.pt); runs resumed at the stage's start (epoch1.pt) and inside it (--save-steps 1)
+    end with the uninterrupted run's weights and EMA, bit for bit."""
+    import utils.engine.run_record as run_record
+    import utils.engine.trainer as trainer_module
+
+    hyp_file = tmp_path / "hyp.recipe-toy.yaml"
+    values = {**RecipeToyHyp().to_dict(), **PRESET, "warmup_steps": 2.0, "no_aug_share": 0.1}
+    hyp_file.write_text(yaml.safe_dump(values))
+    monkeypatch.setitem(families.FAMILIES, "toy", RecipeToyFamily(hyp_file))
+    cfg = tmp_path / "toy.yaml"
+    cfg.write_text(yaml.safe_dump({"family": "toy", "nc": 2, "backbone": [], "head": []}))
+    scripted: list[float] = []
+    monkeypatch.setattr(run_record, "fitness", lambda results: scripted.pop(0))
+    reloaded: list[tuple[int, dict, dict]] = []
+    original_reload = trainer_module.reload
+
+    def watching(optim, model, ckpt) -> None:
+        original_reload(optim, model, ckpt)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        reloaded.append((ckpt["epoch"], state, deepcopy(optim.optimizer.state_dict()["state"])))
+
+    monkeypatch.setattr(trainer_module, "reload", watching)
+    inside = keep_checkpoints_inside_epoch(monkeypatch, 2)
+    scripted[:] = [0.5, 0.1, 0.05]
+    args = ["--data", rectangles_yaml, "--cfg", cfg, "--epochs", "3", "--save-period", "1", "--save-steps", "1"]
+    status, log = train_here(*args, "--project", tmp_path / "runs", "--name", "straight")
+    assert status == 0, log
+    straight = tmp_path / "runs/straight"
+    assert "epoch 2: the no-augmentation stage begins from stage 1's best epoch, 0 (weights/best.pt)" in log
+    best, epoch1, last = (load_checkpoint(straight / f"weights/{n}.pt") for n in ("epoch0", "epoch1", "last"))
+    assert len(reloaded) == 1 and reloaded[0][0] == 0
+    _, weights, moments = reloaded[0]
+    assert all(torch.equal(weights[k], best["model"][k]) for k in best["model"])
+    assert any(not torch.equal(weights[k], epoch1["model"][k]) for k in epoch1["model"])  # not the last epoch's
+    assert all(torch.equal(moments[i]["exp_avg"], s["exp_avg"]) for i, s in best["optimizer"]["state"].items())
+    assert last["updates"] == best["updates"] + 2 == 4  # the EMA goes on from epoch 0's, as the reference's
+    assert inside[0]["mid_epoch"]["batch"] == 1 and inside[0]["updates"] == 3
+    for name, source in (("at-the-stage", straight / "weights/epoch1.pt"), ("inside-the-stage", None)):
+        again = tmp_path / name
+        shutil.copytree(straight, again)
+        # best.pt as it was at the stage (the run's end strips its optimizer): epoch 0's, written with it
+        shutil.copyfile(straight / "weights/epoch0.pt", again / "weights/best.pt")
+        if source is None:
+            save_checkpoint(inside[0], again / "weights/last.pt")
+        else:
+            shutil.copyfile(source, again / "weights/last.pt")
+        scripted[:] = [0.05]  # the stage's one validated epoch
+        status, log = train_here("--resume", again / "weights/last.pt")
+        assert status == 0, log
+        resumed = load_checkpoint(again / "weights/last.pt")
         assert resumed["updates"] == last["updates"]
         for key in ("model", "ema"):
             assert all(torch.equal(resumed[key][k], last[key][k]) for k in last[key]), (name, key)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import csv
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from models.detr_matcher import MatchCosts, hungarian, union_of_matches  # noqa:
 from models.families import DFINE, RTDETRV2  # noqa: E402
 from tests.conftest import keep_checkpoints_inside_epoch, write_rectangles_dataset  # noqa: E402
 from utils.checkpoint import load_checkpoint  # noqa: E402
+from utils.engine.timing import PHASES, step_phases, time_columns  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures" / "detr"
@@ -46,6 +48,7 @@ RTDETRV2_TINY = {
 for _key in ("max_num_bins", "reg_scale"):
     RTDETRV2_TINY["config"].pop(_key)
 FAMILIES = {"dfine": (DFINE, DFINE_TINY), "rtdetrv2": (RTDETRV2, RTDETRV2_TINY)}
+DETR_PHASES = step_phases(("matcher",))  # the step time's split of a DETR run: the matcher after the forward pass
 # image, class, cx, cy, w, h: image 1 holds no box, image 3 the most (the denoising groups' size)
 TARGETS = torch.tensor(
     [
@@ -211,6 +214,36 @@ def test_matcher_is_deterministic_on_ties() -> None:
     assert runs[0].query[0][first].tolist() == alone.query[0].tolist() == [0, 1]
 
 
+class RecordingMarks:
+    def __init__(self) -> None:
+        self.phases: list[str] = []
+
+    def mark(self, phase: str) -> None:
+        self.phases.append(phase)
+
+
+def test_the_detr_loss_marks_its_matching_as_a_phase_of_its_own_and_a_yolo_loss_marks_nothing(tiny) -> None:
+    from models.families import YOLOV5
+    from models.loss import UNMARKED
+
+    family, model = trained_model("dfine")
+    loss = family.make_loss(model, family.read_hyp(family.default_hyp_path), imgsz=64)
+    assert loss.timed_phases == ("matcher",) and loss.marks is UNMARKED
+    loss.marks = marks = RecordingMarks()
+    raw = family.forward_train(model, torch.rand(4, 3, 64, 64), TARGETS)
+    loss(raw, TARGETS)
+    assert marks.phases == ["forward", "matcher"]  # the matching ends forward's time and is timed on its own
+    assert step_phases(loss.timed_phases) == ("data", "forward", "matcher", "backward", "optimizer", "sync")
+
+    yolo = YOLOV5.build_model("yolov5n.yaml", nc=3)
+    yolo_loss = YOLOV5.make_loss(yolo, YOLOV5.read_hyp(YOLOV5.default_hyp_path), imgsz=64)
+    assert yolo_loss.timed_phases == () and step_phases(yolo_loss.timed_phases) == PHASES
+    yolo_loss.marks = yolo_marks = RecordingMarks()
+    yolo.train()
+    yolo_loss(yolo(torch.rand(4, 3, 64, 64)), TARGETS)
+    assert yolo_marks.phases == []  # a YOLO step's marks (and its results.csv columns) are as before
+
+
 def test_an_images_denoising_queries_depend_on_its_sample_and_the_groups_size_alone() -> None:
     """What makes the step the same at any world size: an image's denoising queries are the same whichever batch
     (rank) and place holds it, given the groups' size (the most boxes of one image over every rank); each group's
@@ -312,20 +345,50 @@ def test_train_py_trains_a_detr_and_resumes_bit_exactly_inside_stage_2(
     # the two epochs, and in fp32 (a CPU without bf16) RT-DETRv2's rose (26.1, 28.1) where bf16's fell.
     assert all(math.isfinite(t) and t > 0 for t in total), total
     assert all(0 <= r["metrics/mAP_0.5:0.95"] <= 1 for r in rows)
+    # The matcher's share of the step time: a column after time/forward, and in each epoch's split in the log.
+    with open(run / "results.csv", newline="") as f:
+        header = [c.strip() for c in f.readline().split(",")]
+    assert header[-len(time_columns(DETR_PHASES)) :] == list(time_columns(DETR_PHASES))
+    assert all(r["time/matcher"] > 0 and r["time/forward"] > 0 for r in rows), rows
+    assert all(sum(r[f"time/{p}"] for p in DETR_PHASES) <= 1.0 + 1e-4 for r in rows)
+    assert re.search(r"epoch 1: .*step time: data \d+%, forward\+loss \d+%, matcher \d+%, backward", log), log[-3000:]
 
     if name != "rtdetrv2":
         return
-    assert len(inside) == 1 and inside[0]["mid_epoch"]["batch"] == 1 and inside[0]["updates"] == 1
+    # The stage goes on from stage 1's best epoch, epoch 0 (validated): its EMA's 2 updates, then the stage's.
+    assert "the no-augmentation stage begins from stage 1's best epoch, 0" in log
+    assert len(inside) == 1 and inside[0]["mid_epoch"]["batch"] == 1 and inside[0]["updates"] == 3
     again = tmp_path / "again"
     shutil.copytree(run, again)
     save_checkpoint(inside[0], again / "weights" / "last.pt")
     status, log = train_here("--resume", again / "weights" / "last.pt", "--batch-size", "4")
     assert status == 0, log
     resumed, straight = (load_checkpoint(r / "weights" / "last.pt") for r in (again, run))
-    assert resumed["epoch"] == straight["epoch"] == 1 and resumed["updates"] == straight["updates"] == 2
+    assert resumed["epoch"] == straight["epoch"] == 1 and resumed["updates"] == straight["updates"] == 4
     for key in ("model", "ema"):
         assert all(torch.equal(resumed[key][k], straight[key][k]) for k in straight[key]), key
     assert last_losses(again / "results.csv", names) == last_losses(run / "results.csv", names)
+
+
+@pytest.mark.slow
+def test_train_py_trains_a_narrow_dfine_with_deims_recipe(tiny, train_here, tmp_path) -> None:
+    """DEIM's hyp file through train.py: 2 epochs of a narrowed D-FINE, mosaics and mixups in the first (the window's
+    shares of a 2-epoch run), the stage in the second; its MAL classification term named in results.csv."""
+    data = write_rectangles_dataset(tmp_path / "data", n_train=8, n_val=4, size=64)
+    recipe = yaml.safe_load((ROOT / "data/hyps/hyp.deim-dfine.yaml").read_text())
+    hyp = tmp_path / "hyp.yaml"
+    hyp.write_text(yaml.safe_dump({**recipe, "warmup_steps": 0}))  # 4 steps: the rate is lr0 from the first
+    status, log = train_here(
+        "--cfg", "dfine-tiny.yaml", "--data", data, "--epochs", "2", "--batch-size", "4", "--hyp", hyp,
+        "--seed", "1", "--project", tmp_path, "--name", "run", "--noval",
+    )  # fmt: skip
+    assert status == 0, log
+    assert "mosaic and mixup only in epochs 0 to 0 of 0 to 1" in log and "the no-augmentation stage begins" in log
+    with open(tmp_path / "run/results.csv", newline="") as f:
+        rows = [{k.strip(): float(v) for k, v in row.items() if k and v.strip()} for row in csv.DictReader(f)]
+    names = ("mal", "box", "giou", "fgl", "ddf")
+    assert len(rows) == 2 and "train/vfl_loss" not in rows[0]
+    assert all(math.isfinite(r[f"train/{n}_loss"]) for r in rows for n in names) and rows[0]["train/mal_loss"] > 0
 
 
 def relative_difference(a: dict, b: dict) -> float:

@@ -51,7 +51,7 @@ class ModelEMA:
     @torch.no_grad()
     def restart(self, model: nn.Module) -> None:
         """Start again from ``model``'s weights, the decay's ramp from its beginning (the DETR recipes do this where
-        their no-augmentation stage begins)."""
+        their no-augmentation stage begins without a best epoch of the first stage to go on from)."""
         current = de_parallel(model).state_dict()
         for key, averaged in self.ema.state_dict().items():
             averaged.copy_(current[key])

@@ -81,6 +81,9 @@ VALID_RANGES: dict[str, tuple[float, float]] = {
     "zoom_out": _PROBABILITY,
     "zoom_out_max": (1.0, 8.0),
     "iou_crop": _PROBABILITY,
+    "mosaic_start_share": (0.0, 1.0),
+    "mosaic_end_share": (0.0, 1.0),
+    "mal": (0.0, 1000.0),
     "vfl": (0.0, 1000.0),
     "bbox": (0.0, 1000.0),
     "giou": (0.0, 1000.0),
@@ -216,7 +219,7 @@ class StepScheduleHyp(HypRecord):
     """A recipe's optimisation beyond YOLO's (the DETR families'), read by the engine wherever a record holds it:
     the learning rate set at every step (``utils/engine/lr_schedule.py: FlatCosine``) instead of YOLO's per-epoch
     schedule and warmup, gradient clipping, the EMA's settings, and the no-augmentation stage at the end of a run,
-    where the EMA starts again from the model's weights. The defaults are D-FINE's (github.com/Peterande/D-FINE,
+    which goes on from the best validated epoch before it (weights, EMA, optimizer). The defaults are D-FINE's (github.com/Peterande/D-FINE,
     configs/dfine/include/optimizer.yml and dfine_hgnetv2_n_coco.yml)."""
 
     warmup_steps: float = 500.0  # every group's lr rises from 0 to its own over this many optimizer steps
@@ -238,6 +241,9 @@ class ZoomCropHyp(AugmentationHyp):
     zoom_out: float = 0.5  # probability of placing the image on a canvas up to zoom_out_max times its size
     zoom_out_max: float = 4.0  # the canvas's largest side ratio
     iou_crop: float = 0.8  # probability of torchvision's RandomIoUCrop (SSD's crop)
+    # mosaic and mixup only in this window of the run's epochs (DEIM-N: 4 to 78 of 160), and never in the stage
+    mosaic_start_share: float = 0.0  # from epoch round(epochs * share)
+    mosaic_end_share: float = 1.0  # to (not including) epoch round(epochs * share)
 
 
 @dataclass(frozen=True)

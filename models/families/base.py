@@ -106,7 +106,9 @@ class Family:
     name: ClassVar[str]  # "yolov5", ...: the ``family:`` key of its model YAMLs, checkpoints' and exports' records
     title: ClassVar[str]  # "YOLOv5", ...: for messages and documentation
     head: ClassVar[type[nn.Module]]  # the head its models end with (a DetectionHead, or a DETR's whole detector)
-    loss_names: ClassVar[tuple[str, ...]]  # its loss terms: results.csv columns, the log, TensorBoard
+    loss_names: ClassVar[
+        tuple[str, ...]
+    ]  # its loss terms: results.csv columns, the log, TensorBoard (a hyp may rename one: the loss's item_names)
     hyp_type: ClassVar[type[HypRecord]]  # its hyper-parameter record
     default_hyp: ClassVar[str]  # its default hyper-parameter file, relative to the repository root
     evolve_limits: ClassVar[Mapping[str, Limit]]  # how --evolve may mutate each of its hyper-parameters
@@ -204,6 +206,11 @@ class Family:
         what the hyp's record says (utils/data/dataset.py), and where the record asks (the DETR recipes'
         ``StepScheduleHyp``) restarts the EMA there."""
         return max(epochs - close_mosaic, 0) if close_mosaic > 0 else None
+
+    def mosaic_epochs(self, epochs: int, hyp: Any) -> tuple[int, int] | None:
+        """The window of epochs ``[start, end)`` of a run of ``epochs`` in which its samples may be mosaics and
+        mixups (until the stage epoch in any case), or None: the whole run before the stage (YOLO's)."""
+        return None
 
     @property
     def default_hyp_path(self) -> Path:

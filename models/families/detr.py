@@ -12,7 +12,8 @@ The recipe (:class:`DetrHyp`, ``data/hyps/hyp.dfine.yaml`` and ``hyp.rtdetrv2.ya
 configs): AdamW at the hyp file's lr0 whatever the run's length, the backbone at ``backbone_lr`` times it, no
 weight decay on norms and biases (``parameter_groups``), gradients clipped to 0.1 per image of a step, the step schedule and EMA of
 ``utils/hyp.py: StepScheduleHyp``, the augmentations of ``ZoomCropHyp``, and the no-augmentation stage over the
-run's last ``no_aug_share`` of epochs (``stage_epoch``), where the EMA starts again. Training: the targets go into the forward pass (denoising queries), the loss is
+run's last ``no_aug_share`` of epochs (``stage_epoch``), which goes on from the best validated epoch before it
+(the engine: ``Trainer.start_stage``). Training: the targets go into the forward pass (denoising queries), the loss is
 ``models/detr_loss.py: DetrLoss`` (Hungarian matching: ``models/detr_matcher.py``).
 """
 
@@ -50,7 +51,8 @@ class DetrLossGains(HypRecord):
     """The DETR losses' gains and the matcher's costs (the official criteria's ``weight_dict``s); the loss reads
     them as ``hyp.<name>``."""
 
-    vfl: float = 1.0  # classification: varifocal loss (DEIM's MAL in its recipe)
+    vfl: float = 1.0  # classification: varifocal loss
+    mal: float = 0.0  # or DEIM's matchability-aware loss in its place: a gain above 0 chooses it (then vfl: 0)
     bbox: float = 5.0  # L1 box loss
     giou: float = 2.0  # GIoU box loss
     focal_alpha: float = 0.75  # the classification loss's alpha
@@ -95,6 +97,15 @@ DETR_LIMITS = {
 # tokens become the decoder's queries, and rounding reorders tokens whose scores lie near the cut, so a few of the
 # 300 output rows differ however good the file is (bench/detr_export_precision.py; docs/deploy.md).
 ROUNDED_QUERIES = "rounding may change which encoder tokens become the decoder's queries"
+
+
+def class_loss_of(hyp: Any) -> str:
+    """The classification loss a run's hyper-parameters choose: DEIM's MAL where its gain ``mal`` is above 0, else
+    the varifocal loss. Both gains above 0 is a one-line error: one loss classifies."""
+    mal, vfl = float(getattr(hyp, "mal", 0.0)), float(getattr(hyp, "vfl", 0.0))
+    if mal > 0 and vfl > 0:
+        raise UserError(f"hyp: 'vfl' {vfl:g} and 'mal' {mal:g}: set the gain of one classification loss, the other 0")
+    return "mal" if mal > 0 else "vfl"
 
 
 class DetrFamily(Family):
@@ -199,7 +210,7 @@ class DetrFamily(Family):
         """``models/detr_loss.py: DetrLoss``: Hungarian matching, varifocal, L1 and GIoU terms on every decoder layer,
         the encoder's top-k and the denoising groups (D-FINE: its fgl and ddf terms too); gains from the model's
         transformers config, replaced by the run's hyper-parameters (the family's record) where it has them."""
-        return DetrLoss(model, distributions=self.distributions, hyp=hyp)
+        return DetrLoss(model, distributions=self.distributions, class_loss=class_loss_of(hyp), hyp=hyp)
 
     def forward_train(
         self, model: nn.Module, images: torch.Tensor, targets: torch.Tensor, batch: TrainBatch | None = None
@@ -249,6 +260,13 @@ class DetrFamily(Family):
         if share <= 0 or epochs < 2:
             return None
         return epochs - min(max(round(epochs * share), 1), epochs - 1)
+
+    def mosaic_epochs(self, epochs: int, hyp: Any) -> tuple[int, int] | None:
+        """The recipe's window of mosaic and mixup, its shares of the run's epochs rounded as the stage's (DEIM-N:
+        ``mosaic_start_share`` 0.025 and ``mosaic_end_share`` 0.4875, epochs 4 to 78 of 160); the stage ends it in
+        any case."""
+        start = round(epochs * float(getattr(hyp, "mosaic_start_share", 0.0)))
+        return start, max(round(epochs * float(getattr(hyp, "mosaic_end_share", 1.0))), start)
 
     # ---- inference and export ----
 

@@ -103,6 +103,7 @@ class DatasetOptions:
     nc: int | None = None  # class count the labels are checked against
     seed: int = 0  # augmentation draws are functions of (seed, epoch, index)
     close_mosaic_epoch: int | None = None  # from this epoch on: no mosaic, no mixup (a ZoomCropHyp: no augmentation)
+    mosaic_epochs: tuple[int, int] | None = None  # mosaic and mixup only in epochs [start, end) (None: any before)
     workers: int = 8  # threads that read labels and fill caches
     decode_threads: int = 1  # threads that decode a mosaic's tiles in this process
     prefix: str = ""  # before every log line
@@ -118,7 +119,10 @@ class YoloDataset(Dataset):
     DETR recipes' record (``ZoomCropHyp``) photometrically distorted, zoomed out and IoU-cropped
     (``augmentations.py: photometric_distort, zoom_out_crop``) before their letterbox. Without ``augment`` images
     are only letterboxed, to per-batch rectangles when ``rect``. From ``close_mosaic_epoch`` on, no mosaic and no
-    mixup; with a ``ZoomCropHyp``, no augmentation at all (the recipes' no-augmentation stage).
+    mixup; with a ``ZoomCropHyp``, no augmentation at all (the recipes' no-augmentation stage). Where the family
+    gives a window of epochs (``mosaic_epochs``: DEIM's), mosaic and mixup only inside it; with a ``ZoomCropHyp`` a
+    sample there is a mosaic (photometrically distorted) with probability ``hyp.mosaic``, else the recipe's zoomed
+    and cropped image, and either is mixed up with a partner made the same way with probability ``hyp.mixup``.
 
     Pixels come from ``source`` (image_source.py: the split's files or tar shards). ``cache='ram'`` keeps the
     decoded, resized images in memory; ``cache='disk'`` saves decoded images as ``.npy`` beside the originals.
@@ -145,6 +149,7 @@ class YoloDataset(Dataset):
         self.imgsz, self.augment, self.rect, self.stride, self.pad = imgsz, o.augment, o.rect, stride, pad
         self.hyp = o.hyp or AugmentationHyp()
         self.seed, self.close_mosaic_epoch, self.prefix = o.seed, o.close_mosaic_epoch, prefix
+        self.mosaic_epochs = o.mosaic_epochs
 
         if label_set is None:
             assert path is not None, "a dataset needs a split or its labels"
@@ -334,8 +339,13 @@ class YoloDataset(Dataset):
     def __len__(self) -> int:
         return self.n
 
-    def mosaic_enabled(self, epoch: int) -> bool:
+    def before_stage(self, epoch: int) -> bool:
         return self.close_mosaic_epoch is None or epoch < self.close_mosaic_epoch
+
+    def mosaic_enabled(self, epoch: int) -> bool:
+        """Whether samples of ``epoch`` may be mosaics and mixups: before the stage, inside the window if any."""
+        window = self.mosaic_epochs
+        return self.before_stage(epoch) and (window is None or window[0] <= epoch < window[1])
 
     def partners(self, epoch: int, index: int, k: int, rng: np.random.Generator) -> list[int]:
         """``k`` mosaic or mixup partners of sample ``index``: any sample here (shards draw from a window)."""
@@ -396,7 +406,7 @@ class YoloDataset(Dataset):
     def augments(self, epoch: int) -> bool:
         """Whether samples of ``epoch`` are augmented: training ones, except in the recipes' no-augmentation stage
         (a ``ZoomCropHyp`` record from ``close_mosaic_epoch`` on)."""
-        return self.augment and (self.mosaic_enabled(epoch) or not isinstance(self.hyp, ZoomCropHyp))
+        return self.augment and (self.before_stage(epoch) or not isinstance(self.hyp, ZoomCropHyp))
 
     def _zoom_cropped(self, index: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """The DETR recipes' sample: photometric distortion, zoom-out and IoU crop of the image at its training
@@ -413,6 +423,17 @@ class YoloDataset(Dataset):
         labels[:, [1, 3]] = labels[:, [1, 3]] * rw + pw
         labels[:, [2, 4]] = labels[:, [2, 4]] * rh + ph
         return img, labels
+
+    def _recipe_sample(
+        self, index: int, rng: np.random.Generator, epoch: int, mosaic_on: bool
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """A DETR recipe's training sample: inside the mosaic window a photometrically distorted mosaic with
+        probability ``mosaic`` (DEIM: no zoom-out or crop on a mosaic), else the zoomed and cropped image."""
+        hy = cast(ZoomCropHyp, self.hyp)
+        if mosaic_on and rng.random() < hy.mosaic:
+            img, labels = self._mosaic(index, rng, epoch)
+            return photometric_distort(img, rng, hy.photometric), labels
+        return self._zoom_cropped(index, rng)
 
     def _letterboxed(
         self, index: int, rng: np.random.Generator, augment: bool = True
@@ -443,13 +464,17 @@ class YoloDataset(Dataset):
         augment = self.augments(epoch)
         mosaic_on = augment and not self.rect and self.mosaic_enabled(epoch)  # rect batches need letterboxes
         shapes: tuple | None = None
-        if mosaic_on and rng.random() < hy.mosaic:
+        if augment and not self.rect and isinstance(hy, ZoomCropHyp):
+            img, labels = self._recipe_sample(index, rng, epoch, mosaic_on)
+            # A draw only where mixup can happen: a recipe without it keeps the samples it had without a window.
+            if mosaic_on and hy.mixup > 0 and rng.random() < hy.mixup:
+                partner = self.partners(epoch, index, 1, rng)[0]
+                img, labels = mixup(img, labels, *self._recipe_sample(partner, rng, epoch, mosaic_on), rng)
+        elif mosaic_on and rng.random() < hy.mosaic:
             img, labels = self._mosaic(index, rng, epoch)
             if rng.random() < hy.mixup:
                 img2, labels2 = self._mosaic(self.partners(epoch, index, 1, rng)[0], rng, epoch)
                 img, labels = mixup(img, labels, img2, labels2, rng)
-        elif augment and not self.rect and isinstance(hy, ZoomCropHyp):
-            img, labels = self._zoom_cropped(index, rng)
         else:
             img, labels, shapes = self._letterboxed(index, rng, augment)
 

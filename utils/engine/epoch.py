@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from models.loss import UNMARKED
 from utils.distributed import de_parallel
 from utils.engine.interrupt import STOP
 from utils.engine.step import (
@@ -27,7 +28,7 @@ from utils.engine.step import (
     train_step,
 )
 from utils.engine.tally import LossTally
-from utils.engine.timing import EpochTime, RunProgress, format_duration, gather_epoch_time
+from utils.engine.timing import EpochTime, RunProgress, format_duration, gather_epoch_time, step_phases
 from utils.log import LOGGER
 from utils.trackers import NullLogger, RunLogger
 
@@ -68,6 +69,7 @@ def train_one_epoch(
         batches = tqdm(batches, total=n_batches, initial=start_batch, bar_format="{l_bar}{bar:10}{r_bar}")
     marks = stepper.marks
     marks.start()
+    stepper.loss.marks = marks  # the parts of its call the loss times (timing.py); none in validation
     t0 = time.perf_counter()
     for window in accumulation_windows(batches, stepper.optim.accumulate, n_batches):
         marks.mark("data")
@@ -93,7 +95,9 @@ def train_one_epoch(
         if flush(stepper, tally, wishes(stepper, hooks), f"epoch {epoch} end").stop:
             stepper.stopped = "after"
     images = (n_batches - start_batch) * hooks.batch_size // stepper.info.world_size  # this rank's
-    timing = gather_epoch_time(marks.collect(), images, stepper.info, stepper.device)
+    stepper.loss.marks = UNMARKED
+    phases = step_phases(stepper.loss.timed_phases)
+    timing = gather_epoch_time(marks.collect(), images, stepper.info, stepper.device, phases)
     _log_epoch_speed(stepper, epoch, timing, tally)
     return tally, timing
 

@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from models.families import Family
 from utils.checkpoint import restore_training_state
+from utils.distributed import de_parallel
 from utils.ema import ModelEMA
 from utils.engine.config import TrainConfig, stored_config
 from utils.engine.lr_schedule import FlatCosine, LrSchedule, apply_warmup, warmup_iterations
@@ -189,6 +190,18 @@ def build_optimization(
     # references' loss, a mean over them: it scales with the images of an optimizer step.
     clip = recipe.clip_norm * config.batch_size * choice.accumulate if recipe else 10.0
     return Optimization(optimizer, scaler, ema, schedule, choice, hyp, clip_norm=clip)
+
+
+def reload(optim: Optimization, model: nn.Module, ckpt: dict[str, Any]) -> None:
+    """A training checkpoint's weights, EMA (with its update count), optimizer and scaler state into the run's live
+    ones, in place; not its RNG state: the run's own draws go on."""
+    de_parallel(model).load_state_dict(ckpt["model"])
+    if ckpt.get("optimizer") is None:  # a finished run's best.pt (stripped at its end), resumed for more epochs
+        LOGGER.info("the reloaded checkpoint has no optimizer state (stripped at the run's end): the run's is kept")
+        optim.ema.ema.load_state_dict(ckpt["ema"])
+        optim.ema.updates = int(ckpt["updates"])
+        return
+    restore_training_state({**ckpt, "torch_rng": None}, optim.optimizer, optim.scaler, optim.ema)
 
 
 def restore(optim: Optimization, ckpt: dict[str, Any]) -> None:

@@ -25,6 +25,7 @@ from utils.checkpoint import (
     checkpoint_label,
     copy_checkpoint,
     host_snapshot,
+    load_checkpoint,
     run_state,
     save_checkpoint,
     weights_are_finite,
@@ -264,6 +265,14 @@ class RunRecord:
     def should_stop(self) -> bool:
         """Whether early stopping (--patience) ends the run after the epoch recorded last."""
         return self.stop
+
+    def best_checkpoint(self) -> dict[str, Any] | None:
+        """The best epoch's checkpoint so far (weights/best.pt, once the writer has written it), or None where no
+        epoch was validated or none was saved (--nosave)."""
+        if self.best_epoch < 0:
+            return None
+        self.writer.wait()
+        return load_checkpoint(self.best) if self.best.exists() else None
 
     def save_mid_epoch(self, ckpt: dict[str, Any]) -> None:
         self._submit(ckpt, [self.last])

@@ -105,7 +105,10 @@ def set_up(
     LOGGER.info(f"precision: {precision.reason}")
     clock.stamp("model")
     stage = family.stage_epoch(config.epochs, config.close_mosaic, hyp)
-    train_loader, dataset, val_loader = make_loaders(config, info, hyp, grid, labels, stage)
+    window = family.mosaic_epochs(config.epochs, hyp)
+    if window is not None and window != (0, config.epochs):
+        LOGGER.info(f"mosaic and mixup only in epochs {window[0]} to {window[1] - 1} of 0 to {config.epochs - 1}")
+    train_loader, dataset, val_loader = make_loaders(config, info, hyp, grid, labels, stage, window)
     choose_kernels(config, device, (train_loader, val_loader), grid)
     if not ckpt and not config.noautoanchor:
         family.fit_anchors(dataset, model, hyp, imgsz=config.imgsz)
@@ -246,10 +249,17 @@ def freeze_layers(model: nn.Module, freeze: list[int]) -> None:
 
 
 def make_loaders(
-    config: TrainConfig, info: DistInfo, hyp: HypRecord, grid: int, labels: list, stage: int | None
+    config: TrainConfig,
+    info: DistInfo,
+    hyp: HypRecord,
+    grid: int,
+    labels: list,
+    stage: int | None,
+    mosaic_epochs: tuple[int, int] | None = None,
 ) -> tuple[Any, Any, Any]:
     """The training loader (and its dataset), and the validation loader over this rank's part of the split;
-    ``stage``: the epoch from which the training set stops its strongest augmentation (the family's rule)."""
+    ``stage``: the epoch from which the training set stops its strongest augmentation, ``mosaic_epochs``: the
+    window of its mosaics and mixups (the family's rules)."""
     batch_per_rank = config.batch_size // info.world_size
     cache = None if config.cache == "off" else config.cache
     train_loader, dataset = create_dataloader(
@@ -270,6 +280,7 @@ def make_loaders(
         prefix=colorstr("train: "),
         label_set=labels[0],
         close_mosaic_epoch=stage,
+        mosaic_epochs=mosaic_epochs,
         image_weights=config.image_weights,
         quad=config.quad,
         shard_window=config.shard_window,

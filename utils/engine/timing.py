@@ -17,6 +17,11 @@ Phases, in the order a step marks them (an optimizer step over ``accumulate`` mi
 - ``backward``: backward's computation;
 - ``optimizer``: unscaling, clipping, the optimizer's step and the EMA;
 - ``other``: the rest (progress bar, checkpoints written inside the epoch); not a column, part of the whole.
+
+A family's loss may time parts of its call as phases of their own (``DetectionLoss.timed_phases``, the DETRs'
+``matcher``): it marks ``forward`` where such a part begins and the part's name where it ends, so the part's time
+leaves ``forward``. Those phases follow ``forward`` in the split and in results.csv (``step_phases``); a loss that
+names none leaves the split, its columns and its marks as they are.
 """
 
 from __future__ import annotations
@@ -36,7 +41,20 @@ from utils.log import LOGGER
 
 PHASES = ("data", "forward", "backward", "optimizer", "sync")
 OTHER = "other"
-TIME_COLUMNS = (*(f"time/{p}" for p in PHASES), "time/images_per_s", "time/slowest_rank")
+
+
+def step_phases(timed: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The split's phases: PHASES with the parts the loss times on its own (``timed``) after ``forward``."""
+    at = PHASES.index("forward") + 1
+    return (*PHASES[:at], *timed, *PHASES[at:])
+
+
+def time_columns(phases: tuple[str, ...] = PHASES) -> tuple[str, ...]:
+    """results.csv's time columns of a split over ``phases``."""
+    return (*(f"time/{p}" for p in phases), "time/images_per_s", "time/slowest_rank")
+
+
+TIME_COLUMNS = time_columns()
 DATA_BOUND_SHARE = 0.3  # from this share of step time waiting for data on, data loading is called the bottleneck
 MAX_PENDING_EVENTS = 256  # CUDA marks kept before those that have passed are read back
 
@@ -116,31 +134,32 @@ class EpochTime:
     slowest_rank: int
     world_size: int = 1
     images: int = 0  # per rank
+    phases: tuple[str, ...] = PHASES  # step_phases of the run's loss
 
     @property
     def total(self) -> float:
         return sum(self.seconds.values())
 
     def shares(self) -> dict[str, float]:
-        """Each phase's share of the step time (PHASES, then ``other``)."""
+        """Each phase's share of the step time (``phases``, then ``other``)."""
         total = self.total or 1.0
-        return {p: self.seconds.get(p, 0.0) / total for p in (*PHASES, OTHER)}
+        return {p: self.seconds.get(p, 0.0) / total for p in (*self.phases, OTHER)}
 
     def row(self) -> list[float]:
-        """results.csv's time columns (TIME_COLUMNS)."""
+        """results.csv's time columns (``time_columns(phases)``)."""
         shares = self.shares()
-        return [*(shares[p] for p in PHASES), self.images_per_s, float(self.slowest_rank)]
+        return [*(shares[p] for p in self.phases), self.images_per_s, float(self.slowest_rank)]
 
     def describe(self) -> str:
         shares = self.shares()
-        parts = ", ".join(f"{LABELS[p]} {100 * shares[p]:.0f}%" for p in (*PHASES, OTHER))
+        parts = ", ".join(f"{LABELS.get(p, p)} {100 * shares[p]:.0f}%" for p in (*self.phases, OTHER))
         speed = f"{self.images_per_s:.1f} images/s"
         if self.world_size > 1:
             speed += f" per rank at the slowest (rank {self.slowest_rank})"
         return f"{speed}; step time: {parts}"
 
 
-LABELS = {
+LABELS = {  # a phase a loss times on its own is labelled by its name
     "data": "data",
     "forward": "forward+loss",
     "backward": "backward",
@@ -150,9 +169,11 @@ LABELS = {
 }
 
 
-def gather_epoch_time(seconds: dict[str, float], images: int, info: DistInfo, device: torch.device) -> EpochTime:
+def gather_epoch_time(
+    seconds: dict[str, float], images: int, info: DistInfo, device: torch.device, phases: tuple[str, ...] = PHASES
+) -> EpochTime:
     """Every rank's phase times and images per second, combined (one all-reduce in a distributed run)."""
-    names = (*PHASES, OTHER)
+    names = (*phases, OTHER)
     world, rank = info.world_size, max(info.rank, 0)
     own = [seconds.get(p, 0.0) for p in names]
     speeds = [0.0] * world
@@ -163,7 +184,7 @@ def gather_epoch_time(seconds: dict[str, float], images: int, info: DistInfo, de
     per_rank = values[len(names) :].tolist()
     slowest = min(range(world), key=lambda r: per_rank[r])
     mean = {p: float(v) / world for p, v in zip(names, values[: len(names)].tolist())}
-    return EpochTime(mean, per_rank[slowest], slowest, world, images)
+    return EpochTime(mean, per_rank[slowest], slowest, world, images, phases)
 
 
 @dataclass
@@ -188,7 +209,10 @@ class RunTime:
         slow_time = sum(e.images / e.images_per_s for e in self.epochs if e.images_per_s > 0)
         ranks = [e.slowest_rank for e in self.epochs]
         slowest = max(set(ranks), key=ranks.count)
-        return EpochTime(seconds, images / slow_time if slow_time else 0.0, slowest, self.epochs[-1].world_size, images)
+        last = self.epochs[-1]
+        return EpochTime(
+            seconds, images / slow_time if slow_time else 0.0, slowest, last.world_size, images, last.phases
+        )
 
 
 def data_advice(shares: dict[str, float], workers: int, cores: int) -> str | None:

@@ -31,7 +31,7 @@ from utils.distributed import DistInfo, broadcast_object, collective, rank_zero_
 from utils.engine.config import CONFIG_SCHEMA, TrainConfig
 from utils.engine.epoch import EpochHooks, train_one_epoch
 from utils.engine.interrupt import STOP, Interrupted, stop_on_signals
-from utils.engine.optimization import Optimization, OptimizerInputs, build_optimization, choose, restore
+from utils.engine.optimization import Optimization, OptimizerInputs, build_optimization, choose, reload, restore
 from utils.engine.parallel import compile_forward, share_buffers, wrap_ddp
 from utils.engine.phases import PhaseClock
 from utils.engine.resume import Resumed, ResumePosition, resumed_position
@@ -41,7 +41,16 @@ from utils.engine.setup import RunSetup, set_up
 from utils.engine.step import BatchOptions, SavePolicy, Stepper
 from utils.engine.tally import LossTally
 from utils.engine.time_budget import TimeBudget, fit_to_time, time_budget
-from utils.engine.timing import TIME_COLUMNS, EpochTime, RunProgress, RunTime, StepProfiler, data_advice, new_marks
+from utils.engine.timing import (
+    EpochTime,
+    RunProgress,
+    RunTime,
+    StepProfiler,
+    data_advice,
+    new_marks,
+    step_phases,
+    time_columns,
+)
 from utils.errors import UserError
 from utils.hyp import HypRecord, OptimisationHyp
 from utils.log import LOGGER, colorstr
@@ -129,12 +138,14 @@ class Trainer:
         self.process_started = process_started
         self.clock = clock or PhaseClock(process_started)
         ckpt = resumed.ckpt if resumed else None
-        self.loss_names = tuple(run.family.loss_names)
-        self.optim, self.position, best = start_optimization(run, ckpt, len(self.loss_names))
+        self.optim, self.position, best = start_optimization(run, ckpt, len(run.family.loss_names))
         model = compile_forward(wrap_ddp(run.model, device) if info.is_distributed else run.model, self.config.compile)
         loss = run.family.make_loss(
             model, run.hyp, imgsz=self.config.imgsz, label_smoothing=self.config.label_smoothing
         )
+        # The loss's own terms: the family's loss_names, or where the hyp chooses another term (a DETR's DEIM
+        # classification loss, mal, in the varifocal loss's place) that name in the columns and the log.
+        self.loss_names = tuple(loss.item_names)
         batch = BatchOptions(self.config.seed, self.config.imgsz, run.grid, self.config.multi_scale, self.config.quad)
         self.stepper = Stepper(
             model,
@@ -149,7 +160,8 @@ class Trainer:
             log_interval=self.config.log_interval,
             marks=new_marks(device),
         )
-        self.columns = (*result_columns(self.loss_names, len(self.optim.optimizer.param_groups)), *TIME_COLUMNS)
+        times = time_columns(step_phases(loss.timed_phases))
+        self.columns = (*result_columns(self.loss_names, len(self.optim.optimizer.param_groups)), *times)
         self.run_time = RunTime()
         self.on_validated: OnValidated | None = None
         self.profiler: StepProfiler | None = None
@@ -353,22 +365,38 @@ class Trainer:
         return decision
 
     def refit(self, epochs: int) -> None:
-        """A time budget's run length: the schedule and the stage (close-mosaic) epoch follow it."""
+        """A time budget's run length: the schedule, the stage (close-mosaic) epoch and the mosaic window follow it."""
         self.config = self.config.replace(epochs=epochs)
         stage = self.stage_epoch()
         self.optim.refit(epochs, stage)
-        self.run.train_loader.update_dataset(close_mosaic_epoch=stage)
+        window = self.run.family.mosaic_epochs(epochs, self.run.hyp)
+        self.run.train_loader.update_dataset(close_mosaic_epoch=stage, mosaic_epochs=window)
 
     def stage_epoch(self) -> int | None:
         """The epoch from which the run trains without its strongest augmentation (the family's rule)."""
         return self.run.family.stage_epoch(self.config.epochs, self.config.close_mosaic, self.run.hyp)
 
     def start_stage(self, epoch: int, start_batch: int) -> None:
-        """At the stage epoch's first batch, the EMA starts again from the model's weights where the recipe asks
-        (``Optimization.recipe``); a run resumed inside the stage has the restarted EMA in its checkpoint."""
-        if self.optim.recipe is not None and start_batch == 0 and epoch == self.stage_epoch():
+        """At the stage epoch's first batch, where the recipe asks (``Optimization.recipe``), the run goes on from
+        stage 1's best epoch, as the official trainers reload their best_stg1: weights/best.pt's weights, EMA (with
+        its update count), optimizer and scaler state, rank 0's file on every rank. Where no epoch of stage 1 was
+        validated, or none saved, the EMA starts again from the model's weights instead. A run resumed inside the
+        stage has either in its checkpoint; one resumed at the stage's first batch reloads the same best.pt."""
+        if self.optim.recipe is None or start_batch != 0 or epoch != self.stage_epoch():
+            return
+        best = broadcast_object(self.record.best_checkpoint() if self.record is not None else None, self.info)
+        if best is None:
             self.optim.ema.restart(self.stepper.model)
-            LOGGER.info(f"epoch {epoch}: the no-augmentation stage begins; the EMA starts again from the model")
+            LOGGER.info(
+                f"epoch {epoch}: the no-augmentation stage begins; no best epoch of stage 1 to reload (none validated "
+                "or saved): the EMA starts again from the model"
+            )
+            return
+        reload(self.optim, self.stepper.model, best)
+        LOGGER.info(
+            f"epoch {epoch}: the no-augmentation stage begins from stage 1's best epoch, {best['epoch']} "
+            "(weights/best.pt): its weights, EMA and optimizer state"
+        )
 
     def validate(self, model: torch.nn.Module, plots: bool, verbose: bool) -> Any:
         """Every rank validates its part of the split; the results are gathered, so every rank has the figures."""
