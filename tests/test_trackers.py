@@ -197,6 +197,31 @@ def test_tensorboard_in_a_resumed_folder_shows_every_epoch_once(tmp_path) -> Non
     assert [e.step for e in acc.Tensors("val/PR_curve")] == [2]
 
 
+def test_tensorboard_stores_images_at_most_800_px_on_a_side_and_small_ones_as_they_are(tmp_path) -> None:
+    """A run folder's 1920 px mosaics are scaled down in the event file (encoding them whole held the end of a run
+    for seconds); a small chart keeps its size and its pixels; the training batch's grid is fitted too."""
+    import cv2
+    import tensorboard  # noqa: F401  (a requirement: missing, the test fails rather than skips)
+    import torch
+
+    from utils.trackers.tensorboard import TensorBoardTracker
+
+    rng = np.random.default_rng(0)
+    cv2.imwrite(str(tmp_path / "val_batch0_pred.jpg"), rng.integers(0, 255, (1280, 1920, 3), np.uint8))
+    small = rng.integers(0, 255, (24, 32, 3), np.uint8)
+    cv2.imwrite(str(tmp_path / "chart.png"), small)
+    tracker = TensorBoardTracker()
+    tracker.open(TrackerRun(tmp_path / "tb"), None)
+    tracker.log_images([tmp_path / "val_batch0_pred.jpg", tmp_path / "chart.png"], 0)
+    tracker.log_batch(torch.randint(0, 255, (64, 3, 640, 640), dtype=torch.uint8), 0)
+    tracker.close("FINISHED")
+    acc = _events(tmp_path / "tb")
+    sizes = {tag: (acc.Images(tag)[0].width, acc.Images(tag)[0].height) for tag in acc.Tags()["images"]}
+    assert sizes == {"plots/val_batch0_pred": (800, 533), "plots/chart": (32, 24), "train/batch_mosaic": (800, 800)}
+    stored = cv2.imdecode(np.frombuffer(acc.Images("plots/chart")[0].encoded_image_string, np.uint8), cv2.IMREAD_COLOR)
+    assert np.array_equal(stored, small)
+
+
 def test_a_resumed_results_csv_with_a_float_epoch_or_a_non_utf8_byte_is_cleaned_not_fatal(tmp_path) -> None:
     from utils.plots import read_results_csv
 

@@ -16,6 +16,23 @@ import numpy as np
 from utils.log import LOGGER
 from utils.trackers.base import Tracker, TrackerRun
 
+# TensorBoard stores every image as a PNG, encoded in the tracker's thread and waited for when the run ends: a
+# run folder's photo mosaics (1920 px, a dozen of them) took about a second each to encode and most of the run's
+# end, for a dashboard that shows them smaller than this anyway. The files in the run folder keep full size.
+MAX_IMAGE_SIDE = 800
+
+
+def fitted(image: np.ndarray) -> np.ndarray:
+    """An HWC uint8 image scaled down (never up) so that its longer side is at most ``MAX_IMAGE_SIDE``."""
+    import cv2
+
+    h, w = image.shape[:2]
+    scale = MAX_IMAGE_SIDE / max(h, w)
+    if scale >= 1:
+        return np.ascontiguousarray(image)
+    size = (max(1, round(w * scale)), max(1, round(h * scale)))
+    return cv2.resize(np.ascontiguousarray(image), size, interpolation=cv2.INTER_AREA)
+
 
 class TensorBoardTracker(Tracker):
     name, title, package = "tensorboard", "TensorBoard", "tensorboard"
@@ -45,7 +62,11 @@ class TensorBoardTracker(Tracker):
             return
         from torchvision.utils import make_grid
 
-        self.writer.add_image("train/batch_mosaic", make_grid(images, nrow=4), step)
+        grid = make_grid(images[:16], nrow=4)  # C, H, W, uint8 or float in [0, 1]; 16 images as the plots show
+        hwc = grid.permute(1, 2, 0).contiguous().cpu().numpy()
+        if hwc.dtype != np.uint8:
+            hwc = (hwc.clip(0, 1) * 255).round().astype(np.uint8)
+        self.writer.add_image("train/batch_mosaic", fitted(hwc), step, dataformats="HWC")
         self.batch_logged = True
 
     def log_pr_curve(self, precision: np.ndarray, recall: np.ndarray, step: int) -> None:
@@ -61,7 +82,7 @@ class TensorBoardTracker(Tracker):
         for path in paths:
             image = cv2.imread(str(path), cv2.IMREAD_COLOR)
             if image is not None:
-                self.writer.add_image(f"plots/{Path(path).stem}", image[..., ::-1].copy(), step, dataformats="HWC")
+                self.writer.add_image(f"plots/{Path(path).stem}", fitted(image[..., ::-1]), step, dataformats="HWC")
         self.writer.flush()
 
     def close(self, status: str) -> None:
