@@ -106,9 +106,8 @@ class Family:
     name: ClassVar[str]  # "yolov5", ...: the ``family:`` key of its model YAMLs, checkpoints' and exports' records
     title: ClassVar[str]  # "YOLOv5", ...: for messages and documentation
     head: ClassVar[type[nn.Module]]  # the head its models end with (a DetectionHead, or a DETR's whole detector)
-    loss_names: ClassVar[
-        tuple[str, ...]
-    ]  # its loss terms: results.csv columns, the log, TensorBoard (a hyp may rename one: the loss's item_names)
+    # its loss terms: results.csv columns, the log, TensorBoard (a hyp may rename one: the loss's item_names)
+    loss_names: ClassVar[tuple[str, ...]]
     hyp_type: ClassVar[type[HypRecord]]  # its hyper-parameter record
     default_hyp: ClassVar[str]  # its default hyper-parameter file, relative to the repository root
     evolve_limits: ClassVar[Mapping[str, Limit]]  # how --evolve may mutate each of its hyper-parameters
