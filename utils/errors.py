@@ -24,6 +24,12 @@ def shown(text: object) -> str:
     return text if text.isprintable() else repr(text)
 
 
+def excerpt(value: object, limit: int = 40) -> str:
+    """At most ``limit`` characters of a value from a user's file, as an error line shows it (``shown``): a string
+    holding a line break is quoted with its escapes."""
+    return shown(str(value)[:limit])
+
+
 def first_line(e: BaseException) -> str:
     """The first non-blank line of an exception's message, or its class name when it has none (``EOFError()``):
     what an error line quotes of another library's exception, which may be empty or many lines long."""

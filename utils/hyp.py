@@ -24,7 +24,7 @@ from typing import Any, ClassVar, TypeVar
 
 import yaml
 
-from utils.errors import UserError, first_line
+from utils.errors import UserError, excerpt, first_line
 from utils.log import LOGGER
 from utils.yaml_reader import load_yaml
 
@@ -144,7 +144,7 @@ class HypRecord:
             if key not in known or (key in cls.OPTIONAL_KEYS and value is None):
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
-                raise UserError(f"{source}: '{key}' must be a finite number, got {str(value)[:40]}")
+                raise UserError(f"{source}: '{key}' must be a finite number, got {excerpt(value, 40)}")
             low, high = VALID_RANGES.get(key, (-math.inf, math.inf))
             if not low <= value <= high:
                 raise UserError(f"{source}: '{key}' {value:g} is outside [{low:g}, {high:g}]")

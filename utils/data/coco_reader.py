@@ -36,7 +36,7 @@ from utils.data.label_table import (
 )
 from utils.data.probe_pool import probe_files
 from utils.data.splits import CocoSplit
-from utils.errors import UserError, first_line
+from utils.errors import UserError, excerpt, first_line
 from utils.log import LOGGER
 
 BOX_TOLERANCE = 0.02  # of the image's width/height: boxes poking out this far are clipped, farther are skipped
@@ -66,7 +66,7 @@ def _categories(data: dict, path: Path) -> list[tuple[int, str]]:
     out: dict[int, str] = {}
     for c in categories:
         if not isinstance(c, dict) or not is_id(c.get("id")) or "name" not in c:
-            raise UserError(f"{path}: category {str(c)[:80]} needs an integer 'id' and a 'name'")
+            raise UserError(f"{path}: category {excerpt(c, 80)} needs an integer 'id' and a 'name'")
         if c["id"] in out:  # a second entry would shift every class after it
             raise UserError(f"{path}: category id {c['id']} is listed twice ({out[c['id']]!r}, {str(c['name'])!r})")
         out[c["id"]] = str(c["name"])
@@ -150,7 +150,7 @@ def _box_row(bbox: Any, w: float, h: float) -> tuple[tuple[float, ...] | None, s
         return None, f"bbox {bbox!r} is not [x, y, w, h]", False
     values = [finite_number(v) for v in bbox]
     if any(v is None for v in values):
-        return None, f"bbox {str(bbox)[:80]} is not 4 finite numbers", False
+        return None, f"bbox {excerpt(bbox, 80)} is not 4 finite numbers", False
     x, y, bw, bh = (float(v) for v in values if v is not None)
     if bw <= 0 or bh <= 0:
         return None, f"bbox {bbox!r} has no area", False
@@ -205,11 +205,11 @@ def _image_entries(data: dict, path: Path, builder: TableBuilder) -> dict[Any, d
     images: dict[Any, dict] = {}
     for im in data["images"]:
         if not isinstance(im, dict) or "id" not in im or not isinstance(im.get("file_name"), str):
-            builder.messages.append(f"{path}: image entry {str(im)[:80]} needs 'id' and 'file_name', skipped")
+            builder.messages.append(f"{path}: image entry {excerpt(im, 80)} needs 'id' and 'file_name', skipped")
             builder.count("bad_images")
             continue
         if not is_id(im["id"]):
-            raise UserError(f"{path}: image id {str(im['id'])[:40]} is not an integer in the 64-bit range")
+            raise UserError(f"{path}: image id {excerpt(im['id'], 40)} is not an integer in the 64-bit range")
         if im["id"] in images:  # the later entry would hide the earlier image
             raise UserError(f"{path}: image id {im['id']} is listed twice")
         images[im["id"]] = im
@@ -271,7 +271,7 @@ def _annotation_problem(ann: dict) -> str:
     """Why an annotation's ids or crowd flag cannot be used (``True`` is not image 1, ``"0"`` is not a flag), or ''."""
     for key in ("image_id", "category_id"):
         if key in ann and not is_id(ann[key]):
-            return f"{key} {str(ann[key])[:40]} is not an integer id"
+            return f"{key} {excerpt(ann[key], 40)} is not an integer id"
     crowd = ann.get("iscrowd", 0)
     if isinstance(crowd, bool) or crowd not in (0, 1) or not isinstance(crowd, int):
         return f"iscrowd {str(crowd)[:40]!r} is not 0 or 1"
@@ -284,7 +284,7 @@ def _annotation_row(
     """One annotation's label row (class, normalised x, y, w, h), or None when its box or image size is bad."""
     w, h = finite_number(image.get("width")), finite_number(image.get("height"))
     if w is None or h is None or not (0 < w <= MAX_IMAGE_SIDE and 0 < h <= MAX_IMAGE_SIDE):
-        size = f"{str(image.get('width'))[:20]}x{str(image.get('height'))[:20]}"
+        size = f"{excerpt(image.get('width'), 20)}x{excerpt(image.get('height'), 20)}"
         builder.messages.append(
             f"{path}: image {image['id']} width/height {size} is not a finite size in (0, {MAX_IMAGE_SIDE}], "
             f"{item} skipped"

@@ -26,7 +26,7 @@ from utils.data.remote_data import is_object_store, local_data, local_path_of, r
 from utils.data.shard_names import is_shard_entry, resolve_shard_split
 from utils.data.splits import CocoSplit, FractionSplit, VocSplit, user_path
 from utils.data.voc_reader import voc_class_names
-from utils.errors import UserError, first_line, shown
+from utils.errors import UserError, excerpt, first_line, shown
 from utils.storage import is_url
 from utils.yaml_reader import load_yaml
 
@@ -74,7 +74,7 @@ def _names_list(names: Any, yaml_file: Path | str) -> list[str]:
             raise UserError(f"{yaml_file}: 'names' {why} a class index (0, 1, 2, ...)")
         keys = sorted(k for k in by_index if k is not None)  # None was refused above
         if keys != list(range(len(keys))):
-            raise UserError(f"{yaml_file}: 'names' indices must be 0..{len(keys) - 1}, got {str(keys)[:80]}")
+            raise UserError(f"{yaml_file}: 'names' indices must be 0..{len(keys) - 1}, got {excerpt(keys, 80)}")
         names = [by_index[k] for k in keys]
     if isinstance(names, (list, tuple)):
         if not all(isinstance(n, (str, int, float)) for n in names):
@@ -88,7 +88,7 @@ def _class_count(value: Any, yaml_file: Path | str) -> int:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise UserError(f"{yaml_file}: 'nc' must be a whole number of classes, got {str(value)[:40]}")
+        raise UserError(f"{yaml_file}: 'nc' must be a whole number of classes, got {excerpt(value, 40)}")
     return value
 
 
@@ -170,7 +170,7 @@ def _ensure_builtin(spec: Any, root: Path, yaml_file: Path | str) -> None:
         low, high = bounds
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
             raise UserError(
-                f"{yaml_file}: 'builtin' {name}: {key} must be an integer in [{low}, {high}], got {str(value)[:40]}"
+                f"{yaml_file}: 'builtin' {name}: {key} must be an integer in [{low}, {high}], got {excerpt(value, 40)}"
             )
     try:
         ensure_shapes_dataset(root, **options)
