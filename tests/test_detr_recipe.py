@@ -8,6 +8,7 @@ recipe's record groups, so no DETR has to train here.
 
 from __future__ import annotations
 
+import re
 import shutil
 import warnings
 from copy import deepcopy
@@ -203,7 +204,9 @@ def test_a_recipe_dataset_augments_by_seed_epoch_index_and_not_from_the_stage_ep
             torch.testing.assert_close(staged[1], plain[(epoch, i)][1], atol=1e-5, rtol=0)
 
 
-def test_deims_mosaic_and_mixup_window_follows_the_run_and_holds_them_to_its_epochs(shapes_root, monkeypatch) -> None:
+def test_deims_mosaic_and_mixup_window_follows_the_run_and_holds_them_to_its_epochs(
+    shapes_root, monkeypatch, tmp_path
+) -> None:
     """DEIM's recipe: mosaic and mixup in epochs 4 to 78 of 160, the shares rounded as the stage's for another run
     length; in the dataset every sample of the window a mosaic mixed with another (probabilities 1 here), none
     before or after it, the stage plain; each sample a function of (seed, epoch, index)."""
@@ -218,6 +221,11 @@ def test_deims_mosaic_and_mixup_window_follows_the_run_and_holds_them_to_its_epo
     assert class_loss_of(deim) == "mal" and class_loss_of(DFINE.read_hyp(DFINE.default_hyp_path)) == "vfl"
     with pytest.raises(UserError, match="'vfl' 1 and 'mal' 1"):
         class_loss_of(deim.replace(vfl=1.0))
+    both = tmp_path / "hyp.both.yaml"  # a hyp file asking for both: refused where it is read, naming it
+    deim_text = (ROOT / "data/hyps/hyp.deim-dfine.yaml").read_text(encoding="utf-8")
+    both.write_text(re.sub(r"(?m)^vfl: 0\.0", "vfl: 1.0", deim_text))
+    with pytest.raises(UserError, match=f"^{re.escape(str(both))}: 'vfl' 1 and 'mal' 1: set the gain of one"):
+        DFINE.read_hyp(both)
     mosaics: list[int] = []
     mixed: list[int] = []
     original_mosaic, original_mixup = YoloDataset._mosaic, dataset_module.mixup
@@ -288,19 +296,26 @@ def test_the_stage_stops_augmentation_restarts_the_ema_and_resumes_bit_exactly(
     # Each epoch's last step's rate: warmup over 2 steps (step 1: lr0), lrf from the stage's first step (2) on.
     assert [float(r["x/lr0"]) for r in results_rows(straight)] == pytest.approx([0.003, 0.003 * 0.5])
     assert len(inside) == 1 and inside[0]["mid_epoch"]["batch"] == 1 and inside[0]["updates"] == 1
-    for name, source in (("after-stage-1", straight / "weights/epoch0.pt"), ("inside-stage-2", None)):
-        copy = tmp_path / name
-        shutil.copytree(straight, copy)
-        if source is None:
-            save_checkpoint(inside[0], copy / "weights/last.pt")
-        else:
-            shutil.copyfile(source, copy / "weights/last.pt")
-        status, log = train_here("--resume", copy / "weights/last.pt")
-        assert status == 0, log
-        resumed = load_checkpoint(copy / "weights/last.pt")
+    for name, source in (("after-stage-1", straight / "weights/epoch0.pt"), ("inside-stage-2", inside[0])):
+        resumed = resumed_copy(train_here, straight, tmp_path / name, source)
         assert resumed["updates"] == last["updates"]
         for key in ("model", "ema"):
             assert all(torch.equal(resumed[key][k], last[key][k]) for k in last[key]), (name, key)
+
+
+def resumed_copy(train_here, run: Path, copy: Path, checkpoint: Path | dict, best: Path | None = None) -> dict:
+    """A copy of the run folder ``run`` resumed from ``checkpoint`` (a file, or a checkpoint kept in memory) as its
+    last.pt, with ``best`` as its best.pt where given; the resumed run's last checkpoint."""
+    shutil.copytree(run, copy)
+    if best is not None:
+        shutil.copyfile(best, copy / "weights/best.pt")
+    if isinstance(checkpoint, dict):
+        save_checkpoint(checkpoint, copy / "weights/last.pt")
+    else:
+        shutil.copyfile(checkpoint, copy / "weights/last.pt")
+    status, log = train_here("--resume", copy / "weights/last.pt")
+    assert status == 0, log
+    return load_checkpoint(copy / "weights/last.pt")
 
 
 @pytest.mark.slow
@@ -346,19 +361,10 @@ def test_the_stage_goes_on_from_stage_1s_best_epoch_and_resumes_bit_exactly(
     assert all(torch.equal(moments[i]["exp_avg"], s["exp_avg"]) for i, s in best["optimizer"]["state"].items())
     assert last["updates"] == best["updates"] + 2 == 4  # the EMA goes on from epoch 0's, as the reference's
     assert inside[0]["mid_epoch"]["batch"] == 1 and inside[0]["updates"] == 3
-    for name, source in (("at-the-stage", straight / "weights/epoch1.pt"), ("inside-the-stage", None)):
-        again = tmp_path / name
-        shutil.copytree(straight, again)
-        # best.pt as it was at the stage (the run's end strips its optimizer): epoch 0's, written with it
-        shutil.copyfile(straight / "weights/epoch0.pt", again / "weights/best.pt")
-        if source is None:
-            save_checkpoint(inside[0], again / "weights/last.pt")
-        else:
-            shutil.copyfile(source, again / "weights/last.pt")
+    for name, source in (("at-the-stage", straight / "weights/epoch1.pt"), ("inside-the-stage", inside[0])):
         scripted[:] = [0.05]  # the stage's one validated epoch
-        status, log = train_here("--resume", again / "weights/last.pt")
-        assert status == 0, log
-        resumed = load_checkpoint(again / "weights/last.pt")
+        # best.pt as it was at the stage (the run's end strips its optimizer): epoch 0's, written with it
+        resumed = resumed_copy(train_here, straight, tmp_path / name, source, best=straight / "weights/epoch0.pt")
         assert resumed["updates"] == last["updates"]
         for key in ("model", "ema"):
             assert all(torch.equal(resumed[key][k], last[key][k]) for k in last[key]), (name, key)
