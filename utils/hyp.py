@@ -149,7 +149,12 @@ class HypRecord:
             if not low <= value <= high:
                 raise UserError(f"{source}: '{key}' {value:g} is outside [{low:g}, {high:g}]")
             chosen[key] = float(value)
-        return cls(**chosen)
+        record = cls(**chosen)
+        record.check(source)
+        return record
+
+    def check(self, source: str) -> None:
+        """Rules across its values, checked once they are read: a one-line UserError naming ``source``."""
 
     @staticmethod
     def read_yaml(path: str | Path, source: str | None = None) -> Any:

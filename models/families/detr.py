@@ -63,6 +63,9 @@ class DetrLossGains(HypRecord):
     matcher_alpha: float = 0.25
     matcher_gamma: float = 2.0
 
+    def check(self, source: str) -> None:
+        class_loss_of(self, source)  # one classification loss: refused where the file is read, naming it
+
 
 @dataclass(frozen=True)
 class DetrHyp(ZoomCropHyp, DetrLossGains, StepScheduleHyp, OptimisationHyp):
@@ -99,12 +102,14 @@ DETR_LIMITS = {
 ROUNDED_QUERIES = "rounding may change which encoder tokens become the decoder's queries"
 
 
-def class_loss_of(hyp: Any) -> str:
+def class_loss_of(hyp: Any, source: str = "hyp") -> str:
     """The classification loss a run's hyper-parameters choose: DEIM's MAL where its gain ``mal`` is above 0, else
-    the varifocal loss. Both gains above 0 is a one-line error: one loss classifies."""
+    the varifocal loss. Both gains above 0 is a one-line error naming ``source``: one loss classifies."""
     mal, vfl = float(getattr(hyp, "mal", 0.0)), float(getattr(hyp, "vfl", 0.0))
     if mal > 0 and vfl > 0:
-        raise UserError(f"hyp: 'vfl' {vfl:g} and 'mal' {mal:g}: set the gain of one classification loss, the other 0")
+        raise UserError(
+            f"{source}: 'vfl' {vfl:g} and 'mal' {mal:g}: set the gain of one classification loss, the other 0"
+        )
     return "mal" if mal > 0 else "vfl"
 
 
