@@ -16,9 +16,9 @@ import numpy as np
 from utils.log import LOGGER
 from utils.trackers.base import Tracker, TrackerRun
 
-# TensorBoard stores every image as a PNG, encoded in the tracker's thread and waited for when the run ends: a
-# run folder's photo mosaics (1920 px, a dozen of them) took about a second each to encode and most of the run's
-# end, for a dashboard that shows them smaller than this anyway. The files in the run folder keep full size.
+# TensorBoard stores every image as a PNG, encoded in the tracker's thread and waited for when the run ends: the
+# run folder's large photo mosaics made most of the run's end (docs/benchmarks.md, "TensorBoard's images at a run's
+# end"), for a dashboard that shows them smaller than this anyway. The files in the run folder keep full size.
 MAX_IMAGE_SIDE = 800
 
 
