@@ -1,6 +1,6 @@
 """One prepared GPU run: the measurements a GPU machine is borrowed for, in priority order, in at most 5 minutes.
 
-    python bench/gpu_report.py --out DIR [--ultralytics-python PY] [--budget 290]
+    python bench/gpu_report.py --out DIR [--ultralytics-python PY] [--budget 290] [--skip PART ...]
     python bench/gpu_report.py --out DIR --dry-run     # every part on the CPU at toy sizes: checks the script
 
 The dry run's commands are the real run's, at toy sizes (the compile part with the aot_eager backend), each run in
@@ -19,7 +19,8 @@ is left of ``--budget`` is skipped, and every command is killed when the budget 
 3. sync-debug: 3 later steps of the same run under ``torch.cuda.set_sync_debug_mode("warn")``: every operation that
    makes the host wait for the GPU, with the project's lines that called it;
 4. validation: val.py and Ultralytics' validator side by side on the same weights (Ultralytics' trained ones,
-   which val.py reads too; ours' when there is no Ultralytics);
+   which val.py reads too; ours' when there is no Ultralytics); on a GPU val.py twice, in fp32 (its default) and
+   with ``--half`` (fp16, Ultralytics' default there);
 5. cuda-tests: ``pytest tests/test_cuda.py``;
 6. compile: ours on yolo11n again with ``--compile`` (inductor), beside part 1's run of ours;
 7. cudnn: cuDNN's benchmark off and on (bench/cudnn_benchmark.py);
@@ -248,6 +249,8 @@ def part_validation(report: Report, cfg: str) -> tuple[dict, str]:
     ours += ["--batch-size", str(s.batch_size), "--workers", str(s.workers), "--device", s.device, "--noplots"]
     ours += ["--project", str(report.work / "val"), "--exist-ok"]
     cmds = [("ours", ours, None)]
+    if s.device != "cpu":  # fp16, as Ultralytics' validator computes on CUDA by default (on a CPU both are fp32)
+        cmds.append(("ours --half", [*ours, "--half"], None))
     if s.ultralytics_python:
         yolo = str(Path(s.ultralytics_python).parent / "yolo")
         theirs = [
@@ -271,9 +274,11 @@ def part_validation(report: Report, cfg: str) -> tuple[dict, str]:
         lines.append(f"- {label}: whole process {wall:.1f} s, mAP50-95 {result[label]['map50_95']}, exit {code}")
         if code != 0:
             result["status"] = "failed"
-    if len(cmds) == 2:
-        result["ratio"] = result["ours"]["wall_s"] / result["Ultralytics"]["wall_s"]
-        lines.append(f"- ours / Ultralytics (time): {result['ratio']:.2f}x")
+    if "Ultralytics" in result:
+        for label in ("ours", "ours --half"):
+            if label in result:
+                result[f"ratio {label}"] = result[label]["wall_s"] / result["Ultralytics"]["wall_s"]
+                lines.append(f"- {label} / Ultralytics (time): {result[f'ratio {label}']:.2f}x")
     return result, "\n".join(lines)
 
 
@@ -333,7 +338,7 @@ PARTS = (
 )
 
 
-def run_parts(report: Report, dry_run: bool) -> int:
+def run_parts(report: Report, dry_run: bool, skip: tuple[str, ...] = ()) -> int:
     failed = 0
     toy = report.work / "toy.yaml"
     if dry_run:
@@ -341,6 +346,9 @@ def run_parts(report: Report, dry_run: bool) -> int:
     for name, function, cfg, needs_s in PARTS:
         t, cpu = time.monotonic(), children_cpu_s()
         cfg = str(toy) if dry_run and cfg else cfg
+        if name in skip:
+            report.write(name, {"status": "skipped", "asked": True}, "skipped: --skip named it")
+            continue
         if not dry_run and report.left() < needs_s:
             report.write(name, {"status": "skipped", "left_s": report.left()}, f"skipped: {report.left():.0f} s left")
             continue
@@ -437,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
         "command is killed when it ends",
     )
     p.add_argument("--dry-run", action="store_true", help="every part on the CPU at toy sizes")
+    names = [part[0] for part in PARTS]
+    p.add_argument("--skip", nargs="+", default=[], choices=names, metavar="PART", help=f"parts not to run: {names}")
     args = p.parse_args(argv)
     if args.ultralytics_python and not Path(args.ultralytics_python).is_file():
         p.error(f"--ultralytics-python {args.ultralytics_python}: no such file")
@@ -445,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     # the real run starts each in a fresh interpreter, as a user does.
     start = Forker(threads=1, preload=DRY_RUN_PRELOAD + pytest_plugins()) if args.dry_run else start_subprocess
     report = Report(Path(args.out).resolve(), Path(args.work).resolve(), args.budget, sizes, start)
-    return run_parts(report, args.dry_run)
+    return run_parts(report, args.dry_run, tuple(args.skip))
 
 
 if __name__ == "__main__":
