@@ -86,6 +86,7 @@ def main() -> None:
     started = time.monotonic()
     with open(args.out, "a") as out:
         out.write(f"exit_stacks: py-spy {'at ' + py_spy if py_spy else 'not found: kernel wait channels only'}\n")
+        out.flush()  # the sampler is killed, never ended: what is not flushed is lost
         while True:
             for entry in Path("/proc").glob("[0-9]*"):
                 pid = int(entry.name)

@@ -9,7 +9,7 @@ import torch
 
 from models.loading import load_model
 from models.yolo import Model
-from utils.checkpoint import load_checkpoint, model_state, save_checkpoint
+from utils.checkpoint import load_checkpoint, model_state, restore_training_state, save_checkpoint
 from utils.errors import UserError
 
 
@@ -169,3 +169,23 @@ def test_checkpoint_with_fewer_names_than_classes_loads_with_names_filled(tmp_pa
     with pytest.raises(UserError, match="few_names.pt: "):  # a config the weights do not fit: one line
         save_checkpoint({**model_state(model), "model_cfg": {**TINY_CFG, "nc": 4}}, path)
         load_model(path)
+
+
+def test_restored_moments_take_their_parameters_layout() -> None:
+    # CUDA's fused AdamW refuses moments whose strides differ from their channels_last parameters' (a resume on a
+    # GPU died so); checkpoints written with contiguous moments must still resume.
+    conv = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    optimizer = torch.optim.AdamW(conv.parameters(), fused=True)
+    conv(torch.randn(1, 3, 8, 8)).sum().backward()
+    optimizer.step()
+    saved = optimizer.state_dict()
+    for state in saved["state"].values():
+        for key, value in list(state.items()):
+            state[key] = value.contiguous()
+    fresh = torch.optim.AdamW(conv.parameters(), fused=True)
+    restore_training_state({"optimizer": saved}, fresh, torch.amp.GradScaler("cpu", enabled=False), None)
+    moments = fresh.state[conv.weight]
+    assert conv.weight.stride() != conv.weight.contiguous().stride()  # the case at stake: a channels_last weight
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert moments[key].stride() == conv.weight.stride(), key
+        assert torch.equal(moments[key], optimizer.state[conv.weight][key])

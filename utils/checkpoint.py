@@ -185,7 +185,9 @@ def _host_copy(obj: Any, devices: set[torch.device]) -> Any:
         if obj.device.type != "cuda":
             return obj.detach().clone()
         devices.add(obj.device)
-        out = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=True)
+        # The same strides as the device tensor (channels_last moments stay channels_last): CUDA's fused optimizers
+        # refuse moments whose layout differs from their parameters'.
+        out = torch.empty_like(obj, device="cpu", pin_memory=True)
         return out.copy_(obj.detach(), non_blocking=True)
     if isinstance(obj, dict):
         return {k: _host_copy(v, devices) for k, v in obj.items()}
@@ -211,6 +213,7 @@ def restore_training_state(
 ) -> None:
     """Load the optimizer, scaler, EMA and RNG of a training checkpoint into the freshly built ones."""
     optimizer.load_state_dict(ckpt["optimizer"])
+    conform_state_layout(optimizer)
     if ckpt.get("scaler") and scaler.is_enabled():
         scaler.load_state_dict(ckpt["scaler"])
     if ema is not None and ckpt.get("ema") is not None:
@@ -218,6 +221,20 @@ def restore_training_state(
         ema.updates = int(ckpt["updates"])
     if ckpt.get("torch_rng") is not None:
         torch.set_rng_state(ckpt["torch_rng"])
+
+
+def conform_state_layout(optimizer: torch.optim.Optimizer) -> None:
+    """Give each per-parameter state tensor of its parameter's shape (the moments) the parameter's strides.
+
+    A checkpoint may hold them in another layout (contiguous where the model trains channels_last: written on
+    another device, or by a writer that did not keep strides); CUDA's fused optimizers refuse such moments.
+    """
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.shape == param.shape and value.stride() != param.stride():
+                    state[key] = torch.empty_like(param, dtype=value.dtype).copy_(value)
 
 
 def strip_training_state(path: Path) -> None:
