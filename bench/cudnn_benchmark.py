@@ -3,6 +3,11 @@
     python bench/cudnn_benchmark.py            # yolo11n, fp16 autocast, channels_last, as train.py runs it
     python bench/cudnn_benchmark.py --device cpu --imgsz 64 --batch-size 2   # the code path at toy sizes, no GPU
 
+    python bench/cudnn_benchmark.py --val-layouts   # benchmark off: validation's first calls per layout and precision
+
+``--val-layouts`` times validation's first calls on a fused model in eval mode, in four settings: channels_last or
+contiguous (NCHW) tensors, under fp16 autocast or in fp16 weights (``--half``, Ultralytics' validator's way).
+
 Each setting runs in a process of its own (cuDNN keeps its choices per process; a fresh interpreter on CUDA, a fork
 on the CPU). Printed per setting: the first
 inference of four rectangular validation-like shapes (batch 32, 384-480 x 640) and the same calls again, then the
@@ -69,40 +74,76 @@ def measure(cfg: str, benchmark: bool, device: str = "cuda", imgsz: int = 640, b
     )
 
 
+VAL_SETTINGS = ("channels_last autocast", "contiguous autocast", "channels_last half", "contiguous half")
+
+
+def measure_val(cfg: str, setting: str, device: str = "cuda", imgsz: int = 640, batch_size: int = 64) -> str:
+    """Benchmark off: the first and second calls of the four validation shapes, in one of VAL_SETTINGS."""
+    torch.backends.cudnn.benchmark = False
+    layout, precision = setting.split()
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    on_gpu = device != "cpu"
+    model = build_model(cfg, nc=80).fuse().eval().to(device, memory_format=fmt)
+    half = precision == "half" and on_gpu  # the CPU runs fp32 either way, as val.py does there
+    if half:
+        model.half()
+
+    def infer(h: int) -> None:
+        height = max(32, h * imgsz // 640 // 32 * 32)
+        x = torch.rand(max(batch_size // 2, 1), 3, height, imgsz, device=device).contiguous(memory_format=fmt)
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16, enabled=on_gpu and not half):
+            model(x.half() if half else x)
+
+    first = [_timed(lambda: infer(h)) for h in VAL_HEIGHTS]
+    again = [_timed(lambda: infer(h)) for h in VAL_HEIGHTS]
+    return (
+        f"validation, {setting}: first {' '.join(f'{t:.2f}' for t in first)} s, "
+        f"again {' '.join(f'{t * 1000:.0f}' for t in again)} ms"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cfg", default="yolo11n.yaml")
     p.add_argument("--device", default="cuda", help="cuda, or cpu to run the code path without a GPU")
     p.add_argument("--imgsz", type=int, default=640)
     p.add_argument("--batch-size", type=int, default=64, help="training batch (validation's is half of it)")
-    p.add_argument("--one", choices=("on", "off"), help=argparse.SUPPRESS)  # the child process's own setting
+    p.add_argument("--val-layouts", action="store_true", help="validation's first calls in VAL_SETTINGS instead")
+    p.add_argument("--one", choices=("on", "off", *VAL_SETTINGS), help=argparse.SUPPRESS)  # a child's own setting
     args = p.parse_args(argv)
     if args.device != "cpu" and not torch.cuda.is_available():
         print("needs a CUDA GPU (--device cpu runs the code path)")
         return 1
     sizes = ["--device", args.device, "--imgsz", str(args.imgsz), "--batch-size", str(args.batch_size)]
+    if args.one in VAL_SETTINGS:
+        print(measure_val(args.cfg, args.one, args.device, args.imgsz, args.batch_size), flush=True)
+        return 0
     if args.one:
         print(measure(args.cfg, args.one == "on", args.device, args.imgsz, args.batch_size), flush=True)
         return 0
+    settings = VAL_SETTINGS if args.val_layouts else ("off", "on")
     where = torch.cuda.get_device_name() if args.device != "cpu" else "the CPU"
     print(f"{args.cfg} on {where}, torch {torch.__version__}", flush=True)
     if args.device == "cpu":
         # No cuDNN to keep apart: a fork per setting, without another interpreter's start-up (a dry run's time).
         context = multiprocessing.get_context("fork")
-        for setting in ("off", "on"):
-            child = context.Process(target=_print_one, args=(args.cfg, setting == "on", args.imgsz, args.batch_size))
+        for setting in settings:
+            child = context.Process(target=_print_one, args=(args.cfg, setting, args.imgsz, args.batch_size))
             child.start()
             child.join()
             if child.exitcode:
                 return child.exitcode
         return 0
-    for setting in ("off", "on"):
+    for setting in settings:
         subprocess.run([sys.executable, __file__, "--cfg", args.cfg, *sizes, "--one", setting], check=True)
     return 0
 
 
-def _print_one(cfg: str, benchmark: bool, imgsz: int, batch_size: int) -> None:
-    print(measure(cfg, benchmark, "cpu", imgsz, batch_size), flush=True)
+def _print_one(cfg: str, setting: str, imgsz: int, batch_size: int) -> None:
+    if setting in VAL_SETTINGS:
+        print(measure_val(cfg, setting, "cpu", imgsz, batch_size), flush=True)
+    else:
+        print(measure(cfg, setting == "on", "cpu", imgsz, batch_size), flush=True)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@
     python bench/gpu_report.py --out DIR [--ultralytics-python PY] [--budget 290] [--skip PART ...]
     python bench/gpu_report.py --out DIR --dry-run     # every part on the CPU at toy sizes: checks the script
 
-The dry run's commands are the real run's, at toy sizes (the compile part with the aot_eager backend), each run in
-a fork of this process after it imported the scripts once (bench/forked_scripts.py) rather than in a fresh
-interpreter, with one torch thread each: its seconds go to running the parts, not to starting Python.
+The dry run's commands are the real run's, at toy sizes (the compile part with the eager backend: dynamo traces
+the forward, nothing is compiled), each run in a fork of this process after it imported the scripts once
+(bench/forked_scripts.py) rather than in a fresh interpreter, with one torch thread each: its seconds go to running
+the parts, not to starting Python.
 
 Each part's result is written into ``--out`` as soon as it finishes (``report.md`` to read, ``report.json`` to
 compare, ``logs.txt`` with every command's output, ``profile.json.gz``), so a run cut short keeps what it did. The
@@ -22,9 +23,11 @@ is left of ``--budget`` is skipped, and every command is killed when the budget 
    which val.py reads too; ours' when there is no Ultralytics); on a GPU val.py twice, in fp32 (its default) and
    with ``--half`` (fp16, Ultralytics' default there);
 5. cuda-tests: ``pytest tests/test_cuda.py``;
-6. compile: ours on yolo11n again with ``--compile`` (inductor), beside part 1's run of ours;
-7. cudnn: cuDNN's benchmark off and on (bench/cudnn_benchmark.py);
-8. throughput of yolo11s, if time is left.
+6. val-layouts: validation's first calls on new shapes in four layouts and precisions (bench/cudnn_benchmark.py
+   ``--val-layouts``);
+7. compile: ours on yolo11n again with ``--compile`` (inductor), beside part 1's run of ours;
+8. cudnn: cuDNN's benchmark off and on (bench/cudnn_benchmark.py);
+9. throughput of yolo11s, if time is left.
 """
 
 from __future__ import annotations
@@ -82,13 +85,13 @@ class Sizes:
     images: int  # train images per epoch
     val_images: int
     cudnn: tuple[int, int]  # cudnn_benchmark.py's image size and batch
-    compile_backend: str  # the compile part's (the dry run's aot_eager checks the path without a C++ compile)
+    compile_backend: str  # the compile part's (the dry run's eager traces the path without compiling it)
 
     @classmethod
     def for_run(cls, dry_run: bool, ultralytics_python: str) -> Sizes:
         if dry_run:
             dry = Settings(64, 2, 0, 4, "cpu", ultralytics_python, save_burst_s=0.05)
-            return cls(dry, 4, 4, (32, 2), "aot_eager")
+            return cls(dry, 4, 4, (32, 2), "eager")
         return cls(Settings(640, 64, 16, 4, "0", ultralytics_python), 2048, 500, (640, 64), "inductor")
 
 
@@ -283,7 +286,7 @@ def part_validation(report: Report, cfg: str) -> tuple[dict, str]:
 
 
 def part_compile(report: Report, cfg: str) -> tuple[dict, str]:
-    """Ours with --compile (inductor; the dry run's aot_eager) beside ours without it (the throughput part's run):
+    """Ours with --compile (inductor; the dry run's eager) beside ours without it (the throughput part's run):
     images/s between saves, the whole process, and the compile's own stamps."""
     s = report.sizes.settings
     settings = replace(s, ultralytics_python="", our_extra=("--compile", report.sizes.compile_backend))
@@ -315,15 +318,21 @@ def part_cuda_tests(report: Report, cfg: str) -> tuple[dict, str]:
     return {"status": "done" if code == 0 else "failed", "exit": code, "wall_s": wall, "summary": summary}, summary
 
 
-def part_cudnn(report: Report, cfg: str) -> tuple[dict, str]:
+def part_cudnn(report: Report, cfg: str, extra: tuple[str, ...] = ()) -> tuple[dict, str]:
     imgsz, batch = report.sizes.cudnn
-    log = report.work / "cudnn.log"
+    log = report.work / f"cudnn{''.join(extra)}.log"
     cmd = [sys.executable, "bench/cudnn_benchmark.py", "--cfg", cfg, "--imgsz", str(imgsz), "--batch-size", str(batch)]
-    cmd += ["--device", "cpu" if report.sizes.settings.device == "cpu" else "cuda"]
+    cmd += ["--device", "cpu" if report.sizes.settings.device == "cpu" else "cuda", *extra]
     code, wall = run_logged(report, cmd, log, max(report.left(), 1))
-    report.add_log("cudnn_benchmark.py", log)
-    lines = [line for line in log.read_text().splitlines() if line.startswith("benchmark")]
+    report.add_log(" ".join(["cudnn_benchmark.py", *extra]), log)
+    lines = [line for line in log.read_text().splitlines() if line.startswith(("benchmark", "validation"))]
     return {"status": "done" if code == 0 else "failed", "exit": code, "wall_s": wall, "lines": lines}, "\n".join(lines)
+
+
+def part_val_layouts(report: Report, cfg: str) -> tuple[dict, str]:
+    """Validation's first calls on new shapes, channels_last or NCHW, autocast or fp16 weights (cuDNN's benchmark
+    off): where val.py's time on a GPU goes beside Ultralytics' validator."""
+    return part_cudnn(report, cfg, ("--val-layouts",))
 
 
 # (name, function, its model, about how many seconds it takes on an H100 at the real sizes)
@@ -332,6 +341,7 @@ PARTS = (
     ("profile-and-sync-debug", part_profile_and_sync, "yolo11n.yaml", 35),
     ("validation", part_validation, "yolo11n.yaml", 25),
     ("cuda-tests", part_cuda_tests, "", 40),
+    ("val-layouts", part_val_layouts, "yolo11n.yaml", 60),
     ("compile", part_compile, "yolo11n.yaml", 150),
     ("cudnn", part_cudnn, "yolo11n.yaml", 30),
     ("throughput-yolo11s", part_throughput, "yolo11s.yaml", 100),

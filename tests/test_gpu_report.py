@@ -26,6 +26,7 @@ def test_dry_run_runs_every_part_and_writes_each_result(tmp_path: Path) -> None:
         "profile-and-sync-debug",
         "validation",
         "cuda-tests",
+        "val-layouts",
         "compile",
         "cudnn",
         "throughput-yolo11s",
@@ -39,5 +40,6 @@ def test_dry_run_runs_every_part_and_writes_each_result(tmp_path: Path) -> None:
     assert (out / "profile.json.gz").stat().st_size > 0
     assert parts["validation"]["ours"]["map50_95"] >= 0  # val.py printed its table
     assert len(parts["cudnn"]["lines"]) == 2  # benchmark off and on
+    assert len(parts["val-layouts"]["lines"]) == 4  # channels_last or NCHW, autocast or fp16 weights
     assert parts["compile"]["compiled"]["intervals"] and parts["compile"]["ratio"] > 0  # beside the plain run
     assert "## throughput-yolo11s" in (out / "report.md").read_text()
