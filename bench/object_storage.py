@@ -3,6 +3,7 @@ tests/s3_server.py starts it): identical weights, and the wall time of each.
 
     python bench/object_storage.py [--epochs 3] [--imgsz 64] [--pairs 2] [--freeze-s 0]
     python bench/object_storage.py --data ../shared/datasets/coco128.yaml --imgsz 640 --save-steps 0 --workers 2
+    python bench/object_storage.py ... --pin --alternate   # the server on its own CPUs; bucket first every 2nd pair
 
 Each pair runs train.py as a fresh process twice, by default on generated data (yolov5n, --save-steps 1 so that a
 checkpoint is uploaded after every optimizer step; ``--data`` trains on a dataset of yours instead, and
@@ -35,10 +36,16 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 
 def train(
-    data: Path, project: str, args: argparse.Namespace, env: dict[str, str], freeze_pid: int | None = None
+    data: Path,
+    project: str,
+    args: argparse.Namespace,
+    env: dict[str, str],
+    freeze_pid: int | None = None,
+    cpus: set[int] | None = None,
 ) -> tuple[float, str]:
     """Wall seconds of one train.py process, and its output. With
-    ``freeze_pid``, that process group is stopped for --freeze-s seconds once the run's first step is logged."""
+    ``freeze_pid``, that process group is stopped for --freeze-s seconds once the run's first step is logged; with
+    ``cpus``, the process (its threads and loader workers) runs on those CPUs only."""
     cmd = [
         sys.executable,
         "train.py",
@@ -67,7 +74,8 @@ def train(
     ]
     with tempfile.NamedTemporaryFile("w+", suffix=".log") as log:
         start = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, preexec_fn=pin)
         if freeze_pid is not None:
             freeze(freeze_pid, Path(log.name), args.freeze_s)
         code = proc.wait()
@@ -84,6 +92,12 @@ def phases(output: str) -> dict[str, float]:
     for name, seconds in PHASE.findall(output):
         found[name] = found.get(name, 0.0) + float(seconds)
     return found
+
+
+def pin_process(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` (the server's, already running) on ``cpus``; threads it starts later inherit it."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        os.sched_setaffinity(int(task.name), cpus)
 
 
 def freeze(pid: int, log: Path, seconds: float) -> None:
@@ -108,6 +122,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run")
     p.add_argument("--save-steps", type=int, default=1, help="train.py's --save-steps (0: checkpoints at epoch ends)")
     p.add_argument("--freeze-s", type=float, default=0.0, help="SIGSTOP the server this long in the bucket runs")
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="train.py on the first CPU, the server on the others (as a bucket on other machines): the server's "
+        "work then takes no CPU from the run, the upload threads' still does",
+    )
+    p.add_argument("--alternate", action="store_true", help="every second pair runs the bucket first")
     args = p.parse_args()
     from conftest import write_rectangles_dataset
     from s3_server import shared_s3_server
@@ -124,6 +145,14 @@ def main() -> None:
         )
         servers = shared_s3_server(folder)
         server = next(servers)
+        train_cpus: set[int] | None = None
+        if args.pin:
+            cpus = sorted(os.sched_getaffinity(0))
+            if len(cpus) < 2:
+                raise SystemExit("--pin needs two CPUs or more")
+            train_cpus = {cpus[0]}
+            pin_process(server.pid, set(cpus[1:]))
+            print(f"train.py on CPU {cpus[0]}, the server on CPUs {cpus[1:]}", flush=True)
         try:
             env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), **server.env())
             os.environ.update(server.env())
@@ -131,14 +160,19 @@ def main() -> None:
                 local = folder / f"local{pair}"
                 bucket = f"bench{uuid.uuid4().hex[:10]}"
                 open_storage(f"s3://{bucket}").fs.mkdir(bucket)
-                t_local, out_local = train(data, str(local), args, env)
                 frozen = server.pid if args.freeze_s > 0 else None
-                t_bucket, out_bucket = train(data, f"s3://{bucket}/runs", args, env, frozen)
+                if args.alternate and pair % 2:
+                    t_bucket, out_bucket = train(data, f"s3://{bucket}/runs", args, env, frozen, train_cpus)
+                    t_local, out_local = train(data, str(local), args, env, cpus=train_cpus)
+                else:
+                    t_local, out_local = train(data, str(local), args, env, cpus=train_cpus)
+                    t_bucket, out_bucket = train(data, f"s3://{bucket}/runs", args, env, frozen, train_cpus)
                 with local_copy(f"s3://{bucket}/runs/exp/weights/last.pt") as uploaded:
                     a, b = load_checkpoint(local / "exp/weights/last.pt"), load_checkpoint(uploaded)
                 equal = all(a["model"][k].equal(b["model"][k]) for k in a["model"])
+                first = "bucket" if args.alternate and pair % 2 else "local disk"
                 print(
-                    f"pair {pair}: local disk {t_local:.1f} s, bucket {t_bucket:.1f} s, ratio "
+                    f"pair {pair} ({first} first): local disk {t_local:.1f} s, bucket {t_bucket:.1f} s, ratio "
                     f"{t_bucket / t_local:.3f}; last.pt weights {'equal' if equal else 'DIFFER'}",
                     flush=True,
                 )
