@@ -403,8 +403,9 @@ def test_dfine_on_two_ranks_equals_one_process_survives_an_empty_rank_and_resume
     tiny, tmp_path, monkeypatch
 ) -> None:
     """2 epochs of a narrow D-FINE with denoising queries and the recipe (its clipping, schedule and augmentations, the
-    EMA restarted at the no-augmentation stage, the second epoch) but SGD, global batch 4, --sync-bn, once on 1
-    process and once on 2 ranks whose rank 1 holds no box in its first batch:
+    no-augmentation stage in the second epoch going on from stage 1's best epoch: epoch 0, validated on every rank,
+    its best.pt read by rank 0 and sent to rank 1) but SGD, global batch 4, --sync-bn, once on 1 process and once on
+    2 ranks whose rank 1 holds no box in its first batch:
 
     - the 2 ranks end with the weights and EMA of the one process (1e-7 relative) and its losses (4 digits): the
       denoising groups are sized by the most boxes of one image over every rank and each image's noise comes from
@@ -442,7 +443,7 @@ def test_dfine_on_two_ranks_equals_one_process_survives_an_empty_rank_and_resume
     monkeypatch.setenv("YOLO_LOG_LEVEL", "DEBUG")  # each rank logs its batches' files
     common = [
         "--data", str(data), "--cfg", "dfine-tiny.yaml", "--hyp", str(hyp), "--epochs", "2", "--batch-size", "4",
-        "--save-steps", "1", "--noval", "--deterministic", "--no-amp", "--seed", str(seed), "--sync-bn",
+        "--save-steps", "1", "--deterministic", "--no-amp", "--seed", str(seed), "--sync-bn",
         "--name", "exp", "--imgsz", "64", "--workers", "0", "--device", "cpu", "--noplots", "--loggers",
     ]  # fmt: skip
     logs = [str(tmp_path / f"rank{r}.log") for r in range(2)]
@@ -453,7 +454,8 @@ def test_dfine_on_two_ranks_equals_one_process_survives_an_empty_rank_and_resume
     assert f"rank 1 epoch 0 batch 0: {' '.join(f'{i:04d}.jpg' for i in empty)}" in Path(logs[1]).read_text()
     straight = load_checkpoint(tmp_path / "single/exp/weights/last.pt")
     two = load_checkpoint(tmp_path / "ranks/exp/weights/last.pt")
-    assert two["updates"] == straight["updates"] == 2  # the EMA restarted at the stage's first step
+    assert "the no-augmentation stage begins from stage 1's best epoch, 0" in Path(logs[0]).read_text()
+    assert two["updates"] == straight["updates"] == 4  # best.pt's EMA (epoch 0's 2 updates), then the stage's 2
     for key in ("model", "ema"):  # 6e-9 measured; transformers' per-rank groups and noise give 1e-5 (SGD moves little)
         assert relative_difference(two[key], straight[key]) <= 1e-7, key
     losses = [last_losses(tmp_path / run / "exp" / "results.csv", DFINE.loss_names) for run in ("single", "ranks")]
