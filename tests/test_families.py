@@ -140,6 +140,29 @@ def test_every_family_evolves_only_what_it_uses() -> None:
         assert family.evolve_keys(Hyp.from_yaml(family.default_hyp_path)) == keys
 
 
+def test_evolving_a_detr_searches_the_classification_gain_its_hyp_file_uses() -> None:
+    # DEIM's file sets mal and leaves vfl at 0; vfl's limits start above 0, so mutating it would ask for both
+    # losses, which a run refuses.
+    import numpy as np
+
+    from models.families.detr import class_loss_of
+    from utils.search.genetic import mutate
+
+    dfine = FAMILIES["dfine"]
+    for path, searched, left in (
+        (dfine.default_hyp_path, "vfl", "mal"),
+        (dfine.default_hyp_path.parent / "hyp.deim-dfine.yaml", "mal", "vfl"),
+    ):
+        base = dfine.read_hyp(path)
+        keys = dfine.evolve_keys(base)
+        assert searched in keys and left not in keys, path
+        rng = np.random.default_rng(0)
+        row = np.array([base.to_dict()[k] for k in keys])
+        for _ in range(20):
+            trial = base.replace(**mutate(row, keys, rng, dfine.evolve_limits))
+            assert class_loss_of(trial) == searched and trial.to_dict()[left] == 0
+
+
 def test_the_default_parameter_groups_build_the_same_optimizer_as_before(models) -> None:
     """The family's groups (biases first: their learning rate warms up from warmup_bias_lr) give the optimizer
     the three groups it had, with the same settings and tensors."""

@@ -86,6 +86,7 @@ DETR_LIMITS = {
     "warmup_bias_lr": Limit(0, 0.0, 0.2),
     "backbone_lr": Limit(1, 0.01, 1.0),
     "vfl": Limit(1, 0.2, 4.0),
+    "mal": Limit(1, 0.2, 4.0),  # DEIM's in vfl's place: only the gain in use is searched (DetrFamily.evolve_keys)
     "bbox": Limit(1, 1.0, 10.0),
     "giou": Limit(1, 0.5, 5.0),
     "fgl": Limit(1, 0.02, 1.0),
@@ -227,6 +228,12 @@ class DetrFamily(Family):
             return model(images, targets)
         entropy = tuple(sample_entropy(batch.seed, batch.epoch, sample) for sample in batch.samples)
         return model(images, targets, DenoisingPlan(batch.per_image, batch.most_over_ranks, entropy))
+
+    def evolve_keys(self, base: HypRecord) -> list[str]:
+        """The family's keys less the classification gain ``base`` leaves at 0: mutating it up from 0 (its
+        limits start above 0) would ask for both classification losses, which a run refuses."""
+        unused = "vfl" if class_loss_of(base) == "mal" else "mal"
+        return [k for k in super().evolve_keys(base) if k != unused]
 
     def fit_anchors(
         self, dataset: Any, model: nn.Module, hyp: Any = None, *, thr: float | None = None, imgsz: int
