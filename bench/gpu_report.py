@@ -311,7 +311,18 @@ def part_compile(report: Report, cfg: str) -> tuple[dict, str]:
 
 def part_cuda_tests(report: Report, cfg: str) -> tuple[dict, str]:
     log = report.work / "cuda_tests.log"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "tests/test_cuda.py"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-n",
+        "0",
+        "-p",
+        "no:cacheprovider",
+        "--durations=10",
+        "tests/test_cuda.py",
+    ]
     code, wall = run_logged(report, cmd, log, max(report.left(), 1))
     report.add_log("tests/test_cuda.py", log)
     summary = next((line for line in reversed(log.read_text().splitlines()) if line.strip()), "")
