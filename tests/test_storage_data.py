@@ -195,7 +195,8 @@ def test_bucket_data_larger_than_the_room_of_the_nodes_copy_is_refused_in_one_li
     bucket, tmp_path, monkeypatch
 ) -> None:
     """YOLO_TRAIN_DATA_CACHE_GB below what the data needs, or a disk with less free: one line (a UserError: a run
-    stops with status 1) naming the data's URL, the size needed and the room available; nothing fetched."""
+    stops with status 1) naming the data YAML (or the entry's URL), the size needed and the room available; nothing
+    fetched. The room is checked for every split at once: room for train alone fetches nothing either."""
     import utils.data.remote_data as remote_data
 
     node = tmp_path / "node"
@@ -203,12 +204,18 @@ def test_bucket_data_larger_than_the_room_of_the_nodes_copy_is_refused_in_one_li
     url, _ = _data_in_bucket(bucket, tmp_path)
     stats = open_storage(f"s3://{bucket}/data").file_stats()
     needed = sum(s.size for name, s in stats.items() if name.startswith(("images/train/", "labels/train/")))
-    monkeypatch.setenv("YOLO_TRAIN_DATA_CACHE_GB", str(needed / 2 / (1 << 30)))  # half of what train needs
+    val_images = [f"images/val/000{i}.jpg" for i in range(3)]  # the val list's three
+    both = needed + sum(stats[n].size + stats[n.replace("images", "labels")[:-4] + ".txt"].size for n in val_images)
+    for cap in (needed / 2, (needed + both) / 2):  # half of what train needs; room for train but not for val too
+        monkeypatch.setenv("YOLO_TRAIN_DATA_CACHE_GB", str(cap / (1 << 30)))
+        refused = rf"^{url}: the node's copy of its 22 files needs {both / 1024:.1f} KiB but "
+        with pytest.raises(
+            UserError, match=refused + r"\d+\.\d KiB is available \(left under YOLO_TRAIN_DATA_CACHE_GB="
+        ):
+            load_data_config(url)
+        assert not [p for p in node.rglob("*") if p.is_file() and not p.name.endswith(".lock")]  # nothing fetched
     train = f"s3://{bucket}/data/images/train"
     refused = rf"^{train}: the node's copy of its 16 files needs {needed / 1024:.1f} KiB but "
-    with pytest.raises(UserError, match=refused + r"\d+\.\d KiB is available \(left under YOLO_TRAIN_DATA_CACHE_GB="):
-        load_data_config(url)
-    assert not [p for p in node.rglob("*") if p.is_file() and not p.name.endswith(".lock")]  # nothing fetched
 
     monkeypatch.delenv("YOLO_TRAIN_DATA_CACHE_GB")
     with monkeypatch.context() as full_disk:

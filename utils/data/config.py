@@ -22,7 +22,7 @@ import yaml
 
 from utils.data.coco_reader import coco_class_names
 from utils.data.image_files import IMG_FORMATS, img2label_path, is_image_file, list_image_files  # noqa: F401
-from utils.data.remote_data import is_object_store, local_data, local_path_of, read_text
+from utils.data.remote_data import check_room_for, is_object_store, local_data, local_path_of, read_text
 from utils.data.shard_names import is_shard_entry, resolve_shard_split
 from utils.data.splits import CocoSplit, FractionSplit, VocSplit, user_path
 from utils.data.voc_reader import voc_class_names
@@ -136,12 +136,17 @@ def _resolve_root(raw: Any, yaml_file: Path | str, root_url: str | None) -> Path
     return from_cwd
 
 
-def _resolve_split(value: Any, root: Path, yaml_file: Path | str, key: str) -> str | list[str]:
+def _resolve_split(
+    value: Any, root: Path, yaml_file: Path | str, key: str, in_buckets: list[tuple[str, str]]
+) -> str | list[str]:
+    """The split's paths; an entry in a bucket is the place of the node's copy, which is made once every split is
+    resolved (its (url, where) appended to ``in_buckets``: one room check covers them all)."""
     entries = value if isinstance(value, (list, tuple)) else [value]
     resolved = []
     for entry in entries:
         if is_object_store(str(entry)):  # loose files in a bucket: read from the node's copy
-            resolved.append(local_data(str(entry), f"{yaml_file} '{key}'"))
+            in_buckets.append((str(entry), f"{yaml_file} '{key}'"))
+            resolved.append(str(local_path_of(str(entry))))
             continue
         p = user_path(str(entry), f"{yaml_file} '{key}'")
         full = p if p.is_absolute() else (root / p).resolve()
@@ -209,11 +214,16 @@ def load_data_config(path: str | Path) -> dict[str, Any]:
         hint = " (its 'download' section is never run: fetch the data yourself)" if raw.get("download") else ""
         raise UserError(f"{yaml_file}: 'path' {raw.get('path')!r} does not exist (tried {shown(root)}){hint}")
 
+    in_buckets: list[tuple[str, str]] = []
     splits = {
-        key: _split_record(_urls_under(raw[key], root_url), root, yaml_file, key)
+        key: _split_record(_urls_under(raw[key], root_url), root, yaml_file, key, in_buckets)
         for key in SPLITS
         if raw.get(key) not in (None, "", [])
     }
+    if in_buckets:  # every split's room checked before any is copied
+        check_room_for(in_buckets, str(yaml_file))
+        for url, where in in_buckets:
+            local_data(url, where)
     if names is None:
         names = _names_from_annotations(splits, yaml_file)
     splits = {key: _with_names(value, names) for key, value in splits.items()}
@@ -245,7 +255,7 @@ def _urls_under(value: Any, root_url: str | None) -> Any:
     return _as_url(value, root_url)
 
 
-def _split_record(value: Any, root: Path, yaml_file: Path | str, key: str) -> Any:
+def _split_record(value: Any, root: Path, yaml_file: Path | str, key: str, in_buckets: list[tuple[str, str]]) -> Any:
     """What a split entry names: image files (str or list), shards, a COCO JSON, VOC folders or a fraction."""
     where = f"{yaml_file} '{key}'"
     if isinstance(value, float) and not isinstance(value, bool):
@@ -257,8 +267,8 @@ def _split_record(value: Any, root: Path, yaml_file: Path | str, key: str) -> An
             unknown = set(value) - {"annotations", "images"}
             if unknown:
                 raise UserError(f"{where}: unknown key(s) {sorted(unknown)} (a COCO split takes annotations, images)")
-            images = _resolve_split(value["images"], root, yaml_file, key) if value.get("images") else None
-            annotations = cast(str, _resolve_split(value["annotations"], root, yaml_file, key))
+            images = _resolve_split(value["images"], root, yaml_file, key, in_buckets) if value.get("images") else None
+            annotations = cast(str, _resolve_split(value["annotations"], root, yaml_file, key, in_buckets))
             return CocoSplit(annotations, cast("str | None", images), source=where)
         if "voc" in value:
             unknown = set(value) - {"voc", "set"}
@@ -268,17 +278,17 @@ def _split_record(value: Any, root: Path, yaml_file: Path | str, key: str) -> An
             if not image_set or image_set.startswith(".") or any(c in image_set for c in "/\\\0"):
                 # a file name in ImageSets/Main, where the split's label cache is written too
                 raise UserError(f"{where}: VOC set {image_set[:80]!r} is not a file name in ImageSets/Main")
-            roots = _resolve_split(value["voc"], root, yaml_file, key)
+            roots = _resolve_split(value["voc"], root, yaml_file, key, in_buckets)
             return VocSplit(tuple(roots if isinstance(roots, list) else [roots]), image_set, source=where)
         raise UserError(f"{where}: a mapping must be {{annotations, images}} (COCO JSON) or {{voc, set}} (Pascal VOC)")
     if isinstance(value, str) and value.lower().endswith(".json"):
-        return CocoSplit(cast(str, _resolve_split(value, root, yaml_file, key)), None, source=where)
+        return CocoSplit(cast(str, _resolve_split(value, root, yaml_file, key, in_buckets)), None, source=where)
     entries = value if isinstance(value, (list, tuple)) else [value]
     for entry in entries:  # before anything stats it: a path that cannot exist is one line naming the YAML
         user_path(str(entry), where)
     if any(is_shard_entry(str(e), root) for e in entries):  # WebDataset tar shards (a ShardSet)
         return resolve_shard_split(value, root, yaml_file, key)
-    return _resolve_split(value, root, yaml_file, key)
+    return _resolve_split(value, root, yaml_file, key, in_buckets)
 
 
 def _names_from_annotations(splits: dict[str, Any], yaml_file: Path | str) -> list[str]:

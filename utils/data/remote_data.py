@@ -8,8 +8,9 @@ objects at their keys below it. An object is fetched again only when its size or
 differs from the local copy's (the copy takes the object's time), so the label cache, keyed by the local files'
 sizes and times, stays valid until the bucket changes. A file removed from a listed folder in the bucket is removed
 from its copy. The label and image caches are written in the copy, never into the bucket. Ranks of one node share
-the folder: a lock makes one fetch while the others wait. A fetch that would not fit the folder's disk, or the size
-limit ``YOLO_TRAIN_DATA_CACHE_GB``, is refused before it starts (the copy is read whole, so nothing is evicted).
+the folder: a lock makes one fetch while the others wait. Data that would not fit the folder's disk, or the size
+limit ``YOLO_TRAIN_DATA_CACHE_GB``, is refused before any of it is fetched, every split of a data YAML counted
+together (``check_room_for``; the copy is read whole, so nothing is evicted).
 """
 
 from __future__ import annotations
@@ -136,16 +137,51 @@ def local_data(url: str, where: str) -> str:
     protocol, bucket, key = _bucket_and_key(url)
     storage = _storage_of(f"{protocol}://{bucket}")
     with _locked(bucket_folder(url)):
-        under = storage.file_stats(key) if key else storage.file_stats()
+        under = _folder_listing(storage, key)
         if under:  # a folder: its data files, and those of its labels' folder
             return str(_copy_folder(storage, key, under))
-        if not key or storage.modified(key) is None:
-            raise UserError(f"{where}: {url} does not exist (no such object or folder)")
+        _check_exists(storage, key, url, where)
         if key.lower().endswith(".txt"):
             return str(_copy_list(storage, key, url, where))
-        wanted = {key: None, **({_label_key(key): None} if is_image_file(key) else {})}
-        _fetch(storage, url, _stats_of(storage, wanted))
+        _fetch(storage, url, _stats_of(storage, _file_keys(key)))
         return str(local_path_of(url))
+
+
+def check_room_for(entries: list[tuple[str, str]], source: str) -> None:
+    """Before any of ``entries`` (split entries in buckets: url, where) is copied: one room check over all the files
+    they need, so that no split is fetched only for another to be refused; a one-line UserError naming ``source``
+    (the data YAML). An entry that does not exist is refused here too."""
+    needed: dict[Path, int] = {}
+    for url, where in entries:
+        protocol, bucket, key = _bucket_and_key(url)
+        storage = _storage_of(f"{protocol}://{bucket}")
+        under = _folder_listing(storage, key)
+        if under:
+            wanted = _folder_keys(storage, key, under)
+        else:
+            _check_exists(storage, key, url, where)
+            keys = _list_entries(storage, key, url, where)[1] if key.lower().endswith(".txt") else _file_keys(key)
+            wanted = _stats_of(storage, keys)
+        for name, stat in wanted.items():
+            local = local_path_of(storage.full(name))
+            if not _current(local, stat):
+                needed[local] = stat.size
+    if needed:
+        _check_room(source, [(size, local) for local, size in needed.items()])
+
+
+def _folder_listing(storage: Storage, key: str) -> dict[str, FileStat]:
+    return storage.file_stats(key) if key else storage.file_stats()
+
+
+def _check_exists(storage: Storage, key: str, url: str, where: str) -> None:
+    if not key or storage.modified(key) is None:
+        raise UserError(f"{where}: {url} does not exist (no such object or folder)")
+
+
+def _file_keys(key: str) -> dict[str, None]:
+    """One object, and its label file where it is an image."""
+    return {key: None, **({_label_key(key): None} if is_image_file(key) else {})}
 
 
 def _label_key(image_key: str) -> str:
@@ -157,18 +193,27 @@ def _is_data(name: str) -> bool:
     return "." in name and name.rsplit(".", 1)[1].lower() in DATA_SUFFIXES
 
 
-def _copy_folder(storage: Storage, key: str, under: dict[str, FileStat]) -> Path:
-    """The folder ``key`` and the folder of its images' labels (``images/`` -> ``labels/``), copied."""
+def _labels_folder(key: str) -> str:
+    """The folder of the labels of the images in folder ``key`` (``images/`` -> ``labels/``)."""
+    return posixpath.dirname(_label_key(f"{key}/image.jpg" if key else "image.jpg"))
+
+
+def _folder_keys(storage: Storage, key: str, under: dict[str, FileStat]) -> dict[str, FileStat]:
+    """The data files of folder ``key`` (its listing ``under``) and the label files of its images' labels folder."""
     prefix = f"{key}/" if key else ""
     wanted = {f"{prefix}{name}": stat for name, stat in under.items() if _is_data(name)}
-    folders = [key]
-    labels = posixpath.dirname(_label_key(f"{prefix}image.jpg"))
+    labels = _labels_folder(key)
     if labels != key:
-        folders.append(labels)
         wanted |= {f"{labels}/{name}": s for name, s in storage.file_stats(labels).items() if name.endswith(".txt")}
+    return wanted
+
+
+def _copy_folder(storage: Storage, key: str, under: dict[str, FileStat]) -> Path:
+    """The folder ``key`` and the folder of its images' labels (``images/`` -> ``labels/``), copied."""
+    wanted = _folder_keys(storage, key, under)
     url = storage.full(key)
     _fetch(storage, url, wanted)
-    for folder in folders:  # what the bucket no longer holds is no longer trained on
+    for folder in dict.fromkeys([key, _labels_folder(key)]):  # what the bucket no longer holds is not trained on
         _remove_stale(local_path_of(storage.full(folder)), {local_path_of(storage.full(k)) for k in wanted})
     return local_path_of(url)
 
@@ -176,6 +221,18 @@ def _copy_folder(storage: Storage, key: str, under: dict[str, FileStat]) -> Path
 def _copy_list(storage: Storage, key: str, url: str, where: str) -> Path:
     """A ``.txt`` list of images in the bucket, as a local list naming the local copies of its images (entries
     relative to the list's folder or absolute URLs of the same bucket; local paths stay as they are)."""
+    lines, wanted = _list_entries(storage, key, url, where)
+    _fetch(storage, url, _stats_of(storage, wanted))
+    local = local_path_of(url)
+    body = "".join(f"{line}\n" for line in lines).encode()
+    if not local.is_file() or local.read_bytes() != body:  # rewritten only when it changed (its time keys caches)
+        local.parent.mkdir(parents=True, exist_ok=True)
+        local.write_bytes(body)
+    return local
+
+
+def _list_entries(storage: Storage, key: str, url: str, where: str) -> tuple[list[str], dict[str, None]]:
+    """The local list's lines of the bucket's list ``key``, and the keys of the images and labels it names."""
     text = storage.read_bytes(key).decode("utf-8", errors="replace")
     bucket_url = storage.location.rstrip("/")
     folder = posixpath.dirname(key)
@@ -197,13 +254,7 @@ def _copy_list(storage: Storage, key: str, url: str, where: str) -> Path:
         lines.append(str(local_path_of(f"{bucket_url}/{image_key}")))
         if is_image_file(image_key):
             wanted |= {image_key: None, _label_key(image_key): None}
-    _fetch(storage, url, _stats_of(storage, wanted))
-    local = local_path_of(url)
-    body = "".join(f"{line}\n" for line in lines).encode()
-    if not local.is_file() or local.read_bytes() != body:  # rewritten only when it changed (its time keys caches)
-        local.parent.mkdir(parents=True, exist_ok=True)
-        local.write_bytes(body)
-    return local
+    return lines, wanted
 
 
 def _stats_of(storage: Storage, keys: dict[str, None]) -> dict[str, FileStat]:
@@ -271,6 +322,7 @@ def _check_room(url: str, fetches: list[tuple[int, Path]]) -> None:
     needed = sum(size - (path.stat().st_size if path.is_file() else 0) for size, path in fetches)
     if needed <= 0:
         return
+    root.mkdir(parents=True, exist_ok=True)  # the disk it will be on (the first check of a node comes before it)
     available, why = shutil.disk_usage(root).free, f"free on the disk of {root}"
     cap = _cap_bytes()
     if cap is not None:
