@@ -44,6 +44,28 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
+def _val_shapes(
+    model: torch.nn.Module,
+    fmt: torch.memory_format,
+    autocast: bool,
+    half: bool,
+    device: str,
+    imgsz: int,
+    batch_size: int,
+) -> tuple[list[float], list[float]]:
+    """Seconds of the first and of the second inference at each of the four validation-like shapes (half
+    ``batch_size``, VAL_HEIGHTS scaled to ``imgsz``, multiples of the stride), under fp16 autocast or in fp16."""
+
+    def infer(h: int) -> None:
+        height = max(32, h * imgsz // 640 // 32 * 32)
+        x = torch.rand(max(batch_size // 2, 1), 3, height, imgsz, device=device).contiguous(memory_format=fmt)
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16, enabled=autocast):
+            model(x.half() if half else x)
+
+    first = [_timed(lambda: infer(h)) for h in VAL_HEIGHTS]
+    return first, [_timed(lambda: infer(h)) for h in VAL_HEIGHTS]
+
+
 def measure(cfg: str, benchmark: bool, device: str = "cuda", imgsz: int = 640, batch_size: int = 64) -> str:
     """Validation at half ``batch_size`` in four rectangles (0.6-0.75 of ``imgsz`` high), training at ``batch_size``."""
     torch.backends.cudnn.benchmark = benchmark
@@ -51,20 +73,13 @@ def measure(cfg: str, benchmark: bool, device: str = "cuda", imgsz: int = 640, b
     model = build_model(cfg, nc=80).to(device, memory_format=fmt)
     on_gpu = device != "cpu"  # fp16 autocast as train.py runs it on CUDA; fp32 on the CPU, as train.py does there
 
-    def infer(h: int) -> None:
-        height = max(32, h * imgsz // 640 // 32 * 32)  # the heights scaled to imgsz, multiples of the stride
-        x = torch.rand(max(batch_size // 2, 1), 3, height, imgsz, device=device).contiguous(memory_format=fmt)
-        with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16, enabled=on_gpu):
-            model.eval()(x)
-
     def train_step() -> None:
         x = torch.rand(batch_size, 3, imgsz, imgsz, device=device).contiguous(memory_format=fmt)
         with torch.autocast("cuda", dtype=torch.float16, enabled=on_gpu):
             out = model.train()(x)
         sum(o.float().mean() for o in out).backward()
 
-    first = [_timed(lambda: infer(h)) for h in VAL_HEIGHTS]
-    again = [_timed(lambda: infer(h)) for h in VAL_HEIGHTS]
+    first, again = _val_shapes(model.eval(), fmt, on_gpu, False, device, imgsz, batch_size)
     first_step = _timed(train_step)
     steady = sorted(_timed(train_step) for _ in range(12))[6]
     return (
@@ -88,14 +103,7 @@ def measure_val(cfg: str, setting: str, device: str = "cuda", imgsz: int = 640, 
     if half:
         model.half()
 
-    def infer(h: int) -> None:
-        height = max(32, h * imgsz // 640 // 32 * 32)
-        x = torch.rand(max(batch_size // 2, 1), 3, height, imgsz, device=device).contiguous(memory_format=fmt)
-        with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16, enabled=on_gpu and not half):
-            model(x.half() if half else x)
-
-    first = [_timed(lambda: infer(h)) for h in VAL_HEIGHTS]
-    again = [_timed(lambda: infer(h)) for h in VAL_HEIGHTS]
+    first, again = _val_shapes(model, fmt, on_gpu and not half, half, device, imgsz, batch_size)
     return (
         f"validation, {setting}: first {' '.join(f'{t:.2f}' for t in first)} s, "
         f"again {' '.join(f'{t * 1000:.0f}' for t in again)} ms"

@@ -22,7 +22,7 @@ import yaml
 
 from utils.data.coco_reader import coco_class_names
 from utils.data.image_files import IMG_FORMATS, img2label_path, is_image_file, list_image_files  # noqa: F401
-from utils.data.remote_data import check_room_for, is_object_store, local_data, local_path_of, read_text
+from utils.data.remote_data import copy_to_node, is_object_store, local_data, local_path_of, read_text
 from utils.data.shard_names import is_shard_entry, resolve_shard_split
 from utils.data.splits import CocoSplit, FractionSplit, VocSplit, user_path
 from utils.data.voc_reader import voc_class_names
@@ -140,7 +140,7 @@ def _resolve_split(
     value: Any, root: Path, yaml_file: Path | str, key: str, in_buckets: list[tuple[str, str]]
 ) -> str | list[str]:
     """The split's paths; an entry in a bucket is the place of the node's copy, which is made once every split is
-    resolved (its (url, where) appended to ``in_buckets``: one room check covers them all)."""
+    resolved (its (url, where) appended to ``in_buckets``: ``copy_to_node`` checks the room for them all)."""
     entries = value if isinstance(value, (list, tuple)) else [value]
     resolved = []
     for entry in entries:
@@ -221,9 +221,7 @@ def load_data_config(path: str | Path) -> dict[str, Any]:
         if raw.get(key) not in (None, "", [])
     }
     if in_buckets:  # every split's room checked before any is copied
-        check_room_for(in_buckets, str(yaml_file))
-        for url, where in in_buckets:
-            local_data(url, where)
+        copy_to_node(in_buckets, str(yaml_file))
     if names is None:
         names = _names_from_annotations(splits, yaml_file)
     splits = {key: _with_names(value, names) for key, value in splits.items()}

@@ -10,7 +10,7 @@ sizes and times, stays valid until the bucket changes. A file removed from a lis
 from its copy. The label and image caches are written in the copy, never into the bucket. Ranks of one node share
 the folder: a lock makes one fetch while the others wait. Data that would not fit the folder's disk, or the size
 limit ``YOLO_TRAIN_DATA_CACHE_GB``, is refused before any of it is fetched, every split of a data YAML counted
-together (``check_room_for``; the copy is read whole, so nothing is evicted).
+together (``copy_to_node``; the copy is read whole, so nothing is evicted).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import os
 import posixpath
 import shutil
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from utils.data.image_files import IMG_FORMATS, img2label_path, is_image_file
@@ -134,54 +135,72 @@ def missing_objects(urls: list[str]) -> list[str]:
 def local_data(url: str, where: str) -> str:
     """A local path that reads like the split entry ``url``: its folder, list or file copied into the node's
     cache (fetched where missing or changed); ``where`` names the YAML and key for messages."""
-    protocol, bucket, key = _bucket_and_key(url)
-    storage = _storage_of(f"{protocol}://{bucket}")
-    with _locked(bucket_folder(url)):
-        under = _folder_listing(storage, key)
-        if under:  # a folder: its data files, and those of its labels' folder
-            return str(_copy_folder(storage, key, under))
-        _check_exists(storage, key, url, where)
-        if key.lower().endswith(".txt"):
-            return str(_copy_list(storage, key, url, where))
-        _fetch(storage, url, _stats_of(storage, _file_keys(key)))
-        return str(local_path_of(url))
+    return copy_to_node([(url, where)], url)[0]
 
 
-def check_room_for(entries: list[tuple[str, str]], source: str) -> None:
-    """Before any of ``entries`` (split entries in buckets: url, where) is copied: one room check over all the files
-    they need, so that no split is fetched only for another to be refused; a one-line UserError naming ``source``
-    (the data YAML). An entry that does not exist is refused here too."""
+def copy_to_node(entries: list[tuple[str, str]], source: str) -> list[str]:
+    """Every entry (a split entry in a bucket: url, where) copied into the node's cache, one room check over all
+    the files they need first, so that no split is fetched only for another to be refused (a one-line UserError
+    naming ``source``, the data YAML); each bucket is listed once. Returns the local paths, in order."""
+    copies = [_plan(url, where) for url, where in entries]
     needed: dict[Path, int] = {}
-    for url, where in entries:
-        protocol, bucket, key = _bucket_and_key(url)
-        storage = _storage_of(f"{protocol}://{bucket}")
-        under = _folder_listing(storage, key)
-        if under:
-            wanted = _folder_keys(storage, key, under)
-        else:
-            _check_exists(storage, key, url, where)
-            keys = _list_entries(storage, key, url, where)[1] if key.lower().endswith(".txt") else _file_keys(key)
-            wanted = _stats_of(storage, keys)
-        for name, stat in wanted.items():
-            local = local_path_of(storage.full(name))
+    for copy in copies:
+        for name, stat in copy.wanted.items():
+            local = local_path_of(copy.storage.full(name))
             if not _current(local, stat):
                 needed[local] = stat.size
     if needed:
         _check_room(source, [(size, local) for local, size in needed.items()])
+    return [str(_make(copy)) for copy in copies]
 
 
-def _folder_listing(storage: Storage, key: str) -> dict[str, FileStat]:
-    return storage.file_stats(key) if key else storage.file_stats()
+@dataclass(frozen=True)
+class _Copy:
+    """What the node's copy of one split entry needs: the objects (key: size and time in the bucket) and, for a
+    folder, the folders whose stale files go; for a list, the local list's lines."""
+
+    storage: Storage
+    url: str
+    wanted: dict[str, FileStat]
+    folders: tuple[str, ...] = ()
+    lines: tuple[str, ...] | None = None
 
 
-def _check_exists(storage: Storage, key: str, url: str, where: str) -> None:
+def _plan(url: str, where: str) -> _Copy:
+    protocol, bucket, key = _bucket_and_key(url)
+    storage = _storage_of(f"{protocol}://{bucket}")
+    under = storage.file_stats(key) if key else storage.file_stats()
+    if under:  # a folder: its data files, and those of its labels' folder
+        prefix = f"{key}/" if key else ""
+        wanted = {f"{prefix}{name}": stat for name, stat in under.items() if _is_data(name)}
+        labels = posixpath.dirname(_label_key(f"{prefix}image.jpg"))
+        if labels != key:
+            wanted |= {f"{labels}/{n}": st for n, st in storage.file_stats(labels).items() if n.endswith(".txt")}
+        return _Copy(storage, storage.full(key), wanted, folders=tuple(dict.fromkeys([key, labels])))
     if not key or storage.modified(key) is None:
         raise UserError(f"{where}: {url} does not exist (no such object or folder)")
+    if key.lower().endswith(".txt"):
+        lines, keys = _list_entries(storage, key, url, where)
+        return _Copy(storage, url, _stats_of(storage, keys), lines=tuple(lines))
+    keys = {key: None, **({_label_key(key): None} if is_image_file(key) else {})}
+    return _Copy(storage, url, _stats_of(storage, keys))
 
 
-def _file_keys(key: str) -> dict[str, None]:
-    """One object, and its label file where it is an image."""
-    return {key: None, **({_label_key(key): None} if is_image_file(key) else {})}
+def _make(copy: _Copy) -> Path:
+    """The copy made (one process of the node at a time): the objects fetched where missing or changed, a
+    folder's files that the bucket no longer holds removed (no longer trained on), a list's local list written."""
+    storage, local = copy.storage, local_path_of(copy.url)
+    with _locked(bucket_folder(copy.url)):
+        _fetch(storage, copy.url, copy.wanted)
+        kept = {local_path_of(storage.full(k)) for k in copy.wanted}
+        for folder in copy.folders:
+            _remove_stale(local_path_of(storage.full(folder)), kept)
+        if copy.lines is not None:
+            body = "".join(f"{line}\n" for line in copy.lines).encode()
+            if not local.is_file() or local.read_bytes() != body:  # rewritten only when changed: its time keys caches
+                local.parent.mkdir(parents=True, exist_ok=True)
+                local.write_bytes(body)
+    return local
 
 
 def _label_key(image_key: str) -> str:
@@ -191,44 +210,6 @@ def _label_key(image_key: str) -> str:
 
 def _is_data(name: str) -> bool:
     return "." in name and name.rsplit(".", 1)[1].lower() in DATA_SUFFIXES
-
-
-def _labels_folder(key: str) -> str:
-    """The folder of the labels of the images in folder ``key`` (``images/`` -> ``labels/``)."""
-    return posixpath.dirname(_label_key(f"{key}/image.jpg" if key else "image.jpg"))
-
-
-def _folder_keys(storage: Storage, key: str, under: dict[str, FileStat]) -> dict[str, FileStat]:
-    """The data files of folder ``key`` (its listing ``under``) and the label files of its images' labels folder."""
-    prefix = f"{key}/" if key else ""
-    wanted = {f"{prefix}{name}": stat for name, stat in under.items() if _is_data(name)}
-    labels = _labels_folder(key)
-    if labels != key:
-        wanted |= {f"{labels}/{name}": s for name, s in storage.file_stats(labels).items() if name.endswith(".txt")}
-    return wanted
-
-
-def _copy_folder(storage: Storage, key: str, under: dict[str, FileStat]) -> Path:
-    """The folder ``key`` and the folder of its images' labels (``images/`` -> ``labels/``), copied."""
-    wanted = _folder_keys(storage, key, under)
-    url = storage.full(key)
-    _fetch(storage, url, wanted)
-    for folder in dict.fromkeys([key, _labels_folder(key)]):  # what the bucket no longer holds is not trained on
-        _remove_stale(local_path_of(storage.full(folder)), {local_path_of(storage.full(k)) for k in wanted})
-    return local_path_of(url)
-
-
-def _copy_list(storage: Storage, key: str, url: str, where: str) -> Path:
-    """A ``.txt`` list of images in the bucket, as a local list naming the local copies of its images (entries
-    relative to the list's folder or absolute URLs of the same bucket; local paths stay as they are)."""
-    lines, wanted = _list_entries(storage, key, url, where)
-    _fetch(storage, url, _stats_of(storage, wanted))
-    local = local_path_of(url)
-    body = "".join(f"{line}\n" for line in lines).encode()
-    if not local.is_file() or local.read_bytes() != body:  # rewritten only when it changed (its time keys caches)
-        local.parent.mkdir(parents=True, exist_ok=True)
-        local.write_bytes(body)
-    return local
 
 
 def _list_entries(storage: Storage, key: str, url: str, where: str) -> tuple[list[str], dict[str, None]]:
@@ -268,7 +249,7 @@ def _stats_of(storage: Storage, keys: dict[str, None]) -> dict[str, FileStat]:
 
 def _fetch(storage: Storage, url: str, wanted: dict[str, FileStat]) -> None:
     """The objects ``wanted`` (key: size and time in the bucket) in the node's copy, fetching only those missing or
-    changed; each copy takes its object's time."""
+    changed (their room checked before: ``copy_to_node``); each copy takes its object's time."""
     pairs = []
     for key, stat in wanted.items():
         local = local_path_of(storage.full(key))
@@ -276,7 +257,6 @@ def _fetch(storage: Storage, url: str, wanted: dict[str, FileStat]) -> None:
             pairs.append((key, local))
     if not pairs:
         return
-    _check_room(url, [(wanted[key].size, local) for key, local in pairs])
     LOGGER.info(f"{url}: fetching {len(pairs)} of {len(wanted)} files into {bucket_folder(url)}")
     storage.download_many(pairs)
     for key, local in pairs:
