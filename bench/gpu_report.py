@@ -346,7 +346,8 @@ def part_val_layouts(report: Report, cfg: str) -> tuple[dict, str]:
     return part_cudnn(report, cfg, ("--val-layouts",))
 
 
-# (name, function, its model, about how many seconds it took on an H200 at the real sizes; val-layouts: a guess)
+# (name, function, its model, the seconds a part needs room for: about its time on an H200 at the real sizes, as
+# docs/benchmarks.md records it; val-layouts: a guess)
 PARTS = (
     ("throughput-yolo11n", part_throughput, "yolo11n.yaml", 140),
     ("profile-and-sync-debug", part_profile_and_sync, "yolo11n.yaml", 35),
