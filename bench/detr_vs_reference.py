@@ -48,7 +48,9 @@ The same schedule for both trainers, each recipe's defaults scaled to this run:
   whole 1200-step run.
 - The no-augmentation stage from the recipe's share of the run (148 of 160; the stage epoch our family computes
   from ``no_aug_share``, at least the last epoch of a run of 2 or more): the official transforms' policy epoch and
-  collate ``stop_epoch`` are set to that epoch.
+  collate ``stop_epoch`` are set to that epoch. Both reload their first stage's best checkpoint there; ours then
+  starts its EMA again (``stage_ema_restart``, our default), theirs goes on with the reloaded one (its "Refresh
+  EMA" sets a decay its ramp does not read).
 - Precision: each trainer's default (ours: bf16 autocast on a CPU with native bf16, else fp32; the official recipe
   has ``use_amp: True``, which on the CPU is bf16 autocast); ``--fp32`` turns both off.
 

@@ -8,6 +8,7 @@ recipe's record groups, so no DETR has to train here.
 
 from __future__ import annotations
 
+import math
 import re
 import shutil
 import warnings
@@ -319,18 +320,26 @@ def resumed_copy(train_here, run: Path, copy: Path, checkpoint: Path | dict, bes
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("ema_restart", [1.0, 0.0])
 def test_the_stage_goes_on_from_stage_1s_best_epoch_and_resumes_bit_exactly(
-    train_here, rectangles_yaml, tmp_path, monkeypatch
+    train_here, rectangles_yaml, tmp_path, monkeypatch, ema_restart
 ) -> None:
     """3 epochs of 2 steps, each validated, the stage the last; the fitness is scripted so that epoch 0 is stage 1's
-    best, not its last. The stage's first batch starts from epoch 0's weights, EMA (its update count too) and
-    optimizer state (weights/best.pt); runs resumed at the stage's start (epoch1.pt) and inside it (--save-steps 1)
-    end with the uninterrupted run's weights and EMA, bit for bit."""
+    best, not its last. The stage's first batch starts from epoch 0's weights and optimizer state
+    (weights/best.pt), and the EMA starts again from those weights (stage_ema_restart 1) or goes on from epoch 0's
+    with its update count (0). With the restart, runs resumed at the stage's start (epoch1.pt) and inside it
+    (--save-steps 1) end with the uninterrupted run's weights and EMA, bit for bit."""
     import utils.engine.run_record as run_record
     import utils.engine.trainer as trainer_module
 
     hyp_file = tmp_path / "hyp.recipe-toy.yaml"
-    values = {**RecipeToyHyp().to_dict(), **PRESET, "warmup_steps": 2.0, "no_aug_share": 0.1}
+    values = {
+        **RecipeToyHyp().to_dict(),
+        **PRESET,
+        "warmup_steps": 2.0,
+        "no_aug_share": 0.1,
+        "stage_ema_restart": ema_restart,
+    }
     hyp_file.write_text(yaml.safe_dump(values))
     monkeypatch.setitem(families.FAMILIES, "toy", RecipeToyFamily(hyp_file))
     cfg = tmp_path / "toy.yaml"
@@ -353,14 +362,26 @@ def test_the_stage_goes_on_from_stage_1s_best_epoch_and_resumes_bit_exactly(
     assert status == 0, log
     straight = tmp_path / "runs/straight"
     assert "epoch 2: the no-augmentation stage begins from stage 1's best epoch, 0 (weights/best.pt)" in log
+    assert ("the EMA started again from its weights" in log) == bool(ema_restart), log
     best, epoch1, last = (load_checkpoint(straight / f"weights/{n}.pt") for n in ("epoch0", "epoch1", "last"))
     assert len(reloaded) == 1 and reloaded[0][0] == 0
     _, weights, moments = reloaded[0]
     assert all(torch.equal(weights[k], best["model"][k]) for k in best["model"])
     assert any(not torch.equal(weights[k], epoch1["model"][k]) for k in epoch1["model"])  # not the last epoch's
     assert all(torch.equal(moments[i]["exp_avg"], s["exp_avg"]) for i, s in best["optimizer"]["state"].items())
-    assert last["updates"] == best["updates"] + 2 == 4  # the EMA goes on from epoch 0's, as the reference's
-    assert inside[0]["mid_epoch"]["batch"] == 1 and inside[0]["updates"] == 3
+    stage_steps = inside[0]["updates"] - (0 if ema_restart else best["updates"])
+    assert stage_steps == 1 and last["updates"] == inside[0]["updates"] + 1 and inside[0]["mid_epoch"]["batch"] == 1
+    if not ema_restart:  # the EMA went on from epoch 0's: the official trainers' code
+        assert last["updates"] == best["updates"] + 2 == 4
+        return
+    # The restart: the EMA counts the stage's 2 steps only; after the stage's first step it is epoch 0's weights
+    # (not its EMA) moved toward the model's by the ramp's first weight.
+    assert last["updates"] == 2
+    decay = values["ema_decay"] * (1 - math.exp(-1 / values["ema_tau"]))
+    for k, v in inside[0]["ema"].items():
+        if v.dtype.is_floating_point:
+            expected = torch.lerp(best["model"][k].float(), inside[0]["model"][k].float(), 1 - decay)
+            torch.testing.assert_close(v.float(), expected, rtol=1e-5, atol=1e-7, msg=k)
     for name, source in (("at-the-stage", straight / "weights/epoch1.pt"), ("inside-the-stage", inside[0])):
         scripted[:] = [0.05]  # the stage's one validated epoch
         # best.pt as it was at the stage (the run's end strips its optimizer): epoch 0's, written with it

@@ -77,6 +77,7 @@ VALID_RANGES: dict[str, tuple[float, float]] = {
     "ema_decay": (0.0, 1.0),
     "ema_tau": (1.0, 1e7),
     "no_aug_share": (0.0, 1.0),
+    "stage_ema_restart": (0.0, 1.0),
     "photometric": _PROBABILITY,
     "zoom_out": _PROBABILITY,
     "zoom_out_max": (1.0, 8.0),
@@ -224,8 +225,9 @@ class StepScheduleHyp(HypRecord):
     """A recipe's optimisation beyond YOLO's (the DETR families'), read by the engine wherever a record holds it:
     the learning rate set at every step (``utils/engine/lr_schedule.py: FlatCosine``) instead of YOLO's per-epoch
     schedule and warmup, gradient clipping, the EMA's settings, and the no-augmentation stage at the end of a run,
-    which goes on from the best validated epoch before it (weights, EMA, optimizer). The defaults are D-FINE's (github.com/Peterande/D-FINE,
-    configs/dfine/include/optimizer.yml and dfine_hgnetv2_n_coco.yml)."""
+    which goes on from the best validated epoch before it (weights, optimizer; the EMA restarted or carried on).
+    The defaults are D-FINE's (github.com/Peterande/D-FINE, configs/dfine/include/optimizer.yml and
+    dfine_hgnetv2_n_coco.yml)."""
 
     warmup_steps: float = 500.0  # every group's lr rises from 0 to its own over this many optimizer steps
     warmup_power: float = 1.0  # the rise's shape: (step / warmup_steps) ** power (1: linear; DEIM's is 2)
@@ -235,6 +237,9 @@ class StepScheduleHyp(HypRecord):
     ema_decay: float = 0.9999  # the EMA's decay, reached through 1 - exp(-updates / ema_tau)
     ema_tau: float = 1000.0
     no_aug_share: float = 0.075  # the run's last share of epochs without augmentation (12 of 160; at least 1)
+    stage_ema_restart: float = (
+        1.0  # 1: the EMA starts again where the stage begins; 0: it goes on (Trainer.start_stage)
+    )
 
 
 @dataclass(frozen=True)

@@ -379,10 +379,15 @@ class Trainer:
     def start_stage(self, epoch: int, start_batch: int) -> None:
         """At the stage epoch's first batch, where the recipe asks (``Optimization.recipe``), the run goes on from
         stage 1's best epoch, as the official trainers reload their best_stg1: weights/best.pt's weights, EMA (with
-        its update count), optimizer and scaler state, rank 0's file on every rank. Where no epoch of stage 1 was
-        validated, or none saved, the EMA starts again from the model's weights instead. A run resumed inside the
-        stage has either in its checkpoint; one resumed at the stage's first batch reloads the same best.pt."""
-        if self.optim.recipe is None or start_batch != 0 or epoch != self.stage_epoch():
+        its update count), optimizer and scaler state, rank 0's file on every rank. Then, with the recipe's
+        ``stage_ema_restart`` (the default), the EMA starts again from those weights, its decay's ramp from its
+        beginning, so that the stage's weights are averaged over the stage alone; the official trainers mean to
+        refresh it there ("Refresh EMA") but change a decay their ramp does not read, so theirs goes on
+        (``stage_ema_restart: 0``). Where no epoch of stage 1 was validated, or none saved, the EMA starts again
+        from the model's weights. A run resumed inside the stage has all of it in its checkpoint; one resumed at
+        the stage's first batch reloads the same best.pt."""
+        recipe = self.optim.recipe
+        if recipe is None or start_batch != 0 or epoch != self.stage_epoch():
             return
         best = broadcast_object(self.record.best_checkpoint() if self.record is not None else None, self.info)
         if best is None:
@@ -393,9 +398,13 @@ class Trainer:
             )
             return
         reload(self.optim, self.stepper.model, best)
+        restart = recipe.stage_ema_restart > 0
+        if restart:
+            self.optim.ema.restart(self.stepper.model)
         LOGGER.info(
             f"epoch {epoch}: the no-augmentation stage begins from stage 1's best epoch, {best['epoch']} "
-            "(weights/best.pt): its weights, EMA and optimizer state"
+            "(weights/best.pt): its weights and optimizer state, "
+            + ("the EMA started again from its weights" if restart else "its EMA going on (stage_ema_restart: 0)")
         )
 
     def validate(self, model: torch.nn.Module, plots: bool, verbose: bool) -> Any:
