@@ -255,3 +255,21 @@ def test_device_marks_never_wait_for_the_gpu_inside_an_epoch_and_count_every_pha
     assert len(marks.pending) <= 4 + 4 + 1  # and do not pile up over an epoch
     assert marks.collect() == {"data": 20.0, "forward": 40.0, "backward": 60.0, "optimizer": 10.0}
     assert gpu.waits > 0  # at the end of the epoch, for the step still running
+
+
+def test_the_progress_line_shows_dashes_until_the_epochs_first_read_back() -> None:
+    """The losses reach the host every --log-interval steps: before the epoch's first read-back the loss columns
+    hold a dash (a new user took the 0 they showed for a broken loss), then the means read back."""
+    import numpy as np
+    import torch
+
+    from utils.engine.epoch import EpochHooks, progress_line
+    from utils.engine.step import SavePolicy
+
+    hooks = EpochHooks(epochs=3, batch_size=2, loss_names=("box", "cls"), save_policy=SavePolicy(0, 0))
+    window = [(0, (torch.zeros(2, 3, 64, 48), torch.zeros(5, 6)))]
+    before = progress_line(1, hooks, torch.device("cpu"), None, window)
+    after = progress_line(1, hooks, torch.device("cpu"), np.array([0.5, 1.25]), window)
+    assert before.split() == ["1/2", "0G", "-", "-", "5", "48"], before
+    assert after.split() == ["1/2", "0G", "0.5", "1.25", "5", "48"], after
+    assert len(before) == len(after)  # the columns stay where the header put them

@@ -88,7 +88,8 @@ def train_one_epoch(
                 if hooks.progress is not None
                 else None
             )
-            _show_progress(batches, progress_line(epoch, hooks, stepper.device, tally.means(), window), left)
+            means = tally.means() if tally.micro_batches else None  # none read back yet this epoch
+            _show_progress(batches, progress_line(epoch, hooks, stepper.device, means, window), left)
             _report_step(stepper, hooks, epoch, window)
         marks.mark("other")
     else:  # the epoch's end: every rank flushes, and a wish to stop ends the run after this epoch
@@ -173,9 +174,17 @@ def column_widths(hooks: EpochHooks) -> list[int]:
     return [max(11, len(name) + 6) for name in hooks.loss_names]
 
 
-def progress_line(epoch: int, hooks: EpochHooks, device: torch.device, mean_loss: np.ndarray, window: Window) -> str:
-    """The epoch's losses as read back so far, and the last batch's labels and image size (the host's own)."""
+def progress_line(
+    epoch: int, hooks: EpochHooks, device: torch.device, mean_loss: np.ndarray | None, window: Window
+) -> str:
+    """The epoch's losses as read back so far, and the last batch's labels and image size (the host's own). The
+    losses reach the host every --log-interval steps (the step never waits for them): until the epoch's first
+    read-back (``mean_loss`` None) their columns show a dash, not a loss of 0."""
     mem = f"{torch.cuda.memory_reserved() / 1e9:.3g}G" if device.type == "cuda" else "0G"
-    losses = "".join(f"{x:>{width}.4g}" for x, width in zip(mean_loss.tolist(), column_widths(hooks)))
+    widths = column_widths(hooks)
+    if mean_loss is None:
+        losses = "".join(f"{'-':>{width}}" for width in widths)
+    else:
+        losses = "".join(f"{x:>{width}.4g}" for x, width in zip(mean_loss.tolist(), widths))
     imgs, targets = window[-1][1][:2]
     return f"{f'{epoch}/{hooks.epochs - 1}':>11}{mem:>11}{losses}{targets.shape[0]:>11}{imgs.shape[-1]:>11}"
