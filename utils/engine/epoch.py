@@ -71,32 +71,36 @@ def train_one_epoch(
     marks.start()
     stepper.loss.marks = marks  # the parts of its call the loss times (timing.py); none in validation
     t0 = time.perf_counter()
-    for window in accumulation_windows(batches, stepper.optim.accumulate, n_batches):
-        marks.mark("data")
-        _log_batch_files(stepper, epoch, window)
-        last = window[-1][0]
-        readout = train_step(stepper, window, epoch, n_batches, tally, wishes(stepper, hooks))
-        marks.mark("optimizer")
-        if last + 1 < n_batches and _saved_after_step(stepper, hooks, epoch, last + 1, tally, readout):
+    try:
+        for window in accumulation_windows(batches, stepper.optim.accumulate, n_batches):
+            marks.mark("data")
+            _log_batch_files(stepper, epoch, window)
+            last = window[-1][0]
+            readout = train_step(stepper, window, epoch, n_batches, tally, wishes(stepper, hooks))
+            marks.mark("optimizer")
+            if last + 1 < n_batches and _saved_after_step(stepper, hooks, epoch, last + 1, tally, readout):
+                marks.mark("other")
+                break
+            if hooks.after_step is not None:
+                hooks.after_step()
+            if main:
+                left = (
+                    hooks.progress.left(
+                        epoch, last + 1 - start_batch, n_batches - start_batch, time.perf_counter() - t0
+                    )
+                    if hooks.progress is not None
+                    else None
+                )
+                means = tally.means() if tally.micro_batches else None  # none read back yet this epoch
+                _show_progress(batches, progress_line(epoch, hooks, stepper.device, means, window), left)
+                _report_step(stepper, hooks, epoch, window)
             marks.mark("other")
-            break
-        if hooks.after_step is not None:
-            hooks.after_step()
-        if main:
-            left = (
-                hooks.progress.left(epoch, last + 1 - start_batch, n_batches - start_batch, time.perf_counter() - t0)
-                if hooks.progress is not None
-                else None
-            )
-            means = tally.means() if tally.micro_batches else None  # none read back yet this epoch
-            _show_progress(batches, progress_line(epoch, hooks, stepper.device, means, window), left)
-            _report_step(stepper, hooks, epoch, window)
-        marks.mark("other")
-    else:  # the epoch's end: every rank flushes, and a wish to stop ends the run after this epoch
-        if flush(stepper, tally, wishes(stepper, hooks), f"epoch {epoch} end").stop:
-            stepper.stopped = "after"
+        else:  # the epoch's end: every rank flushes, and a wish to stop ends the run after this epoch
+            if flush(stepper, tally, wishes(stepper, hooks), f"epoch {epoch} end").stop:
+                stepper.stopped = "after"
+    finally:  # the loss's phase marks end with the epoch, also when it ends by an exception
+        stepper.loss.marks = UNMARKED
     images = (n_batches - start_batch) * hooks.batch_size // stepper.info.world_size  # this rank's
-    stepper.loss.marks = UNMARKED
     phases = step_phases(stepper.loss.timed_phases)
     timing = gather_epoch_time(marks.collect(), images, stepper.info, stepper.device, phases)
     _log_epoch_speed(stepper, epoch, timing, tally)
