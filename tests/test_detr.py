@@ -9,6 +9,7 @@ bench/detr_reference_check.py --make-fixture outside this repository. transforme
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import cv2
@@ -142,6 +143,20 @@ def test_fine_tuning_reinitialises_the_class_tensors(tiny_scale) -> None:
     assert refitted and all(("class_embed" in k or "enc_score_head" in k) for k in refitted)
     assert all(torch.equal(new[k], old[k]) for k in new if k not in refitted and "num_batches" not in k)
     assert tuned.nc == 5 and tuned.detr.class_embed[0].out_features == 5
+    # the new heads start where the official decoders start theirs, at a score of 0.01, not transformers' 1 / 6
+    biases = [new[k] for k in refitted if k.endswith("bias") and "denoising" not in k]
+    assert biases and all(torch.allclose(b, torch.full_like(b, math.log(0.01 / 0.99))) for b in biases)
+
+
+@pytest.mark.parametrize(("family", "cfg"), [(DFINE, "dfine-n.yaml"), (RTDETRV2, "rtdetrv2-r18.yaml")])
+def test_scores_start_at_the_official_prior(family, cfg) -> None:
+    """A model built from scratch, for few classes: every score head's bias is logit(0.01), the official decoders'
+    start (transformers' own default, 1 / (classes + 1), would be 0.33 here)."""
+    model = family.build_model(cfg, nc=2)
+    heads = [m for name, m in model.detr.named_modules() if name.endswith("enc_score_head") or ".class_embed." in name]
+    assert len(heads) >= 4
+    for head in heads:
+        assert torch.allclose(head.bias, torch.full_like(head.bias, math.log(0.01 / 0.99)))
 
 
 def test_val_and_detect_run_our_pt_and_a_hf_folder(tiny_scale, tmp_path) -> None:
