@@ -502,16 +502,20 @@ def part_recipes(opt: argparse.Namespace, data: dict, machine: dict) -> dict:
     for recipe in opt.recipes:
         hyp = our_hyp(opt.work, plan, "recipes", recipe)
         for seed in opt.recipe_seeds:
-            done = json.loads(opt.out.read_text(encoding="utf-8")).get("recipes", {}) if opt.out.is_file() else {}
-            if str(seed) in done.get(recipe, {}):
+            if str(seed) in recorded_recipes(opt.out).get(recipe, {}):
                 continue
             seeded = argparse.Namespace(**{**vars(opt), "seed": seed})
             args = ["--weights", "", "--hyp", str(hyp), "--epochs", str(opt.epochs)]
             run = train_ours("dfine-n.yaml", data, seeded, f"recipe_{recipe}_s{seed}", args)
-            done = json.loads(opt.out.read_text(encoding="utf-8")).get("recipes", {}) if opt.out.is_file() else {}
+            done = recorded_recipes(opt.out)  # read again: another call may have recorded a run meanwhile
             done.setdefault(recipe, {})[str(seed)] = {**run, "schedule": plan, "machine": machine}
             record(opt.out, "recipes", done)
-    return json.loads(opt.out.read_text(encoding="utf-8"))["recipes"]
+    return recorded_recipes(opt.out)
+
+
+def recorded_recipes(out: Path) -> dict:
+    """The recipes part's runs in ``out`` so far: {recipe: {seed: run}}."""
+    return json.loads(out.read_text(encoding="utf-8")).get("recipes", {}) if out.is_file() else {}
 
 
 def recipes_table(runs: dict) -> str:
