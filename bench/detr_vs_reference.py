@@ -329,14 +329,22 @@ def our_val(weights: Path, data: dict, opt: argparse.Namespace, name: str) -> di
     return {"weights": str(weights), "map50_95": final_map(Path(run["log"])), "exit": run["exit"]}
 
 
-def train_ours(cfg: str, data: dict, opt: argparse.Namespace, name: str, extra: list[str]) -> dict:
-    """Our train.py as a whole process, then our val.py on its best (else last) weights."""
+def train_ours(
+    cfg: str, data: dict, opt: argparse.Namespace, name: str, extra: list[str], resume: bool = False
+) -> dict:
+    """Our train.py as a whole process, then our val.py on its best (else last) weights. With ``resume``, a run of
+    that name that stopped before its end (its last.pt written) continues bit-exactly instead of starting again; its
+    ``wall_s`` then counts the continued part only."""
+    weights_dir = opt.work / "runs" / name / "weights"
     cmd = [sys.executable, "train.py", "--cfg", cfg, "--data", str(data["yaml"]), "--imgsz", str(opt.imgsz)]
     cmd += ["--batch-size", str(opt.batch_size), "--workers", str(opt.workers), "--device", "cpu"]
     cmd += ["--seed", str(opt.seed), "--project", str(opt.work / "runs"), "--name", name, "--exist-ok", "--noplots"]
     cmd += [*extra, *(["--no-amp"] if opt.fp32 else [])]
-    run = run_capped(cmd, ROOT, opt.work / "logs" / f"{name}.log", opt.cap_hours * 3600)
-    weights_dir = opt.work / "runs" / name / "weights"
+    resumed = resume and (weights_dir / "last.pt").is_file()
+    if resumed:
+        cmd += ["--resume", str(weights_dir / "last.pt")]
+    log = opt.work / "logs" / f"{name}{'.resumed' if resumed else ''}.log"  # the first part's log stays
+    run = {**run_capped(cmd, ROOT, log, opt.cap_hours * 3600), "resumed": resumed}
     weights = next((p for p in (weights_dir / "best.pt", weights_dir / "last.pt") if p.is_file()), None)
     run["val"] = our_val(weights, data, opt, name) if weights else {"map50_95": None, "why": "no weights written"}
     return run
@@ -497,7 +505,7 @@ def part_finetune(opt: argparse.Namespace, data: dict, machine: dict) -> dict:
 def part_recipes(opt: argparse.Namespace, data: dict, machine: dict) -> dict:
     """Our dfine-n from random weights with each recipe and each ``--recipe-seeds`` seed, on the race's set and
     schedule. A (recipe, seed) already in ``--out`` is not run again, so that several calls (one per core) share the
-    work: each records its runs as they end."""
+    work: each records its runs as they end; one that was stopped before its end resumes from its last.pt."""
     plan = schedule(opt.n_train, opt.epochs, opt.batch_size)
     for recipe in opt.recipes:
         hyp = our_hyp(opt.work, plan, "recipes", recipe)
@@ -506,7 +514,7 @@ def part_recipes(opt: argparse.Namespace, data: dict, machine: dict) -> dict:
                 continue
             seeded = argparse.Namespace(**{**vars(opt), "seed": seed})
             args = ["--weights", "", "--hyp", str(hyp), "--epochs", str(opt.epochs)]
-            run = train_ours("dfine-n.yaml", data, seeded, f"recipe_{recipe}_s{seed}", args)
+            run = train_ours("dfine-n.yaml", data, seeded, f"recipe_{recipe}_s{seed}", args, resume=True)
             done = recorded_recipes(opt.out)  # read again: another call may have recorded a run meanwhile
             done.setdefault(recipe, {})[str(seed)] = {**run, "schedule": plan, "machine": machine}
             record(opt.out, "recipes", done)
