@@ -405,8 +405,8 @@ def test_a_detr_on_two_ranks_equals_one_process_survives_an_empty_rank_and_resum
 ) -> None:
     """2 epochs of a narrow D-FINE or RT-DETRv2 with denoising queries and the recipe (its clipping, schedule and
     augmentations, the no-augmentation stage in the second epoch going on from stage 1's best epoch: epoch 0,
-    validated on every rank, its best.pt read by rank 0 and sent to rank 1) but SGD, global batch 4, --sync-bn, once on 1 process and once on
-    2 ranks whose rank 1 holds no box in its first batch:
+    validated on every rank, its best.pt read by rank 0 and sent to rank 1) but SGD, global batch 4, --sync-bn, once
+    on 1 process and once on 2 ranks whose rank 1 holds no box in its first batch:
 
     - the 2 ranks end with the weights and EMA of the one process (1e-7 relative) and its losses (4 digits): the
       denoising groups are sized by the most boxes of one image over every rank and each image's noise comes from
