@@ -317,10 +317,10 @@ def test_a_batch_without_boxes_has_a_loss_and_a_gradient_for_every_parameter(tin
 def test_train_py_trains_a_detr_and_resumes_bit_exactly_inside_stage_2(
     tiny, name, train_here, tmp_path, monkeypatch
 ) -> None:
-    """train.py trains a narrowed model for 2 epochs on the rectangles: its losses are finite, it is validated (mAP and the
-    val/ loss columns) each epoch. RT-DETRv2, resumed from its checkpoint inside the no-augmentation stage (the second
-    epoch, after its first step: --save-steps 1), ends with the same weights, EMA and results, bit for bit; D-FINE's
-    resume inside the stage is tested with its 2 ranks (test_dfine_on_two_ranks_...)."""
+    """train.py trains a narrowed model for 2 epochs on the rectangles: its losses are finite, it is validated (mAP and
+    the val/ loss columns) each epoch. RT-DETRv2, resumed from its checkpoint inside the no-augmentation stage (the
+    second epoch, after its first step: --save-steps 1), ends with the same weights, EMA and results, bit for bit;
+    both families' resumes inside the stage are also tested with their 2 ranks (test_a_detr_on_two_ranks_...)."""
     from utils.checkpoint import save_checkpoint
 
     data = write_rectangles_dataset(tmp_path / "data", n_train=8, n_val=4, size=64)
