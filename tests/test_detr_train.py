@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import io
 import math
 import re
 import shutil
@@ -389,6 +390,50 @@ def test_train_py_trains_a_narrow_dfine_with_deims_recipe(tiny, train_here, tmp_
     names = ("mal", "box", "giou", "fgl", "ddf")
     assert len(rows) == 2 and "train/vfl_loss" not in rows[0]
     assert all(math.isfinite(r[f"train/{n}_loss"]) for r in rows for n in names) and rows[0]["train/mal_loss"] > 0
+
+
+@pytest.mark.slow
+def test_a_detr_trains_on_bad_data_and_from_tar_shards_skipping_and_counting_what_is_broken(
+    tiny, train_here, tmp_path
+) -> None:
+    """A D-FINE from loose files holding a corrupt image and a label file of 4 columns, then an RT-DETRv2 from tar
+    shards (made from those files by shards.py) with a corrupt image and a label without its image written into a
+    shard: each broken sample is named, skipped and counted, and each run trains its epoch on the rest."""
+    import tarfile
+
+    from shards import main as make_shards
+
+    data = write_rectangles_dataset(tmp_path / "loose", n_train=8, n_val=4, size=64)
+    train_dir = tmp_path / "loose/images/train"
+    (train_dir / "broken.jpg").write_bytes(b"\xff\xd8 not a jpeg")
+    shutil.copyfile(next(train_dir.glob("0*.jpg")), train_dir / "badlabel.jpg")
+    (tmp_path / "loose/labels/train/badlabel.txt").write_text("0 0.5 0.5 0.2\n")  # 4 columns
+    common = ("--epochs", "1", "--batch-size", "4", "--project", tmp_path, "--noplots", "--loggers")
+    status, log = train_here("--cfg", "dfine-tiny.yaml", "--data", data, "--name", "from-files", *common)
+    assert status == 0, log
+    assert f"{train_dir / 'broken.jpg'}: corrupt image, skipped" in log
+    assert f"{tmp_path / 'loose/labels/train/badlabel.txt'}: row 1: 4 columns" in log
+    assert "8 labelled, 0 backgrounds without labels, 0 empty, 2 corrupt" in log
+
+    assert make_shards(["--data", str(data), "--out", str(tmp_path / "sh"), "--max-count", "4", "--workers", "1"]) == 0
+    shard = tmp_path / "sh/train-000001.tar"
+    with tarfile.open(shard) as tar:
+        members = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+    members |= {"bad.jpg": b"garbage", "bad.txt": b"0 0.5 0.5 0.2 0.2\n", "orphan.txt": b"1 0.5 0.5 0.1 0.1\n"}
+    with tarfile.open(shard, "w") as tar:
+        for name, content in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(content)
+            tar.addfile(info, io.BytesIO(content))
+    status, log = train_here(
+        "--cfg", "rtdetrv2-tiny.yaml", "--data", tmp_path / "sh/data.yaml", "--name", "from-shards", *common
+    )
+    assert status == 0, log
+    assert f"{shard}/bad.jpg: corrupt image, skipped" in log and f"{shard}/orphan: no image member" in log
+    assert "10 samples in 2 shards: 8 labelled, 0 backgrounds without labels, 0 empty, 2 corrupt" in log
+    for run in ("from-files", "from-shards"):
+        rows = (tmp_path / run / "results.csv").read_text().strip().splitlines()
+        assert len(rows) == 2 and (tmp_path / run / "weights/last.pt").is_file(), run
 
 
 def relative_difference(a: dict, b: dict) -> float:
