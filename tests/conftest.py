@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import logging
 import multiprocessing
 import os
 import socket
 import sys
+import tarfile
 import time
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
@@ -301,6 +303,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # The slow tests first: with one worker per core (pytest-xdist) the long ones then run side by side and the
     # many short ones fill the gaps, instead of one long test running alone at the end.
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+def tar_members(path: Path) -> dict[str, bytes]:
+    """A tar file's members, name to bytes."""
+    with tarfile.open(path) as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+
+
+def write_tar(path: Path, members: dict[str, bytes]) -> None:
+    """A tar file of ``members`` (name to bytes), in that order."""
+    with tarfile.open(path, "w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
 
 
 # The deploy tests' session fixtures (narrow trained checkpoints per layout, files exported once): shared here so

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import csv
-import io
 import math
 import re
 import shutil
@@ -26,7 +25,12 @@ pytest.importorskip("transformers", reason="the DETR families need transformers 
 from models.detr_loss import DetrLoss, split_outputs  # noqa: E402
 from models.detr_matcher import MatchCosts, hungarian, union_of_matches  # noqa: E402
 from models.families import DFINE, RTDETRV2  # noqa: E402
-from tests.conftest import keep_checkpoints_inside_epoch, write_rectangles_dataset  # noqa: E402
+from tests.conftest import (  # noqa: E402
+    keep_checkpoints_inside_epoch,
+    tar_members,
+    write_rectangles_dataset,
+    write_tar,
+)
 from utils.checkpoint import load_checkpoint  # noqa: E402
 from utils.engine.timing import PHASES, step_phases, time_columns  # noqa: E402
 
@@ -399,8 +403,6 @@ def test_a_detr_trains_on_bad_data_and_from_tar_shards_skipping_and_counting_wha
     """A D-FINE from loose files holding a corrupt image and a label file of 4 columns, then an RT-DETRv2 from tar
     shards (made from those files by shards.py) with a corrupt image and a label without its image written into a
     shard: each broken sample is named, skipped and counted, and each run trains its epoch on the rest."""
-    import tarfile
-
     from shards import main as make_shards
 
     data = write_rectangles_dataset(tmp_path / "loose", n_train=8, n_val=4, size=64)
@@ -417,14 +419,8 @@ def test_a_detr_trains_on_bad_data_and_from_tar_shards_skipping_and_counting_wha
 
     assert make_shards(["--data", str(data), "--out", str(tmp_path / "sh"), "--max-count", "4", "--workers", "1"]) == 0
     shard = tmp_path / "sh/train-000001.tar"
-    with tarfile.open(shard) as tar:
-        members = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
-    members |= {"bad.jpg": b"garbage", "bad.txt": b"0 0.5 0.5 0.2 0.2\n", "orphan.txt": b"1 0.5 0.5 0.1 0.1\n"}
-    with tarfile.open(shard, "w") as tar:
-        for name, content in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(content)
-            tar.addfile(info, io.BytesIO(content))
+    broken = {"bad.jpg": b"garbage", "bad.txt": b"0 0.5 0.5 0.2 0.2\n", "orphan.txt": b"1 0.5 0.5 0.1 0.1\n"}
+    write_tar(shard, tar_members(shard) | broken)
     status, log = train_here(
         "--cfg", "rtdetrv2-tiny.yaml", "--data", tmp_path / "sh/data.yaml", "--name", "from-shards", *common
     )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import http.server
-import io
 import json
 import shutil
 import tarfile
@@ -16,7 +15,7 @@ import cv2
 import numpy as np
 import pytest
 import torch
-from conftest import COLOURS, main_on_ranks, write_rectangles_dataset
+from conftest import COLOURS, main_on_ranks, tar_members, write_rectangles_dataset, write_tar
 
 from utils.data.config import load_data_config
 from utils.data.loader import create_dataloader, load_labels
@@ -44,11 +43,6 @@ def converted(tmp_path_factory) -> tuple[Path, Path]:
     return yaml_file, root / "sh" / "data.yaml"
 
 
-def _tar_members(path: Path) -> dict[str, bytes]:
-    with tarfile.open(path) as tar:
-        return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
-
-
 def test_converter_round_trip(converted) -> None:
     loose_yaml, shard_yaml = converted
     cfg = load_data_config(shard_yaml)
@@ -56,7 +50,7 @@ def test_converter_round_trip(converted) -> None:
     assert "{000000..000003}" in shard_yaml.read_text()
     members: dict[str, bytes] = {}
     for url in cfg["train"].urls:
-        members.update(_tar_members(Path(url)))
+        members.update(tar_members(Path(url)))
     loose = load_split(load_data_config(loose_yaml)["train"], nc=2, verbose=False)
     assert loose.counts["corrupt"] == 2 and len(loose.im_files) == N_GOOD_TRAIN
     for im_file, labels in zip(loose.im_files, loose.labels):
@@ -108,23 +102,15 @@ def test_shard_pixels_equal_loose_files(converted) -> None:
         assert torch.equal(im_a, im_b) and torch.equal(t_a, t_b)
 
 
-def _write_tar(path: Path, members: dict[str, bytes]) -> None:
-    with tarfile.open(path, "w") as tar:
-        for name, data in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-
-
 def test_bad_shards_and_members_are_skipped_and_counted(converted, tmp_path, caplog) -> None:
     _, shard_yaml = converted
     good = shard_yaml.parent / "train-000000.tar"
     shutil.copy(good, tmp_path / "a-000000.tar")
     data = good.read_bytes()
     (tmp_path / "a-000001.tar").write_bytes(data[: len(data) // 2])  # truncated mid-member
-    members = _tar_members(good)
+    members = tar_members(good)
     jpg = next(v for k, v in members.items() if k.endswith(".jpg"))
-    _write_tar(
+    write_tar(
         tmp_path / "a-000002.tar",
         {
             "ok.jpg": jpg,
@@ -370,7 +356,7 @@ def test_shards_written_by_webdataset_itself_load_and_train_also_over_pipe(tmp_p
                 sample["txt"] = "\n".join(rows)
             label_text[key] = sample.get("txt")
             sink.write(sample)
-    members = _tar_members(shard)
+    members = tar_members(shard)
     yaml_file = tmp_path / "foreign.yaml"
     yaml_file.write_text(f"path: {tmp_path}\ntrain: foreign-000000.tar\nval: foreign-000000.tar\nnames: [red, blue]\n")
 
@@ -413,9 +399,7 @@ def test_shards_written_by_webdataset_itself_load_and_train_also_over_pipe(tmp_p
 def _png_sample_tar(path: Path, keys: list[str]) -> list[int]:
     """A shard of small labelled PNG samples; returns each member's header offset."""
     png = cv2.imencode(".png", np.full((32, 32, 3), 90, np.uint8))[1].tobytes()
-    _write_tar(
-        path, {f"{k}.{ext}": data for k in keys for ext, data in (("png", png), ("txt", b"0 0.5 0.5 0.2 0.2\n"))}
-    )
+    write_tar(path, {f"{k}.{ext}": data for k in keys for ext, data in (("png", png), ("txt", b"0 0.5 0.5 0.2 0.2\n"))})
     with tarfile.open(path) as tar:
         return [m.offset for m in tar.getmembers()]
 
@@ -476,14 +460,14 @@ def test_shards_py_and_the_shard_index_keep_the_data_limits(tmp_path, caplog) ->
     assert (
         main(["--data", str(yaml_file), "--out", str(tmp_path / "sh"), "--workers", "0", "--max-pixels", "2000"]) == 0
     )
-    members = _tar_members(tmp_path / "sh" / "train-000000.tar")
+    members = tar_members(tmp_path / "sh" / "train-000000.tar")
     assert len(members) == 8 and not any("large" in name for name in members)  # 4 samples of image and label
     written = load_data_config(tmp_path / "sh" / "data.yaml")["train"]
     assert len(load_shard_index(written, nc=2, cache=ShardCache(tmp_path / "cache"), verbose=False).usable()) == 4
     # A shard holding an image whose header claims 65535x65535 (23 bytes): skipped, named and counted, not decoded.
     sof = b"\xff\xc0" + struct.pack(">HBHHB", 17, 8, 65535, 65535, 3) + b"\x01\x22\x00\x02\x11\x01\x03\x11\x01"
     png = cv2.imencode(".png", np.full((32, 32, 3), 90, np.uint8))[1].tobytes()
-    _write_tar(tmp_path / "b-000000.tar", {"bomb.jpg": b"\xff\xd8" + sof + b"\xff\xd9", "ok.png": png})
+    write_tar(tmp_path / "b-000000.tar", {"bomb.jpg": b"\xff\xd8" + sof + b"\xff\xd9", "ok.png": png})
     table = load_shard_index(
         ShardSet((str(tmp_path / "b-000000.tar"),), "test"), nc=1, cache=ShardCache(tmp_path / "cache"), verbose=False
     )
