@@ -299,10 +299,46 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
 
 
+# The suite's longest tests, each starting many processes (launchers, ranks, servers), longest first, as its timed
+# runs found them (docs/benchmarks.md, "The test suite's time"). Side by side they oversubscribe the cores and take
+# longer together than one after another, so they form one pytest-xdist group (pyproject.toml: --dist loadgroup):
+# one worker runs them in this order, first, while the other runs the rest, one test at a time, in collection order.
+ONE_AFTER_ANOTHER = (
+    "test_a_launcher_restart_and_a_kill_inside_an_epoch_end_as_an_uninterrupted_run_in_one_tracker_run",
+    "test_a_host_cut_off_mid_epoch_is_named_by_the_other_and_the_run_resumes_from_the_bucket",
+    "test_the_documented_scheduler_jobs_train_one_run_on_two_nodes",
+    "test_a_frozen_node_and_a_node_whose_launcher_is_killed_each_make_the_other_node_exit_naming_it",
+    "test_a_2_rank_run_cut_mid_epoch_resumes_on_1_and_on_4_ranks_with_the_unseen_samples_and_on_3_at_the_next_epoch",
+    "test_a_launcher_restart_continues_its_run_in_the_bucket",
+    "test_a_2_rank_run_in_a_bucket_killed_inside_an_epoch_resumes_from_the_bucket_alone_bit_identical",
+)
+# Then the next longest, so that none of them starts last and runs alone while a core idles.
+LONGEST_FIRST = (
+    *ONE_AFTER_ANOTHER,
+    "test_mypy_finds_nothing_in_the_library",
+    "test_short_training_learns_more_with_the_new_defaults_than_with_the_old",
+    "test_dry_run_runs_every_part_and_writes_each_result",
+    "test_sync_bn_ddp_matches_single_process_with_same_global_batch",
+    "test_sigterm_under_the_launcher_stops_both_ranks_at_one_step",
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which names each test's group in its id
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # The slow tests first: with one worker per core (pytest-xdist) the long ones then run side by side and the
-    # many short ones fill the gaps, instead of one long test running alone at the end.
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    # The longest tests first, then the other slow ones, then the rest; each group in file order. Tests marked
+    # traces_with_dynamo after all of them: once torch.compile or torch.export has run in a process, a child forked
+    # from it fails at its first backward ("Unable to handle autograd's threading in combination with fork-based
+    # multiprocessing"), and many tests fork their ranks. Each worker runs its tests in this order, so none of them
+    # forks after such a test.
+    def order(item: pytest.Item) -> tuple[bool, int, bool]:
+        name = getattr(item, "originalname", item.name)
+        rank = LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+        return item.get_closest_marker("traces_with_dynamo") is not None, rank, item.get_closest_marker("slow") is None
+
+    items.sort(key=order)
+    for item in items:
+        if getattr(item, "originalname", item.name) in ONE_AFTER_ANOTHER:
+            item.add_marker(pytest.mark.xdist_group("one_after_another"))
 
 
 def tar_members(path: Path) -> dict[str, bytes]:

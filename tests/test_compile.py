@@ -35,6 +35,7 @@ def _relative_l2(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
 
 
 @pytest.mark.slow
+@pytest.mark.traces_with_dynamo
 def test_compiled_forward_trains_as_eager_and_saves_plain_keys(train_here, rectangles_yaml, tmp_path: Path) -> None:
     from torch._dynamo.utils import counters
 

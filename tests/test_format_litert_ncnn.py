@@ -150,6 +150,7 @@ def _compare_with_pytorch(path: Path, weights: Path, layout: str, atol: float) -
 
 
 @pytest.mark.parametrize("layout", ["yolov5", "anchor_free", "end2end"])
+@pytest.mark.traces_with_dynamo  # LiteRT's converter runs torch.export
 def test_litert_fp32_computes_what_pytorch_computes(layout, litert_files, converted) -> None:
     path = litert_files[layout, "fp32"]
     assert path.name == converted[layout].stem + ".tflite"  # Ultralytics' name: best.tflite
@@ -184,6 +185,7 @@ def test_yolo26_goes_to_ncnn_with_nms_after_the_network_not_end_to_end(converted
     _compare_with_pytorch(path, weights, "anchor_free", atol=1e-3)
 
 
+@pytest.mark.traces_with_dynamo  # LiteRT's converter runs torch.export
 def test_litert_fp16_stores_fp16_weights_and_keeps_the_output(litert_files, trained) -> None:
     from ai_edge_litert.interpreter import Interpreter
 
@@ -195,6 +197,7 @@ def test_litert_fp16_stores_fp16_weights_and_keeps_the_output(litert_files, trai
     _compare_with_pytorch(path, trained["anchor_free"], "anchor_free", atol=0.05)
 
 
+@pytest.mark.traces_with_dynamo  # LiteRT's converter runs torch.export
 def test_litert_int8_quantizes_all_but_the_head_and_stays_near_pytorch(litert_files, trained, capsys) -> None:
     """INT8 calibrated on train images (gate at --max-drop 1 so that the file is kept whatever it scores here):
     int8 weights and activations, float input and output, the head's decoding in float; its mAP50-95 on the val
@@ -228,6 +231,7 @@ def test_ncnn_fp16_stores_fp16_weights_and_keeps_the_output(ncnn_files, trained)
     _compare_with_pytorch(path, trained["anchor_free"], "anchor_free", atol=0.05)
 
 
+@pytest.mark.traces_with_dynamo  # LiteRT's converter runs torch.export
 def test_metadata_is_where_ultralytics_readers_look(litert_files, ncnn_files) -> None:
     with zipfile.ZipFile(litert_files["anchor_free", "fp32"]) as archive:  # appended to the flatbuffer
         litert = json.loads(archive.read("metadata.json"))
@@ -260,6 +264,7 @@ def test_what_cannot_be_written_is_one_line(trained, tmp_path, monkeypatch) -> N
     assert sorted(p.name for p in tmp_path.iterdir()) == [weights.name]
 
 
+@pytest.mark.traces_with_dynamo  # LiteRT's converter runs torch.export
 def test_val_py_scores_the_tflite_as_the_pt(litert_files, trained, deploy_data, tmp_path) -> None:
     from models.families import family_of
     from utils.data.config import load_data_config
