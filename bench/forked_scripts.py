@@ -13,6 +13,7 @@ run starts fresh interpreters, as a user does.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import logging
 import os
@@ -152,6 +153,10 @@ class Forker:
                 importlib.import_module(module)
             except ImportError as e:  # the script that needs it says so, in its own output
                 LOGGER.debug(f"not preloaded: {module} ({e})")
+        # Every object alive now out of the garbage collector's reach, as each script's setup_process does for
+        # itself (utils/process.py): done once here, each fork's own full collection then has little left to scan.
+        gc.collect()
+        gc.freeze()
 
     def __call__(
         self, cmd: list[str], cwd: Path, env: dict[str, str] | None, stdout: Any

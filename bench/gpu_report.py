@@ -321,6 +321,8 @@ def part_cuda_tests(report: Report, cfg: str) -> tuple[dict, str]:
         "-p",
         "no:cacheprovider",
         "--durations=10",
+        "-p",
+        "no:hypothesispytest",  # unused there; its plugin imports hypothesis at the session's end, for seconds
         "tests/test_cuda.py",
     ]
     code, wall = run_logged(report, cmd, log, max(report.left(), 1))
