@@ -330,15 +330,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # from it fails at its first backward ("Unable to handle autograd's threading in combination with fork-based
     # multiprocessing"), and many tests fork their ranks. Each worker runs its tests in this order, so none of them
     # forks after such a test.
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+
     def order(item: pytest.Item) -> tuple[bool, int, bool]:
-        name = getattr(item, "originalname", item.name)
-        rank = LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
-        return item.get_closest_marker("traces_with_dynamo") is not None, rank, item.get_closest_marker("slow") is None
+        name = getattr(item, "originalname", item.name)  # a parametrized test's function name
+        if name in ONE_AFTER_ANOTHER:
+            item.add_marker(pytest.mark.xdist_group("one_after_another"))
+        dynamo, slow = item.get_closest_marker("traces_with_dynamo"), item.get_closest_marker("slow")
+        return dynamo is not None, rank.get(name, len(rank)), slow is None
 
     items.sort(key=order)
-    for item in items:
-        if getattr(item, "originalname", item.name) in ONE_AFTER_ANOTHER:
-            item.add_marker(pytest.mark.xdist_group("one_after_another"))
 
 
 def tar_members(path: Path) -> dict[str, bytes]:
